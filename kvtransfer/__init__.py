@@ -1,0 +1,1 @@
+"""Connector API, NIXL backend, TCP fallback, layout handshake (issue 3)."""

@@ -1,0 +1,1 @@
+"""Workloads, load generator, metrics, reports and plots (issue 5)."""

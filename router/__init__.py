@@ -1,0 +1,1 @@
+"""KV index, load model, scoring policies, KV-event ingestion, discovery (issue 6)."""

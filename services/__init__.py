@@ -1,0 +1,1 @@
+"""The processes: engine, prefill and decode workers, frontend, CLI."""

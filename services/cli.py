@@ -1,0 +1,127 @@
+"""The `splitserve` command line.
+
+Subcommands are added here as the platform grows; each has its own `--help`.
+`generate` runs the built-in engine once over some prompts (the main job until
+the server exists) and is a contract other tools call: with `--json` it prints
+one JSON object per prompt with at least `token_ids` and `text`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+
+from splitserve import __version__
+from splitserve.errors import SplitserveError
+
+
+def _add_engine_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("engine")
+    g.add_argument("--model", default="smollm2",
+                   help="'smollm2' (the shipped SmolLM2-135M-Instruct), a Hugging Face model "
+                        "folder, or a .gguf file (default: %(default)s)")
+    g.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default: %(default)s)")
+    g.add_argument("--dtype", default="auto",
+                   help="auto (bf16 on CUDA, float32 on CPU), float32, bfloat16 or float16")
+    g.add_argument("--tp", type=int, default=1, metavar="N",
+                   help="tensor-parallel degree: N processes, one per rank (default: 1)")
+    g.add_argument("--block-size", type=int, default=16, help="KV block size in tokens")
+    g.add_argument("--kv-cache-gib", type=float, default=1.0, help="KV pool size per rank in GiB")
+    g.add_argument("--max-num-batched-tokens", type=int, default=2048,
+                   help="token budget per step (prefill chunk size)")
+    g.add_argument("--max-num-seqs", type=int, default=64, help="maximum running sequences")
+    g.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+
+
+def _engine_config(args: argparse.Namespace):
+    from splitserve.services.engine.config import EngineConfig
+
+    return EngineConfig(model=args.model, device=args.device, dtype=args.dtype,
+                        tensor_parallel_size=args.tp, block_size=args.block_size,
+                        kv_cache_gib=args.kv_cache_gib,
+                        max_num_batched_tokens=args.max_num_batched_tokens,
+                        max_num_seqs=args.max_num_seqs, num_threads=args.threads)
+
+
+def _parse_ids(text: str) -> list[int]:
+    try:
+        return [int(t) for t in text.split(",") if t.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--prompt-ids takes comma-separated integers, got {text!r}")
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from splitserve.services.engine.engine import LLMEngine
+    from splitserve.services.engine.sampling_params import SamplingParams
+
+    if not args.prompt and not args.prompt_ids:
+        raise SplitserveError("give at least one --prompt or --prompt-ids")
+    engine = LLMEngine(_engine_config(args))
+    try:
+        prompts: list[list[int]] = []
+        for text in args.prompt or []:
+            if args.chat:
+                prompts.append(engine.tokenizer.apply_chat_template([{"role": "user", "content": text}]))
+            else:
+                prompts.append(engine.tokenizer.encode(text))
+        prompts.extend(args.prompt_ids or [])
+        params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
+                                top_p=args.top_p, top_k=args.top_k, seed=args.seed,
+                                ignore_eos=args.ignore_eos)
+        for result in engine.generate(prompts, params):
+            if args.json:
+                print(json.dumps({"token_ids": result.token_ids, "text": result.text,
+                                  "finish_reason": result.finish_reason.value,
+                                  "num_prompt_tokens": result.num_prompt_tokens}), flush=True)
+            else:
+                print(result.text, flush=True)
+    finally:
+        engine.close()
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="splitserve",
+        description="Serve LLMs with disaggregated prefill and decode.")
+    parser.add_argument("--version", action="version", version=f"splitserve {__version__}")
+    parser.add_argument("--log-level", default="WARNING", help="logging level (default: %(default)s)")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    gen = sub.add_parser("generate", help="generate text for prompts with the built-in engine",
+                         description="Generate text with the built-in engine, no server involved.")
+    _add_engine_args(gen)
+    src = gen.add_argument_group("prompts")
+    src.add_argument("--prompt", action="append", metavar="TEXT", help="prompt text (repeatable)")
+    src.add_argument("--prompt-ids", action="append", type=_parse_ids, metavar="IDS",
+                     help="prompt as comma-separated token ids (repeatable)")
+    src.add_argument("--chat", action="store_true",
+                     help="wrap each --prompt as a user message in the model's chat template")
+    smp = gen.add_argument_group("sampling")
+    smp.add_argument("--max-tokens", type=int, default=64, help="tokens to generate (default: %(default)s)")
+    smp.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default)")
+    smp.add_argument("--top-p", type=float, default=1.0)
+    smp.add_argument("--top-k", type=int, default=0)
+    smp.add_argument("--seed", type=int, default=None, help="per-request seed for reproducible sampling")
+    smp.add_argument("--ignore-eos", action="store_true", help="keep generating past EOS")
+    gen.add_argument("--json", action="store_true", help="print one JSON object per prompt")
+    gen.set_defaults(func=cmd_generate)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        return args.func(args)
+    except SplitserveError as exc:
+        print(f"splitserve: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,71 @@
+"""A model checkpoint as the engine sees it, whatever file format it came from.
+
+Both loaders (Hugging Face folder, GGUF file) produce a `Checkpoint`: the HF
+`config.json` contents, a lazy stream of tensors under Hugging Face parameter
+names, and the tokenizer in `tokenizers` JSON form. Everything downstream (model
+construction, tensor-parallel sharding, the SmolLM2 cache) reads only this.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from splitserve.errors import ModelLoadError
+
+TensorStream = Callable[[], Iterator[tuple[str, torch.Tensor]]]
+
+
+@dataclass(slots=True)
+class Checkpoint:
+    """Weights, config and tokenizer of one model.
+
+    `tensors()` yields `(hf_name, tensor)` pairs, e.g. `model.layers.0.self_attn.q_proj.weight`,
+    in any floating dtype; each call starts a fresh pass, so callers can stream
+    without holding two copies.
+    """
+
+    name: str
+    config: dict
+    tensors: TensorStream
+    tokenizer_json: str
+    tokenizer_config: dict = field(default_factory=dict)
+    generation_config: dict = field(default_factory=dict)
+    source: str = ""
+
+    def save_pretrained(self, folder: Path, dtype: torch.dtype = torch.bfloat16,
+                        progress: bool = False) -> None:
+        """Write the checkpoint as a Hugging Face folder (one safetensors file)."""
+        from safetensors.torch import save_file
+        from tqdm import tqdm
+
+        folder.mkdir(parents=True, exist_ok=True)
+        stream = self.tensors()
+        if progress:
+            stream = tqdm(stream, desc=f"converting {self.name}", unit="tensor")
+        weights = {name: t.to(dtype).contiguous() for name, t in stream}
+        save_file(weights, str(folder / "model.safetensors"), metadata={"format": "pt"})
+        config = dict(self.config)
+        config["torch_dtype"] = str(dtype).removeprefix("torch.")
+        _write_json(folder / "config.json", config)
+        (folder / "tokenizer.json").write_text(self.tokenizer_json, encoding="utf-8")
+        _write_json(folder / "tokenizer_config.json", self.tokenizer_config)
+        if self.generation_config:
+            _write_json(folder / "generation_config.json", self.generation_config)
+
+
+def _write_json(path: Path, data: dict) -> None:
+    path.write_text(json.dumps(data, indent=2, ensure_ascii=False), encoding="utf-8")
+
+
+def read_json(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError as exc:
+        raise ModelLoadError(f"missing model file: {path}") from exc
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ModelLoadError(f"corrupt model file {path}: {exc}") from exc

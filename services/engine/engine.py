@@ -1,0 +1,288 @@
+"""LLMEngine: the synchronous, step-driven core of a worker.
+
+`add_request` queues work, `step` runs one scheduler decision through the model
+and returns what each request produced, `abort` drops a request and its blocks.
+The disaggregated path adds two modes (DESIGN section 2): a prefill-only request
+calls back after each layer with the blocks it wrote (so a connector can push
+them while the next layer computes), and a decode worker reserves blocks for a
+prompt that another worker fills, then joins it to the batch with its first token.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+
+import torch
+
+from splitserve.errors import InvalidRequestError
+
+from .block_pool import BlockPool
+from .checkpoint import Checkpoint
+from .config import EngineConfig, ModelConfig
+from .kv_cache import KVCache
+from .kv_events import KVEvent
+from .model import CausalLM
+from .model_runner import ModelRunner
+from .model_source import open_checkpoint
+from .sampler import SampledToken, sample
+from .sampling_params import SamplingParams
+from .scheduler import Reservation, ScheduledChunk, Scheduler
+from .sequence import FinishReason, LayerCallback, Sequence
+from .stop_checker import StopChecker
+from .tensor_parallel import TensorParallelGroup, all_reduce
+from .tokenizer import Tokenizer
+from .weights import ShardSpec, load_weights
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    request_id: str
+    new_token_ids: list[int]
+    new_text: str
+    finished: bool
+    finish_reason: FinishReason | None
+    num_prompt_tokens: int
+    num_cached_tokens: int
+    num_output_tokens: int
+    logprobs: list[SampledToken] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class GenerationResult:
+    request_id: str
+    token_ids: list[int]
+    text: str
+    finish_reason: FinishReason | None
+    num_prompt_tokens: int
+    num_cached_tokens: int
+    logprobs: list[SampledToken] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class EngineStats:
+    num_steps: int = 0
+    num_computed_tokens: int = 0        # tokens run through the model (prompt + generated)
+    num_prompt_tokens_computed: int = 0
+    num_prefix_hit_tokens: int = 0
+    num_generated_tokens: int = 0
+    num_preemptions: int = 0
+    num_finished: int = 0
+    num_aborted: int = 0
+
+
+def build_rank(config: EngineConfig, rank: int, ckpt: Checkpoint | None = None
+               ) -> tuple[CausalLM, KVCache]:
+    """Load this rank's shard and allocate its KV tensor (config.num_kv_blocks must be set)."""
+    ckpt = ckpt or open_checkpoint(config.model)
+    model_cfg = ModelConfig.from_hf(ckpt.config, ckpt.generation_config)
+    world = config.tensor_parallel_size
+    device, dtype = torch.device(config.device), config.torch_dtype()
+    weights = load_weights(ckpt, model_cfg, ShardSpec(rank, world), dtype, device)
+    max_positions = max(model_cfg.max_position_embeddings, config.max_model_len or 0)
+    model = CausalLM(model_cfg, weights, world, device, dtype, max_positions,
+                     all_reduce=all_reduce if world > 1 else None)
+    kv = KVCache(model_cfg.num_layers, config.num_kv_blocks, config.block_size,
+                 model_cfg.num_kv_heads // world, model_cfg.head_dim, dtype, device)
+    return model, kv
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig):
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        if config.block_size < 1 or config.max_num_batched_tokens < 1 or config.max_num_seqs < 1:
+            raise InvalidRequestError("block_size, max_num_batched_tokens and max_num_seqs must be >= 1")
+        ckpt = open_checkpoint(config.model)
+        self.model_config = ModelConfig.from_hf(ckpt.config, ckpt.generation_config)
+        self.tokenizer = Tokenizer(ckpt)
+        mc = self.model_config
+        num_blocks = config.num_kv_blocks or self._blocks_for_memory(config, mc)
+        self.config = replace(config, num_kv_blocks=num_blocks, model=ckpt.source or config.model,
+                              model_name=config.model_name or ckpt.name)
+        self.tp = TensorParallelGroup(self.config) if config.tensor_parallel_size > 1 else None
+        model, kv = build_rank(self.config, 0, ckpt)
+        self.runner = ModelRunner(model, kv, torch.device(config.device),
+                                  broadcast=self.tp.broadcast if self.tp else None)
+        self.pool = BlockPool(num_blocks, config.block_size, config.enable_prefix_caching)
+        extra_key = f"{self.config.model_name}|{self.config.torch_dtype()}|{config.extra_cache_key}"
+        self.scheduler = Scheduler(self.pool, config.max_num_batched_tokens, config.max_num_seqs,
+                                   extra_key.encode())
+        self.max_model_len = min(config.max_model_len or mc.max_position_embeddings,
+                                 mc.max_position_embeddings, num_blocks * config.block_size)
+        self.eos_token_ids = set(mc.eos_token_ids) | self.tokenizer.eos_token_ids
+        self.stats = EngineStats()
+        self._rng = random.Random(config.seed)
+        self._arrivals = 0
+        self._stop_checkers: dict[str, StopChecker] = {}
+        self._pending_outputs: list[RequestOutput] = []
+
+    @staticmethod
+    def _blocks_for_memory(config: EngineConfig, mc: ModelConfig) -> int:
+        per_block = KVCache.bytes_per_block(mc.num_layers, config.block_size,
+                                            mc.num_kv_heads // config.tensor_parallel_size,
+                                            mc.head_dim, config.torch_dtype())
+        return max(1, int(config.kv_cache_gib * 2**30) // per_block)
+
+    # -- requests ----------------------------------------------------------------
+    def add_request(self, request_id: str, prompt: list[int] | str, params: SamplingParams,
+                    *, prefill_only: bool = False, on_layer_done: LayerCallback | None = None) -> None:
+        seq = self._new_sequence(request_id, prompt, params, prefill_only, on_layer_done)
+        self.scheduler.add(seq)
+
+    def abort(self, request_id: str) -> bool:
+        """Drop a request now; its blocks are free before the next step. False if unknown."""
+        seq = self.scheduler.find(request_id)
+        if seq is None:
+            return False
+        self.scheduler.finish(seq, FinishReason.ABORT)
+        self.stats.num_aborted += 1
+        self._pending_outputs.append(self._output(seq, [], "", []))
+        self._stop_checkers.pop(request_id, None)
+        return True
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work() or bool(self.scheduler.remote)
+
+    # -- disaggregated decode side ----------------------------------------------
+    def reserve_remote_prefill(self, request_id: str, prompt: list[int], params: SamplingParams
+                               ) -> Reservation | None:
+        """Hold KV blocks for a prompt another worker will fill; None when the pool is full."""
+        seq = self._new_sequence(request_id, prompt, params, False, None)
+        reservation = self.scheduler.reserve_remote(seq)
+        if reservation is None:
+            self._stop_checkers.pop(request_id, None)
+        return reservation
+
+    def complete_remote_prefill(self, request_id: str, first_token_id: int) -> RequestOutput | None:
+        """The reserved blocks now hold the prompt's KV: decode continues from `first_token_id`."""
+        seq = self.scheduler.complete_remote(request_id)
+        if seq is None:
+            return None
+        self.scheduler.cache_computed_blocks(seq)
+        return self._append_token(seq, SampledToken(first_token_id))
+
+    # -- one step ----------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        outputs, self._pending_outputs = self._pending_outputs, []
+        decision = self.scheduler.schedule()
+        if not decision.chunks:
+            return outputs
+        logits = self.runner.execute(decision.chunks, self._layer_callback(decision.chunks))
+        self._count(decision.chunks, len(decision.preempted))
+        sampled = [c for c in decision.chunks if c.completes]
+        for chunk in decision.chunks:
+            self.scheduler.advance(chunk)
+        tokens = sample(logits.cpu(), [c.seq.params for c in sampled],
+                        [c.seq.generator for c in sampled])
+        outputs.extend(self._append_token(c.seq, t) for c, t in zip(sampled, tokens))
+        return outputs
+
+    def generate(self, prompts: list[list[int]] | list[str], params: SamplingParams | list[SamplingParams]
+                 ) -> list[GenerationResult]:
+        """Run prompts to completion (a convenience for tests, benchmarks and the CLI)."""
+        params_list = params if isinstance(params, list) else [params] * len(prompts)
+        ids = [f"gen-{self._arrivals + i}" for i in range(len(prompts))]
+        results = {}
+        for rid, prompt, p in zip(ids, prompts, params_list):
+            self.add_request(rid, prompt, p)
+            results[rid] = GenerationResult(rid, [], "", None, 0, 0)
+        while self.has_unfinished():
+            for out in self.step():
+                r = results[out.request_id]
+                r.token_ids.extend(out.new_token_ids)
+                r.text += out.new_text
+                r.logprobs.extend(out.logprobs)
+                r.num_prompt_tokens, r.num_cached_tokens = out.num_prompt_tokens, out.num_cached_tokens
+                if out.finished:
+                    r.finish_reason = out.finish_reason
+        return [results[rid] for rid in ids]
+
+    def take_events(self) -> list[KVEvent]:
+        return self.pool.take_events()
+
+    def close(self) -> None:
+        if self.tp is not None:
+            self.tp.close()
+            self.tp = None
+
+    # -- internals ---------------------------------------------------------------
+    def _new_sequence(self, request_id: str, prompt: list[int] | str, params: SamplingParams,
+                      prefill_only: bool, on_layer_done: LayerCallback | None) -> Sequence:
+        params.validate()
+        if self.scheduler.find(request_id) is not None:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use")
+        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        if not ids:
+            raise InvalidRequestError("prompt is empty")
+        vocab = self.model_config.vocab_size
+        if any(not isinstance(t, int) or not 0 <= t < vocab for t in ids):
+            raise InvalidRequestError(f"prompt token ids must be integers in [0, {vocab})")
+        if len(ids) >= self.max_model_len:
+            raise InvalidRequestError(
+                f"prompt has {len(ids)} tokens but this model's context is {self.max_model_len} "
+                "tokens (including at least one generated token)")
+        generator = None
+        if not params.greedy:
+            seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
+            generator = torch.Generator().manual_seed(seed)
+        self._arrivals += 1
+        self._stop_checkers[request_id] = StopChecker(self.tokenizer, params, self.eos_token_ids)
+        return Sequence(request_id, ids, params, self._arrivals, prefill_only=prefill_only,
+                        on_layer_done=on_layer_done, generator=generator)
+
+    def _layer_callback(self, chunks: list[ScheduledChunk]) -> Callable[[int], None] | None:
+        watchers = []
+        bs = self.config.block_size
+        for c in chunks:
+            if c.seq.on_layer_done is not None:
+                first, end = c.start // bs, -(-(c.start + c.num_tokens) // bs)
+                watchers.append((c.seq.on_layer_done, c.seq.request_id, c.seq.block_ids[first:end]))
+        if not watchers:
+            return None
+
+        def layer_done(layer: int) -> None:
+            for callback, request_id, block_ids in watchers:
+                callback(request_id, layer, block_ids)
+        return layer_done
+
+    def _count(self, chunks: list[ScheduledChunk], num_preempted: int) -> None:
+        s = self.stats
+        s.num_steps += 1
+        s.num_preemptions += num_preempted
+        for c in chunks:
+            s.num_computed_tokens += c.num_tokens
+            prompt_part = max(0, min(c.start + c.num_tokens, len(c.seq.prompt_token_ids)) - c.start)
+            s.num_prompt_tokens_computed += prompt_part
+        s.num_prefix_hit_tokens = self.scheduler.num_prefix_hit_tokens
+
+    def _append_token(self, seq: Sequence, token: SampledToken) -> RequestOutput:
+        seq.output_token_ids.append(token.token_id)
+        if token.logprob is not None:
+            seq.output_logprobs.append(token.top_logprobs or {})
+        self.stats.num_generated_tokens += 1
+        checker = self._stop_checkers[seq.request_id]
+        reason = checker.add(token.token_id, len(seq.output_token_ids))
+        if reason is None and seq.prefill_only:
+            reason = FinishReason.PREFILL_DONE
+        if reason is None and seq.num_tokens >= self.max_model_len:
+            reason = FinishReason.LENGTH
+        if reason is not None:
+            checker.finish()
+            self.scheduler.finish(seq, reason)
+            self.stats.num_finished += 1
+            del self._stop_checkers[seq.request_id]
+        text = checker.take_text()
+        return self._output(seq, [token.token_id], text, [token] if token.logprob is not None else [])
+
+    def _output(self, seq: Sequence, new_ids: list[int], text: str,
+                logprobs: list[SampledToken]) -> RequestOutput:
+        return RequestOutput(
+            request_id=seq.request_id, new_token_ids=new_ids, new_text=text,
+            finished=seq.is_finished, finish_reason=seq.finish_reason,
+            num_prompt_tokens=len(seq.prompt_token_ids), num_cached_tokens=seq.num_prefix_hit_tokens,
+            num_output_tokens=len(seq.output_token_ids), logprobs=logprobs)

@@ -1,0 +1,139 @@
+"""The Llama-family transformer forward over a paged KV cache.
+
+One class serves Llama, Mistral, Qwen2 (QKV bias), Qwen3 (QK-norm) and SmolLM2:
+they differ only in flags of `ModelConfig`. The forward takes a flattened batch
+(see `forward_batch.py`), writes each layer's new K/V into the paged pool, then
+attends: decode rows as one padded batch, prefill chunks one segment at a time
+with PyTorch's fused scaled-dot-product attention. Under tensor parallelism the
+weights are this rank's shard and the two row-parallel outputs are all-reduced.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+from .config import ModelConfig
+from .forward_batch import ForwardBatch, PrefillSegment
+from .kv_cache import KVCache
+from .rope import RotaryEmbedding
+from .weights import LayerWeights, ModelWeights
+
+LayerDone = Callable[[int], None]
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    # Normalise in float32 like the reference implementation, then cast back.
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(x.dtype)
+
+
+class CausalLM:
+    def __init__(self, cfg: ModelConfig, weights: ModelWeights, tp_size: int,
+                 device: torch.device, dtype: torch.dtype, max_positions: int,
+                 all_reduce: Callable[[torch.Tensor], None] | None = None):
+        self.cfg = cfg
+        self.w = weights
+        self.num_heads = cfg.num_heads // tp_size
+        self.num_kv_heads = cfg.num_kv_heads // tp_size
+        self.head_dim = cfg.head_dim
+        self.q_size = self.num_heads * cfg.head_dim
+        self.kv_size = self.num_kv_heads * cfg.head_dim
+        self.rotary = RotaryEmbedding(cfg.rope, cfg.head_dim, max_positions, device, dtype)
+        self.all_reduce = all_reduce
+        self.scale = cfg.head_dim ** -0.5
+
+    @torch.inference_mode()
+    def forward(self, batch: ForwardBatch, kv: KVCache,
+                layer_done: LayerDone | None = None) -> torch.Tensor:
+        """Run all layers; returns the final hidden states of `batch.sample_indices` (normed)."""
+        x = F.embedding(batch.input_ids, self.w.embed)
+        for i, layer in enumerate(self.w.layers):
+            x = x + self._attention(i, layer, rms_norm(x, layer.input_norm, self.cfg.rms_norm_eps),
+                                    batch, kv)
+            if layer_done is not None:
+                layer_done(i)
+            x = x + self._mlp(layer, rms_norm(x, layer.post_norm, self.cfg.rms_norm_eps))
+        x = x.index_select(0, batch.sample_indices)
+        return rms_norm(x, self.w.final_norm, self.cfg.rms_norm_eps)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return F.linear(hidden, self.w.lm_head).float()
+
+    def _mlp(self, layer: LayerWeights, x: torch.Tensor) -> torch.Tensor:
+        gate, up = F.linear(x, layer.gate_up).chunk(2, dim=-1)
+        out = F.linear(F.silu(gate) * up, layer.down)
+        if self.all_reduce is not None:
+            self.all_reduce(out)
+        return out
+
+    def _attention(self, i: int, layer: LayerWeights, x: torch.Tensor,
+                   batch: ForwardBatch, kv: KVCache) -> torch.Tensor:
+        t = x.shape[0]
+        qkv = F.linear(x, layer.qkv, layer.qkv_bias)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(t, self.num_heads, self.head_dim)
+        k = k.view(t, self.num_kv_heads, self.head_dim)
+        v = v.view(t, self.num_kv_heads, self.head_dim)
+        if layer.q_norm is not None:
+            q = rms_norm(q, layer.q_norm, self.cfg.rms_norm_eps)
+            k = rms_norm(k, layer.k_norm, self.cfg.rms_norm_eps)
+        q, k = self.rotary.apply(q, k, batch.positions)
+        kv.write(i, batch.slot_mapping, k, v)
+
+        out = torch.empty_like(q)
+        d = batch.num_decode
+        if d:
+            out[:d] = self._decode_attention(i, q[:d], batch, kv)
+        for seg in batch.prefills:
+            rows = slice(seg.query_start, seg.query_start + seg.query_len)
+            out[rows] = self._prefill_attention(i, q[rows], k[rows], v[rows], seg, kv)
+        o = F.linear(out.view(t, self.q_size), layer.o)
+        if self.all_reduce is not None:
+            self.all_reduce(o)
+        return o
+
+    def _decode_attention(self, i: int, q: torch.Tensor, batch: ForwardBatch,
+                          kv: KVCache) -> torch.Tensor:
+        """q: [D, heads, d]; each row attends to its own cached context."""
+        d = q.shape[0]
+        keys, values = kv.gather(i, batch.decode_block_tables)    # [D, kv_heads, L, d]
+        length = keys.shape[2]
+        key_pos = torch.arange(length, device=q.device)
+        ctx = batch.decode_context_lens.unsqueeze(1)
+        mask = key_pos < ctx
+        if self.cfg.sliding_window:
+            mask &= key_pos > ctx - 1 - self.cfg.sliding_window
+        # Grouped-query: the query heads sharing a KV head become that head's "query rows".
+        groups = self.num_heads // self.num_kv_heads
+        qg = q.view(d, self.num_kv_heads, groups, self.head_dim)
+        out = F.scaled_dot_product_attention(qg, keys, values, attn_mask=mask[:, None, None, :],
+                                             scale=self.scale)
+        return out.reshape(d, self.num_heads, self.head_dim)
+
+    def _prefill_attention(self, i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                           seg: PrefillSegment, kv: KVCache) -> torch.Tensor:
+        """q: [n, heads, d] for positions context_len-n .. context_len-1."""
+        n = seg.query_len
+        window = self.cfg.sliding_window
+        if seg.context_len == n:
+            keys, values = k.transpose(0, 1), v.transpose(0, 1)      # no cached prefix
+        else:
+            keys, values = kv.gather(i, seg.block_ids.unsqueeze(0))
+            keys, values = keys[0, :, :seg.context_len], values[0, :, :seg.context_len]
+        qh = q.transpose(0, 1)                                        # [heads, n, d]
+        if seg.context_len == n and not (window and n > window):
+            out = F.scaled_dot_product_attention(qh, keys, values, is_causal=True,
+                                                 scale=self.scale, enable_gqa=True)
+        else:
+            q_pos = torch.arange(seg.context_len - n, seg.context_len, device=q.device)[:, None]
+            key_pos = torch.arange(seg.context_len, device=q.device)[None, :]
+            mask = key_pos <= q_pos
+            if window:
+                mask &= key_pos > q_pos - window
+            out = F.scaled_dot_product_attention(qh, keys, values, attn_mask=mask,
+                                                 scale=self.scale, enable_gqa=True)
+        return out.transpose(0, 1)

@@ -1,0 +1,75 @@
+"""Turn the last-position logits of a batch into next tokens.
+
+Greedy rows take the argmax. Sampling rows apply temperature, then top-k, top-p
+and min-p filtering, then draw with the sequence's own `torch.Generator`, so a
+seeded request gives the same tokens whatever else shares its batch.
+Log-probabilities (when asked) are those of the model's distribution before
+any filtering, like OpenAI's `logprobs`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .sampling_params import SamplingParams
+
+
+@dataclass(slots=True)
+class SampledToken:
+    token_id: int
+    logprob: float | None = None
+    top_logprobs: dict[int, float] | None = None
+
+
+def sample(logits: torch.Tensor, params: list[SamplingParams],
+           generators: list[torch.Generator | None]) -> list[SampledToken]:
+    """logits: [N, vocab] float32, one row per sequence."""
+    tokens = logits.argmax(dim=-1)
+    sampled_rows = [i for i, p in enumerate(params) if not p.greedy]
+    if sampled_rows:
+        rows = torch.tensor(sampled_rows, dtype=torch.long, device=logits.device)
+        probs = _filtered_probs(logits.index_select(0, rows), [params[i] for i in sampled_rows])
+        for j, i in enumerate(sampled_rows):
+            tokens[i] = torch.multinomial(probs[j], 1, generator=generators[i])[0]
+    token_list = tokens.tolist()
+    want_logprobs = [i for i, p in enumerate(params) if p.logprobs is not None]
+    if not want_logprobs:
+        return [SampledToken(t) for t in token_list]
+    logprobs = torch.log_softmax(logits, dim=-1)
+    out = []
+    for i, t in enumerate(token_list):
+        n = params[i].logprobs
+        if n is None:
+            out.append(SampledToken(t))
+            continue
+        top = {}
+        if n:
+            values, ids = logprobs[i].topk(n)
+            top = dict(zip(ids.tolist(), values.tolist()))
+        out.append(SampledToken(t, float(logprobs[i, t]), top))
+    return out
+
+
+def _filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    temps = torch.tensor([p.temperature for p in params], dtype=logits.dtype, device=logits.device)
+    logits = logits / temps.unsqueeze(1)
+    if any(p.top_k for p in params):
+        vocab = logits.shape[1]
+        ks = torch.tensor([p.top_k or vocab for p in params], device=logits.device)
+        kth = logits.sort(dim=-1, descending=True).values.gather(1, (ks - 1).clamp(max=vocab - 1).unsqueeze(1))
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = logits.softmax(dim=-1)
+    if any(p.top_p < 1.0 for p in params):
+        top_p = torch.tensor([p.top_p for p in params], dtype=probs.dtype, device=probs.device)
+        sorted_probs, order = probs.sort(dim=-1, descending=True)
+        # Keep the smallest prefix whose mass reaches top_p (always at least one token).
+        mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
+        sorted_probs = sorted_probs.masked_fill(mass_before >= top_p.unsqueeze(1), 0.0)
+        probs = torch.zeros_like(probs).scatter_(1, order, sorted_probs)
+    if any(p.min_p > 0.0 for p in params):
+        min_p = torch.tensor([p.min_p for p in params], dtype=probs.dtype, device=probs.device)
+        floor = probs.max(dim=-1, keepdim=True).values * min_p.unsqueeze(1)
+        probs = probs.masked_fill(probs < floor, 0.0)
+    return probs / probs.sum(dim=-1, keepdim=True)

@@ -1,0 +1,231 @@
+"""Continuous batching with chunked prefill, prefix reuse and preemption by recompute.
+
+Each step spends a token budget: running sequences first (a decoding sequence
+costs one token, a long prompt continues its next chunk), then waiting ones in
+arrival order. A sequence's KV blocks grow as it computes; when the pool runs
+dry, the most recently admitted running sequence is preempted: its blocks are
+released (full ones stay in the prefix cache) and it waits to be recomputed.
+
+The scheduler decides; the engine runs the model and applies results
+(`advance`, `finish`). Running out of blocks is never an exception.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections import deque
+from dataclasses import dataclass, field
+
+from .block_hash import hash_full_blocks
+from .block_pool import BlockPool
+from .sequence import FinishReason, Sequence, SequenceStatus
+
+
+@dataclass(slots=True)
+class ScheduledChunk:
+    seq: Sequence
+    start: int          # num_computed_tokens before this step
+    num_tokens: int     # tokens computed this step
+
+    @property
+    def completes(self) -> bool:
+        """True when this chunk computes the last pending token, so a token is sampled."""
+        return self.start + self.num_tokens == self.seq.num_tokens
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    chunks: list[ScheduledChunk] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(c.num_tokens for c in self.chunks)
+
+
+@dataclass(slots=True)
+class Reservation:
+    """Blocks a decode worker holds for a prompt that another worker prefills."""
+
+    block_ids: list[int]
+    num_cached_tokens: int      # leading prompt tokens already in those blocks locally
+
+
+class Scheduler:
+    def __init__(self, pool: BlockPool, max_num_batched_tokens: int, max_num_seqs: int,
+                 extra_key: bytes = b""):
+        self.pool = pool
+        self.block_size = pool.block_size
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_num_seqs = max_num_seqs
+        self.extra_key = extra_key
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []          # in arrival order
+        self.remote: dict[str, Sequence] = {}      # reserved for a remote prefill
+        self.num_preemptions = 0
+        self.num_prefix_hit_tokens = 0
+
+    # -- queries -----------------------------------------------------------------
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def find(self, request_id: str) -> Sequence | None:
+        for seq in (*self.running, *self.waiting, *self.remote.values()):
+            if seq.request_id == request_id:
+                return seq
+        return None
+
+    # -- admission ---------------------------------------------------------------
+    def add(self, seq: Sequence) -> None:
+        seq.status = SequenceStatus.WAITING
+        self._enqueue_waiting(seq)
+
+    def reserve_remote(self, seq: Sequence) -> Reservation | None:
+        """Reserve blocks for the whole prompt (reusing cached prefix blocks); None if full."""
+        hits = self._prefix_hits(seq, allow_full=True)
+        num_new = self._blocks_for(len(seq.prompt_token_ids)) - len(hits)
+        self.pool.take_refs(hits)
+        new_ids = self.pool.allocate(num_new)
+        if new_ids is None:
+            self.pool.release(hits)
+            return None
+        seq.block_ids = hits + new_ids
+        seq.num_cached_blocks = len(hits)
+        seq.num_prefix_hit_tokens = len(hits) * self.block_size
+        self.num_prefix_hit_tokens += seq.num_prefix_hit_tokens
+        seq.status = SequenceStatus.REMOTE_PREFILL
+        self.remote[seq.request_id] = seq
+        return Reservation(list(seq.block_ids), seq.num_prefix_hit_tokens)
+
+    def complete_remote(self, request_id: str) -> Sequence | None:
+        """The remote prefill filled the reserved blocks: join the running batch."""
+        seq = self.remote.pop(request_id, None)
+        if seq is None:
+            return None
+        seq.num_computed_tokens = len(seq.prompt_token_ids)
+        seq.status = SequenceStatus.RUNNING
+        bisect.insort(self.running, seq, key=lambda s: s.arrival)
+        return seq
+
+    # -- one step ----------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.max_num_batched_tokens
+        for seq in list(self.running):
+            if budget == 0:
+                break
+            if seq.status is not SequenceStatus.RUNNING:
+                continue   # preempted earlier in this loop
+            n = min(seq.num_pending_tokens, budget)
+            if n == 0:
+                continue
+            if not self._grow_or_preempt(seq, seq.num_computed_tokens + n, out):
+                continue
+            out.chunks.append(ScheduledChunk(seq, seq.num_computed_tokens, n))
+            budget -= n
+        if not out.preempted:
+            self._admit_waiting(out, budget)
+        # Single-token chunks first: the model attends them as one decode batch.
+        out.chunks.sort(key=lambda c: c.num_tokens != 1)
+        return out
+
+    def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            hits = self._prefix_hits(seq, allow_full=False)
+            start = len(hits) * self.block_size
+            n = min(seq.num_tokens - start, budget)
+            self.pool.take_refs(hits)
+            new_ids = self.pool.allocate(self._blocks_for(start + n) - len(hits))
+            if new_ids is None:
+                self.pool.release(hits)
+                break
+            self.waiting.popleft()
+            seq.block_ids = hits + new_ids
+            seq.num_cached_blocks = len(hits)
+            seq.num_computed_tokens = start
+            seq.num_prefix_hit_tokens += start
+            self.num_prefix_hit_tokens += start
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            out.chunks.append(ScheduledChunk(seq, start, n))
+            budget -= n
+
+    def _grow_or_preempt(self, seq: Sequence, num_tokens: int, out: SchedulerOutput) -> bool:
+        need = self._blocks_for(num_tokens) - len(seq.block_ids)
+        while need > 0:
+            new_ids = self.pool.allocate(need)
+            if new_ids is not None:
+                seq.block_ids.extend(new_ids)
+                return True
+            victim = self.running[-1]
+            self._preempt(victim)
+            out.preempted.append(victim)
+            if victim is seq:
+                return False
+        return True
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.pool.release(seq.block_ids)
+        seq.block_ids = []
+        seq.num_cached_blocks = 0
+        seq.num_computed_tokens = 0
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        seq.status = SequenceStatus.WAITING
+        self._enqueue_waiting(seq)
+
+    # -- results -----------------------------------------------------------------
+    def advance(self, chunk: ScheduledChunk) -> None:
+        """The model computed this chunk: count it and register its full blocks."""
+        seq = chunk.seq
+        seq.num_computed_tokens = chunk.start + chunk.num_tokens
+        self.cache_computed_blocks(seq)
+
+    def cache_computed_blocks(self, seq: Sequence) -> None:
+        num_full = seq.num_computed_tokens // self.block_size
+        if num_full <= seq.num_cached_blocks:
+            return
+        tokens = seq.all_token_ids
+        seq.block_hashes = hash_full_blocks(tokens[:num_full * self.block_size], self.block_size,
+                                            self.extra_key, seq.block_hashes[:num_full])
+        for b in range(seq.num_cached_blocks, num_full):
+            parent = seq.block_hashes[b - 1] if b else None
+            self.pool.cache_block(seq.block_ids[b], seq.block_hashes[b], parent,
+                                  tokens[b * self.block_size:(b + 1) * self.block_size])
+        seq.num_cached_blocks = num_full
+
+    def finish(self, seq: Sequence, reason: FinishReason) -> None:
+        """Take the sequence out of every queue and release its blocks."""
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        elif seq.status is SequenceStatus.WAITING:
+            self.waiting.remove(seq)
+        elif seq.status is SequenceStatus.REMOTE_PREFILL:
+            self.remote.pop(seq.request_id, None)
+        self.pool.release(seq.block_ids)
+        seq.block_ids = []
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+
+    # -- helpers -----------------------------------------------------------------
+    def _blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def _prefix_hits(self, seq: Sequence, allow_full: bool) -> list[int]:
+        tokens = seq.all_token_ids
+        seq.block_hashes = hash_full_blocks(tokens, self.block_size, self.extra_key,
+                                            seq.block_hashes)
+        hits = self.pool.cached_prefix(seq.block_hashes)
+        if not allow_full:
+            # At least one token must be computed to produce logits for sampling.
+            hits = hits[:(len(tokens) - 1) // self.block_size]
+        return hits
+
+    def _enqueue_waiting(self, seq: Sequence) -> None:
+        if not self.waiting or self.waiting[-1].arrival < seq.arrival:
+            self.waiting.append(seq)
+            return
+        idx = bisect.bisect([s.arrival for s in self.waiting], seq.arrival)
+        self.waiting.insert(idx, seq)

@@ -1,0 +1,65 @@
+"""One request's state inside the engine: tokens, blocks, progress, outcome."""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from .sampling_params import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    REMOTE_PREFILL = "remote_prefill"   # blocks reserved, another worker is filling them
+    FINISHED = "finished"
+
+
+class FinishReason(enum.Enum):
+    STOP = "stop"              # EOS, stop token or stop string
+    LENGTH = "length"          # max_tokens or the context limit
+    ABORT = "abort"
+    PREFILL_DONE = "prefill_done"   # prefill-only request handed its KV over
+
+
+LayerCallback = Callable[[str, int, list[int]], None]
+
+
+@dataclass(slots=True)
+class Sequence:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    arrival: int                                   # admission order, for FCFS and preemption
+    prefill_only: bool = False
+    on_layer_done: LayerCallback | None = None     # prefill-only: (request_id, layer, block_ids)
+    status: SequenceStatus = SequenceStatus.WAITING
+    output_token_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[dict[int, float]] = field(default_factory=list)
+    block_ids: list[int] = field(default_factory=list)
+    block_hashes: list[bytes] = field(default_factory=list)
+    num_cached_blocks: int = 0                     # leading blocks registered in the prefix cache
+    num_computed_tokens: int = 0
+    num_prefix_hit_tokens: int = 0                 # tokens served from the prefix cache at admission
+    finish_reason: FinishReason | None = None
+    generator: torch.Generator | None = None
+    num_preemptions: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_pending_tokens(self) -> int:
+        return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED

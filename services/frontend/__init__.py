@@ -1,0 +1,1 @@
+"""OpenAI-compatible HTTP and gRPC inference API (issue 4)."""

@@ -1,0 +1,3 @@
+from splitserve.services.cli import main
+
+raise SystemExit(main())
