@@ -30,7 +30,7 @@ from .model_source import open_checkpoint
 from .sampler import SampledToken, sample
 from .sampling_params import SamplingParams
 from .scheduler import Reservation, ScheduledChunk, Scheduler
-from .sequence import FinishReason, LayerCallback, Sequence
+from .sequence import FinishReason, LayerCallback, LayerReady, Sequence
 from .stop_checker import StopChecker
 from .tensor_parallel import TensorParallelGroup, all_reduce
 from .tokenizer import Tokenizer
@@ -193,7 +193,9 @@ class LLMEngine:
             results[rid] = GenerationResult(rid, [], "", None, 0, 0)
         while self.has_unfinished():
             for out in self.step():
-                r = results[out.request_id]
+                r = results.get(out.request_id)
+                if r is None:
+                    continue   # a request added through add_request, not ours to collect
                 r.token_ids.extend(out.new_token_ids)
                 r.text += out.new_text
                 r.logprobs.extend(out.logprobs)
@@ -239,15 +241,20 @@ class LLMEngine:
         watchers = []
         bs = self.config.block_size
         for c in chunks:
-            if c.seq.on_layer_done is not None:
-                first, end = c.start // bs, -(-(c.start + c.num_tokens) // bs)
-                watchers.append((c.seq.on_layer_done, c.seq.request_id, c.seq.block_ids[first:end]))
+            seq = c.seq
+            if seq.on_layer_done is None:
+                continue
+            # The first chunk after admission also reports prefix-cache hits.
+            first = 0 if c.admitted else c.start // bs
+            end = -(-(c.start + c.num_tokens) // bs)
+            watchers.append((seq.on_layer_done, seq.request_id, first, seq.block_ids[first:end],
+                             c.start + c.num_tokens))
         if not watchers:
             return None
 
         def layer_done(layer: int) -> None:
-            for callback, request_id, block_ids in watchers:
-                callback(request_id, layer, block_ids)
+            for callback, request_id, first, block_ids, num_tokens in watchers:
+                callback(LayerReady(request_id, layer, first, block_ids, num_tokens))
         return layer_done
 
     def _count(self, chunks: list[ScheduledChunk], num_preempted: int) -> None:
@@ -267,8 +274,8 @@ class LLMEngine:
         self.stats.num_generated_tokens += 1
         checker = self._stop_checkers[seq.request_id]
         reason = checker.add(token.token_id, len(seq.output_token_ids))
-        if reason is None and seq.prefill_only:
-            reason = FinishReason.PREFILL_DONE
+        if seq.prefill_only:
+            reason = FinishReason.PREFILL_DONE   # the decode worker judges the first token
         if reason is None and seq.num_tokens >= self.max_model_len:
             reason = FinishReason.LENGTH
         if reason is not None:

@@ -124,7 +124,8 @@ class CausalLM:
         else:
             keys, values = kv.gather(i, seg.block_ids.unsqueeze(0))
             keys, values = keys[0, :, :seg.context_len], values[0, :, :seg.context_len]
-        qh = q.transpose(0, 1)                                        # [heads, n, d]
+        # 4-D inputs: with 3-D ones PyTorch's CPU SDPA falls back to the slow math kernel.
+        qh, keys, values = q.transpose(0, 1)[None], keys[None], values[None]
         if seg.context_len == n and not (window and n > window):
             out = F.scaled_dot_product_attention(qh, keys, values, is_causal=True,
                                                  scale=self.scale, enable_gqa=True)
@@ -136,4 +137,4 @@ class CausalLM:
                 mask &= key_pos > q_pos - window
             out = F.scaled_dot_product_attention(qh, keys, values, attn_mask=mask,
                                                  scale=self.scale, enable_gqa=True)
-        return out.transpose(0, 1)
+        return out[0].transpose(0, 1)

@@ -26,6 +26,7 @@ class ScheduledChunk:
     seq: Sequence
     start: int          # num_computed_tokens before this step
     num_tokens: int     # tokens computed this step
+    admitted: bool = False   # first chunk since the sequence was (re)admitted
 
     @property
     def completes(self) -> bool:
@@ -148,7 +149,7 @@ class Scheduler:
             self.num_prefix_hit_tokens += start
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
-            out.chunks.append(ScheduledChunk(seq, start, n))
+            out.chunks.append(ScheduledChunk(seq, start, n, admitted=True))
             budget -= n
 
     def _grow_or_preempt(self, seq: Sequence, num_tokens: int, out: SchedulerOutput) -> bool:

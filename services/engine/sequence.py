@@ -25,7 +25,23 @@ class FinishReason(enum.Enum):
     PREFILL_DONE = "prefill_done"   # prefill-only request handed its KV over
 
 
-LayerCallback = Callable[[str, int, list[int]], None]
+@dataclass(slots=True, frozen=True)
+class LayerReady:
+    """A prefill-only request's KV for `layer` is written in `block_ids`.
+
+    `block_ids` are the sequence's blocks from position `first_block` on; the
+    first report of a request starts at block 0, so blocks that came from the
+    local prefix cache are reported too (the receiver may already hold some).
+    """
+
+    request_id: str
+    layer: int
+    first_block: int
+    block_ids: list[int]
+    num_tokens: int          # prompt tokens whose KV is now complete in these blocks
+
+
+LayerCallback = Callable[[LayerReady], None]
 
 
 @dataclass(slots=True)
