@@ -65,12 +65,8 @@ def smollm2_dir(tmp_path_factory) -> Path:
     Converted into SPLITSERVE_TEST_CACHE when set (kept between sessions),
     otherwise into this session's temporary directory.
     """
-    try:
-        from splitserve.services.engine.model_source import resolve_smollm2
-    except ModuleNotFoundError as exc:
-        if exc.name != "splitserve.services.engine.model_source":
-            raise
-        pytest.skip("splitserve.services.engine.model_source is not there yet")
+    from splitserve.services.engine.model_source import resolve_smollm2
+
     cache = os.environ.get("SPLITSERVE_TEST_CACHE")
     cache_dir = Path(cache) if cache else tmp_path_factory.mktemp("smollm2-cache")
     return resolve_smollm2(cache_dir=cache_dir, progress=False)

@@ -1,0 +1,129 @@
+"""Scheduler lifecycle without a model: schedule → pretend the model ran → advance.
+
+Every test ends with the pool empty (the leak check STYLE.md asks for).
+"""
+
+from __future__ import annotations
+
+from splitserve.services.engine.block_pool import BlockPool
+from splitserve.services.engine.sampling_params import SamplingParams
+from splitserve.services.engine.scheduler import Scheduler
+from splitserve.services.engine.sequence import FinishReason, Sequence, SequenceStatus
+
+BS = 4
+
+
+def make(num_blocks=16, budget=64, max_seqs=8) -> Scheduler:
+    return Scheduler(BlockPool(num_blocks, BS), budget, max_seqs)
+
+
+def seq(rid: str, n: int, arrival: int, max_tokens: int = 4) -> Sequence:
+    return Sequence(rid, list(range(100 * arrival, 100 * arrival + n)), SamplingParams(max_tokens=max_tokens), arrival)
+
+
+def run_step(s: Scheduler, token: int = 7):
+    """Apply one schedule as the engine would; returns the decision."""
+    out = s.schedule()
+    for chunk in out.chunks:
+        s.advance(chunk)
+    for chunk in out.chunks:
+        if chunk.completes:
+            chunk.seq.output_token_ids.append(token)
+            if len(chunk.seq.output_token_ids) >= chunk.seq.params.max_tokens:
+                s.finish(chunk.seq, FinishReason.LENGTH)
+    return out
+
+
+def drain(s: Scheduler) -> int:
+    steps = 0
+    while s.has_work():
+        run_step(s)
+        steps += 1
+        assert steps < 1000
+    return steps
+
+
+def assert_idle(s: Scheduler):
+    assert not s.has_work() and not s.remote
+    assert s.pool.num_free_blocks == s.pool.num_blocks and not any(s.pool.ref_counts)
+
+
+def test_chunked_prefill_respects_the_token_budget():
+    s = make(budget=8)
+    a = seq("a", 20, 1)
+    s.add(a)
+    sizes = []
+    while a.num_computed_tokens < 20:
+        out = run_step(s)
+        assert out.num_tokens <= 8
+        sizes.append(out.chunks[0].num_tokens)
+    assert sizes == [8, 8, 4]
+    drain(s)
+    assert_idle(s)
+
+
+def test_decodes_are_scheduled_before_new_prefills_and_listed_first():
+    s = make(budget=10)
+    s.add(seq("a", 3, 1, max_tokens=5))
+    run_step(s)                          # a prefilled, now decoding
+    s.add(seq("b", 30, 2))
+    out = run_step(s)
+    assert [c.seq.request_id for c in out.chunks] == ["a", "b"]
+    assert out.chunks[0].num_tokens == 1 and out.chunks[1].num_tokens == 9
+    drain(s)
+    assert_idle(s)
+
+
+def test_admission_waits_for_free_blocks():
+    s = make(num_blocks=4)
+    s.add(seq("a", 12, 1, max_tokens=2))   # 3 blocks
+    s.add(seq("b", 8, 2, max_tokens=2))    # 2 blocks: must wait
+    out = run_step(s)
+    assert [c.seq.request_id for c in out.chunks] == ["a"]
+    assert s.waiting[0].request_id == "b"
+    drain(s)
+    assert_idle(s)
+
+
+def test_preemption_recomputes_the_latest_arrival():
+    s = make(num_blocks=5, budget=64)
+    a, b = seq("a", 8, 1, max_tokens=6), seq("b", 8, 2, max_tokens=6)
+    s.add(a)
+    s.add(b)
+    run_step(s)                                  # both prefilled: 4 blocks in use
+    preempted = []
+    while s.has_work():
+        preempted += [p.request_id for p in run_step(s).preempted]
+    assert "b" in preempted and "a" not in preempted
+    assert b.num_preemptions >= 1 and a.output_token_ids == [7] * 6 and b.output_token_ids == [7] * 6
+    assert_idle(s)
+
+
+def test_prefix_hits_skip_computed_blocks_but_keep_one_token():
+    s = make()
+    first = seq("a", 8, 1, max_tokens=1)
+    s.add(first)
+    drain(s)
+    again = Sequence("b", list(first.prompt_token_ids), SamplingParams(max_tokens=1), 2)
+    s.add(again)
+    out = run_step(s)
+    # Both blocks are cached, but the last token must be computed to sample: block 2 is recomputed.
+    assert out.chunks[0].start == 4 and out.chunks[0].num_tokens == 4
+    assert again.num_prefix_hit_tokens == 4
+    assert_idle(s)
+
+
+def test_finish_of_waiting_running_and_reserved_sequences_frees_everything():
+    s = make()
+    running, waiting = seq("r", 10, 1, max_tokens=50), seq("w", 10, 2)
+    s.add(running)
+    run_step(s)
+    s.max_num_seqs = 1
+    s.add(waiting)
+    remote = seq("x", 9, 3)
+    assert s.reserve_remote(remote) is not None
+    for victim in (running, waiting, remote):
+        assert s.find(victim.request_id) is victim
+        s.finish(victim, FinishReason.ABORT)
+        assert victim.status is SequenceStatus.FINISHED
+    assert_idle(s)
