@@ -101,23 +101,24 @@ class BlockPool:
         self.events.stored((block_hash,), parent_hash, tuple(token_ids))
 
     def clear_cache(self) -> None:
-        """Forget every cached block that nobody holds (e.g. after weights change)."""
+        """Forget every cached block (e.g. after weights change); one AllCleared event."""
         for b in list(self.evictable):
-            self._uncache(b)
+            self._uncache(b, publish=False)
             self.free_ids.append(b)
         self.evictable.clear()
         for b, h in enumerate(self.block_hash):
             if h is not None:
-                self._uncache(b)
+                self._uncache(b, publish=False)
         self.events.cleared()
 
     def take_events(self) -> list[KVEvent]:
         return self.events.take_events()
 
-    def _uncache(self, block_id: int) -> None:
+    def _uncache(self, block_id: int, publish: bool = True) -> None:
         h = self.block_hash[block_id]
         if h is None:
             return
         self.block_hash[block_id] = None
         del self.cached[h]
-        self.events.removed((h,))
+        if publish:
+            self.events.removed((h,))

@@ -36,6 +36,7 @@ class Checkpoint:
     tokenizer_config: dict = field(default_factory=dict)
     generation_config: dict = field(default_factory=dict)
     source: str = ""
+    num_tensors: int | None = None     # for progress bars, when the format tells
 
     def save_pretrained(self, folder: Path, dtype: torch.dtype = torch.bfloat16,
                         progress: bool = False) -> None:
@@ -46,7 +47,8 @@ class Checkpoint:
         folder.mkdir(parents=True, exist_ok=True)
         stream = self.tensors()
         if progress:
-            stream = tqdm(stream, desc=f"converting {self.name}", unit="tensor")
+            stream = tqdm(stream, desc=f"converting {self.name}", unit="tensor",
+                          total=self.num_tensors)
         weights = {name: t.to(dtype).contiguous() for name, t in stream}
         save_file(weights, str(folder / "model.safetensors"), metadata={"format": "pt"})
         config = dict(self.config)

@@ -104,8 +104,13 @@ class LLMEngine:
         num_blocks = config.num_kv_blocks or self._blocks_for_memory(config, mc)
         self.config = replace(config, num_kv_blocks=num_blocks, model=ckpt.source or config.model,
                               model_name=config.model_name or ckpt.name)
+        ShardSpec(0, config.tensor_parallel_size).check(mc)   # before any rank starts
         self.tp = TensorParallelGroup(self.config) if config.tensor_parallel_size > 1 else None
-        model, kv = build_rank(self.config, 0, ckpt)
+        try:
+            model, kv = build_rank(self.config, 0, ckpt)
+        except BaseException:
+            self.close()
+            raise
         self.runner = ModelRunner(model, kv, torch.device(config.device),
                                   broadcast=self.tp.broadcast if self.tp else None)
         self.pool = BlockPool(num_blocks, config.block_size, config.enable_prefix_caching)
@@ -120,6 +125,7 @@ class LLMEngine:
         self._arrivals = 0
         self._stop_checkers: dict[str, StopChecker] = {}
         self._pending_outputs: list[RequestOutput] = []
+        self._event_subscribers: list[Callable[[list[KVEvent]], None]] = []
 
     @staticmethod
     def _blocks_for_memory(config: EngineConfig, mc: ModelConfig) -> int:
@@ -164,7 +170,9 @@ class LLMEngine:
         if seq is None:
             return None
         self.scheduler.cache_computed_blocks(seq)
-        return self._append_token(seq, SampledToken(first_token_id))
+        output = self._append_token(seq, SampledToken(first_token_id))
+        self._publish_events()
+        return output
 
     # -- one step ----------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -180,6 +188,7 @@ class LLMEngine:
         tokens = sample(logits.cpu(), [c.seq.params for c in sampled],
                         [c.seq.generator for c in sampled])
         outputs.extend(self._append_token(c.seq, t) for c, t in zip(sampled, tokens))
+        self._publish_events()
         return outputs
 
     def generate(self, prompts: list[list[int]] | list[str], params: SamplingParams | list[SamplingParams]
@@ -205,7 +214,22 @@ class LLMEngine:
         return [results[rid] for rid in ids]
 
     def take_events(self) -> list[KVEvent]:
+        """Drain the KV events queued since the last call (when nobody subscribed)."""
         return self.pool.take_events()
+
+    def subscribe_events(self, callback: Callable[[list[KVEvent]], None]) -> None:
+        """Call `callback` with each batch of KV events, in sequence order, after every step.
+
+        With subscribers, events are delivered to them instead of waiting for `take_events`.
+        """
+        self._event_subscribers.append(callback)
+
+    def _publish_events(self) -> None:
+        if self._event_subscribers:
+            events = self.pool.take_events()
+            if events:
+                for callback in self._event_subscribers:
+                    callback(events)
 
     def close(self) -> None:
         if self.tp is not None:

@@ -83,7 +83,7 @@ def load_gguf(path: Path) -> Checkpoint:
     logger.info("loaded GGUF %s: arch %s, %d tensors", path, arch, len(plan))
     return Checkpoint(name=path.stem, config=config, tensors=tensors, tokenizer_json=tokenizer_json,
                       tokenizer_config=tokenizer_config, generation_config=generation_config,
-                      source=str(path))
+                      source=str(path), num_tensors=len(plan))
 
 
 class _Metadata:

@@ -58,6 +58,8 @@ class TensorParallelGroup:
                       for rank in range(1, self.world_size)]
         for p in self.procs:
             p.start()
+        if config.device.startswith("cuda"):
+            torch.cuda.set_device(_rank_device(config.device, 0))
         try:
             dist.init_process_group(_backend(config.device), init_method=init_method,
                                     rank=0, world_size=self.world_size)
@@ -89,6 +91,8 @@ def _worker_main(config: EngineConfig, rank: int) -> None:
     if config.num_threads:
         torch.set_num_threads(config.num_threads)
     device = _rank_device(config.device, rank)
+    if device.startswith("cuda"):
+        torch.cuda.set_device(device)   # NCCL's object broadcast uses the current device
     dist.init_process_group(_backend(config.device), init_method=config.dist_init_method,
                             rank=rank, world_size=config.tensor_parallel_size)
     try:

@@ -61,6 +61,12 @@ def hf_greedy(
     return [_greedy_one(model, prompt_ids, max_new_tokens, ignore_eos, eos_token_ids) for prompt_ids in prompts]
 
 
+def greedy_reference(model, prompt_ids: list[int], max_new_tokens: int, *,
+                     ignore_eos: bool = False) -> GreedyReference:
+    """`hf_greedy` for one prompt on an already loaded transformers model."""
+    return _greedy_one(model, prompt_ids, max_new_tokens, ignore_eos, _eos_token_ids(model))
+
+
 def _eos_token_ids(model) -> list[int]:
     eos = model.generation_config.eos_token_id
     if eos is None:

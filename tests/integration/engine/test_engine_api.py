@@ -107,6 +107,7 @@ def test_kv_events_mirror_the_prefix_cache(llama_dir):
     engine = LLMEngine(EngineConfig(model=str(llama_dir), dtype="float32", num_kv_blocks=12))
     mirror: set[bytes] = set()
     seqs: list[int] = []
+    num_removed = 0
     for i in range(6):
         engine.generate([list(range(10 + 30 * i, 80 + 30 * i))], SamplingParams(max_tokens=10, ignore_eos=True))
         for event in engine.take_events():
@@ -116,12 +117,25 @@ def test_kv_events_mirror_the_prefix_cache(llama_dir):
                 mirror.update(event.block_hashes)
             elif isinstance(event, BlockRemoved):
                 assert set(event.block_hashes) <= mirror
+                num_removed += 1
                 mirror.difference_update(event.block_hashes)
             elif isinstance(event, AllCleared):
                 mirror.clear()
         assert mirror == set(engine.pool.cached)
     assert seqs == list(range(1, len(seqs) + 1))
-    assert any(True for _ in seqs) and len(engine.pool.cached) <= 12
+    assert num_removed > 0, "the small pool should have evicted cached blocks"
+
+
+def test_event_subscribers_each_get_every_event_in_order(llama_dir):
+    engine = LLMEngine(EngineConfig(model=str(llama_dir), dtype="float32", num_kv_blocks=12))
+    seen_a, seen_b = [], []
+    engine.subscribe_events(seen_a.extend)
+    engine.subscribe_events(seen_b.extend)
+    for i in range(4):
+        engine.generate([list(range(10 + 40 * i, 90 + 40 * i))], SamplingParams(max_tokens=4))
+    assert seen_a == seen_b and len(seen_a) > 10
+    assert [e.seq for e in seen_a] == list(range(1, len(seen_a) + 1))
+    assert any(isinstance(e, BlockRemoved) for e in seen_a)
 
 
 @pytest.mark.parametrize("prompt, params, match", [
