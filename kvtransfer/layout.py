@@ -1,0 +1,121 @@
+"""The KV layout both sides of a transfer must agree on, and the handshake check.
+
+A worker's KV pool is layer-major, `[layers][2][blocks][block_size][kv_heads][head_dim]`
+(services/engine/kv_cache.py), so one layer's K blocks form one contiguous region
+and its V blocks another. Two peers can exchange blocks only if everything that
+shapes a block's bytes matches: model identity, dtype, layer count, total KV
+heads, head dim, block size, layout name and connector version. Those fields
+go into `layout_hash()`; a peer whose hash differs is refused, and `compare()`
+names the fields so the refusal says what to fix.
+
+Tensor-parallel degree is deliberately *not* hashed: a TP rank holds the KV
+heads `[head_start, head_end)` of the model, and a transfer between ranks that
+hold different head ranges writes the intersection of the two ranges into the
+right offsets (see `tp_slicing.py`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, fields
+
+import torch
+
+LAYOUT_NAME = "layer-major-v1"
+CONNECTOR_VERSION = 1
+
+# Fields that must be equal on both sides; order is part of the hash.
+HASHED_FIELDS = ("model", "dtype", "num_layers", "num_kv_heads", "head_dim", "block_size",
+                 "layout", "connector_version")
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """`torch.bfloat16` → "bfloat16" (the form stored in a layout)."""
+    return str(dtype).removeprefix("torch.")
+
+
+@dataclass(frozen=True, slots=True)
+class KVLayout:
+    """One side's KV geometry. `num_kv_heads` is the model's total; this rank holds a slice."""
+
+    model: str                    # model identity (name, revision, LoRA...): anything that changes KV
+    dtype: str                    # "float32" | "bfloat16" | "float16"
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    block_size: int
+    layout: str = LAYOUT_NAME
+    connector_version: int = CONNECTOR_VERSION
+    tp_rank: int = 0
+    tp_size: int = 1
+
+    def __post_init__(self) -> None:
+        if self.dtype not in _DTYPES:
+            raise ValueError(f"unsupported KV dtype {self.dtype!r}; expected one of {sorted(_DTYPES)}")
+        for name in ("num_layers", "num_kv_heads", "head_dim", "block_size", "tp_size"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if not 0 <= self.tp_rank < self.tp_size:
+            raise ValueError(f"tp_rank {self.tp_rank} is outside tp_size {self.tp_size}")
+        if self.num_kv_heads % self.tp_size:
+            raise ValueError(f"{self.num_kv_heads} KV heads do not split evenly over TP={self.tp_size}")
+
+    # -- geometry of this rank ------------------------------------------------------------
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return _DTYPES[self.dtype]
+
+    @property
+    def itemsize(self) -> int:
+        return self.torch_dtype.itemsize
+
+    @property
+    def num_local_kv_heads(self) -> int:
+        return self.num_kv_heads // self.tp_size
+
+    @property
+    def head_start(self) -> int:
+        return self.tp_rank * self.num_local_kv_heads
+
+    @property
+    def head_end(self) -> int:
+        return self.head_start + self.num_local_kv_heads
+
+    @property
+    def row_bytes(self) -> int:
+        """Bytes of one token row of one block (all local heads) for K or for V."""
+        return self.num_local_kv_heads * self.head_dim * self.itemsize
+
+    @property
+    def block_bytes(self) -> int:
+        """Bytes of one block of one layer, K or V (not both)."""
+        return self.block_size * self.row_bytes
+
+    def pool_shape(self, num_blocks: int) -> tuple[int, ...]:
+        return (self.num_layers, 2, num_blocks, self.block_size, self.num_local_kv_heads, self.head_dim)
+
+    def with_tp(self, tp_rank: int, tp_size: int) -> KVLayout:
+        values = {f.name: getattr(self, f.name) for f in fields(self)}
+        values.update(tp_rank=tp_rank, tp_size=tp_size)
+        return KVLayout(**values)
+
+    # -- handshake ------------------------------------------------------------------------
+    def layout_hash(self) -> str:
+        """SHA-256 hex over the fields that must match between peers (not TP)."""
+        h = hashlib.sha256()
+        for name in HASHED_FIELDS:
+            h.update(name.encode())
+            h.update(b"=")
+            h.update(str(getattr(self, name)).encode())
+            h.update(b"\x00")
+        return h.hexdigest()
+
+    def compare(self, other: KVLayout) -> list[str]:
+        """Names of the hashed fields whose values differ; empty when compatible."""
+        return [name for name in HASHED_FIELDS if getattr(self, name) != getattr(other, name)]
+
+    def describe_mismatch(self, other: KVLayout) -> str:
+        return ", ".join(f"{name}: local {getattr(self, name)!r} vs peer {getattr(other, name)!r}"
+                         for name in self.compare(other))

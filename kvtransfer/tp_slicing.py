@@ -1,0 +1,109 @@
+"""Which bytes go where: contiguous-run coalescing and tensor-parallel head slicing.
+
+A layer's K (or V) region is `[blocks][block_size][local_kv_heads][head_dim]`.
+When both sides hold the same head range a block is one contiguous span, and
+consecutive block ids on *both* sides merge into one span (`joint_runs`), so a
+request whose blocks are contiguous moves as one descriptor per K/V.
+
+When the head ranges differ (prefill TP=2 → decode TP=1, or the reverse), only
+the intersection `[lo, hi)` of the two ranges moves, and within a block those
+heads are strided: each token row holds `hi - lo` heads at a different offset
+on each side. Two strategies, chosen per backend:
+
+- TCP mediates every write, so the sender gathers the slice into one contiguous
+  buffer (`gather_slice`) and the receiver scatters it with one strided torch copy
+  (`scatter_slice`): two memcpy-speed passes, no per-row Python work.
+- NIXL is one-sided, so the bytes must land in place: one descriptor per token
+  row (`row_descriptors`, built with numpy, no Python loop over rows). Rows are
+  `(hi - lo) * head_dim * itemsize` bytes, so sliced NIXL transfers are
+  descriptor-bound rather than bandwidth-bound; that is the price of writing a
+  TP=1 pool from two ranks without a receiver-side copy.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from .layout import KVLayout
+
+
+def joint_runs(src_block_ids: list[int], dst_block_ids: list[int]) -> list[tuple[int, int, int]]:
+    """(src_start, dst_start, count) runs where both sides are consecutive."""
+    runs: list[tuple[int, int, int]] = []
+    for s, d in zip(src_block_ids, dst_block_ids):
+        if runs:
+            s0, d0, n = runs[-1]
+            if s == s0 + n and d == d0 + n:
+                runs[-1] = (s0, d0, n + 1)
+                continue
+        runs.append((s, d, 1))
+    return runs
+
+
+def block_runs(block_ids: list[int]) -> list[tuple[int, int]]:
+    """(start, count) runs of consecutive ids, in the given order."""
+    runs: list[tuple[int, int]] = []
+    for b in block_ids:
+        if runs and b == runs[-1][0] + runs[-1][1]:
+            runs[-1] = (runs[-1][0], runs[-1][1] + 1)
+        else:
+            runs.append((b, 1))
+    return runs
+
+
+@dataclass(frozen=True, slots=True)
+class HeadSlice:
+    """The heads `[lo, hi)` that move between a sender rank and a receiver rank."""
+
+    lo: int
+    hi: int
+    src_offset: int          # first moved head's index within the sender's local heads
+    dst_offset: int          # ... within the receiver's local heads
+    whole_rows: bool         # both sides hold exactly [lo, hi): blocks move whole
+
+    @property
+    def num_heads(self) -> int:
+        return self.hi - self.lo
+
+
+def head_slice(src: KVLayout, dst: KVLayout) -> HeadSlice | None:
+    """The heads a `src` rank writes into a `dst` rank; None when the ranges do not overlap."""
+    lo, hi = max(src.head_start, dst.head_start), min(src.head_end, dst.head_end)
+    if lo >= hi:
+        return None
+    whole = (src.head_start, src.head_end) == (dst.head_start, dst.head_end)
+    return HeadSlice(lo, hi, lo - src.head_start, lo - dst.head_start, whole)
+
+
+def gather_slice(pool: torch.Tensor, layer: int, block_ids: list[int], hs: HeadSlice) -> torch.Tensor:
+    """Contiguous [2, n, block_size, heads, head_dim] copy of the moved heads of `block_ids`."""
+    index = torch.tensor(block_ids, dtype=torch.long, device=pool.device)
+    return pool[layer].index_select(1, index)[:, :, :, hs.src_offset:hs.src_offset + hs.num_heads].contiguous()
+
+
+def scatter_slice(pool: torch.Tensor, layer: int, block_ids: list[int], hs: HeadSlice,
+                  data: torch.Tensor) -> None:
+    """Inverse of gather_slice on the receiving pool."""
+    index = torch.tensor(block_ids, dtype=torch.long, device=pool.device)
+    heads = slice(hs.dst_offset, hs.dst_offset + hs.num_heads)
+    for kv in range(2):
+        pool[layer, kv][:, :, heads].index_copy_(0, index, data[kv].to(pool.device))
+
+
+def row_descriptors(base_k: int, base_v: int, block_ids: list[int], layout: KVLayout,
+                    head_offset: int, num_heads: int) -> np.ndarray:
+    """(addr, len) rows for the moved heads of each token row, K blocks then V blocks.
+
+    `base_k`/`base_v` are this side's layer K/V region addresses; `layout` gives this
+    side's row geometry. Returns an int64 array [2 * n * block_size, 2].
+    """
+    blocks = np.asarray(block_ids, dtype=np.int64)
+    rows = np.arange(layout.block_size, dtype=np.int64)
+    offsets = (blocks[:, None] * layout.block_bytes + rows[None, :] * layout.row_bytes
+               + head_offset * layout.head_dim * layout.itemsize).reshape(-1)
+    addrs = np.concatenate([base_k + offsets, base_v + offsets])
+    length = num_heads * layout.head_dim * layout.itemsize
+    return np.stack([addrs, np.full_like(addrs, length)], axis=1)
