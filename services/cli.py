@@ -1,9 +1,11 @@
 """The `splitserve` command line.
 
 Subcommands are added here as the platform grows; each has its own `--help`.
-`generate` runs the built-in engine once over some prompts (the main job until
-the server exists) and is a contract other tools call: with `--json` it prints
-one JSON object per prompt with at least `token_ids` and `text`.
+`generate` runs the built-in engine once over some prompts and is a contract
+other tools call: with `--json` it prints one JSON object per prompt with at
+least `token_ids` and `text`. `serve` is the main job: workers plus the
+OpenAI-compatible frontend on this machine. `worker` and `frontend` run one
+process each (what `serve` starts, and what a cluster deployment runs).
 """
 
 from __future__ import annotations
@@ -82,6 +84,93 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_worker(args: argparse.Namespace) -> int:
+    import asyncio
+
+    from splitserve.services.worker.server import WorkerServerConfig, serve
+    from splitserve.services.worker.service import Role, WorkerOptions
+
+    role = Role(args.role)
+    options = WorkerOptions(worker_id=args.worker_id or f"{role.value}-{args.port}", role=role,
+                            remote_prefill_threshold=args.remote_prefill_threshold)
+    config = WorkerServerConfig(options=options, engine=_engine_config(args), host=args.host,
+                                port=args.port)
+    return asyncio.run(serve(config))
+
+
+def cmd_frontend(args: argparse.Namespace) -> int:
+    import asyncio
+
+    from splitserve.services.frontend.server import FrontendConfig, run_frontend
+
+    config = FrontendConfig(model=args.model, workers=args.worker, host=args.host, port=args.port,
+                            grpc_port=args.grpc_port, served_model_name=args.served_model_name)
+    return asyncio.run(run_frontend(config))
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from splitserve.services.frontend.launcher import run_serve
+
+    return run_serve(args)
+
+
+def _add_worker_parser(sub) -> None:
+    p = sub.add_parser("worker", help="run one engine behind the gRPC worker service",
+                       description="Run one engine (one tensor-parallel group) behind the gRPC "
+                                   "Worker service and the standard gRPC health service.")
+    _add_engine_args(p)
+    p.add_argument("--role", choices=["prefill", "decode", "both"], default="both",
+                   help="prefill, decode, or both (aggregated; default)")
+    p.add_argument("--host", default="127.0.0.1", help="listen address (default: %(default)s)")
+    p.add_argument("--port", type=int, default=0, help="gRPC port (default: 0, any free port)")
+    p.add_argument("--worker-id", default=None, help="name in logs, stats and KV events")
+    p.add_argument("--remote-prefill-threshold", type=int, default=64, metavar="TOKENS",
+                   help="decode role: prompts with fewer uncached tokens are prefilled locally")
+    p.set_defaults(func=cmd_worker)
+
+
+def _add_frontend_parser(sub) -> None:
+    p = sub.add_parser("frontend", help="run the OpenAI-compatible HTTP and gRPC frontend",
+                       description="Serve the OpenAI-compatible HTTP API and the public gRPC "
+                                   "Generate API in front of running workers.")
+    p.add_argument("--model", default="smollm2", help="the workers' model (for its tokenizer)")
+    p.add_argument("--served-model-name", default=None,
+                   help="model name clients use (default: the workers' model name)")
+    p.add_argument("--worker", action="append", required=True, metavar="ROLE=HOST:PORT",
+                   help="a worker, e.g. both=127.0.0.1:50051 (repeatable; roles: both, decode, prefill)")
+    p.add_argument("--host", default="127.0.0.1", help="listen address (default: %(default)s)")
+    p.add_argument("--port", type=int, default=8000, help="HTTP port (default: %(default)s)")
+    p.add_argument("--grpc-port", type=int, default=None,
+                   help="public gRPC port (default: none)")
+    p.set_defaults(func=cmd_frontend)
+
+
+def _add_serve_parser(sub) -> None:
+    p = sub.add_parser("serve", help="start workers and the frontend on this machine",
+                       description="Start the workers and the OpenAI-compatible frontend as "
+                                   "processes on this machine, wait until they are ready, print "
+                                   "the URL; Ctrl-C or SIGTERM stops them all.")
+    _add_engine_args(p)
+    p.add_argument("--aggregated", action="store_true",
+                   help="no separate prefill pool: every worker prefills and decodes")
+    p.add_argument("--workers", type=int, default=None, metavar="N",
+                   help="with --aggregated: number of workers (default: 1)")
+    p.add_argument("--prefill-workers", type=int, default=None, metavar="N",
+                   help="disaggregated: prefill workers (default: 1)")
+    p.add_argument("--decode-workers", type=int, default=None, metavar="M",
+                   help="disaggregated: decode workers (default: 1)")
+    p.add_argument("--transfer", choices=["auto", "nixl", "tcp"], default="auto",
+                   help="disaggregated KV transfer (default: nixl when importable, else tcp)")
+    p.add_argument("--host", default="127.0.0.1", help="frontend listen address (default: %(default)s)")
+    p.add_argument("--port", type=int, default=8000, help="HTTP port (default: %(default)s)")
+    p.add_argument("--grpc-port", type=int, default=None,
+                   help="public gRPC port (default: HTTP port + 1; 0: any free port)")
+    p.add_argument("--served-model-name", default=None, help="model name clients use")
+    p.add_argument("--ready-timeout", type=float, default=600.0, metavar="S",
+                   help="give up when not ready after this many seconds (default: %(default)s)")
+    p.set_defaults(func=cmd_serve)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="splitserve",
@@ -108,6 +197,10 @@ def build_parser() -> argparse.ArgumentParser:
     smp.add_argument("--ignore-eos", action="store_true", help="keep generating past EOS")
     gen.add_argument("--json", action="store_true", help="print one JSON object per prompt")
     gen.set_defaults(func=cmd_generate)
+
+    _add_worker_parser(sub)
+    _add_frontend_parser(sub)
+    _add_serve_parser(sub)
     return parser
 
 

@@ -1,0 +1,226 @@
+"""`splitserve serve`: workers and the frontend as processes on this machine.
+
+Static discovery: this process picks the ports, starts every worker and the
+frontend (passing them the workers' addresses), shows progress until each
+worker reports SERVING through gRPC health and the frontend's /ready answers,
+prints the URL, and then supervises. Ctrl-C, SIGTERM, or any child exiting
+stops everything: the children share one process group of their own, which
+is signalled as a whole (SIGTERM, then SIGKILL after a grace period), and each
+child also gets SIGTERM from the kernel if this process dies (PR_SET_PDEATHSIG),
+so no worker outlives it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from splitserve.errors import SplitserveError
+
+GRACE_S = 10.0
+POLL_S = 0.25
+DISAGGREGATED_NOT_READY = (
+    "disaggregated serving (separate prefill and decode workers) is not available yet: the KV "
+    "transfer between workers is still being built. Run `splitserve serve --aggregated` "
+    "(optionally with --workers N) for now.")
+
+
+@dataclass(slots=True)
+class Child:
+    name: str
+    process: subprocess.Popen
+    address: str = ""          # host:port of a worker's gRPC service
+    ready_after: float | None = None
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def _die_with_parent() -> None:
+    """In the child before exec: SIGTERM when the parent dies (Linux)."""
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)   # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
+class Supervisor:
+    def __init__(self) -> None:
+        self.children: list[Child] = []
+        self.pgid: int | None = None
+
+    def spawn(self, name: str, argv: list[str], address: str = "") -> Child:
+        process = subprocess.Popen(argv, process_group=self.pgid or 0, preexec_fn=_die_with_parent,
+                                   stdin=subprocess.DEVNULL)
+        if self.pgid is None:
+            self.pgid = process.pid
+        child = Child(name, process, address)
+        self.children.append(child)
+        return child
+
+    def exited(self) -> Child | None:
+        return next((c for c in self.children if c.process.poll() is not None), None)
+
+    def stop(self) -> None:
+        if self.pgid is None:
+            return
+        self._signal(signal.SIGTERM)
+        deadline = time.monotonic() + GRACE_S
+        for child in self.children:
+            try:
+                child.process.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pass
+        self._signal(signal.SIGKILL)     # whatever is left in the group, grandchildren included
+        for child in self.children:
+            child.process.wait()
+
+    def _signal(self, sig: int) -> None:
+        try:
+            os.killpg(self.pgid, sig)
+        except ProcessLookupError:
+            pass
+
+
+def _engine_argv(args: argparse.Namespace, model: str) -> list[str]:
+    argv = ["--model", model, "--device", args.device, "--dtype", args.dtype, "--tp", str(args.tp),
+            "--block-size", str(args.block_size), "--kv-cache-gib", str(args.kv_cache_gib),
+            "--max-num-batched-tokens", str(args.max_num_batched_tokens),
+            "--max-num-seqs", str(args.max_num_seqs)]
+    if args.threads is not None:
+        argv += ["--threads", str(args.threads)]
+    return argv
+
+
+def _check_mode(args: argparse.Namespace) -> int:
+    if not args.aggregated:
+        raise SplitserveError(DISAGGREGATED_NOT_READY)
+    if args.prefill_workers is not None or args.decode_workers is not None:
+        raise SplitserveError("--prefill-workers and --decode-workers are for disaggregated serving; "
+                              "with --aggregated use --workers N")
+    workers = 1 if args.workers is None else args.workers
+    if workers < 1:
+        raise SplitserveError("--workers must be at least 1")
+    return workers
+
+
+def _resolve_model(name: str) -> str:
+    if not name.strip().lower().startswith("smollm2"):
+        return name          # a folder or a file: the workers open it (no torch import here)
+    from splitserve.services.engine.model_source import SMOLLM2_NAMES, resolve_smollm2
+
+    if name.strip().lower() in SMOLLM2_NAMES:
+        print("preparing the shipped SmolLM2-135M-Instruct (converted once into the cache)...", flush=True)
+        return str(resolve_smollm2())
+    return name
+
+
+def _worker_serving(address: str) -> bool:
+    with grpc.insecure_channel(address) as channel:
+        try:
+            reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=""),
+                                                              timeout=1.0)
+        except grpc.RpcError:
+            return False
+    return reply.status == health_pb2.HealthCheckResponse.SERVING
+
+
+def _http_ready(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=1.0) as reply:
+            return reply.status == 200
+    except (urllib.error.URLError, OSError):
+        return False
+
+
+def _wait_ready(sup: Supervisor, workers: list[Child], ready_url: str, timeout: float) -> None:
+    start = time.monotonic()
+    pending = list(workers)
+    while pending:
+        _check_alive(sup)
+        for child in list(pending):
+            if _worker_serving(child.address):
+                pending.remove(child)
+                print(f"  {child.name} ready ({time.monotonic() - start:.1f} s) at {child.address}", flush=True)
+        if time.monotonic() - start > timeout:
+            raise SplitserveError(f"workers not ready after {timeout:.0f} s: "
+                                  f"{', '.join(c.name for c in pending)}")
+        time.sleep(POLL_S)
+    while not _http_ready(ready_url):
+        _check_alive(sup)
+        if time.monotonic() - start > timeout:
+            raise SplitserveError(f"the frontend is not ready after {timeout:.0f} s")
+        time.sleep(POLL_S)
+
+
+def _check_alive(sup: Supervisor) -> None:
+    gone = sup.exited()
+    if gone is not None:
+        raise SplitserveError(f"{gone.name} exited with code {gone.process.returncode} (see its log above)")
+
+
+class _Stop(Exception):
+    pass
+
+
+def _raise_stop(signum, frame) -> None:
+    raise _Stop(signal.Signals(signum).name)
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    num_workers = _check_mode(args)
+    model = _resolve_model(args.model)
+    host = args.host
+    port = args.port or free_port(host)
+    grpc_port = args.grpc_port if args.grpc_port is not None else port + 1
+    grpc_port = grpc_port or free_port(host)
+    python = [sys.executable, "-m", "splitserve", "--log-level", args.log_level]
+    sup = Supervisor()
+    previous = {sig: signal.signal(sig, _raise_stop) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        workers = []
+        print(f"starting {num_workers} aggregated worker(s) and the frontend for {model}", flush=True)
+        for i in range(num_workers):
+            wport = free_port("127.0.0.1")
+            name = f"worker-{i}"
+            workers.append(sup.spawn(name, [*python, "worker", "--role", "both", "--port", str(wport),
+                                            "--worker-id", name, *_engine_argv(args, model)],
+                                     f"127.0.0.1:{wport}"))
+        frontend_argv = [*python, "frontend", "--model", model, "--host", host, "--port", str(port),
+                         "--grpc-port", str(grpc_port)]
+        for w in workers:
+            frontend_argv += ["--worker", f"both={w.address}"]
+        if args.served_model_name:
+            frontend_argv += ["--served-model-name", args.served_model_name]
+        sup.spawn("frontend", frontend_argv)
+        base = f"http://{host}:{port}"
+        _wait_ready(sup, workers, f"{base}/ready", args.ready_timeout)
+        print(f"splitserve is ready: {base}/v1 (OpenAI-compatible), gRPC {host}:{grpc_port}", flush=True)
+        print(f"  try: curl {base}/v1/models", flush=True)
+        while True:
+            _check_alive(sup)
+            time.sleep(POLL_S)
+    except _Stop as stop:
+        print(f"splitserve: {stop}: stopping...", flush=True)
+        return 0
+    finally:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        sup.stop()
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)

@@ -1,0 +1,83 @@
+"""`splitserve frontend`: the HTTP API (uvicorn) and the public gRPC API in one event loop.
+
+The tokenizer comes from the model folder (no weights are loaded here); the
+model's name and context length come from the workers' Describe once they
+report SERVING. /ready answers 200 once at least one decode-capable worker is
+ready. SIGTERM or SIGINT stops both servers and closes the worker channels.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+from dataclasses import dataclass, field
+
+import grpc
+import uvicorn
+
+from splitserve.errors import SplitserveError
+from splitserve.proto.v1 import inference_pb2_grpc
+from splitserve.services.engine.model_source import open_checkpoint
+from splitserve.services.engine.tokenizer import Tokenizer
+
+from .grpc_api import InferenceService
+from .lifecycle import Frontend
+from .metrics import FrontendMetrics
+from .openai_api import build_app
+from .routing import RoundRobinRouter
+from .workers import WorkerAddress, WorkerPool
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class FrontendConfig:
+    model: str
+    workers: list[str] = field(default_factory=list)    # ROLE=HOST:PORT
+    host: str = "127.0.0.1"
+    port: int = 8000
+    grpc_port: int | None = None
+    served_model_name: str | None = None
+
+
+async def run_frontend(config: FrontendConfig) -> int:
+    addresses = [WorkerAddress.parse(w) for w in config.workers]
+    if not any(a.role in ("both", "decode") for a in addresses):
+        raise SplitserveError("the frontend needs at least one worker with role both or decode")
+    tokenizer = Tokenizer(open_checkpoint(config.model))
+    pool = WorkerPool.connect(addresses)
+    frontend = Frontend(tokenizer, pool, RoundRobinRouter(pool), FrontendMetrics(),
+                        config.served_model_name)
+    app = build_app(frontend)
+    uv = uvicorn.Server(uvicorn.Config(app, host=config.host, port=config.port, log_level="warning",
+                                       access_log=False, lifespan="off", timeout_graceful_shutdown=5))
+    uv.install_signal_handlers = lambda: None    # we own SIGTERM/SIGINT below
+    grpc_server = None
+    if config.grpc_port is not None:
+        grpc_server = grpc.aio.server()
+        inference_pb2_grpc.add_InferenceServicer_to_server(InferenceService(frontend), grpc_server)
+        bound = grpc_server.add_insecure_port(f"{config.host}:{config.grpc_port}")
+        if bound == 0:
+            raise SplitserveError(f"cannot listen for gRPC on {config.host}:{config.grpc_port}")
+        await grpc_server.start()
+        print(f"frontend gRPC listening on {config.host}:{bound}", flush=True)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    pool.start()
+    serving = asyncio.create_task(uv.serve(), name="uvicorn")
+    stopper = asyncio.create_task(stop.wait(), name="stop")
+    try:
+        await asyncio.wait({serving, stopper}, return_when=asyncio.FIRST_COMPLETED)
+        if serving.done() and serving.exception() is None and not uv.started:
+            raise SplitserveError(f"cannot listen for HTTP on {config.host}:{config.port}")
+    finally:
+        uv.should_exit = True
+        stopper.cancel()
+        await asyncio.gather(serving, return_exceptions=True)
+        if grpc_server is not None:
+            await grpc_server.stop(2)
+        await pool.close()
+    return 0

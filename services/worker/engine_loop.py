@@ -1,0 +1,198 @@
+"""One LLMEngine on its own thread, driven by a queue of jobs from asyncio callers.
+
+The engine is synchronous and not thread-safe (STYLE: "the engine loop is
+synchronous"), so exactly one thread ever touches it: this loop. Callers on
+the asyncio side never call the engine; they queue a job (a function of the
+engine) and await its result, or open an output stream for a request. The loop
+runs every queued job between steps, so an abort takes effect before the next
+step and its blocks are free by then.
+
+Per-request failures (bad token ids, a duplicate id) surface as that stream's
+exception. A failing `step()` is not attributable to one request: every
+request in the engine is aborted and told, and the loop carries on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import queue
+import threading
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import TypeVar
+
+from splitserve.errors import FatalError
+from splitserve.services.engine.engine import LLMEngine, RequestOutput
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+class EngineStepError(FatalError):
+    """The engine failed while stepping a batch; the requests in it were aborted."""
+
+
+class EngineStoppedError(FatalError):
+    """The worker is shutting down."""
+
+
+@dataclass(slots=True)
+class _Stream:
+    """Where one request's outputs go: an asyncio queue fed from the engine thread."""
+
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue
+
+    def put(self, item: RequestOutput | BaseException) -> None:
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+
+
+class EngineLoop:
+    def __init__(self, engine: LLMEngine):
+        self.engine = engine
+        self._jobs: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        self._streams: dict[str, _Stream] = {}    # engine thread only
+        self._flush = False                       # an abort queued an output: step once
+        self._stopping = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+
+    # -- lifecycle ---------------------------------------------------------------
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Finish the current step, fail every open stream, and join the thread."""
+        self._stopping.set()
+        self._jobs.put(lambda: None)               # wake an idle loop
+        self._thread.join(timeout)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    # -- what asyncio callers use --------------------------------------------------
+    async def call(self, fn: Callable[[LLMEngine], T]) -> T:
+        """Run `fn(engine)` on the engine thread between steps and return its result."""
+        future: concurrent.futures.Future = concurrent.futures.Future()
+
+        def job() -> None:
+            if not future.set_running_or_notify_cancel():
+                return
+            try:
+                future.set_result(fn(self.engine))
+            except BaseException as exc:   # handed to the caller, never kills the loop
+                future.set_exception(exc)
+
+        self._submit(job)
+        return await asyncio.wrap_future(future)
+
+    async def stream(self, request_id: str,
+                     start: Callable[[LLMEngine], list[RequestOutput] | None]) -> AsyncIterator[RequestOutput]:
+        """Run `start(engine)` (which adds the request) and yield the request's outputs.
+
+        `start` may return outputs it produced itself (complete_remote_prefill
+        does). The last output yielded has `finished` set. Leaving the iteration
+        early (the caller was cancelled, or stopped reading) aborts the request,
+        so its blocks are freed by the next step.
+        """
+        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
+
+        def job() -> None:
+            try:
+                outputs = start(self.engine) or []
+            except Exception as exc:
+                stream.put(exc)
+                return
+            self._streams[request_id] = stream
+            self._dispatch(outputs)
+
+        self._submit(job)
+        finished = False
+        try:
+            while not finished:
+                item = await stream.queue.get()
+                if isinstance(item, BaseException):
+                    finished = True
+                    raise item
+                finished = item.finished
+                yield item
+        finally:
+            if not finished:
+                self.abort(request_id)
+
+    def abort(self, request_id: str) -> None:
+        """Drop a request (fire and forget). An open stream gets a final ABORT output."""
+        if not self._stopping.is_set():     # a stopping loop fails every stream itself
+            self._jobs.put(lambda: self._abort(request_id))
+
+    async def abort_request(self, request_id: str) -> bool:
+        """`abort`, awaited: False when the engine did not know the request."""
+        return await self.call(lambda _engine: self._abort(request_id))
+
+    # -- the engine thread ----------------------------------------------------------
+    def _submit(self, job: Callable[[], None]) -> None:
+        if self._stopping.is_set():
+            raise EngineStoppedError("the worker is shutting down")
+        self._jobs.put(job)
+
+    def _run(self) -> None:
+        log.info("engine loop started")
+        while not self._stopping.is_set():
+            busy = self.engine.has_unfinished() or self._flush
+            self._run_jobs(block=not busy)
+            if self.engine.has_unfinished() or self._flush:
+                self._flush = False
+                self._step()
+        self._fail_all(EngineStoppedError("the worker is shutting down"))
+        log.info("engine loop stopped")
+
+    def _run_jobs(self, block: bool) -> None:
+        try:
+            job = self._jobs.get() if block else self._jobs.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            try:
+                job()
+            except Exception:
+                log.exception("engine job failed")
+            try:
+                job = self._jobs.get_nowait()
+            except queue.Empty:
+                return
+
+    def _step(self) -> None:
+        try:
+            outputs = self.engine.step()
+        except Exception as exc:
+            log.exception("engine step failed; aborting its %d requests", len(self._streams))
+            self._fail_all(EngineStepError(f"the engine failed on this batch: {exc}"))
+            return
+        self._dispatch(outputs)
+
+    def _dispatch(self, outputs: list[RequestOutput]) -> None:
+        for out in outputs:
+            stream = self._streams.get(out.request_id)
+            if stream is None:
+                continue        # aborted by its caller, or added without a stream
+            if out.finished:
+                del self._streams[out.request_id]
+            stream.put(out)
+
+    def _abort(self, request_id: str) -> bool:
+        if not self.engine.abort(request_id):
+            return False
+        self._flush = True     # the ABORT output reaches an open stream on the next step
+        return True
+
+    def _fail_all(self, exc: BaseException) -> None:
+        streams, self._streams = self._streams, {}
+        for request_id, stream in streams.items():
+            try:
+                self.engine.abort(request_id)
+            except Exception:
+                log.exception("abort of request %s failed", request_id)
+            stream.put(exc)

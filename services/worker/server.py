@@ -1,0 +1,97 @@
+"""`splitserve worker`: the gRPC server around one engine.
+
+The server starts first and reports NOT_SERVING through the standard health
+service while the model loads (on a thread, so health checks are answered
+meanwhile); SERVING once the engine is attached. SIGTERM or SIGINT stops
+admission, gives running calls a grace period and exits.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+from dataclasses import dataclass
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1._async import HealthServicer
+
+from splitserve.errors import SplitserveError
+from splitserve.proto.v1 import worker_pb2_grpc
+from splitserve.services.engine.config import EngineConfig
+from splitserve.services.engine.engine import LLMEngine
+
+from .service import Role, WorkerOptions, WorkerService
+from .transfer import KVReceiver, KVSender, UnwiredTransfer
+
+log = logging.getLogger(__name__)
+
+MAX_MESSAGE_BYTES = 64 * 2**20
+GRPC_OPTIONS = [("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+                ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)]
+
+
+@dataclass(slots=True)
+class WorkerServerConfig:
+    options: WorkerOptions
+    engine: EngineConfig
+    host: str = "127.0.0.1"
+    port: int = 0
+    grace_s: float = 2.0     # running calls get this long to finish on SIGTERM
+
+
+def build_transfer(role: Role, engine: LLMEngine) -> tuple[KVSender, KVReceiver]:
+    """(sender, receiver) for this role, built once the engine's KV pool exists
+    (a connector registers `engine.runner.kv` before any peer fetches its metadata).
+    Until kvtransfer is wired in, both refuse with TransferNotWiredError."""
+    unwired = UnwiredTransfer()
+    return unwired, unwired
+
+
+async def serve(config: WorkerServerConfig, stop: asyncio.Event | None = None) -> int:
+    """Run until `stop` is set or a SIGTERM/SIGINT arrives; returns an exit code."""
+    stop = stop or asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    wid = config.options.worker_id
+    server = grpc.aio.server(options=GRPC_OPTIONS)
+    health = HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health, server)
+    service = WorkerService(config.options, health)
+    worker_pb2_grpc.add_WorkerServicer_to_server(service, server)
+    address = f"{config.host}:{config.port}"
+    port = server.add_insecure_port(address)
+    if port == 0:
+        raise SplitserveError(f"worker {wid}: cannot listen on {address}")
+    for name in ("", "splitserve.v1.Worker"):
+        await health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+    await server.start()
+    log.info("worker %s (%s): listening on %s:%d, loading %s", wid, config.options.role.value,
+             config.host, port, config.engine.model)
+    print(f"worker {wid} listening on {config.host}:{port}", flush=True)
+    engine = None
+    try:
+        load = asyncio.ensure_future(asyncio.to_thread(LLMEngine, config.engine))
+        waiter = asyncio.ensure_future(stop.wait())
+        await asyncio.wait({load, waiter}, return_when=asyncio.FIRST_COMPLETED)
+        if not load.done():
+            log.info("worker %s: stopped while loading", wid)
+            return 0
+        waiter.cancel()
+        engine = load.result()
+        sender, receiver = build_transfer(config.options.role, engine)
+        await service.attach(engine, sender, receiver)
+        log.info("worker %s: serving %s (max_model_len %d, %d KV blocks)", wid,
+                 engine.config.model_name, engine.max_model_len, engine.config.num_kv_blocks)
+        print(f"worker {wid} ready", flush=True)
+        await stop.wait()
+        log.info("worker %s: stopping", wid)
+        return 0
+    finally:
+        await health.enter_graceful_shutdown()
+        await server.stop(config.grace_s)
+        await service.close()
+        if engine is not None:
+            engine.close()

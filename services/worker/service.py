@@ -1,0 +1,254 @@
+"""The gRPC Worker service over one EngineLoop (proto/splitserve/v1/worker.proto).
+
+Every call is isolated: an error in one request becomes that call's gRPC
+status (INVALID_ARGUMENT for bad input, with the engine's message) and the
+worker carries on. A call the client cancels aborts its engine request, so
+its blocks are free by the next step. Until the model is loaded, and after
+Drain, calls that would start work get UNAVAILABLE.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import uuid
+from dataclasses import dataclass
+
+import grpc
+from grpc_health.v1 import health_pb2
+from grpc_health.v1._async import HealthServicer
+
+from splitserve.errors import FatalError, InvalidRequestError, RecoverableError
+from splitserve.proto.v1 import worker_pb2, worker_pb2_grpc
+from splitserve.services.engine.engine import LLMEngine
+
+from .convert import event_to_proto, logprob_to_proto, output_to_proto, params_from_proto
+from .disaggregation import PeerChannels, RemotePrefill, serve_prefill
+from .engine_loop import EngineLoop
+from .kv_event_hub import KvEventHub
+from .transfer import KVReceiver, KVSender, TransferEndpoint, TransferError, TransferNotWiredError, TransferTarget
+
+log = logging.getLogger(__name__)
+
+SERVICE_NAME = "splitserve.v1.Worker"
+
+
+class Role(enum.Enum):
+    PREFILL = "prefill"
+    DECODE = "decode"
+    BOTH = "both"
+
+    def to_proto(self) -> int:
+        return {Role.PREFILL: worker_pb2.WORKER_ROLE_PREFILL, Role.DECODE: worker_pb2.WORKER_ROLE_DECODE,
+                Role.BOTH: worker_pb2.WORKER_ROLE_BOTH}[self]
+
+
+class WorkerUnavailableError(RecoverableError):
+    """Not loaded yet, draining, or shutting down: try another worker."""
+
+
+@dataclass(slots=True)
+class WorkerOptions:
+    worker_id: str
+    role: Role = Role.BOTH
+    remote_prefill_threshold: int = 64     # uncached prompt tokens below this prefill locally
+    prefill_timeout_s: float = 120.0
+    kv_event_buffer: int = 10_000
+
+
+@dataclass(slots=True)
+class WorkerCounters:
+    num_requests: int = 0
+    num_local_prefills: int = 0
+    num_remote_prefills: int = 0
+    num_prefills_served: int = 0
+    num_errors: int = 0
+    num_in_flight: int = 0
+
+
+def _status_of(exc: BaseException) -> grpc.StatusCode:
+    if isinstance(exc, TransferNotWiredError):
+        return grpc.StatusCode.UNIMPLEMENTED
+    if isinstance(exc, (WorkerUnavailableError, TransferError)):
+        return grpc.StatusCode.UNAVAILABLE
+    if isinstance(exc, RecoverableError):
+        return grpc.StatusCode.INVALID_ARGUMENT
+    return grpc.StatusCode.INTERNAL
+
+
+class WorkerService(worker_pb2_grpc.WorkerServicer):
+    def __init__(self, options: WorkerOptions, health: HealthServicer):
+        self.options = options
+        self.health = health
+        self.sender: KVSender | None = None
+        self.receiver: KVReceiver | None = None
+        self.instance_id = uuid.uuid4().hex
+        self.counters = WorkerCounters()
+        self.draining = False
+        self.peers = PeerChannels()
+        self.loop: EngineLoop | None = None
+        self.hub = KvEventHub(options.kv_event_buffer)
+        self.remote: RemotePrefill | None = None
+
+    # -- lifecycle ---------------------------------------------------------------
+    async def attach(self, engine: LLMEngine, sender: KVSender, receiver: KVReceiver) -> None:
+        """The model is loaded (and its KV pool registered with the transfer): start the
+        engine loop and report SERVING."""
+        self.sender, self.receiver = sender, receiver
+        engine.subscribe_events(self.hub.publish)
+        self.loop = EngineLoop(engine)
+        self.loop.start()
+        self.remote = RemotePrefill(self.loop, self.receiver, self.peers,
+                                    self.options.remote_prefill_threshold, self.options.prefill_timeout_s)
+        await self._set_health(health_pb2.HealthCheckResponse.SERVING)
+
+    async def close(self) -> None:
+        await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
+        if self.loop is not None:
+            self.loop.stop()
+        await self.peers.close()
+
+    async def _set_health(self, status: int) -> None:
+        for name in ("", SERVICE_NAME):
+            await self.health.set(name, status)
+
+    def _engine_loop(self, admit: bool = True) -> EngineLoop:
+        if self.loop is None or not self.loop.alive:
+            raise WorkerUnavailableError(f"worker {self.options.worker_id} is not ready")
+        if admit and self.draining:
+            raise WorkerUnavailableError(f"worker {self.options.worker_id} is draining")
+        return self.loop
+
+    async def _fail(self, context: grpc.aio.ServicerContext, method: str, request_id: str,
+                    exc: BaseException) -> None:
+        self.counters.num_errors += 1
+        code = _status_of(exc)
+        if code is grpc.StatusCode.INTERNAL:
+            log.error("worker %s: %s %s failed: %r", self.options.worker_id, method, request_id, exc,
+                      exc_info=not isinstance(exc, FatalError))
+        else:
+            log.info("worker %s: %s %s refused: %s", self.options.worker_id, method, request_id, exc)
+        await context.abort(code, str(exc) or type(exc).__name__)
+
+    # -- Generate ----------------------------------------------------------------
+    async def Generate(self, request, context):
+        request_id = request.request_id or f"gen-{uuid.uuid4().hex}"
+        failure = None
+        self.counters.num_in_flight += 1
+        try:
+            loop = self._engine_loop()
+            params = params_from_proto(request.params)
+            token_ids = list(request.token_ids)
+            self.counters.num_requests += 1
+            peer = request.prefill_peer.address if request.HasField("prefill_peer") else ""
+            async for response in self._generate(loop, request_id, token_ids, params, peer):
+                yield response
+        except Exception as exc:
+            failure = exc
+        finally:
+            self.counters.num_in_flight -= 1
+        if failure is not None:
+            await self._fail(context, "Generate", request_id, failure)
+
+    async def _generate(self, loop: EngineLoop, request_id: str, token_ids: list[int], params, peer: str):
+        remote = self.remote
+        if peer and self.options.role is not Role.PREFILL and await remote.worth_it(token_ids):
+            reservation = await remote.reserve(request_id, token_ids, params)
+            if reservation is not None:
+                first = await remote.fill(request_id, token_ids, params, reservation, peer)
+                self.counters.num_remote_prefills += 1
+                async for out in loop.stream(request_id, remote.complete(request_id, first)):
+                    yield output_to_proto(out, prefilled_remotely=True)
+                return
+        self.counters.num_local_prefills += 1
+        async for out in loop.stream(request_id, lambda e: e.add_request(request_id, token_ids, params)):
+            yield output_to_proto(out)
+
+    # -- Prefill -----------------------------------------------------------------
+    async def Prefill(self, request, context):
+        failure = None
+        self.counters.num_in_flight += 1
+        try:
+            loop = self._engine_loop()
+            if not request.request_id:
+                raise InvalidRequestError("Prefill needs a request_id")
+            params = params_from_proto(request.params)
+            t = request.target
+            target = TransferTarget(TransferEndpoint(t.agent_name, t.agent_metadata, t.layout_hash),
+                                    list(t.block_ids), t.num_cached_blocks)
+            out = await serve_prefill(loop, self.sender, request.request_id, list(request.token_ids),
+                                      params, target)
+            self.counters.num_prefills_served += 1
+            response = worker_pb2.PrefillResponse(
+                first_token_id=out.new_token_ids[0], num_prompt_tokens=out.num_prompt_tokens,
+                num_cached_tokens=out.num_cached_tokens)
+            if out.logprobs:
+                response.first_logprob.CopyFrom(logprob_to_proto(out.logprobs[0]))
+            return response
+        except Exception as exc:
+            failure = exc
+        finally:
+            self.counters.num_in_flight -= 1
+        await self._fail(context, "Prefill", request.request_id, failure)
+
+    # -- control -----------------------------------------------------------------
+    async def Abort(self, request, context):
+        try:
+            found = await self._engine_loop(admit=False).abort_request(request.request_id)
+        except Exception as exc:
+            await self._fail(context, "Abort", request.request_id, exc)
+        return worker_pb2.AbortResponse(found=found)
+
+    async def Stats(self, request, context):
+        try:
+            return await self._engine_loop(admit=False).call(self._stats)
+        except Exception as exc:
+            await self._fail(context, "Stats", "-", exc)
+
+    def _stats(self, engine: LLMEngine) -> worker_pb2.StatsResponse:
+        pool, sched, s, c = engine.pool, engine.scheduler, engine.stats, self.counters
+        return worker_pb2.StatsResponse(
+            worker_id=self.options.worker_id, role=self.options.role.to_proto(), draining=self.draining,
+            num_kv_blocks=pool.num_blocks, num_used_kv_blocks=pool.num_used_blocks,
+            num_cached_kv_blocks=len(pool.cached), kv_usage=pool.num_used_blocks / pool.num_blocks,
+            num_running=len(sched.running), num_waiting=len(sched.waiting),
+            num_remote_prefill=len(sched.remote), num_in_flight=c.num_in_flight,
+            num_steps=s.num_steps, num_computed_tokens=s.num_computed_tokens,
+            num_prompt_tokens_computed=s.num_prompt_tokens_computed,
+            num_prefix_hit_tokens=s.num_prefix_hit_tokens, num_generated_tokens=s.num_generated_tokens,
+            num_preemptions=s.num_preemptions, num_finished=s.num_finished, num_aborted=s.num_aborted,
+            num_requests=c.num_requests, num_local_prefills=c.num_local_prefills,
+            num_remote_prefills=c.num_remote_prefills, num_prefills_served=c.num_prefills_served,
+            num_errors=c.num_errors, last_kv_event_seq=self.hub.last_seq)
+
+    async def Describe(self, request, context):
+        try:
+            engine = self._engine_loop(admit=False).engine
+        except Exception as exc:
+            await self._fail(context, "Describe", "-", exc)
+        cfg = engine.config
+        return worker_pb2.DescribeResponse(
+            worker_id=self.options.worker_id, instance_id=self.instance_id,
+            role=self.options.role.to_proto(), model_name=cfg.model_name,
+            max_model_len=engine.max_model_len, vocab_size=engine.model_config.vocab_size,
+            block_size=cfg.block_size, num_kv_blocks=cfg.num_kv_blocks,
+            dtype=str(cfg.torch_dtype()).removeprefix("torch."), device=cfg.device,
+            tensor_parallel_size=cfg.tensor_parallel_size)
+
+    async def Drain(self, request, context):
+        if not self.draining:
+            log.info("worker %s: draining", self.options.worker_id)
+        self.draining = True
+        await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
+        return worker_pb2.DrainResponse(num_in_flight=self.counters.num_in_flight)
+
+    async def KvEvents(self, request, context):
+        try:
+            self._engine_loop(admit=False)
+        except Exception as exc:
+            await self._fail(context, "KvEvents", "-", exc)
+        async for batch in self.hub.subscribe(request.since_seq, request.snapshot):
+            yield worker_pb2.KvEventBatch(
+                worker_id=self.options.worker_id, instance_id=self.instance_id,
+                snapshot=batch.snapshot, last_seq=batch.last_seq,
+                events=[event_to_proto(e) for e in batch.events])

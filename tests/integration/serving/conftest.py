@@ -1,0 +1,166 @@
+"""Real `splitserve serve` / `splitserve worker` processes for the serving tests.
+
+Servers listen on free ports on 127.0.0.1, are waited for by polling (bounded),
+and are always torn down, with a check that no child process outlives them.
+One server per test module keeps the suite within a few minutes on 2 cores.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import threading
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+import pytest
+
+READY_TIMEOUT_S = 120.0
+CHILD_ENV = {"SPLITSERVE_TEST_THREADS": "1", "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class Proc:
+    """A child process whose combined output is collected by a reader thread."""
+
+    process: subprocess.Popen
+    lines: list[str] = field(default_factory=list)
+
+    @classmethod
+    def start(cls, argv: list[str], env: dict | None = None) -> "Proc":
+        process = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                   env={**os.environ, **CHILD_ENV, **(env or {})})
+        proc = cls(process)
+        threading.Thread(target=proc._read, daemon=True).start()
+        return proc
+
+    def _read(self) -> None:
+        for line in self.process.stdout:
+            self.lines.append(line.rstrip("\n"))
+
+    @property
+    def output(self) -> str:
+        return "\n".join(self.lines)
+
+    def wait_for_line(self, pattern: str, timeout: float) -> re.Match:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            for line in list(self.lines):
+                match = re.search(pattern, line)
+                if match:
+                    return match
+            if self.process.poll() is not None:
+                break
+            time.sleep(0.05)
+        raise AssertionError(f"no line matching {pattern!r}; output so far:\n{self.output}")
+
+    def children(self) -> list[int]:
+        pids = []
+        for stat in Path("/proc").glob("[0-9]*/stat"):
+            try:
+                fields = stat.read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[1]) == self.process.pid:
+                pids.append(int(stat.parent.name))
+        return pids
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 30.0) -> int:
+        if self.process.poll() is None:
+            self.process.send_signal(sig)
+        try:
+            return self.process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+            raise AssertionError(f"did not stop within {timeout} s on {sig!r}:\n{self.output}")
+
+
+def alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+def http_ok(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=1.0) as reply:
+            return reply.status == 200
+    except (urllib.error.URLError, OSError):
+        return False
+
+
+@dataclass
+class Server:
+    proc: Proc
+    base_url: str
+    grpc_address: str
+    worker_addresses: list[str]
+    child_pids: list[int]
+
+    @property
+    def openai_url(self) -> str:
+        return f"{self.base_url}/v1"
+
+
+def start_serve(model: str, *extra: str, env: dict | None = None, num_workers: int = 1) -> Server:
+    port, grpc_port = free_port(), free_port()
+    proc = Proc.start(["splitserve", "serve", "--aggregated", "--model", model, "--port", str(port),
+                       "--grpc-port", str(grpc_port), "--threads", "1", "--kv-cache-gib", "0.05",
+                       "--workers", str(num_workers), *extra], env=env)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        while not http_ok(f"{base}/ready"):
+            assert proc.process.poll() is None, f"serve exited early:\n{proc.output}"
+            assert time.monotonic() < deadline, f"not ready after {READY_TIMEOUT_S} s:\n{proc.output}"
+            time.sleep(0.1)
+        proc.wait_for_line(r"splitserve is ready", 10)
+        workers = [m.group(1) for line in proc.lines
+                   if (m := re.search(r"worker-\d+ ready .* at (\S+)$", line))]
+        assert len(workers) == num_workers, proc.output
+        return Server(proc, base, f"127.0.0.1:{grpc_port}", workers, proc.children())
+    except BaseException:
+        proc.stop()
+        raise
+
+
+def stop_serve(server: Server, sig: int = signal.SIGTERM) -> None:
+    code = server.proc.stop(sig)
+    assert code == 0, server.proc.output
+    assert len(server.child_pids) >= 2    # workers and the frontend
+    deadline = time.monotonic() + 5
+    while any(alive(pid) for pid in server.child_pids) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not [pid for pid in server.child_pids if alive(pid)], "serve left orphan processes"
+
+
+def worker_stats(address: str):
+    from splitserve.proto.v1 import worker_pb2, worker_pb2_grpc
+
+    with grpc.insecure_channel(address) as channel:
+        return worker_pb2_grpc.WorkerStub(channel).Stats(worker_pb2.StatsRequest(), timeout=5)
+
+
+@pytest.fixture(scope="module")
+def llama_server(llama_dir):
+    server = start_serve(str(llama_dir))
+    try:
+        yield server
+    finally:
+        stop_serve(server)

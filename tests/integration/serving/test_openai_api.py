@@ -1,0 +1,274 @@
+"""The official `openai` client (and raw HTTP) against a real `splitserve serve --aggregated`.
+
+One server per module on the random-weight Llama checkpoint: greedy output
+equals the engine's and transformers' token for token, usage figures are
+right, every bad input gets its 4xx and the server keeps serving, and a client
+that goes away mid-request leaves the worker's KV pool idle within a second.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+import httpx
+import openai
+import pytest
+
+from splitserve.services.engine.config import EngineConfig
+from splitserve.services.engine.engine import LLMEngine
+from splitserve.services.engine.sampling_params import SamplingParams
+from splitserve.testing.oracle import assert_greedy_match, hf_greedy
+
+from .conftest import worker_stats
+
+MODEL = "llama"          # the served name is the checkpoint folder's name, read from /v1/models
+PROMPT_IDS = [1, 415, 2936, 9060, 285, 1142, 28705, 28740, 28734, 2421]
+CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name three colours."}]
+GREEDY = {"ignore_eos": True, "return_token_ids": True}
+
+
+@pytest.fixture(scope="module")
+def server(llama_server):
+    return llama_server
+
+
+@pytest.fixture(scope="module")
+def model_name(server) -> str:
+    data = httpx.get(f"{server.openai_url}/models").json()["data"]
+    assert len(data) == 1
+    return data[0]["id"]
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.openai_url, api_key="unused", max_retries=0, timeout=60)
+
+
+@pytest.fixture(scope="module")
+def engine(llama_dir):
+    return LLMEngine(EngineConfig(model=str(llama_dir), num_kv_blocks=128, num_threads=1))
+
+
+def test_health_ready_and_models(server, model_name, llama_dir):
+    assert httpx.get(f"{server.base_url}/health").status_code == 200
+    assert httpx.get(f"{server.base_url}/ready").status_code == 200
+    assert model_name == llama_dir.name
+
+
+def test_greedy_completion_equals_engine_and_transformers(client, model_name, engine, llama_dir):
+    out = client.completions.create(model=model_name, prompt=PROMPT_IDS, max_tokens=12, temperature=0,
+                                    extra_body=GREEDY)
+    choice = out.choices[0]
+    [want] = engine.generate([PROMPT_IDS], SamplingParams(max_tokens=12, ignore_eos=True))
+    assert choice.token_ids == want.token_ids
+    assert choice.text == want.text
+    assert choice.finish_reason == "length"
+    assert (out.usage.prompt_tokens, out.usage.completion_tokens, out.usage.total_tokens) == (10, 12, 22)
+    [ref] = hf_greedy(llama_dir, [PROMPT_IDS], 12, ignore_eos=True)
+    assert_greedy_match(choice.token_ids, ref)
+
+
+def test_text_prompt_streaming_equals_whole(client, model_name, engine):
+    kwargs = dict(model=model_name, prompt="The quick brown fox", max_tokens=10, temperature=0,
+                  extra_body=GREEDY)
+    whole = client.completions.create(**kwargs)
+    chunks = list(client.completions.create(stream=True, stream_options={"include_usage": True}, **kwargs))
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert text == whole.choices[0].text
+    [want] = engine.generate(["The quick brown fox"], SamplingParams(max_tokens=10, ignore_eos=True))
+    assert whole.choices[0].token_ids == want.token_ids
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    usage = chunks[-1].usage
+    assert not chunks[-1].choices and usage.completion_tokens == 10
+    assert usage.prompt_tokens == whole.usage.prompt_tokens == len(engine.tokenizer.encode("The quick brown fox"))
+
+
+def test_chat_whole_and_streamed(client, model_name, engine):
+    prompt_ids = engine.tokenizer.apply_chat_template(CHAT)
+    [want] = engine.generate([prompt_ids], SamplingParams(max_tokens=9, ignore_eos=True))
+    whole = client.chat.completions.create(model=model_name, messages=CHAT, max_completion_tokens=9,
+                                           temperature=0, extra_body=GREEDY)
+    assert whole.choices[0].message.role == "assistant"
+    assert whole.choices[0].message.content == want.text
+    assert whole.choices[0].token_ids == want.token_ids
+    assert (whole.usage.prompt_tokens, whole.usage.completion_tokens) == (len(prompt_ids), 9)
+    stream = client.chat.completions.create(model=model_name, messages=CHAT, max_tokens=9, temperature=0,
+                                            stream=True, stream_options={"include_usage": True},
+                                            extra_body={"ignore_eos": True})
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    content = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert content == want.text
+    assert chunks[-1].usage.total_tokens == len(prompt_ids) + 9
+    assert all(c.usage is None for c in chunks[:-1])
+
+
+def test_stop_string_cuts_the_text(client, model_name, engine):
+    [free] = engine.generate([PROMPT_IDS], SamplingParams(max_tokens=16, ignore_eos=True))
+    stop = free.text[len(free.text) // 2:][:3]
+    assert stop.strip(), free.text
+    expected = free.text[:free.text.index(stop)]
+    for stream in (False, True):
+        out = client.completions.create(model=model_name, prompt=PROMPT_IDS, max_tokens=16, temperature=0,
+                                        stop=[stop], stream=stream, extra_body={"ignore_eos": True})
+        if stream:
+            chunks = [c for c in out if c.choices]
+            text, reason = "".join(c.choices[0].text for c in chunks), chunks[-1].choices[0].finish_reason
+        else:
+            text, reason = out.choices[0].text, out.choices[0].finish_reason
+        assert (text, reason) == (expected, "stop")
+
+
+def test_logprobs_and_seeded_sampling(client, model_name):
+    out = client.chat.completions.create(model=model_name, messages=CHAT, max_tokens=4, temperature=0,
+                                         logprobs=True, top_logprobs=3, extra_body={"ignore_eos": True})
+    content = out.choices[0].logprobs.content
+    assert len(content) == 4 and all(len(t.top_logprobs) == 3 for t in content)
+    assert all(t.logprob == pytest.approx(t.top_logprobs[0].logprob) for t in content)   # greedy = top-1
+    runs = [client.completions.create(model=model_name, prompt="Once upon", max_tokens=8, temperature=1.0,
+                                      top_p=0.9, seed=1234, extra_body={"ignore_eos": True}).choices[0].text
+            for _ in range(2)]
+    assert runs[0] == runs[1]
+
+
+LONG = {"ignore_eos": True, "max_tokens": 3000}
+BAD_BODIES = [
+    # (raw body or JSON object, endpoint, status, param)
+    (b"{not json", "completions", 400, None),
+    (b"[1, 2]", "completions", 400, None),
+    (b"\xff\xfe", "completions", 400, None),
+    ({"prompt": "hi"}, "completions", 400, "model"),
+    ({"model": "MODEL", "prompt": "hi", "max_tokens": "5"}, "completions", 400, "max_tokens"),
+    ({"model": "MODEL", "prompt": "hi", "temperature": "hot"}, "completions", 400, "temperature"),
+    ({"model": "MODEL", "prompt": "hi", "stream": "yes"}, "completions", 400, "stream"),
+    ({"model": "MODEL", "messages": "hi"}, "chat/completions", 400, "messages"),
+    ({"model": "MODEL", "messages": []}, "chat/completions", 400, "messages"),
+    ({"model": "MODEL", "messages": [{"role": "tool", "content": "x"}]}, "chat/completions", 400,
+     "messages.0.role"),
+    ({"model": "other-model", "prompt": "hi"}, "completions", 404, "model"),
+    ({"model": "MODEL", "prompt": [5] * 5000}, "completions", 400, "prompt"),
+    ({"model": "MODEL", "prompt": "hi", "max_tokens": 0}, "completions", 400, "max_tokens"),
+    ({"model": "MODEL", "prompt": "hi", "max_tokens": -3}, "completions", 400, "max_tokens"),
+    ({"model": "MODEL", "prompt": "hi", "max_tokens": 10**6}, "completions", 400, "max_tokens"),
+    ({"model": "MODEL", "messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 10**6},
+     "chat/completions", 400, "max_completion_tokens"),
+    ({"model": "MODEL", "prompt": "hi", "n": 2}, "completions", 400, "n"),
+    ({"model": "MODEL", "prompt": "hi", "best_of": 3}, "completions", 400, "best_of"),
+    ({"model": "MODEL", "prompt": "hi", "echo": True}, "completions", 400, "echo"),
+    ({"model": "MODEL", "prompt": "hi", "presence_penalty": 0.5}, "completions", 400, "presence_penalty"),
+    ({"model": "MODEL", "messages": [{"role": "user", "content": "x"}], "tools": []},
+     "chat/completions", 400, "tools"),
+    ({"model": "MODEL", "prompt": "hi", "temperature": 5}, "completions", 400, "temperature"),
+    ({"model": "MODEL", "prompt": "hi", "top_p": 0}, "completions", 400, "top_p"),
+    ({"model": "MODEL", "prompt": "hi", "logprobs": 50}, "completions", 400, "logprobs"),
+    ({"model": "MODEL", "prompt": "hi", "stop": ""}, "completions", 400, "stop"),
+    ({"model": "MODEL", "prompt": "hi", "seed": 2**70}, "completions", 400, "seed"),
+    ({"model": "MODEL", "prompt": ""}, "completions", 400, "prompt"),
+    ({"model": "MODEL", "prompt": "hi", "stream_options": {"include_usage": True}}, "completions", 400,
+     "stream_options"),
+    ({"model": "MODEL", "messages": [{"role": "user", "content": "x"}], "top_logprobs": 2},
+     "chat/completions", 400, "top_logprobs"),
+    ({"model": "MODEL", "prompt": [[1, 2], [3]]}, "completions", 400, "prompt"),
+    ({"model": "MODEL", "prompt": [1, 2**40]}, "completions", 400, "prompt"),
+    ({"model": "MODEL", "prompt": "hi", "top_k": 2**40}, "completions", 400, "top_k"),
+    (b'{"model": "MODEL", "prompt": "hi", "temperature": NaN}', "completions", 400, "temperature"),
+    ({"model": "MODEL", "messages": [{"role": "user", "content": "x", "mood": "ok"}]}, "chat/completions",
+     400, "messages.0.mood"),
+    # Refused by the worker (token id outside the vocabulary), streamed or not: still a 400.
+    ({"model": "MODEL", "prompt": [1, 99999999]}, "completions", 400, None),
+    ({"model": "MODEL", "prompt": [1, 99999999], "stream": True}, "completions", 400, None),
+]
+
+
+@pytest.mark.parametrize("body, endpoint, status, param", BAD_BODIES)
+def test_bad_input_gets_its_4xx(server, model_name, body, endpoint, status, param):
+    if isinstance(body, dict):
+        body = json.dumps(body).encode()
+    body = body.replace(b'"MODEL"', json.dumps(model_name).encode())
+    reply = httpx.post(f"{server.openai_url}/{endpoint}", content=body,
+                       headers={"Content-Type": "application/json"}, timeout=30)
+    assert reply.status_code == status, reply.text
+    error = reply.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["message"]
+    assert error["param"] == param, error
+
+
+def test_server_keeps_serving_after_bad_input(server, client, model_name):
+    for path, method in (("/nope", "GET"), ("/v1/completions", "GET")):
+        reply = httpx.request(method, f"{server.base_url}{path}")
+        assert reply.status_code in (404, 405) and "error" in reply.json()
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model=model_name, prompt="hi", max_tokens=0)
+    out = client.completions.create(model=model_name, prompt="still there?", max_tokens=3, temperature=0)
+    assert out.usage.completion_tokens >= 1
+
+
+def _wait_idle(address: str, since: float, limit_s: float = 1.0):
+    while True:
+        stats = worker_stats(address)
+        if stats.num_used_kv_blocks == 0 and stats.num_running == 0 and stats.num_waiting == 0:
+            return stats, time.monotonic() - since
+        assert time.monotonic() - since < limit_s, f"worker not idle {limit_s} s after disconnect: {stats}"
+        time.sleep(0.02)
+
+
+def test_disconnect_mid_stream_frees_the_worker(server, model_name):
+    [worker] = server.worker_addresses
+    aborted_before = worker_stats(worker).num_aborted
+    body = {"model": model_name, "messages": CHAT, "stream": True, "temperature": 0, **LONG}
+    with httpx.Client(timeout=30) as http:
+        with http.stream("POST", f"{server.openai_url}/chat/completions", json=body) as reply:
+            assert reply.status_code == 200
+            lines = reply.iter_lines()
+            received = [line for _, line in zip(range(6), lines) if line.startswith("data:")]
+            assert received
+            busy = worker_stats(worker)
+            assert busy.num_running == 1 and busy.num_used_kv_blocks > 0
+        gone = time.monotonic()
+    stats, took = _wait_idle(worker, gone)
+    assert stats.num_aborted == aborted_before + 1, stats
+    assert stats.num_generated_tokens < 3000
+
+
+def test_disconnect_while_waiting_for_a_whole_response(server, model_name):
+    [worker] = server.worker_addresses
+    aborted_before = worker_stats(worker).num_aborted
+    body = {"model": model_name, "prompt": PROMPT_IDS, **LONG}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{server.openai_url}/completions", json=body, timeout=httpx.Timeout(30, read=0.5))
+    gone = time.monotonic()
+    stats, _ = _wait_idle(worker, gone)
+    assert stats.num_aborted == aborted_before + 1, stats
+
+
+def test_metrics(server):
+    text = httpx.get(f"{server.base_url}/metrics").text
+    for name in ("splitserve_time_to_first_token_seconds_count", "splitserve_inter_token_latency_seconds_count",
+                 "splitserve_e2e_request_latency_seconds_count", "splitserve_requests_in_flight"):
+        assert name in text
+    assert 'splitserve_requests_total{api="completions",status="ok"}' in text
+    assert 'status="invalid"' in text
+
+
+def test_public_grpc_generate(server, model_name, engine):
+    import grpc
+
+    from splitserve.proto.v1 import common_pb2, inference_pb2, inference_pb2_grpc
+
+    [want] = engine.generate([PROMPT_IDS], SamplingParams(max_tokens=7, ignore_eos=True))
+    with grpc.insecure_channel(server.grpc_address) as channel:
+        stub = inference_pb2_grpc.InferenceStub(channel)
+        request = inference_pb2.GenerateRequest(token_ids=inference_pb2.TokenIds(ids=PROMPT_IDS), max_tokens=7,
+                                                temperature=0, ignore_eos=True, include_usage=True)
+        replies = list(stub.Generate(request, timeout=60))
+        assert [t for r in replies for t in r.token_ids] == want.token_ids
+        assert "".join(r.text for r in replies) == want.text
+        assert replies[-1].finish_reason == common_pb2.FINISH_REASON_LENGTH
+        assert replies[-1].usage.completion_tokens == 7 and replies[-1].usage.prompt_tokens == 10
+        with pytest.raises(grpc.RpcError) as info:
+            list(stub.Generate(inference_pb2.GenerateRequest(model="nope", text="hi"), timeout=10))
+        assert info.value.code() == grpc.StatusCode.NOT_FOUND
+        with pytest.raises(grpc.RpcError) as info:
+            list(stub.Generate(inference_pb2.GenerateRequest(text="hi", max_tokens=10**6), timeout=10))
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT

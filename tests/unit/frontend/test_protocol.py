@@ -1,0 +1,77 @@
+"""The HTTP schema, its OpenAI-style errors, worker addresses and round-robin routing."""
+
+from __future__ import annotations
+
+import pytest
+from pydantic import ValidationError
+
+from splitserve.errors import InvalidRequestError
+from splitserve.proto.v1 import worker_pb2
+from splitserve.services.frontend.errors import from_validation_error
+from splitserve.services.frontend.protocol import ChatCompletionRequest, CompletionRequest
+from splitserve.services.frontend.routing import RoundRobinRouter, RouteRequest
+from splitserve.services.frontend.workers import WorkerAddress, WorkerHandle, WorkerPool
+
+
+def error_for(model, data):
+    with pytest.raises(ValidationError) as info:
+        model.model_validate(data)
+    return from_validation_error(info.value)
+
+
+@pytest.mark.parametrize("data, param, code", [
+    ({"model": "m", "prompt": "x", "tools": []}, "tools", "unsupported_parameter"),
+    ({"prompt": "x"}, "model", "missing_required_parameter"),
+    ({"model": "m", "prompt": "x", "max_tokens": "5"}, "max_tokens", "invalid_value"),
+    ({"model": "m", "prompt": "x", "max_tokens": True}, "max_tokens", "invalid_value"),
+    ({"model": "m", "prompt": "x", "stop": ""}, "stop", "invalid_value"),
+    ({"model": "m", "prompt": [-1]}, "prompt", "invalid_value"),
+])
+def test_completion_schema_errors(data, param, code):
+    error = error_for(CompletionRequest, data)
+    assert (error.status, error.param, error.code) == (400, param, code)
+    assert error.body()["error"]["type"] == "invalid_request_error"
+
+
+def test_unsupported_values_are_named():
+    req = CompletionRequest.model_validate({"model": "m", "prompt": ["a", "b"], "n": 3, "echo": True})
+    assert {p for p, _ in req.unsupported_values()} == {"prompt", "n", "echo"}
+    chat = ChatCompletionRequest.model_validate({"model": "m", "messages": [{"role": "user", "content": "x"}],
+                                                 "logit_bias": {"5": 1.0}, "frequency_penalty": 0.0})
+    assert [p for p, _ in chat.unsupported_values()] == ["logit_bias"]
+
+
+def test_chat_fields():
+    chat = ChatCompletionRequest.model_validate({
+        "model": "m", "max_tokens": 5, "max_completion_tokens": 7, "logprobs": True,
+        "messages": [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}]})
+    assert chat.requested_max_tokens() == 7 and chat.num_logprobs() == 0
+    assert chat.messages[0].text() == "a\nb"
+    assert error_for(ChatCompletionRequest, {"model": "m", "messages": [
+        {"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]}).status == 400
+
+
+def test_worker_address_parsing():
+    assert WorkerAddress.parse("decode=127.0.0.1:5") == WorkerAddress("decode", "127.0.0.1:5")
+    assert WorkerAddress.parse("127.0.0.1:5").role == "both"
+    for bad in ("chef=127.0.0.1:5", "both=nowhere"):
+        with pytest.raises(InvalidRequestError):
+            WorkerAddress.parse(bad)
+
+
+def _handle(name: str, role: str, ready: bool = True) -> WorkerHandle:
+    info = worker_pb2.DescribeResponse(worker_id=name, max_model_len=100)
+    return WorkerHandle(name, role, f"{name}:1", channel=None, stub=None, ready=ready, info=info)
+
+
+def test_round_robin_over_each_leg():
+    pool = WorkerPool([_handle("d0", "decode"), _handle("d1", "decode"), _handle("d2", "decode", ready=False),
+                       _handle("p0", "prefill"), _handle("p1", "prefill")])
+    router = RoundRobinRouter(pool)
+    routes = [router.route(RouteRequest("r", [1])) for _ in range(4)]
+    assert [r.decode.worker_id for r in routes] == ["d0", "d1", "d0", "d1"]
+    assert [r.prefill.worker_id for r in routes] == ["p0", "p1", "p0", "p1"]
+    assert router.route(RouteRequest("r", [1]), exclude=frozenset({"d0", "d1"})) is None
+    aggregated = RoundRobinRouter(WorkerPool([_handle("a0", "both")]))
+    route = aggregated.route(RouteRequest("r", [1]))
+    assert route.decode.worker_id == "a0" and route.prefill is None
