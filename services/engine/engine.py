@@ -141,10 +141,13 @@ class LLMEngine:
         self.scheduler.add(seq)
 
     def abort(self, request_id: str) -> bool:
-        """Drop a request now; its blocks are free before the next step. False if unknown."""
+        """Drop a request now; its blocks are free before the next step. False if unknown.
+
+        A finished prefill-only request whose blocks are held is released too.
+        """
         seq = self.scheduler.find(request_id)
         if seq is None:
-            return False
+            return self.scheduler.release_held(request_id)
         self.scheduler.finish(seq, FinishReason.ABORT)
         self.stats.num_aborted += 1
         self._pending_outputs.append(self._output(seq, [], "", []))
@@ -164,15 +167,40 @@ class LLMEngine:
             self._stop_checkers.pop(request_id, None)
         return reservation
 
-    def complete_remote_prefill(self, request_id: str, first_token_id: int) -> RequestOutput | None:
-        """The reserved blocks now hold the prompt's KV: decode continues from `first_token_id`."""
+    def complete_remote_prefill(self, request_id: str, first_token: int | SampledToken
+                                ) -> RequestOutput | None:
+        """The reserved blocks now hold the prompt's KV: decode continues from `first_token`
+        (a token id, or the prefill side's SampledToken to keep its logprobs)."""
         seq = self.scheduler.complete_remote(request_id)
         if seq is None:
             return None
         self.scheduler.cache_computed_blocks(seq)
-        output = self._append_token(seq, SampledToken(first_token_id))
+        token = first_token if isinstance(first_token, SampledToken) else SampledToken(first_token)
+        output = self._append_token(seq, token)
         self._publish_events()
         return output
+
+    def cancel_remote_prefill(self, request_id: str) -> bool:
+        """Give back a reservation without producing any output (e.g. to prefill locally instead)."""
+        seq = self.scheduler.remote.get(request_id)
+        if seq is None:
+            return False
+        self.scheduler.finish(seq, FinishReason.ABORT)
+        self._stop_checkers.pop(request_id, None)
+        return True
+
+    # -- disaggregated prefill side --------------------------------------------
+    def release_prefill(self, request_id: str) -> bool:
+        """A prefill-only request's KV has been sent: release the blocks it still holds.
+
+        Prefill-only requests finish with their blocks held (a connector may still be
+        reading them); the caller releases them here, or with `abort`.
+        """
+        return self.scheduler.release_held(request_id)
+
+    @property
+    def num_held_requests(self) -> int:
+        return len(self.scheduler.held)
 
     # -- one step ----------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -304,7 +332,7 @@ class LLMEngine:
             reason = FinishReason.LENGTH
         if reason is not None:
             checker.finish()
-            self.scheduler.finish(seq, reason)
+            self.scheduler.finish(seq, reason, hold_blocks=seq.prefill_only)
             self.stats.num_finished += 1
             del self._stop_checkers[seq.request_id]
         text = checker.take_text()

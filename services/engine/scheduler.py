@@ -63,6 +63,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []          # in arrival order
         self.remote: dict[str, Sequence] = {}      # reserved for a remote prefill
+        self.held: dict[str, Sequence] = {}        # finished, blocks still held for a reader
         self.num_preemptions = 0
         self.num_prefix_hit_tokens = 0
 
@@ -71,6 +72,7 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def find(self, request_id: str) -> Sequence | None:
+        """A sequence that is waiting, running or reserved (not finished ones)."""
         for seq in (*self.running, *self.waiting, *self.remote.values()):
             if seq.request_id == request_id:
                 return seq
@@ -197,18 +199,34 @@ class Scheduler:
                                   tokens[b * self.block_size:(b + 1) * self.block_size])
         seq.num_cached_blocks = num_full
 
-    def finish(self, seq: Sequence, reason: FinishReason) -> None:
-        """Take the sequence out of every queue and release its blocks."""
+    def finish(self, seq: Sequence, reason: FinishReason, hold_blocks: bool = False) -> None:
+        """Take the sequence out of every queue and release its blocks.
+
+        With `hold_blocks` the blocks stay referenced (e.g. while a connector still
+        reads them) until `release_held(request_id)`.
+        """
         if seq.status is SequenceStatus.RUNNING:
             self.running.remove(seq)
         elif seq.status is SequenceStatus.WAITING:
             self.waiting.remove(seq)
         elif seq.status is SequenceStatus.REMOTE_PREFILL:
             self.remote.pop(seq.request_id, None)
-        self.pool.release(seq.block_ids)
-        seq.block_ids = []
+        if hold_blocks:
+            self.held[seq.request_id] = seq
+        else:
+            self.held.pop(seq.request_id, None)
+            self.pool.release(seq.block_ids)
+            seq.block_ids = []
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
+
+    def release_held(self, request_id: str) -> bool:
+        seq = self.held.pop(request_id, None)
+        if seq is None:
+            return False
+        self.pool.release(seq.block_ids)
+        seq.block_ids = []
+        return True
 
     # -- helpers -----------------------------------------------------------------
     def _blocks_for(self, num_tokens: int) -> int:

@@ -41,6 +41,9 @@ def disaggregated(prefill: LLMEngine, decode: LLMEngine, request_id: str, prompt
         for out in prefill.step():
             assert out.finish_reason is FinishReason.PREFILL_DONE
             [first] = out.new_token_ids
+    # The prefill side holds its blocks until the transfer is done with them.
+    assert prefill.num_held_requests == 1 and prefill.pool.num_used_blocks > 0
+    assert prefill.release_prefill(request_id) and not prefill.release_prefill(request_id)
     tokens = list(decode.complete_remote_prefill(request_id, first).new_token_ids)
     while decode.has_unfinished():
         for out in decode.step():
@@ -93,3 +96,24 @@ def test_reservation_returns_none_when_the_pool_is_full(llama_dir):
     assert decode.pool.num_used_blocks == 7
     assert decode.abort("first") and not decode.abort("second")
     assert decode.pool.num_used_blocks == 0 and not decode.has_unfinished()
+
+
+def test_abort_releases_held_prefill_blocks_and_cancel_gives_back_a_reservation(llama_dir):
+    prefill = make_engine(llama_dir)
+    prefill.add_request("p", PROMPT, SamplingParams(max_tokens=1), prefill_only=True,
+                        on_layer_done=lambda ready: None)
+    while prefill.has_unfinished():
+        prefill.step()
+    assert prefill.pool.num_used_blocks == 5
+    assert prefill.abort("p")
+    assert prefill.pool.num_used_blocks == 0 and prefill.num_held_requests == 0
+
+    decode = make_engine(llama_dir)
+    assert decode.reserve_remote_prefill("d", PROMPT, SamplingParams(max_tokens=3)) is not None
+    assert decode.cancel_remote_prefill("d") and not decode.cancel_remote_prefill("d")
+    assert decode.step() == [] and decode.pool.num_used_blocks == 0
+    decode.add_request("d", PROMPT, SamplingParams(max_tokens=3))   # prefilled locally instead
+    outputs = []
+    while decode.has_unfinished():
+        outputs.extend(decode.step())
+    assert sum(len(o.new_token_ids) for o in outputs) == 3 and decode.pool.num_used_blocks == 0
