@@ -92,9 +92,10 @@ def cmd_worker(args: argparse.Namespace) -> int:
 
     role = Role(args.role)
     options = WorkerOptions(worker_id=args.worker_id or f"{role.value}-{args.port}", role=role,
-                            remote_prefill_threshold=args.remote_prefill_threshold)
+                            remote_prefill_threshold=args.remote_prefill_threshold,
+                            prefill_timeout_s=args.prefill_timeout)
     config = WorkerServerConfig(options=options, engine=_engine_config(args), host=args.host,
-                                port=args.port)
+                                port=args.port, transfer=args.transfer)
     return asyncio.run(serve(config))
 
 
@@ -124,9 +125,21 @@ def _add_worker_parser(sub) -> None:
     p.add_argument("--host", default="127.0.0.1", help="listen address (default: %(default)s)")
     p.add_argument("--port", type=int, default=0, help="gRPC port (default: 0, any free port)")
     p.add_argument("--worker-id", default=None, help="name in logs, stats and KV events")
-    p.add_argument("--remote-prefill-threshold", type=int, default=64, metavar="TOKENS",
-                   help="decode role: prompts with fewer uncached tokens are prefilled locally")
+    _add_disaggregation_args(p)
     p.set_defaults(func=cmd_worker)
+
+
+def _add_disaggregation_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("disaggregation")
+    g.add_argument("--transfer", choices=["auto", "nixl", "tcp"], default="auto",
+                   help="KV transfer between prefill and decode workers (default: nixl when "
+                        "importable, else tcp)")
+    g.add_argument("--remote-prefill-threshold", type=int, default=64, metavar="TOKENS",
+                   help="decode role: prompts with fewer uncached tokens are prefilled locally "
+                        "(default: %(default)s)")
+    g.add_argument("--prefill-timeout", type=float, default=30.0, metavar="S",
+                   help="decode role: give up on remote prefill after this long, retries included, "
+                        "and prefill locally (default: %(default)s)")
 
 
 def _add_frontend_parser(sub) -> None:
@@ -159,8 +172,7 @@ def _add_serve_parser(sub) -> None:
                    help="disaggregated: prefill workers (default: 1)")
     p.add_argument("--decode-workers", type=int, default=None, metavar="M",
                    help="disaggregated: decode workers (default: 1)")
-    p.add_argument("--transfer", choices=["auto", "nixl", "tcp"], default="auto",
-                   help="disaggregated KV transfer (default: nixl when importable, else tcp)")
+    _add_disaggregation_args(p)
     p.add_argument("--host", default="127.0.0.1", help="frontend listen address (default: %(default)s)")
     p.add_argument("--port", type=int, default=8000, help="HTTP port (default: %(default)s)")
     p.add_argument("--grpc-port", type=int, default=None,

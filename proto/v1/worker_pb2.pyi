@@ -28,16 +28,18 @@ class PrefillPeer(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., address: _Optional[str] = ...) -> None: ...
 
 class TokenGenerateRequest(_message.Message):
-    __slots__ = ("request_id", "token_ids", "params", "prefill_peer")
+    __slots__ = ("request_id", "token_ids", "params", "prefill_peer", "alternate_prefill_peers")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     PARAMS_FIELD_NUMBER: _ClassVar[int]
     PREFILL_PEER_FIELD_NUMBER: _ClassVar[int]
+    ALTERNATE_PREFILL_PEERS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     params: _common_pb2.SamplingParams
     prefill_peer: PrefillPeer
-    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., prefill_peer: _Optional[_Union[PrefillPeer, _Mapping]] = ...) -> None: ...
+    alternate_prefill_peers: _containers.RepeatedCompositeFieldContainer[PrefillPeer]
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., prefill_peer: _Optional[_Union[PrefillPeer, _Mapping]] = ..., alternate_prefill_peers: _Optional[_Iterable[_Union[PrefillPeer, _Mapping]]] = ...) -> None: ...
 
 class TokenGenerateResponse(_message.Message):
     __slots__ = ("token_ids", "logprobs", "finished", "finish_reason", "num_prompt_tokens", "num_cached_tokens", "num_output_tokens", "prefilled_remotely")
@@ -60,18 +62,30 @@ class TokenGenerateResponse(_message.Message):
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprob, _Mapping]]] = ..., finished: _Optional[bool] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., num_prompt_tokens: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ..., num_output_tokens: _Optional[int] = ..., prefilled_remotely: _Optional[bool] = ...) -> None: ...
 
 class TransferTarget(_message.Message):
-    __slots__ = ("agent_name", "agent_metadata", "layout_hash", "block_ids", "num_cached_blocks")
+    __slots__ = ("agent_name", "agent_metadata", "layout_hash", "block_ids", "num_cached_blocks", "incarnation", "deadline_unix")
     AGENT_NAME_FIELD_NUMBER: _ClassVar[int]
     AGENT_METADATA_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_HASH_FIELD_NUMBER: _ClassVar[int]
     BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     NUM_CACHED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    DEADLINE_UNIX_FIELD_NUMBER: _ClassVar[int]
     agent_name: str
     agent_metadata: bytes
     layout_hash: bytes
     block_ids: _containers.RepeatedScalarFieldContainer[int]
     num_cached_blocks: int
-    def __init__(self, agent_name: _Optional[str] = ..., agent_metadata: _Optional[bytes] = ..., layout_hash: _Optional[bytes] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_cached_blocks: _Optional[int] = ...) -> None: ...
+    incarnation: str
+    deadline_unix: float
+    def __init__(self, agent_name: _Optional[str] = ..., agent_metadata: _Optional[bytes] = ..., layout_hash: _Optional[bytes] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_cached_blocks: _Optional[int] = ..., incarnation: _Optional[str] = ..., deadline_unix: _Optional[float] = ...) -> None: ...
+
+class FirstToken(_message.Message):
+    __slots__ = ("token_id", "logprob")
+    TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    LOGPROB_FIELD_NUMBER: _ClassVar[int]
+    token_id: int
+    logprob: _common_pb2.TokenLogprob
+    def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[_Union[_common_pb2.TokenLogprob, _Mapping]] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
     __slots__ = ("request_id", "token_ids", "params", "target")
@@ -172,7 +186,7 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class StatsResponse(_message.Message):
-    __slots__ = ("worker_id", "role", "draining", "num_kv_blocks", "num_used_kv_blocks", "num_cached_kv_blocks", "kv_usage", "num_running", "num_waiting", "num_remote_prefill", "num_in_flight", "num_steps", "num_computed_tokens", "num_prompt_tokens_computed", "num_prefix_hit_tokens", "num_generated_tokens", "num_preemptions", "num_finished", "num_aborted", "num_requests", "num_local_prefills", "num_remote_prefills", "num_prefills_served", "num_errors", "last_kv_event_seq")
+    __slots__ = ("worker_id", "role", "draining", "num_kv_blocks", "num_used_kv_blocks", "num_cached_kv_blocks", "kv_usage", "num_running", "num_waiting", "num_remote_prefill", "num_in_flight", "num_steps", "num_computed_tokens", "num_prompt_tokens_computed", "num_prefix_hit_tokens", "num_generated_tokens", "num_preemptions", "num_finished", "num_aborted", "num_requests", "num_local_prefills", "num_remote_prefills", "num_prefills_served", "num_errors", "last_kv_event_seq", "num_prefill_retries", "num_prefill_fallbacks", "num_transfer_reservations", "num_held_prefills")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     DRAINING_FIELD_NUMBER: _ClassVar[int]
@@ -198,6 +212,10 @@ class StatsResponse(_message.Message):
     NUM_PREFILLS_SERVED_FIELD_NUMBER: _ClassVar[int]
     NUM_ERRORS_FIELD_NUMBER: _ClassVar[int]
     LAST_KV_EVENT_SEQ_FIELD_NUMBER: _ClassVar[int]
+    NUM_PREFILL_RETRIES_FIELD_NUMBER: _ClassVar[int]
+    NUM_PREFILL_FALLBACKS_FIELD_NUMBER: _ClassVar[int]
+    NUM_TRANSFER_RESERVATIONS_FIELD_NUMBER: _ClassVar[int]
+    NUM_HELD_PREFILLS_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     role: WorkerRole
     draining: bool
@@ -223,14 +241,18 @@ class StatsResponse(_message.Message):
     num_prefills_served: int
     num_errors: int
     last_kv_event_seq: int
-    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[_Union[WorkerRole, str]] = ..., draining: _Optional[bool] = ..., num_kv_blocks: _Optional[int] = ..., num_used_kv_blocks: _Optional[int] = ..., num_cached_kv_blocks: _Optional[int] = ..., kv_usage: _Optional[float] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_remote_prefill: _Optional[int] = ..., num_in_flight: _Optional[int] = ..., num_steps: _Optional[int] = ..., num_computed_tokens: _Optional[int] = ..., num_prompt_tokens_computed: _Optional[int] = ..., num_prefix_hit_tokens: _Optional[int] = ..., num_generated_tokens: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., num_finished: _Optional[int] = ..., num_aborted: _Optional[int] = ..., num_requests: _Optional[int] = ..., num_local_prefills: _Optional[int] = ..., num_remote_prefills: _Optional[int] = ..., num_prefills_served: _Optional[int] = ..., num_errors: _Optional[int] = ..., last_kv_event_seq: _Optional[int] = ...) -> None: ...
+    num_prefill_retries: int
+    num_prefill_fallbacks: int
+    num_transfer_reservations: int
+    num_held_prefills: int
+    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[_Union[WorkerRole, str]] = ..., draining: _Optional[bool] = ..., num_kv_blocks: _Optional[int] = ..., num_used_kv_blocks: _Optional[int] = ..., num_cached_kv_blocks: _Optional[int] = ..., kv_usage: _Optional[float] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_remote_prefill: _Optional[int] = ..., num_in_flight: _Optional[int] = ..., num_steps: _Optional[int] = ..., num_computed_tokens: _Optional[int] = ..., num_prompt_tokens_computed: _Optional[int] = ..., num_prefix_hit_tokens: _Optional[int] = ..., num_generated_tokens: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., num_finished: _Optional[int] = ..., num_aborted: _Optional[int] = ..., num_requests: _Optional[int] = ..., num_local_prefills: _Optional[int] = ..., num_remote_prefills: _Optional[int] = ..., num_prefills_served: _Optional[int] = ..., num_errors: _Optional[int] = ..., last_kv_event_seq: _Optional[int] = ..., num_prefill_retries: _Optional[int] = ..., num_prefill_fallbacks: _Optional[int] = ..., num_transfer_reservations: _Optional[int] = ..., num_held_prefills: _Optional[int] = ...) -> None: ...
 
 class DescribeRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class DescribeResponse(_message.Message):
-    __slots__ = ("worker_id", "instance_id", "role", "model_name", "max_model_len", "vocab_size", "block_size", "num_kv_blocks", "dtype", "device", "tensor_parallel_size")
+    __slots__ = ("worker_id", "instance_id", "role", "model_name", "max_model_len", "vocab_size", "block_size", "num_kv_blocks", "dtype", "device", "tensor_parallel_size", "transfer_backend")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
@@ -242,6 +264,7 @@ class DescribeResponse(_message.Message):
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     TENSOR_PARALLEL_SIZE_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_BACKEND_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     instance_id: str
     role: WorkerRole
@@ -253,7 +276,8 @@ class DescribeResponse(_message.Message):
     dtype: str
     device: str
     tensor_parallel_size: int
-    def __init__(self, worker_id: _Optional[str] = ..., instance_id: _Optional[str] = ..., role: _Optional[_Union[WorkerRole, str]] = ..., model_name: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., block_size: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., tensor_parallel_size: _Optional[int] = ...) -> None: ...
+    transfer_backend: str
+    def __init__(self, worker_id: _Optional[str] = ..., instance_id: _Optional[str] = ..., role: _Optional[_Union[WorkerRole, str]] = ..., model_name: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., block_size: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., tensor_parallel_size: _Optional[int] = ..., transfer_backend: _Optional[str] = ...) -> None: ...
 
 class DrainRequest(_message.Message):
     __slots__ = ()

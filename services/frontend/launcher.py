@@ -1,5 +1,9 @@
 """`splitserve serve`: workers and the frontend as processes on this machine.
 
+Disaggregated by default: N prefill workers and M decode workers (1 + 1), the
+KV transfer between them over NIXL when it is importable, else TCP;
+`--aggregated` runs `--workers N` workers that prefill and decode themselves.
+
 Static discovery: this process picks the ports, starts every worker and the
 frontend (passing them the workers' addresses), shows progress until each
 worker reports SERVING through gRPC health and the frontend's /ready answers,
@@ -14,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import json
 import os
 import signal
 import socket
@@ -31,10 +36,6 @@ from splitserve.errors import SplitserveError
 
 GRACE_S = 10.0
 POLL_S = 0.25
-DISAGGREGATED_NOT_READY = (
-    "disaggregated serving (separate prefill and decode workers) is not available yet: the KV "
-    "transfer between workers is still being built. Run `splitserve serve --aggregated` "
-    "(optionally with --workers N) for now.")
 
 
 @dataclass(slots=True)
@@ -107,16 +108,34 @@ def _engine_argv(args: argparse.Namespace, model: str) -> list[str]:
     return argv
 
 
-def _check_mode(args: argparse.Namespace) -> int:
-    if not args.aggregated:
-        raise SplitserveError(DISAGGREGATED_NOT_READY)
-    if args.prefill_workers is not None or args.decode_workers is not None:
-        raise SplitserveError("--prefill-workers and --decode-workers are for disaggregated serving; "
-                              "with --aggregated use --workers N")
-    workers = 1 if args.workers is None else args.workers
-    if workers < 1:
-        raise SplitserveError("--workers must be at least 1")
-    return workers
+def _plan(args: argparse.Namespace) -> list[tuple[str, str]]:
+    """(name, role) of every worker to start; raises SplitserveError for contradictory flags."""
+    if args.aggregated:
+        if args.prefill_workers is not None or args.decode_workers is not None:
+            raise SplitserveError("--prefill-workers and --decode-workers are for disaggregated serving; "
+                                  "with --aggregated use --workers N")
+        workers = 1 if args.workers is None else args.workers
+        if workers < 1:
+            raise SplitserveError("--workers must be at least 1")
+        return [(f"worker-{i}", "both") for i in range(workers)]
+    if args.workers is not None:
+        raise SplitserveError("--workers is for --aggregated serving; disaggregated serving takes "
+                              "--prefill-workers N --decode-workers M")
+    num_prefill = 1 if args.prefill_workers is None else args.prefill_workers
+    num_decode = 1 if args.decode_workers is None else args.decode_workers
+    if num_prefill < 1 or num_decode < 1:
+        raise SplitserveError("--prefill-workers and --decode-workers must be at least 1 "
+                              "(or use --aggregated)")
+    return ([(f"prefill-{i}", "prefill") for i in range(num_prefill)]
+            + [(f"decode-{i}", "decode") for i in range(num_decode)])
+
+
+def _worker_argv(args: argparse.Namespace, name: str, role: str, port: int, model: str) -> list[str]:
+    argv = ["worker", "--role", role, "--port", str(port), "--worker-id", name, *_engine_argv(args, model)]
+    if role != "both":
+        argv += ["--transfer", args.transfer, "--remote-prefill-threshold", str(args.remote_prefill_threshold),
+                 "--prefill-timeout", str(args.prefill_timeout)]
+    return argv
 
 
 def _resolve_model(name: str) -> str:
@@ -141,10 +160,11 @@ def _worker_serving(address: str) -> bool:
 
 
 def _http_ready(url: str) -> bool:
+    """The frontend answers /ready with 200 and sees every worker ready."""
     try:
         with urllib.request.urlopen(url, timeout=1.0) as reply:
-            return reply.status == 200
-    except (urllib.error.URLError, OSError):
+            return reply.status == 200 and json.loads(reply.read()).get("all_workers_ready", True)
+    except (urllib.error.URLError, OSError, ValueError):
         return False
 
 
@@ -182,8 +202,19 @@ def _raise_stop(signum, frame) -> None:
     raise _Stop(signal.Signals(signum).name)
 
 
+def _transfer_backend(address: str) -> str:
+    from splitserve.proto.v1 import worker_pb2, worker_pb2_grpc
+
+    with grpc.insecure_channel(address) as channel:
+        try:
+            info = worker_pb2_grpc.WorkerStub(channel).Describe(worker_pb2.DescribeRequest(), timeout=5)
+        except grpc.RpcError:
+            return "unknown"
+    return info.transfer_backend or "none"
+
+
 def run_serve(args: argparse.Namespace) -> int:
-    num_workers = _check_mode(args)
+    plan = _plan(args)
     model = _resolve_model(args.model)
     host = args.host
     port = args.port or free_port(host)
@@ -194,22 +225,28 @@ def run_serve(args: argparse.Namespace) -> int:
     previous = {sig: signal.signal(sig, _raise_stop) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         workers = []
-        print(f"starting {num_workers} aggregated worker(s) and the frontend for {model}", flush=True)
-        for i in range(num_workers):
+        roles = [role for _, role in plan]
+        if args.aggregated:
+            print(f"starting {len(plan)} aggregated worker(s) and the frontend for {model}", flush=True)
+        else:
+            print(f"starting {roles.count('prefill')} prefill and {roles.count('decode')} decode worker(s) "
+                  f"(KV transfer: {args.transfer}) and the frontend for {model}", flush=True)
+        for name, role in plan:
             wport = free_port("127.0.0.1")
-            name = f"worker-{i}"
-            workers.append(sup.spawn(name, [*python, "worker", "--role", "both", "--port", str(wport),
-                                            "--worker-id", name, *_engine_argv(args, model)],
+            workers.append(sup.spawn(name, [*python, *_worker_argv(args, name, role, wport, model)],
                                      f"127.0.0.1:{wport}"))
         frontend_argv = [*python, "frontend", "--model", model, "--host", host, "--port", str(port),
                          "--grpc-port", str(grpc_port)]
-        for w in workers:
-            frontend_argv += ["--worker", f"both={w.address}"]
+        for w, (_, role) in zip(workers, plan):
+            frontend_argv += ["--worker", f"{role}={w.address}"]
         if args.served_model_name:
             frontend_argv += ["--served-model-name", args.served_model_name]
         sup.spawn("frontend", frontend_argv)
         base = f"http://{host}:{port}"
         _wait_ready(sup, workers, f"{base}/ready", args.ready_timeout)
+        if not args.aggregated:
+            print(f"  KV transfer between prefill and decode workers: {_transfer_backend(workers[0].address)}",
+                  flush=True)
         print(f"splitserve is ready: {base}/v1 (OpenAI-compatible), gRPC {host}:{grpc_port}", flush=True)
         print(f"  try: curl {base}/v1/models", flush=True)
         while True:

@@ -169,6 +169,10 @@ class Frontend:
         if route.prefill is not None:
             message.prefill_peer.CopyFrom(worker_pb2.PrefillPeer(worker_id=route.prefill.worker_id,
                                                                  address=route.prefill.address))
+            # The decode worker tries these when the chosen one fails, then prefills locally.
+            message.alternate_prefill_peers.extend(
+                worker_pb2.PrefillPeer(worker_id=w.worker_id, address=w.address)
+                for w in self.pool.ready("prefill") if w is not route.prefill)
         log.info("request %s: %d prompt tokens -> %s (%s)", req.request_id, len(req.prompt_ids),
                  route.decode.worker_id, route.reason)
         checker = StopChecker(self.tokenizer, req.params, set())

@@ -83,7 +83,8 @@ def build_app(frontend: Frontend) -> FastAPI:
     @app.get("/ready")
     async def ready():
         if frontend.is_ready():
-            return {"status": "ready", "model": frontend.model_name}
+            return {"status": "ready", "model": frontend.model_name,
+                    "all_workers_ready": frontend.pool.all_ready()}
         return JSONResponse({"status": "not ready"}, status_code=503)
 
     @app.get("/metrics")

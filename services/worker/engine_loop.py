@@ -123,6 +123,12 @@ class EngineLoop:
             if not finished:
                 self.abort(request_id)
 
+    def post(self, fn: Callable[[LLMEngine], object]) -> None:
+        """Run `fn(engine)` on the engine thread between steps (fire and forget; safe to
+        call from a cancelled coroutine). Its result is dropped, its exception logged."""
+        if not self._stopping.is_set():
+            self._jobs.put(lambda: fn(self.engine))
+
     def abort(self, request_id: str) -> None:
         """Drop a request (fire and forget). An open stream gets a final ABORT output."""
         if not self._stopping.is_set():     # a stopping loop fails every stream itself

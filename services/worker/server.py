@@ -39,14 +39,25 @@ class WorkerServerConfig:
     host: str = "127.0.0.1"
     port: int = 0
     grace_s: float = 2.0     # running calls get this long to finish on SIGTERM
+    transfer: str = "auto"   # KV transfer backend for the prefill/decode roles: auto | nixl | tcp
 
 
-def build_transfer(role: Role, engine: LLMEngine) -> tuple[KVSender, KVReceiver]:
-    """(sender, receiver) for this role, built once the engine's KV pool exists
-    (a connector registers `engine.runner.kv` before any peer fetches its metadata).
-    Until kvtransfer is wired in, both refuse with TransferNotWiredError."""
-    unwired = UnwiredTransfer()
-    return unwired, unwired
+def build_transfer(role: Role, engine: LLMEngine, backend: str = "auto", name: str = "worker",
+                   host: str = "127.0.0.1") -> tuple[KVSender, KVReceiver]:
+    """(sender, receiver) for this role, built once the engine's KV pool exists (the
+    connector registers `engine.runner.kv.tensor` before any peer can fetch its metadata).
+
+    Prefill and decode workers get one kvtransfer connector (both halves); an aggregated
+    worker (role both) gets `UnwiredTransfer`, which refuses transfers clearly.
+    """
+    if role is Role.BOTH:
+        unwired = UnwiredTransfer()
+        return unwired, unwired
+    from .kv_connector import ConnectorTransfer, build_connector, resolve_backend
+
+    connector = build_connector(resolve_backend(backend), name, engine, host)
+    transfer = ConnectorTransfer(connector, engine.config.block_size)
+    return transfer, transfer
 
 
 async def serve(config: WorkerServerConfig, stop: asyncio.Event | None = None) -> int:
@@ -81,11 +92,13 @@ async def serve(config: WorkerServerConfig, stop: asyncio.Event | None = None) -
             return 0
         waiter.cancel()
         engine = load.result()
-        sender, receiver = build_transfer(config.options.role, engine)
+        sender, receiver = await asyncio.to_thread(build_transfer, config.options.role, engine,
+                                                   config.transfer, wid, config.host)
         await service.attach(engine, sender, receiver)
-        log.info("worker %s: serving %s (max_model_len %d, %d KV blocks)", wid,
-                 engine.config.model_name, engine.max_model_len, engine.config.num_kv_blocks)
-        print(f"worker {wid} ready", flush=True)
+        log.info("worker %s: serving %s (max_model_len %d, %d KV blocks, transfer %s)", wid,
+                 engine.config.model_name, engine.max_model_len, engine.config.num_kv_blocks,
+                 sender.backend or "none")
+        print(f"worker {wid} ready (transfer {sender.backend or 'none'})", flush=True)
         await stop.wait()
         log.info("worker %s: stopping", wid)
         return 0

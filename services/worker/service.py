@@ -26,7 +26,8 @@ from .convert import event_to_proto, logprob_to_proto, output_to_proto, params_f
 from .disaggregation import PeerChannels, RemotePrefill, serve_prefill
 from .engine_loop import EngineLoop
 from .kv_event_hub import KvEventHub
-from .transfer import KVReceiver, KVSender, TransferEndpoint, TransferError, TransferNotWiredError, TransferTarget
+from .transfer import (KVReceiver, KVSender, TransferEndpoint, TransferError, TransferGrant, TransferNotWiredError,
+                       TransferTarget)
 
 log = logging.getLogger(__name__)
 
@@ -52,7 +53,7 @@ class WorkerOptions:
     worker_id: str
     role: Role = Role.BOTH
     remote_prefill_threshold: int = 64     # uncached prompt tokens below this prefill locally
-    prefill_timeout_s: float = 120.0
+    prefill_timeout_s: float = 30.0        # a remote prefill, retries included; then prefill locally
     kv_event_buffer: int = 10_000
 
 
@@ -62,13 +63,15 @@ class WorkerCounters:
     num_local_prefills: int = 0
     num_remote_prefills: int = 0
     num_prefills_served: int = 0
+    num_prefill_retries: int = 0
+    num_prefill_fallbacks: int = 0
     num_errors: int = 0
     num_in_flight: int = 0
 
 
 def _status_of(exc: BaseException) -> grpc.StatusCode:
     if isinstance(exc, TransferNotWiredError):
-        return grpc.StatusCode.UNIMPLEMENTED
+        return grpc.StatusCode.FAILED_PRECONDITION
     if isinstance(exc, (WorkerUnavailableError, TransferError)):
         return grpc.StatusCode.UNAVAILABLE
     if isinstance(exc, RecoverableError):
@@ -107,6 +110,8 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         if self.loop is not None:
             self.loop.stop()
         await self.peers.close()
+        for transfer in {id(t): t for t in (self.sender, self.receiver) if t is not None}.values():
+            transfer.close()
 
     async def _set_health(self, status: int) -> None:
         for name in ("", SERVICE_NAME):
@@ -140,8 +145,9 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
             params = params_from_proto(request.params)
             token_ids = list(request.token_ids)
             self.counters.num_requests += 1
-            peer = request.prefill_peer.address if request.HasField("prefill_peer") else ""
-            async for response in self._generate(loop, request_id, token_ids, params, peer):
+            peers = [request.prefill_peer.address] if request.HasField("prefill_peer") else []
+            peers += [p.address for p in request.alternate_prefill_peers if p.address not in peers]
+            async for response in self._generate(loop, request_id, token_ids, params, peers):
                 yield response
         except Exception as exc:
             failure = exc
@@ -150,19 +156,28 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         if failure is not None:
             await self._fail(context, "Generate", request_id, failure)
 
-    async def _generate(self, loop: EngineLoop, request_id: str, token_ids: list[int], params, peer: str):
+    def _disaggregates(self) -> bool:
+        return self.options.role is Role.DECODE and self.receiver is not None and bool(self.receiver.backend)
+
+    async def _generate(self, loop: EngineLoop, request_id: str, token_ids: list[int], params,
+                        peers: list[str]):
         remote = self.remote
-        if peer and self.options.role is not Role.PREFILL and await remote.worth_it(token_ids):
-            reservation = await remote.reserve(request_id, token_ids, params)
-            if reservation is not None:
-                first = await remote.fill(request_id, token_ids, params, reservation, peer)
+        if peers and self._disaggregates() and await remote.worth_it(token_ids):
+            outcome = await remote.run(request_id, token_ids, params, peers, self._count_retry)
+            if outcome.first_token is not None:
                 self.counters.num_remote_prefills += 1
-                async for out in loop.stream(request_id, remote.complete(request_id, first)):
+                start = remote.complete(request_id, outcome.first_token)
+                async for out in loop.stream(request_id, start):
                     yield output_to_proto(out, prefilled_remotely=True)
                 return
+            if outcome.num_failures:
+                self.counters.num_prefill_fallbacks += 1
         self.counters.num_local_prefills += 1
         async for out in loop.stream(request_id, lambda e: e.add_request(request_id, token_ids, params)):
             yield output_to_proto(out)
+
+    def _count_retry(self) -> None:
+        self.counters.num_prefill_retries += 1
 
     # -- Prefill -----------------------------------------------------------------
     async def Prefill(self, request, context):
@@ -174,8 +189,9 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
                 raise InvalidRequestError("Prefill needs a request_id")
             params = params_from_proto(request.params)
             t = request.target
-            target = TransferTarget(TransferEndpoint(t.agent_name, t.agent_metadata, t.layout_hash),
-                                    list(t.block_ids), t.num_cached_blocks)
+            target = TransferTarget(TransferEndpoint(t.agent_name, t.agent_metadata, t.layout_hash, t.incarnation),
+                                    list(t.block_ids), t.num_cached_blocks,
+                                    TransferGrant(t.incarnation, t.deadline_unix))
             out = await serve_prefill(loop, self.sender, request.request_id, list(request.token_ids),
                                       params, target)
             self.counters.num_prefills_served += 1
@@ -219,7 +235,10 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
             num_preemptions=s.num_preemptions, num_finished=s.num_finished, num_aborted=s.num_aborted,
             num_requests=c.num_requests, num_local_prefills=c.num_local_prefills,
             num_remote_prefills=c.num_remote_prefills, num_prefills_served=c.num_prefills_served,
-            num_errors=c.num_errors, last_kv_event_seq=self.hub.last_seq)
+            num_errors=c.num_errors, last_kv_event_seq=self.hub.last_seq,
+            num_prefill_retries=c.num_prefill_retries, num_prefill_fallbacks=c.num_prefill_fallbacks,
+            num_transfer_reservations=self.receiver.num_open() if self.receiver is not None else 0,
+            num_held_prefills=engine.num_held_requests)
 
     async def Describe(self, request, context):
         try:
@@ -233,7 +252,8 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
             max_model_len=engine.max_model_len, vocab_size=engine.model_config.vocab_size,
             block_size=cfg.block_size, num_kv_blocks=cfg.num_kv_blocks,
             dtype=str(cfg.torch_dtype()).removeprefix("torch."), device=cfg.device,
-            tensor_parallel_size=cfg.tensor_parallel_size)
+            tensor_parallel_size=cfg.tensor_parallel_size,
+            transfer_backend=self.sender.backend if self.sender is not None else "")
 
     async def Drain(self, request, context):
         if not self.draining:

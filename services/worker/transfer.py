@@ -3,11 +3,13 @@
 A decode worker reserves blocks for a prompt and lets one prefill worker write
 the prompt's KV into them (`KVReceiver`); the prefill worker pushes each layer
 as soon as the engine reports it done (`KVSender`). The worker only calls
-these two protocols; an adapter over kvtransfer's Connector implements them.
+these two protocols; `kv_connector.py` implements them over kvtransfer's
+Connector (TCP or NIXL).
 
-Until that adapter exists the worker is built with `UnwiredTransfer`, which
-refuses every transfer with `TransferNotWiredError`: a disaggregated request
-fails with a clear message instead of pretending to work.
+An aggregated worker (role both) is built with `UnwiredTransfer`, which
+refuses every transfer with `TransferNotWiredError`: a Prefill call to it fails
+with a clear message, and a Generate call that names a prefill peer is
+prefilled locally.
 """
 
 from __future__ import annotations
@@ -15,16 +17,17 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from splitserve.errors import RecoverableError
+from splitserve.kvtransfer.errors import TransferError
 from splitserve.services.engine.sequence import LayerReady
 
-
-class TransferError(RecoverableError):
-    """A KV transfer was refused or failed (layout mismatch, peer gone, bad block ids)."""
+__all__ = ["KVReceiver", "KVSender", "TransferEndpoint", "TransferError", "TransferGrant",
+           "TransferNotWiredError", "TransferTarget", "UnwiredTransfer"]
 
 
 class TransferNotWiredError(TransferError):
-    """This build has no KV transfer behind the disaggregated roles yet."""
+    """This worker has no KV transfer (an aggregated worker)."""
+
+    reason = "not_wired"
 
 
 @dataclass(slots=True, frozen=True)
@@ -32,8 +35,17 @@ class TransferEndpoint:
     """How a prefill worker reaches a decode worker's KV pool."""
 
     agent_name: str
-    agent_metadata: bytes
+    agent_metadata: bytes          # kvtransfer AgentMetadata.to_bytes()
     layout_hash: bytes
+    incarnation: str = ""          # changes when the decode worker restarts
+
+
+@dataclass(slots=True, frozen=True)
+class TransferGrant:
+    """The receiver's permission for one request: which incarnation, until when."""
+
+    incarnation: str
+    deadline_unix: float
 
 
 @dataclass(slots=True, frozen=True)
@@ -41,85 +53,103 @@ class TransferTarget:
     """Where one request's prompt KV goes: the decode worker's reserved blocks.
 
     `block_ids[i]` receives prompt block i; the first `num_cached_blocks` are
-    already in the decode worker's prefix cache and need not be sent.
+    already in the decode worker's prefix cache and are not sent (the grant
+    covers `block_ids[num_cached_blocks:]` only).
     """
 
     endpoint: TransferEndpoint
     block_ids: list[int] = field(default_factory=list)
     num_cached_blocks: int = 0
+    grant: TransferGrant | None = None
 
 
 class KVReceiver(Protocol):
-    """Decode side. Every method but `wait_complete` is called on the asyncio thread."""
+    """Decode side. Every method but `wait_complete` returns at once."""
+
+    backend: str
 
     def endpoint(self) -> TransferEndpoint:
         """This worker's agent name, metadata and layout hash, sent along with each Prefill call."""
 
-    def expect(self, request_id: str, block_ids: list[int]) -> None:
-        """Accept writes tagged `request_id` into exactly `block_ids` until `release`.
+    def expect(self, request_id: str, block_ids: list[int], ttl_s: float) -> TransferGrant:
+        """Accept writes tagged `request_id` into exactly `block_ids` for `ttl_s` seconds, until
+        the notification arrives or `release`. Raises TransferError when it cannot."""
 
-        Raises TransferError when it cannot (e.g. the pool is not registered).
-        """
-
-    async def wait_complete(self, request_id: str) -> None:
-        """Return once the sender's completion notification for `request_id` arrived,
-        i.e. every layer of every block is in place. Raises TransferError on failure;
-        the caller bounds the wait with its own timeout."""
+    async def wait_complete(self, request_id: str) -> bytes:
+        """Return the completion notification's payload once every layer of every block is
+        in place. Raises TransferError on failure (sender lost, expired); the caller bounds
+        the wait with its own timeout."""
 
     def release(self, request_id: str) -> None:
         """Refuse further writes for `request_id`. Idempotent; called on every end
         (finished, aborted, failed), before the blocks go back to the pool."""
 
+    def num_open(self) -> int:
+        """Open reservations (a leak check: 0 when idle)."""
+
 
 class KVSender(Protocol):
     """Prefill side."""
 
-    def begin(self, request_id: str, target: TransferTarget) -> None:
-        """Prepare to push `request_id` into `target` (connect, check the layout hash).
+    backend: str
+
+    def begin(self, request_id: str, target: TransferTarget, num_prompt_tokens: int) -> None:
+        """Prepare to push `request_id` into `target` (handshake, check the layout hash).
 
         Raises TransferError when the peer cannot be used; nothing is computed then.
         """
 
     def on_layer_ready(self, ready: LayerReady) -> None:
-        """Engine thread, after each layer of each chunk: post the WRITE of
-        `ready.block_ids` (prompt blocks from `ready.first_block` on) for
-        `ready.layer`. Must not block on the network: it delays the next layer."""
+        """Engine thread, after each layer of each chunk: post the WRITE of the blocks that
+        are complete now. Must not block on the network (it delays the next layer) and
+        never raises: a failure is reported by `finish`."""
 
-    async def finish(self, request_id: str) -> None:
-        """The prefill is done and every layer was posted: wait until all writes
-        completed, then notify the receiver. Raises TransferError on failure."""
+    async def finish(self, request_id: str, payload: bytes) -> None:
+        """The prefill is done and every layer was posted: wait until all writes completed,
+        then notify the receiver with `payload` and wait for that. Raises TransferError."""
 
     def abandon(self, request_id: str) -> None:
         """The request was cancelled or failed: drop what is pending. Idempotent."""
 
+    def close(self) -> None:
+        """Stop background work and release the connector."""
 
-NOT_WIRED_MESSAGE = ("disaggregated transfer not wired yet: this build has no KV transfer "
-                     "behind the prefill and decode roles; run the worker with --role both")
+
+NOT_WIRED_MESSAGE = ("this worker has no KV transfer (it runs with --role both); run prefill and decode "
+                     "workers with --role prefill / --role decode for disaggregated serving")
 
 
 class UnwiredTransfer:
     """Both halves, refusing every transfer. Cleanup calls are harmless no-ops."""
 
+    backend = ""
+
     def endpoint(self) -> TransferEndpoint:
         raise TransferNotWiredError(NOT_WIRED_MESSAGE)
 
-    def expect(self, request_id: str, block_ids: list[int]) -> None:
+    def expect(self, request_id: str, block_ids: list[int], ttl_s: float) -> TransferGrant:
         raise TransferNotWiredError(NOT_WIRED_MESSAGE)
 
-    async def wait_complete(self, request_id: str) -> None:
+    async def wait_complete(self, request_id: str) -> bytes:
         raise TransferNotWiredError(NOT_WIRED_MESSAGE)
 
     def release(self, request_id: str) -> None:
         pass
 
-    def begin(self, request_id: str, target: TransferTarget) -> None:
+    def num_open(self) -> int:
+        return 0
+
+    def begin(self, request_id: str, target: TransferTarget, num_prompt_tokens: int) -> None:
         raise TransferNotWiredError(NOT_WIRED_MESSAGE)
 
     def on_layer_ready(self, ready: LayerReady) -> None:
-        raise TransferNotWiredError(NOT_WIRED_MESSAGE)
+        pass
 
-    async def finish(self, request_id: str) -> None:
+    async def finish(self, request_id: str, payload: bytes) -> None:
         raise TransferNotWiredError(NOT_WIRED_MESSAGE)
 
     def abandon(self, request_id: str) -> None:
+        pass
+
+    def close(self) -> None:
         pass

@@ -112,29 +112,34 @@ class Server:
     grpc_address: str
     worker_addresses: list[str]
     child_pids: list[int]
+    workers: dict[str, str] = field(default_factory=dict)     # name (prefill-0, decode-1, worker-0) -> address
 
     @property
     def openai_url(self) -> str:
         return f"{self.base_url}/v1"
 
+    def role(self, prefix: str) -> list[str]:
+        """Addresses of the workers whose names start with `prefix` (prefill, decode, worker), in order."""
+        return [a for name, a in sorted(self.workers.items()) if name.startswith(prefix)]
 
-def start_serve(model: str, *extra: str, env: dict | None = None, num_workers: int = 1) -> Server:
+
+def start_serve(model: str, *extra: str, env: dict | None = None, num_workers: int = 1,
+                aggregated: bool = True) -> Server:
+    """`splitserve serve` on free ports; `num_workers` is how many workers it must report
+    (with `aggregated=False` pass --prefill-workers/--decode-workers in `extra`)."""
     port, grpc_port = free_port(), free_port()
-    proc = Proc.start(["splitserve", "serve", "--aggregated", "--model", model, "--port", str(port),
-                       "--grpc-port", str(grpc_port), "--threads", "1", "--kv-cache-gib", "0.05",
-                       "--workers", str(num_workers), *extra], env=env)
+    mode = ["--aggregated", "--workers", str(num_workers)] if aggregated else []
+    proc = Proc.start(["splitserve", "serve", *mode, "--model", model, "--port", str(port),
+                       "--grpc-port", str(grpc_port), "--threads", "1", "--kv-cache-gib", "0.05", *extra], env=env)
     base = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + READY_TIMEOUT_S
-        while not http_ok(f"{base}/ready"):
-            assert proc.process.poll() is None, f"serve exited early:\n{proc.output}"
-            assert time.monotonic() < deadline, f"not ready after {READY_TIMEOUT_S} s:\n{proc.output}"
-            time.sleep(0.1)
-        proc.wait_for_line(r"splitserve is ready", 10)
-        workers = [m.group(1) for line in proc.lines
-                   if (m := re.search(r"worker-\d+ ready .* at (\S+)$", line))]
+        proc.wait_for_line(r"splitserve is ready", READY_TIMEOUT_S)
+        assert http_ok(f"{base}/ready"), proc.output
+        workers = {m.group(1): m.group(2) for line in proc.lines
+                   if (m := re.search(r"((?:worker|prefill|decode)-\d+) ready .* at (\S+)$", line))}
         assert len(workers) == num_workers, proc.output
-        return Server(proc, base, f"127.0.0.1:{grpc_port}", workers, proc.children())
+        return Server(proc, base, f"127.0.0.1:{grpc_port}", [workers[n] for n in sorted(workers)],
+                      proc.children(), workers)
     except BaseException:
         proc.stop()
         raise

@@ -1,5 +1,6 @@
-"""`splitserve serve` as a user runs it: the shipped SmolLM2 behind two aggregated workers,
-round-robin between them, Ctrl-C stopping everything; and clear refusals."""
+"""`splitserve serve` as a user runs it: the shipped SmolLM2 behind the default deployment
+(one prefill and one decode worker, the KV transfer over NIXL when importable), the official
+openai client, Ctrl-C stopping everything; and clear refusals."""
 
 from __future__ import annotations
 
@@ -11,30 +12,50 @@ import pytest
 
 from .conftest import start_serve, stop_serve, worker_stats
 
+EXPECTED_BACKEND = "nixl"        # the NIXL wheel is a test dependency (pip install 'splitserve[nixl]')
+
 
 @pytest.fixture(scope="module")
 def smollm2_server(smollm2_dir):
+    """The default deployment: `splitserve serve` = 1 prefill + 1 decode worker, NIXL when importable."""
     cache = smollm2_dir.parent.parent            # SPLITSERVE_CACHE_DIR layout: <cache>/models/<name>
     server = start_serve("smollm2", "--served-model-name", "smollm2", "--kv-cache-gib", "0.1",
-                         env={"SPLITSERVE_CACHE_DIR": str(cache)}, num_workers=2)
+                         "--remote-prefill-threshold", "16", env={"SPLITSERVE_CACHE_DIR": str(cache)},
+                         num_workers=2, aggregated=False)
     try:
         yield server
     finally:
         stop_serve(server, signal.SIGINT)        # what Ctrl-C sends
 
 
-def test_smollm2_chat_through_two_round_robin_workers(smollm2_server):
+def test_smollm2_openai_client_against_default_serve(smollm2_server):
+    assert "1 prefill and 1 decode worker(s)" in smollm2_server.proc.output
+    assert f"KV transfer between prefill and decode workers: {EXPECTED_BACKEND}" in smollm2_server.proc.output
     client = openai.OpenAI(base_url=smollm2_server.openai_url, api_key="unused", max_retries=0, timeout=120)
-    answers = []
-    for _ in range(2):
-        out = client.chat.completions.create(
-            model="smollm2", messages=[{"role": "user", "content": "What is the capital of France?"}],
-            max_tokens=20, temperature=0)
-        answers.append(out.choices[0].message.content)
-        assert out.choices[0].finish_reason in ("stop", "length")
-    assert all("Paris" in a for a in answers), answers
-    assert answers[0] == answers[1]
-    assert [worker_stats(a).num_requests for a in smollm2_server.worker_addresses] == [1, 1]
+    out = client.chat.completions.create(
+        model="smollm2", messages=[{"role": "user", "content": "What is the capital of France?"}],
+        max_tokens=20, temperature=0)
+    answer = out.choices[0].message.content
+    assert "Paris" in answer, answer
+    assert out.choices[0].finish_reason in ("stop", "length")
+    u = out.usage
+    assert 1 <= u.completion_tokens <= 20 and u.prompt_tokens > 5
+    assert u.total_tokens == u.prompt_tokens + u.completion_tokens
+    again = client.chat.completions.create(
+        model="smollm2", messages=[{"role": "user", "content": "What is the capital of France?"}],
+        max_tokens=20, temperature=0)
+    assert again.choices[0].message.content == answer
+    [prefill], [decode] = smollm2_server.role("prefill"), smollm2_server.role("decode")
+    p, d = worker_stats(prefill), worker_stats(decode)
+    # The first request went through the prefill worker; the repeat hit the decode worker's prefix cache.
+    assert p.num_prefills_served == 1 and d.num_remote_prefills == 1 and d.num_local_prefills == 1, (p, d)
+    assert d.num_used_kv_blocks == 0 and d.num_transfer_reservations == 0 and p.num_held_prefills == 0
+    stream = client.chat.completions.create(
+        model="smollm2", messages=[{"role": "user", "content": "What is the capital of France?"}],
+        max_tokens=20, temperature=0, stream=True, stream_options={"include_usage": True})
+    chunks = list(stream)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert "Paris" in text and chunks[-1].usage.completion_tokens >= 1
 
 
 def _serve(*args: str) -> subprocess.CompletedProcess:
@@ -42,8 +63,8 @@ def _serve(*args: str) -> subprocess.CompletedProcess:
 
 
 @pytest.mark.parametrize("args, message", [
-    ([], "disaggregated serving"),
-    (["--prefill-workers", "2", "--decode-workers", "2"], "not available yet"),
+    (["--workers", "2"], "--aggregated"),
+    (["--prefill-workers", "0"], "at least 1"),
     (["--aggregated", "--decode-workers", "2"], "--workers"),
     (["--aggregated", "--workers", "0"], "at least 1"),
 ])

@@ -1,5 +1,5 @@
 """`splitserve worker` on its own, driven over gRPC: isolation, abort, KV events, drain,
-and the disaggregated RPCs refusing clearly until the KV transfer is wired."""
+and an aggregated worker refusing the disaggregated Prefill RPC clearly."""
 
 from __future__ import annotations
 
@@ -110,27 +110,25 @@ def test_kv_events_replay_and_snapshot(worker):
     run(main())
 
 
-def test_disaggregated_rpcs_refuse_until_transfer_is_wired(worker):
+def test_aggregated_worker_refuses_prefill_and_prefills_locally(worker):
     async def main():
         async with grpc.aio.insecure_channel(worker) as channel:
             stub = worker_pb2_grpc.WorkerStub(channel)
             with pytest.raises(grpc.aio.AioRpcError) as info:
                 await stub.Prefill(worker_pb2.PrefillRequest(request_id="p", token_ids=PROMPT, params=params()))
-            assert info.value.code() == grpc.StatusCode.UNIMPLEMENTED
-            assert "not wired yet" in info.value.details()
+            assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+            assert "no KV transfer" in info.value.details() and "--role prefill" in info.value.details()
+            # A role-both worker ignores a prefill peer: it prefills everything itself.
             request = worker_pb2.TokenGenerateRequest(
                 request_id="d", token_ids=list(range(3000, 3100)), params=params(),
                 prefill_peer=worker_pb2.PrefillPeer(worker_id="p0", address="127.0.0.1:9"))
-            with pytest.raises(grpc.aio.AioRpcError) as info:
-                [r async for r in stub.Generate(request)]
-            assert info.value.code() == grpc.StatusCode.UNIMPLEMENTED
-            # A short uncached part stays local (conditional disaggregation), whatever the peer.
-            request.request_id, request.token_ids[:] = "d2", PROMPT[:20]
             replies = [r async for r in stub.Generate(request)]
             assert replies[-1].finished and not replies[-1].prefilled_remotely
             stats = await stub.Stats(worker_pb2.StatsRequest())
             assert stats.num_used_kv_blocks == 0 and stats.num_remote_prefill == 0
             assert stats.num_remote_prefills == 0 and stats.num_local_prefills >= 1
+            assert stats.num_prefill_fallbacks == 0 and stats.num_held_prefills == 0
+            assert (await stub.Describe(worker_pb2.DescribeRequest())).transfer_backend == ""
     run(main())
 
 

@@ -1,0 +1,207 @@
+"""Disaggregated serving end to end: `splitserve serve` with separate prefill and decode workers.
+
+One deployment per (transfer backend, workers) pair, started once per module on the
+random-weight Llama checkpoint (chunked prefill: 256 tokens per step, so long prompts
+cross chunk boundaries while their layers are being sent):
+
+- greedy output through the disaggregated path equals the aggregated engine's and
+  transformers' token for token (TCP and NIXL, 1P+1D and 2P+2D);
+- conditional disaggregation: a short uncached part stays local, a long one goes to a
+  prefill worker, a prompt the decode worker has cached stays local (worker counters);
+- cancellation mid-prefill and mid-stream: both workers are idle within a second, and
+  the prefill engine stopped computing the prompt.
+
+Every test ends with a leak check on every worker: no KV block used, no transfer
+reservation open, no finished prefill still holding blocks.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import socket
+import time
+
+import openai
+import pytest
+
+from splitserve.services.engine.config import EngineConfig
+from splitserve.services.engine.engine import LLMEngine
+from splitserve.services.engine.sampling_params import SamplingParams
+from splitserve.testing.oracle import assert_greedy_match, hf_greedy
+
+from .conftest import Server, start_serve, stop_serve, worker_stats
+
+THRESHOLD = 32
+MAX_TOKENS = 6
+DEPLOYMENTS = [("nixl", 1, 1), ("tcp", 1, 1), ("tcp", 2, 2), ("nixl", 2, 2)]
+DEFAULT = [DEPLOYMENTS[0]]        # what `splitserve serve` starts: NIXL, 1 prefill + 1 decode
+
+
+def _prompt(seed: int, n: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(3, 32000) for _ in range(n)]
+
+
+# Lengths: a short one (local), one inside a block, several blocks, and one over two chunks.
+PROMPTS = [_prompt(1, 12), _prompt(2, 45), _prompt(3, 130), _prompt(4, 300)]
+
+
+def _id(d) -> str:
+    return f"{d[0]}-{d[1]}P{d[2]}D"
+
+
+@pytest.fixture(scope="module")
+def deployment(request, llama_dir):
+    backend, num_prefill, num_decode = request.param
+    server = start_serve(str(llama_dir), "--transfer", backend, "--prefill-workers", str(num_prefill),
+                         "--decode-workers", str(num_decode), "--remote-prefill-threshold", str(THRESHOLD),
+                         "--max-num-batched-tokens", "256", "--prefill-timeout", "20",
+                         num_workers=num_prefill + num_decode, aggregated=False)
+    try:
+        yield backend, server
+    finally:
+        stop_serve(server)
+
+
+@pytest.fixture(scope="module")
+def references(llama_dir):
+    engine = LLMEngine(EngineConfig(model=str(llama_dir), num_kv_blocks=256, num_threads=1))
+    aggregated = [r.token_ids for r in engine.generate(PROMPTS, SamplingParams(max_tokens=MAX_TOKENS,
+                                                                               ignore_eos=True))]
+    return aggregated, hf_greedy(llama_dir, PROMPTS, MAX_TOKENS, ignore_eos=True)
+
+
+def _model(server: Server) -> str:
+    return openai.OpenAI(base_url=server.openai_url, api_key="unused").models.list().data[0].id
+
+
+def _complete(server: Server, prompt: list[int], max_tokens: int = MAX_TOKENS) -> list[int]:
+    client = openai.OpenAI(base_url=server.openai_url, api_key="unused", max_retries=0, timeout=60)
+    out = client.completions.create(model=_model(server), prompt=prompt, max_tokens=max_tokens, temperature=0,
+                                    extra_body={"ignore_eos": True, "return_token_ids": True})
+    return list(out.choices[0].token_ids)
+
+
+def _stats(server: Server) -> dict:
+    return {name: worker_stats(address) for name, address in server.workers.items()}
+
+
+def _idle(stats) -> bool:
+    return (stats.num_used_kv_blocks == 0 and stats.num_running == 0 and stats.num_waiting == 0
+            and stats.num_remote_prefill == 0 and stats.num_transfer_reservations == 0
+            and stats.num_held_prefills == 0)
+
+
+def assert_all_idle(server: Server, since: float | None = None, limit_s: float = 1.0) -> dict:
+    start = time.monotonic() if since is None else since
+    while True:
+        stats = _stats(server)
+        if all(_idle(s) for s in stats.values()):
+            return stats
+        assert time.monotonic() - start < limit_s, f"workers not idle after {limit_s} s: {stats}"
+        time.sleep(0.02)
+
+
+@pytest.mark.parametrize("deployment", DEPLOYMENTS, ids=_id, indirect=True)
+def test_greedy_equals_aggregated_and_transformers(deployment, references):
+    backend, server = deployment
+    aggregated, hf = references
+    before = _stats(server)
+    for prompt, want, ref in zip(PROMPTS, aggregated, hf):
+        got = _complete(server, prompt)
+        assert got == want, (backend, len(prompt))
+        assert_greedy_match(got, ref)
+    after = assert_all_idle(server)
+    decodes = [n for n in after if n.startswith("decode")]
+    prefills = [n for n in after if n.startswith("prefill")]
+    remote = sum(after[n].num_remote_prefills - before[n].num_remote_prefills for n in decodes)
+    served = sum(after[n].num_prefills_served - before[n].num_prefills_served for n in prefills)
+    assert remote == served == 3, after                 # every prompt but the 12-token one
+    # Round-robin spreads the requests over every worker of both pools.
+    assert all(after[n].num_requests > before[n].num_requests for n in decodes)
+    assert all(after[n].num_prefills_served > before[n].num_prefills_served for n in prefills)
+    assert all(after[n].num_prefill_fallbacks == 0 for n in decodes)
+
+
+@pytest.mark.parametrize("deployment", DEFAULT, ids=_id, indirect=True)
+def test_conditional_disaggregation_from_counters(deployment):
+    _, server = deployment
+    [decode], [prefill] = server.role("decode"), server.role("prefill")
+    before_d, before_p = worker_stats(decode), worker_stats(prefill)
+    short, long = _prompt(10, THRESHOLD - 8), _prompt(11, THRESHOLD + 40)
+    _complete(server, short)
+    d = worker_stats(decode)
+    assert (d.num_local_prefills, d.num_remote_prefills) == (before_d.num_local_prefills + 1,
+                                                            before_d.num_remote_prefills)
+    first = _complete(server, long)
+    d, p = worker_stats(decode), worker_stats(prefill)
+    assert d.num_remote_prefills == before_d.num_remote_prefills + 1
+    assert p.num_prefills_served == before_p.num_prefills_served + 1
+    # The decode worker now caches the long prompt's full blocks: only 8 tokens are uncached.
+    again = _complete(server, long)
+    d2 = worker_stats(decode)
+    assert again == first
+    assert d2.num_local_prefills == d.num_local_prefills + 1 and d2.num_remote_prefills == d.num_remote_prefills
+    assert_all_idle(server)
+
+
+def _open_stream(server: Server, prompt: list[int], max_tokens: int) -> socket.socket:
+    """A raw streaming HTTP request: closing the socket is a client disconnect, at any moment."""
+    body = json.dumps({"model": _model(server), "prompt": prompt, "max_tokens": max_tokens, "stream": True,
+                       "temperature": 0, "ignore_eos": True}).encode()
+    host, port = server.base_url.removeprefix("http://").split(":")
+    sock = socket.create_connection((host, int(port)), timeout=30)
+    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+    return sock
+
+
+def _wait_for(predicate, limit_s: float = 10.0, what: str = ""):
+    deadline = time.monotonic() + limit_s
+    while True:
+        value = predicate()
+        if value:
+            return value
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.01)
+
+
+@pytest.mark.parametrize("deployment", DEFAULT, ids=_id, indirect=True)
+def test_cancel_mid_prefill_frees_both_workers(deployment):
+    _, server = deployment
+    [prefill], [decode] = server.role("prefill"), server.role("decode")
+    prompt = _prompt(20, 3000)              # about a second of prefill in 256-token chunks
+    before_p = worker_stats(prefill)
+    sock = _open_stream(server, prompt, 50)
+    _wait_for(lambda: worker_stats(prefill).num_running == 1, what="the prefill to start")
+    d = worker_stats(decode)
+    assert d.num_remote_prefill == 1 and d.num_transfer_reservations == 1
+    sock.close()
+    gone = time.monotonic()
+    after = assert_all_idle(server, since=gone)
+    p = after["prefill-0"]
+    assert p.num_aborted == before_p.num_aborted + 1
+    assert p.num_prefills_served == before_p.num_prefills_served
+    # The prefill engine stopped computing: the prompt was never finished.
+    time.sleep(0.2)
+    assert worker_stats(prefill).num_prompt_tokens_computed - before_p.num_prompt_tokens_computed < len(prompt)
+
+
+@pytest.mark.parametrize("deployment", DEFAULT, ids=_id, indirect=True)
+def test_cancel_mid_stream_frees_both_workers(deployment):
+    _, server = deployment
+    [prefill], [decode] = server.role("prefill"), server.role("decode")
+    before_d = worker_stats(decode)
+    sock = _open_stream(server, _prompt(21, 200), 3000)
+    received = b""
+    while received.count(b"data:") < 5:
+        received += sock.recv(65536)
+    busy = worker_stats(decode)
+    assert busy.num_running == 1 and busy.num_remote_prefills == before_d.num_remote_prefills + 1
+    sock.close()
+    gone = time.monotonic()
+    after = assert_all_idle(server, since=gone)
+    d = after["decode-0"]
+    assert d.num_aborted == before_d.num_aborted + 1
+    assert d.num_generated_tokens - before_d.num_generated_tokens < 3000
