@@ -138,6 +138,15 @@ def _worker_argv(args: argparse.Namespace, name: str, role: str, port: int, mode
     return argv
 
 
+def _default_served_name(model: str) -> str | None:
+    """Clients ask for the model by the name the operator typed: `--model smollm2` serves "smollm2"."""
+    if not model.strip().lower().startswith("smollm2"):
+        return None          # a folder or file: the workers report its name
+    from splitserve.services.engine.model_source import SMOLLM2_NAMES
+
+    return model.strip() if model.strip().lower() in SMOLLM2_NAMES else None
+
+
 def _resolve_model(name: str) -> str:
     if not name.strip().lower().startswith("smollm2"):
         return name          # a folder or a file: the workers open it (no torch import here)
@@ -239,8 +248,9 @@ def run_serve(args: argparse.Namespace) -> int:
                          "--grpc-port", str(grpc_port)]
         for w, (_, role) in zip(workers, plan):
             frontend_argv += ["--worker", f"{role}={w.address}"]
-        if args.served_model_name:
-            frontend_argv += ["--served-model-name", args.served_model_name]
+        served_name = args.served_model_name or _default_served_name(args.model)
+        if served_name:
+            frontend_argv += ["--served-model-name", served_name]
         sup.spawn("frontend", frontend_argv)
         base = f"http://{host}:{port}"
         _wait_ready(sup, workers, f"{base}/ready", args.ready_timeout)
