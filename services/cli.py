@@ -115,6 +115,21 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return run_serve(args)
 
 
+def cmd_bench(args: argparse.Namespace) -> int:
+    from splitserve.loadgen.cli import main as bench_main
+
+    return bench_main(args.bench_args)
+
+
+def _add_bench_parser(sub) -> None:
+    # Everything after `bench` goes to the load generator's own parser (its --help,
+    # and `bench compare A.json B.json`); prefix_chars keeps argparse from reading it here.
+    p = sub.add_parser("bench", help="load-test an OpenAI-compatible endpoint (see `bench --help`)",
+                       add_help=False, prefix_chars="\0")
+    p.add_argument("bench_args", nargs=argparse.REMAINDER)
+    p.set_defaults(func=cmd_bench)
+
+
 def _add_worker_parser(sub) -> None:
     p = sub.add_parser("worker", help="run one engine behind the gRPC worker service",
                        description="Run one engine (one tensor-parallel group) behind the gRPC "
@@ -213,6 +228,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_worker_parser(sub)
     _add_frontend_parser(sub)
     _add_serve_parser(sub)
+    _add_bench_parser(sub)
     return parser
 
 
