@@ -38,3 +38,15 @@ NIXL_VERSION="1.5.1"
 cuda_major="$("$PYTHON" -c 'import torch; print((torch.version.cuda or "12").split(".")[0])')"
 run "$PYTHON" -m pip install "nixl-cu${cuda_major}==$NIXL_VERSION"
 run "$PYTHON" -m pip install --no-deps "nixl==$NIXL_VERSION"
+
+# etcd (DESIGN section 4): the router's discovery tests start a real etcd server on
+# 127.0.0.1. Debian's etcd-server package provides /usr/bin/etcd; install it only
+# when no etcd is on PATH (CI runs as root with Debian's registry reachable).
+if command -v etcd >/dev/null 2>&1; then
+    echo "etcd is already installed: $(command -v etcd)"
+else
+    SUDO=""
+    if [[ "$(id -u)" != "0" ]]; then SUDO="sudo"; fi
+    run $SUDO apt-get update
+    run $SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends etcd-server
+fi

@@ -95,7 +95,8 @@ def cmd_worker(args: argparse.Namespace) -> int:
                             remote_prefill_threshold=args.remote_prefill_threshold,
                             prefill_timeout_s=args.prefill_timeout)
     config = WorkerServerConfig(options=options, engine=_engine_config(args), host=args.host,
-                                port=args.port, transfer=args.transfer)
+                                port=args.port, transfer=args.transfer, etcd=args.etcd or [],
+                                etcd_prefix=args.etcd_prefix, etcd_ttl_s=args.etcd_ttl)
     return asyncio.run(serve(config))
 
 
@@ -104,8 +105,14 @@ def cmd_frontend(args: argparse.Namespace) -> int:
 
     from splitserve.services.frontend.server import FrontendConfig, run_frontend
 
-    config = FrontendConfig(model=args.model, workers=args.worker, host=args.host, port=args.port,
-                            grpc_port=args.grpc_port, served_model_name=args.served_model_name)
+    if not args.worker and not args.etcd:
+        raise SplitserveError("give the workers (--worker ROLE=HOST:PORT) or an etcd to find them in (--etcd)")
+    config = FrontendConfig(model=args.model, workers=args.worker or [], host=args.host, port=args.port,
+                            grpc_port=args.grpc_port, served_model_name=args.served_model_name,
+                            router=args.router, prefill_router=args.prefill_router, router_seed=args.router_seed,
+                            prefill_weight=args.prefill_weight, router_temperature=args.router_temperature,
+                            remote_prefill_threshold=args.remote_prefill_threshold, etcd=args.etcd or [],
+                            etcd_prefix=args.etcd_prefix)
     return asyncio.run(run_frontend(config))
 
 
@@ -141,6 +148,10 @@ def _add_worker_parser(sub) -> None:
     p.add_argument("--port", type=int, default=0, help="gRPC port (default: 0, any free port)")
     p.add_argument("--worker-id", default=None, help="name in logs, stats and KV events")
     _add_disaggregation_args(p)
+    _add_etcd_args(p)
+    p.add_argument("--etcd-ttl", type=int, default=10, metavar="S",
+                   help="lease TTL of the etcd registration; routers drop the worker this long after it "
+                        "stops refreshing (default: %(default)s)")
     p.set_defaults(func=cmd_worker)
 
 
@@ -157,6 +168,27 @@ def _add_disaggregation_args(p: argparse.ArgumentParser) -> None:
                         "and prefill locally (default: %(default)s)")
 
 
+_ROUTERS = ["kv", "round-robin", "random", "least-loaded", "power-of-two"]
+
+
+def _add_router_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--router", default="kv", choices=_ROUTERS,
+                   help="routing policy (default: %(default)s: prefix overlap against load)")
+    p.add_argument("--prefill-weight", type=float, default=1.0,
+                   help="kv policy: cost of one uncached prompt block relative to one block of load "
+                        "(default: %(default)s)")
+    p.add_argument("--router-temperature", type=float, default=0.0,
+                   help="kv policy: sample winners ∝ exp(-normalized cost / T); 0 picks the lowest "
+                        "(default: %(default)s)")
+
+
+def _add_etcd_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--etcd", action="append", default=None, metavar="HOST:PORT",
+                   help="etcd endpoint for worker discovery (repeatable; default: none, static)")
+    p.add_argument("--etcd-prefix", default="/splitserve/workers/",
+                   help="key prefix workers register under (default: %(default)s)")
+
+
 def _add_frontend_parser(sub) -> None:
     p = sub.add_parser("frontend", help="run the OpenAI-compatible HTTP and gRPC frontend",
                        description="Serve the OpenAI-compatible HTTP API and the public gRPC "
@@ -164,8 +196,17 @@ def _add_frontend_parser(sub) -> None:
     p.add_argument("--model", default="smollm2", help="the workers' model (for its tokenizer)")
     p.add_argument("--served-model-name", default=None,
                    help="model name clients use (default: the workers' model name)")
-    p.add_argument("--worker", action="append", required=True, metavar="ROLE=HOST:PORT",
-                   help="a worker, e.g. both=127.0.0.1:50051 (repeatable; roles: both, decode, prefill)")
+    p.add_argument("--worker", action="append", default=None, metavar="ROLE=HOST:PORT",
+                   help="a worker, e.g. both=127.0.0.1:50051 (repeatable; roles: both, decode, prefill); "
+                        "or find them with --etcd")
+    _add_router_args(p)
+    p.add_argument("--prefill-router", default=None, choices=_ROUTERS,
+                   help="the prefill leg's policy (default: the same as --router)")
+    p.add_argument("--router-seed", type=int, default=None, help="seed of the random policies")
+    p.add_argument("--remote-prefill-threshold", type=int, default=64, metavar="TOKENS",
+                   help="prompts with fewer tokens uncached on the chosen decode worker are prefilled "
+                        "there (default: %(default)s; the decode worker checks again itself)")
+    _add_etcd_args(p)
     p.add_argument("--host", default="127.0.0.1", help="listen address (default: %(default)s)")
     p.add_argument("--port", type=int, default=8000, help="HTTP port (default: %(default)s)")
     p.add_argument("--grpc-port", type=int, default=None,
@@ -188,6 +229,11 @@ def _add_serve_parser(sub) -> None:
     p.add_argument("--decode-workers", type=int, default=None, metavar="M",
                    help="disaggregated: decode workers (default: 1)")
     _add_disaggregation_args(p)
+    _add_router_args(p)
+    p.add_argument("--frontends", type=int, default=1, metavar="K",
+                   help="frontends (router replicas), each on its own HTTP port (--port, then free "
+                        "ports, all printed) and each building the same KV index from the workers' "
+                        "events (default: %(default)s)")
     p.add_argument("--host", default="127.0.0.1", help="frontend listen address (default: %(default)s)")
     p.add_argument("--port", type=int, default=8000, help="HTTP port (default: %(default)s)")
     p.add_argument("--grpc-port", type=int, default=None,

@@ -252,7 +252,7 @@ class DescribeRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class DescribeResponse(_message.Message):
-    __slots__ = ("worker_id", "instance_id", "role", "model_name", "max_model_len", "vocab_size", "block_size", "num_kv_blocks", "dtype", "device", "tensor_parallel_size", "transfer_backend")
+    __slots__ = ("worker_id", "instance_id", "role", "model_name", "max_model_len", "vocab_size", "block_size", "num_kv_blocks", "dtype", "device", "tensor_parallel_size", "transfer_backend", "block_hash_extra_key")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
@@ -265,6 +265,7 @@ class DescribeResponse(_message.Message):
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     TENSOR_PARALLEL_SIZE_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_BACKEND_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_HASH_EXTRA_KEY_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     instance_id: str
     role: WorkerRole
@@ -277,7 +278,8 @@ class DescribeResponse(_message.Message):
     device: str
     tensor_parallel_size: int
     transfer_backend: str
-    def __init__(self, worker_id: _Optional[str] = ..., instance_id: _Optional[str] = ..., role: _Optional[_Union[WorkerRole, str]] = ..., model_name: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., block_size: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., tensor_parallel_size: _Optional[int] = ..., transfer_backend: _Optional[str] = ...) -> None: ...
+    block_hash_extra_key: bytes
+    def __init__(self, worker_id: _Optional[str] = ..., instance_id: _Optional[str] = ..., role: _Optional[_Union[WorkerRole, str]] = ..., model_name: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., block_size: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., tensor_parallel_size: _Optional[int] = ..., transfer_backend: _Optional[str] = ..., block_hash_extra_key: _Optional[bytes] = ...) -> None: ...
 
 class DrainRequest(_message.Message):
     __slots__ = ()

@@ -5,7 +5,10 @@ KV transfer between them over NIXL when it is importable, else TCP;
 `--aggregated` runs `--workers N` workers that prefill and decode themselves.
 
 Static discovery: this process picks the ports, starts every worker and the
-frontend (passing them the workers' addresses), shows progress until each
+frontend (passing them the workers' addresses; `--router` picks the policy,
+default kv; `--frontends K` starts K frontends — router replicas — each on
+its own HTTP port, `--port` for the first and free ports for the others, all
+printed, each building the same KV index from the workers' events), shows progress until each
 worker reports SERVING through gRPC health and the frontend's /ready answers,
 prints the URL, and then supervises. Ctrl-C, SIGTERM, or any child exiting
 stops everything: the children share one process group of their own, which
@@ -147,6 +150,21 @@ def _default_served_name(model: str) -> str | None:
     return model.strip() if model.strip().lower() in SMOLLM2_NAMES else None
 
 
+def _frontend_argv(args: argparse.Namespace, model: str, host: str, port: int, grpc_port: int,
+                   workers: list[Child], plan: list[tuple[str, str]]) -> list[str]:
+    """One frontend (router replica): every replica gets every worker and builds its own index."""
+    argv = ["--model", model, "--host", host, "--port", str(port), "--grpc-port", str(grpc_port),
+            "--router", args.router, "--prefill-weight", str(args.prefill_weight),
+            "--router-temperature", str(args.router_temperature),
+            "--remote-prefill-threshold", str(args.remote_prefill_threshold)]
+    for w, (_, role) in zip(workers, plan):
+        argv += ["--worker", f"{role}={w.address}"]
+    served_name = args.served_model_name or _default_served_name(args.model)
+    if served_name:
+        argv += ["--served-model-name", served_name]
+    return argv
+
+
 def _resolve_model(name: str) -> str:
     if not name.strip().lower().startswith("smollm2"):
         return name          # a folder or a file: the workers open it (no torch import here)
@@ -244,16 +262,16 @@ def run_serve(args: argparse.Namespace) -> int:
             wport = free_port("127.0.0.1")
             workers.append(sup.spawn(name, [*python, *_worker_argv(args, name, role, wport, model)],
                                      f"127.0.0.1:{wport}"))
-        frontend_argv = [*python, "frontend", "--model", model, "--host", host, "--port", str(port),
-                         "--grpc-port", str(grpc_port)]
-        for w, (_, role) in zip(workers, plan):
-            frontend_argv += ["--worker", f"{role}={w.address}"]
-        served_name = args.served_model_name or _default_served_name(args.model)
-        if served_name:
-            frontend_argv += ["--served-model-name", served_name]
-        sup.spawn("frontend", frontend_argv)
+        ports = [port] + [free_port(host) for _ in range(max(args.frontends, 1) - 1)]
+        for i, fport in enumerate(ports):
+            gport = grpc_port if i == 0 else free_port(host)
+            sup.spawn("frontend" if i == 0 else f"frontend-{i}",
+                      [*python, "frontend", *_frontend_argv(args, model, host, fport, gport, workers, plan)])
         base = f"http://{host}:{port}"
         _wait_ready(sup, workers, f"{base}/ready", args.ready_timeout)
+        for fport in ports[1:]:
+            _wait_ready(sup, [], f"http://{host}:{fport}/ready", args.ready_timeout)
+            print(f"  frontend replica: http://{host}:{fport}/v1", flush=True)
         if not args.aggregated:
             print(f"  KV transfer between prefill and decode workers: {_transfer_backend(workers[0].address)}",
                   flush=True)

@@ -25,7 +25,7 @@ from .grpc_api import InferenceService
 from .lifecycle import Frontend
 from .metrics import FrontendMetrics
 from .openai_api import build_app
-from .routing import RoundRobinRouter
+from .kv_routing import build_router
 from .workers import WorkerAddress, WorkerPool
 
 log = logging.getLogger(__name__)
@@ -39,16 +39,36 @@ class FrontendConfig:
     port: int = 8000
     grpc_port: int | None = None
     served_model_name: str | None = None
+    router: str = "kv"                      # kv | round-robin | random | least-loaded | power-of-two
+    prefill_router: str | None = None       # the prefill leg's policy (default: the same)
+    router_seed: int | None = None
+    prefill_weight: float = 1.0
+    router_temperature: float = 0.0
+    remote_prefill_threshold: int = 64
+    etcd: list[str] = field(default_factory=list)    # HOST:PORT endpoints: discover workers there
+    etcd_prefix: str = "/splitserve/workers/"
 
 
 async def run_frontend(config: FrontendConfig) -> int:
     addresses = [WorkerAddress.parse(w) for w in config.workers]
-    if not any(a.role in ("both", "decode") for a in addresses):
-        raise SplitserveError("the frontend needs at least one worker with role both or decode")
+    if not config.etcd and not any(a.role in ("both", "decode") for a in addresses):
+        raise SplitserveError("the frontend needs at least one worker with role both or decode (or --etcd)")
     tokenizer = Tokenizer(open_checkpoint(config.model))
     pool = WorkerPool.connect(addresses)
-    frontend = Frontend(tokenizer, pool, RoundRobinRouter(pool), FrontendMetrics(),
-                        config.served_model_name)
+    registry = None
+    if config.etcd:
+        from splitserve.router.discovery.etcd import EtcdRegistry
+
+        registry = EtcdRegistry(config.etcd, config.etcd_prefix)
+        await registry.start()
+    metrics = FrontendMetrics()
+    try:
+        router = build_router(pool, config.router, config.prefill_router, config.router_seed,
+                              config.prefill_weight, config.router_temperature, config.remote_prefill_threshold,
+                              registry, metrics.registry)
+    except ValueError as exc:
+        raise SplitserveError(str(exc)) from None
+    frontend = Frontend(tokenizer, pool, router, metrics, config.served_model_name)
     app = build_app(frontend)
     uv = uvicorn.Server(uvicorn.Config(app, host=config.host, port=config.port, log_level="warning",
                                        access_log=False, lifespan="off", timeout_graceful_shutdown=5))
@@ -67,6 +87,7 @@ async def run_frontend(config: FrontendConfig) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     pool.start()
+    router.start()
     serving = asyncio.create_task(uv.serve(), name="uvicorn")
     stopper = asyncio.create_task(stop.wait(), name="stop")
     try:
@@ -79,5 +100,8 @@ async def run_frontend(config: FrontendConfig) -> int:
         await asyncio.gather(serving, return_exceptions=True)
         if grpc_server is not None:
             await grpc_server.stop(2)
+        await router.close()
+        if registry is not None:
+            await registry.close()
         await pool.close()
     return 0

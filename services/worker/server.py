@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -40,6 +40,9 @@ class WorkerServerConfig:
     port: int = 0
     grace_s: float = 2.0     # running calls get this long to finish on SIGTERM
     transfer: str = "auto"   # KV transfer backend for the prefill/decode roles: auto | nixl | tcp
+    etcd: list[str] = field(default_factory=list)     # register here (with a lease) once serving
+    etcd_prefix: str = "/splitserve/workers/"
+    etcd_ttl_s: int = 10
 
 
 def build_transfer(role: Role, engine: LLMEngine, backend: str = "auto", name: str = "worker",
@@ -99,7 +102,12 @@ async def serve(config: WorkerServerConfig, stop: asyncio.Event | None = None) -
                  engine.config.model_name, engine.max_model_len, engine.config.num_kv_blocks,
                  sender.backend or "none")
         print(f"worker {wid} ready (transfer {sender.backend or 'none'})", flush=True)
-        await stop.wait()
+        registration = await _register(config, port)
+        try:
+            await stop.wait()
+        finally:
+            if registration is not None:
+                await registration.close()
         log.info("worker %s: stopping", wid)
         return 0
     finally:
@@ -108,3 +116,16 @@ async def serve(config: WorkerServerConfig, stop: asyncio.Event | None = None) -
         await service.close()
         if engine is not None:
             engine.close()
+
+
+async def _register(config: WorkerServerConfig, port: int):
+    """Register with etcd (a leased key the routers watch); None without --etcd."""
+    if not config.etcd:
+        return None
+    from splitserve.router.discovery import WorkerRecord
+    from splitserve.router.discovery.etcd import EtcdRegistration
+
+    record = WorkerRecord(config.options.worker_id, config.options.role.value, f"{config.host}:{port}")
+    registration = EtcdRegistration(config.etcd, record, config.etcd_prefix, config.etcd_ttl_s)
+    await registration.start()
+    return registration

@@ -253,7 +253,8 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
             block_size=cfg.block_size, num_kv_blocks=cfg.num_kv_blocks,
             dtype=str(cfg.torch_dtype()).removeprefix("torch."), device=cfg.device,
             tensor_parallel_size=cfg.tensor_parallel_size,
-            transfer_backend=self.sender.backend if self.sender is not None else "")
+            transfer_backend=self.sender.backend if self.sender is not None else "",
+            block_hash_extra_key=engine.scheduler.extra_key)
 
     async def Drain(self, request, context):
         if not self.draining:

@@ -1,0 +1,25 @@
+"""Routing policies, one module each, behind the `Policy` interface (policies/base.py)."""
+
+from __future__ import annotations
+
+from .base import Candidate, Decision, Policy, Scored
+from .kv import KvPolicy, kv_cost
+from .least_loaded import LeastLoadedPolicy
+from .power_of_two import PowerOfTwoPolicy
+from .random_choice import RandomPolicy
+from .round_robin import RoundRobinPolicy
+
+POLICIES = {p.name: p for p in (KvPolicy, RoundRobinPolicy, RandomPolicy, LeastLoadedPolicy, PowerOfTwoPolicy)}
+
+
+def make_policy(name: str, seed: int | None = None, prefill_weight: float = 1.0,
+                temperature: float = 0.0) -> Policy:
+    """A policy by its CLI name; ValueError for an unknown one."""
+    if name not in POLICIES:
+        raise ValueError(f"unknown router policy {name!r}; choose one of {', '.join(POLICIES)}")
+    if name == "kv":
+        return KvPolicy(prefill_weight, temperature, seed)
+    return POLICIES[name](seed=seed)
+
+
+__all__ = ["Candidate", "Decision", "Policy", "Scored", "KvPolicy", "kv_cost", "make_policy", "POLICIES"]

@@ -1,0 +1,83 @@
+"""What every routing policy shares: candidates in, a scored, explained decision out.
+
+A policy is split the way Dynamo splits its KV router: scoring (a pure function
+from candidates to costs) and picking (lowest cost, or sampling with a
+temperature from a seeded RNG). Every decision carries the winner's cost terms
+and the runner-up, so it can be logged and exported as a metric label.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+
+@dataclass(slots=True, frozen=True)
+class Candidate:
+    worker_id: str
+    overlap_blocks: int = 0            # leading prompt blocks this worker holds
+    pending_prefill_blocks: int = 0    # prefill work queued or running there
+    decode_blocks: int = 0             # KV blocks of its active decodes
+
+    @property
+    def load(self) -> int:
+        return self.pending_prefill_blocks + self.decode_blocks
+
+
+@dataclass(slots=True, frozen=True)
+class Scored:
+    candidate: Candidate
+    cost: float
+    uncached_blocks: int = 0
+
+    @property
+    def worker_id(self) -> str:
+        return self.candidate.worker_id
+
+    def terms(self) -> str:
+        c = self.candidate
+        return (f"cost={self.cost:g} overlap={c.overlap_blocks} uncached={self.uncached_blocks} "
+                f"prefill={c.pending_prefill_blocks} decode={c.decode_blocks}")
+
+
+@dataclass(slots=True, frozen=True)
+class Decision:
+    policy: str
+    winner: Scored
+    runner_up: Scored | None
+
+    def explain(self) -> str:
+        text = f"{self.policy}: {self.winner.worker_id} ({self.winner.terms()})"
+        if self.runner_up is not None:
+            text += f"; runner-up {self.runner_up.worker_id} ({self.runner_up.terms()})"
+        return text
+
+
+class Policy(Protocol):
+    name: str
+
+    def choose(self, num_prompt_blocks: int, candidates: Sequence[Candidate]) -> Decision | None:
+        """The chosen worker among `candidates`, with the reason; None when there are none."""
+
+
+def lowest(policy: str, scored: list[Scored]) -> Decision | None:
+    """Lowest cost wins; ties go to the less-loaded worker, then the smaller worker id."""
+    if not scored:
+        return None
+    ranked = sorted(scored, key=lambda s: (s.cost, s.candidate.load, s.worker_id))
+    return Decision(policy, ranked[0], ranked[1] if len(ranked) > 1 else None)
+
+
+def sample(policy: str, scored: list[Scored], temperature: float, rng: random.Random) -> Decision | None:
+    """Sample ∝ exp(-normalized cost / T); T <= 0 is `lowest`. The runner-up is the best other."""
+    if temperature <= 0 or len(scored) < 2:
+        return lowest(policy, scored)
+    costs = [s.cost for s in scored]
+    lo, span = min(costs), (max(costs) - min(costs)) or 1.0
+    weights = [math.exp(-((c - lo) / span) / temperature) for c in costs]
+    winner = rng.choices(scored, weights)[0]
+    others = lowest(policy, [s for s in scored if s is not winner])
+    return Decision(policy, winner, others.winner if others else None)

@@ -1,0 +1,174 @@
+"""The frontend's glue to splitserve.router: policies over the WorkerPool, KV events, discovery.
+
+`PolicyRouter` implements the frontend's `Router` interface (routing.py) with
+a `RouterCore` (index + load + one policy per leg). It owns three kinds of
+background tasks, all cancelled by `close()`:
+
+- one KvEvents subscriber per worker once the worker has described itself
+  (its block size and block-hash extra key come from Describe), so a frontend
+  that starts or restarts builds its index from the workers alone;
+- a Stats poller that corrects the load model from the workers' own figures;
+- a reconciler that adds and removes pool workers as the registry (static or
+  etcd) changes. When etcd is unreachable the registry keeps its last members,
+  so routing carries on with them.
+
+The pool's own health watch still decides readiness; the reconciler only adds
+handles (with the pool's watch task) and removes them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+
+import grpc
+
+from splitserve.proto.v1 import worker_pb2, worker_pb2_grpc
+from splitserve.router.core import RouterCore, WorkerSpec
+from splitserve.router.discovery import WorkerRecord
+from splitserve.router.subscriber import EventSubscriber
+
+from .routing import Route, RouteRequest
+from .workers import WorkerHandle, WorkerPool
+
+log = logging.getLogger(__name__)
+
+STATS_INTERVAL_S = 0.5
+RECONCILE_INTERVAL_S = 0.5
+
+
+class PolicyRouter:
+    def __init__(self, pool: WorkerPool, core: RouterCore, registry=None, subscribe: bool = True):
+        self.pool = pool
+        self.core = core
+        self.registry = registry
+        self.subscribe = subscribe
+        self.subscribers: dict[str, EventSubscriber] = {}     # by worker address
+        self._sub_tasks: dict[str, asyncio.Task] = {}
+        self._watch_tasks: dict[str, asyncio.Task] = {}
+        self._tasks: list[asyncio.Task] = []
+
+    # -- the Router interface ------------------------------------------------------
+    def route(self, request: RouteRequest, exclude: frozenset[str] = frozenset()) -> Route | None:
+        decoders = {w.worker_id: w for w in self.pool.ready("decode") if w.worker_id not in exclude}
+        prefillers = {w.worker_id: w for w in self.pool.ready("prefill") if w.worker_id not in exclude}
+        decision = self.core.route(request.request_id, request.token_ids, list(decoders), list(prefillers))
+        if decision is None:
+            return None
+        prefill = prefillers[decision.prefill.winner.worker_id] if decision.prefill else None
+        return Route(decoders[decision.decode.winner.worker_id], prefill,
+                     f"{decision.decode.explain()}; {decision.reason}")
+
+    def on_first_token(self, request_id: str) -> None:
+        self.core.on_first_token(request_id)
+
+    def on_finished(self, request_id: str) -> None:
+        self.core.on_finished(request_id)
+
+    # -- background work -----------------------------------------------------------
+    def start(self) -> None:
+        self._tasks.append(asyncio.create_task(self._maintain(), name="router maintain"))
+        self._tasks.append(asyncio.create_task(self._poll_stats(), name="router stats"))
+
+    async def close(self) -> None:
+        tasks = [*self._tasks, *self._sub_tasks.values(), *self._watch_tasks.values()]
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        self._tasks.clear()
+        self._sub_tasks.clear()
+        self._watch_tasks.clear()
+
+    async def _maintain(self) -> None:
+        while True:
+            if self.registry is not None:
+                self.registry.changed.clear()
+                await self._reconcile(self.registry.members())
+            self._start_subscribers()
+            waiters = [self.pool.changed.wait()]
+            if self.registry is not None:
+                waiters.append(self.registry.changed.wait())
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(_first(waiters), RECONCILE_INTERVAL_S)
+            self.pool.changed.clear()
+
+    async def _reconcile(self, members: dict[str, WorkerRecord]) -> None:
+        wanted = {r.address: r for r in members.values()}
+        for w in list(self.pool.workers):
+            if w.address not in wanted:
+                await self._remove(w)
+        known = {w.address for w in self.pool.workers}
+        for address, r in wanted.items():
+            if address not in known:
+                channel = grpc.aio.insecure_channel(address)
+                handle = WorkerHandle(r.worker_id, r.role, address, channel, worker_pb2_grpc.WorkerStub(channel))
+                self.pool.workers.append(handle)
+                task = asyncio.create_task(self.pool._watch(handle), name=f"watch {address}")
+                self._watch_tasks[address] = task
+                log.info("router: worker %s (%s) at %s added", r.worker_id, r.role, address)
+
+    async def _remove(self, w: WorkerHandle) -> None:
+        log.info("router: worker %s at %s removed (lease lost)", w.worker_id, w.address)
+        self.pool.workers.remove(w)
+        for tasks in (self._watch_tasks, self._sub_tasks):
+            task = tasks.pop(w.address, None)
+            if task is not None:
+                task.cancel()
+        self.subscribers.pop(w.address, None)
+        self.core.forget(w.worker_id)
+        if self.core.metrics is not None:
+            with contextlib.suppress(KeyError):
+                self.core.metrics.index_blocks.remove(w.worker_id)
+        await w.channel.close()
+
+    def _start_subscribers(self) -> None:
+        for w in self.pool.workers:
+            if w.info is None or w.address in self._sub_tasks:
+                continue
+            self.core.set_spec(w.worker_id, WorkerSpec(w.info.block_size or 16, w.info.block_hash_extra_key))
+            if not self.subscribe:
+                continue
+            sub = EventSubscriber(w.worker_id, self.core.index)
+            self.subscribers[w.address] = sub
+            self._sub_tasks[w.address] = asyncio.create_task(sub.run(w.stub), name=f"kv events {w.address}")
+
+    async def _poll_stats(self) -> None:
+        while True:
+            for w in self.pool.ready():
+                try:
+                    s = await w.stub.Stats(worker_pb2.StatsRequest(), timeout=2)
+                except grpc.aio.AioRpcError:
+                    continue
+                self.core.load.correct(w.worker_id, s.num_used_kv_blocks, s.num_in_flight)
+            if self.core.metrics is not None:
+                for w in self.pool.workers:
+                    self.core.metrics.index_blocks.labels(w.worker_id).set(self.core.index.num_blocks(w.worker_id))
+            await asyncio.sleep(STATS_INTERVAL_S)
+
+
+async def _first(awaitables) -> None:
+    tasks = [asyncio.ensure_future(a) for a in awaitables]
+    try:
+        await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for t in tasks:
+            t.cancel()
+
+
+def build_router(pool: WorkerPool, policy: str = "kv", prefill_policy: str | None = None, seed: int | None = None,
+                 prefill_weight: float = 1.0, temperature: float = 0.0, remote_prefill_threshold: int = 64,
+                 registry=None, metrics_registry=None) -> PolicyRouter:
+    """A PolicyRouter for the CLI names (kv, round-robin, random, least-loaded, power-of-two).
+
+    KV events are subscribed to only when a leg uses `kv` (the other policies never read the index).
+    """
+    from splitserve.router.metrics import RouterMetrics
+    from splitserve.router.policies import make_policy
+
+    prefill_policy = prefill_policy or policy
+    core = RouterCore(make_policy(policy, seed, prefill_weight, temperature),
+                      make_policy(prefill_policy, None if seed is None else seed + 1, prefill_weight, temperature),
+                      remote_prefill_threshold=remote_prefill_threshold,
+                      metrics=RouterMetrics(metrics_registry))
+    return PolicyRouter(pool, core, registry, subscribe="kv" in (policy, prefill_policy))

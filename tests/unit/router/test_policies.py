@@ -1,0 +1,66 @@
+"""The routing policies: cost function properties, worked examples with known winners."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+from hypothesis import given
+from hypothesis import strategies as st
+
+from splitserve.router.policies import Candidate, KvPolicy, kv_cost, make_policy
+
+cands = st.lists(st.builds(Candidate, st.sampled_from([f"w{i}" for i in range(6)]), st.integers(0, 20),
+                           st.integers(0, 50), st.integers(0, 50)), min_size=1, max_size=6,
+                 unique_by=lambda c: c.worker_id)
+
+
+@given(cands, st.integers(0, 20), st.floats(0, 4))
+def test_kv_picks_the_brute_force_minimum(candidates, prompt_blocks, weight):
+    d = KvPolicy(prefill_weight=weight).choose(prompt_blocks, candidates)
+    costs = {c.worker_id: weight * max(prompt_blocks - c.overlap_blocks, 0) + c.pending_prefill_blocks
+             + c.decode_blocks for c in candidates}
+    best = min(costs.values())
+    assert abs(d.winner.cost - best) < 1e-9
+    tied = [c for c in candidates if abs(costs[c.worker_id] - best) < 1e-9]
+    assert d.winner.candidate.load == min(c.load for c in tied)          # ties to the less loaded
+    if len(candidates) > 1:
+        assert d.runner_up is not None and d.runner_up.cost >= d.winner.cost
+
+
+def test_worked_examples():
+    # 10-block prompt. w0 holds 8 blocks but is busy; w1 holds nothing and is idle; w2 holds 6.
+    c = [Candidate("w0", 8, 0, 9), Candidate("w1", 0, 0, 0), Candidate("w2", 6, 1, 2)]
+    assert kv_cost(10, c[0]).cost == 2 + 9
+    d = KvPolicy().choose(10, c)
+    assert (d.winner.worker_id, d.winner.cost, d.runner_up.worker_id) == ("w2", 7, "w1")
+    # Overlap weighs more with a higher prefill weight: w0 (2*2+9=13) beats w1 (20), loses to w2 (8+3=11).
+    assert KvPolicy(prefill_weight=2).choose(10, c).winner.worker_id == "w2"
+    # Equal cost: the less loaded wins (w1: 5 uncached + 0 load; w0: 0 uncached + 5 load).
+    tie = [Candidate("w0", 5, 2, 3), Candidate("w1", 0, 0, 0)]
+    assert KvPolicy().choose(5, tie).winner.worker_id == "w1"
+    assert "runner-up w0" in KvPolicy().choose(5, tie).explain()
+
+
+def test_temperature_is_seeded_and_prefers_cheap():
+    c = [Candidate("w0", 10, 0, 0), Candidate("w1", 0, 0, 0), Candidate("w2", 0, 0, 0)]
+    picks = [KvPolicy(temperature=0.5, seed=7).choose(10, c).winner.worker_id for _ in range(3)]
+    assert len(set(picks)) == 1                                   # the same seed, the same choice
+    p = KvPolicy(temperature=0.5, seed=1)
+    counts = Counter(p.choose(10, c).winner.worker_id for _ in range(600))
+    assert counts["w0"] > counts["w1"] and counts["w0"] > counts["w2"] and counts["w1"] > 0
+
+
+def test_other_policies():
+    c = [Candidate("b", 0, 3, 0), Candidate("a", 9, 0, 1), Candidate("c", 0, 0, 7)]
+    rr = make_policy("round-robin")
+    assert [rr.choose(1, c).winner.worker_id for _ in range(4)] == ["a", "b", "c", "a"]
+    assert make_policy("least-loaded").choose(1, c).winner.worker_id == "a"
+    r1, r2 = make_policy("random", seed=3), make_policy("random", seed=3)
+    assert [r1.choose(1, c).winner.worker_id for _ in range(20)] == [r2.choose(1, c).winner.worker_id
+                                                                     for _ in range(20)]
+    p2 = make_policy("power-of-two", seed=0)
+    for _ in range(30):
+        d = p2.choose(1, c)
+        assert d.runner_up is not None and d.winner.candidate.load <= d.runner_up.candidate.load
+    for name in ("kv", "round-robin", "random", "least-loaded", "power-of-two"):
+        assert make_policy(name).choose(1, []) is None
