@@ -40,19 +40,31 @@ import threading
 import time
 import uuid
 from abc import ABC, abstractmethod
+from collections import OrderedDict
 from dataclasses import asdict, dataclass, field
 from typing import ClassVar
 
+import numpy as np
 import torch
 
 from .errors import (BlockOutOfRangeError, LayoutMismatchError, NotReservedError, ReservationExpiredError,
                      StalePeerError, TransferError, TransferTimeoutError)
 from .layout import KVLayout
+from .memory import advise_huge_pages
 from .metrics import transfer_metrics
 from .reservations import ReservationTable
 from .tp_slicing import HeadSlice, head_slice
 
 MAX_NOTIFY_PAYLOAD = 64 * 1024
+_GRANT_CACHE_SIZE = 64           # reservations whose destination-block masks a sender keeps
+
+
+def block_ids_array(block_ids) -> np.ndarray:
+    """Block ids (list, tuple, range or integer array) as a 1-D int64 array; ValueError otherwise."""
+    array = np.asarray(block_ids)
+    if array.ndim != 1 or (array.size and array.dtype.kind not in "iu"):
+        raise ValueError(f"block ids must be a flat sequence of integers, got {array.dtype} {array.shape}")
+    return array.astype(np.int64, copy=False)
 
 
 @dataclass(frozen=True, slots=True)
@@ -132,7 +144,12 @@ class Connector(ABC):
         self.pool: torch.Tensor | None = None
         self._table: ReservationTable | None = None
         self._peers: dict[str, AgentMetadata] = {}
-        self._written: dict[tuple[str, str], set[int]] = {}     # (peer, request) → dst blocks posted
+        self._written: dict[tuple[str, str], list[np.ndarray]] = {}   # (peer, request) → dst blocks posted
+        # id(reservation) → (reservation, bool mask over the peer's blocks): the grant check is one
+        # gather per write instead of building a set of the grant's blocks every layer.
+        self._grant_masks: OrderedDict[int, tuple[Reservation, np.ndarray]] = OrderedDict()
+        self._head_slices: dict[str, HeadSlice | None] = {}      # peer incarnation → heads that move
+        self._metric_children: dict[tuple, object] = {}         # (metric, labels) → labelled child
         self._lock = threading.RLock()
 
     # -- setup and handshake --------------------------------------------------------------
@@ -151,6 +168,7 @@ class Connector(ABC):
         if not pool.is_contiguous():
             raise ValueError("the KV pool must be contiguous")
         self.pool = pool
+        advise_huge_pages(pool)          # CPU pools: fewer, larger pages to pin and walk (see memory.py)
         self._table = ReservationTable(num_blocks, self.incarnation)
         self._register(pool)
 
@@ -203,15 +221,16 @@ class Connector(ABC):
         (nothing posted) when the grant does not allow it. The source blocks must not
         change until the handle is done.
         """
+        src, dst = block_ids_array(src_block_ids), block_ids_array(dst_block_ids)
         try:
             peer = self._peer_for(reservation)
-            hs = self._check_write(peer, reservation, layer, list(src_block_ids), list(dst_block_ids))
+            hs = self._check_write(peer, reservation, layer, src, dst)
         except TransferError as error:
             self._count_failure(type(error))
             raise
         with self._lock:
-            self._written.setdefault((peer.name, reservation.request_id), set()).update(dst_block_ids)
-        return self._post_write(peer, reservation, layer, list(src_block_ids), list(dst_block_ids), hs)
+            self._written.setdefault((peer.name, reservation.request_id), []).append(dst)
+        return self._post_write(peer, reservation, layer, src, dst, hs)
 
     def notify(self, reservation: Reservation, payload: bytes = b"") -> TransferHandle:
         """Post the request's completion notification (after all its writes); returns at once.
@@ -228,7 +247,8 @@ class Connector(ABC):
             self._count_failure(type(error))
             raise
         with self._lock:
-            written = tuple(sorted(self._written.pop((peer.name, reservation.request_id), ())))
+            posted = self._written.pop((peer.name, reservation.request_id), [])
+        written = tuple(np.unique(np.concatenate(posted)).tolist()) if posted else ()
         return self._post_notify(peer, reservation, written, payload)
 
     def poll(self, handle: TransferHandle) -> bool:
@@ -317,6 +337,12 @@ class Connector(ABC):
     def close(self) -> None:
         """Stop background work and deregister memory. Idempotent."""
 
+    def cached_peer_state(self) -> list[tuple[str, str]]:
+        """(peer name, incarnation) of each peer the backend holds state for (connections, prepared
+        descriptor lists). After `add_peer` with a restarted peer's metadata, the old incarnation
+        is gone from it: nothing stale is kept to be written through."""
+        return []
+
     # -- backend hooks ---------------------------------------------------------------------
     @abstractmethod
     def _register(self, pool: torch.Tensor) -> None: ...
@@ -328,8 +354,9 @@ class Connector(ABC):
     def _remove_peer(self, meta: AgentMetadata) -> None: ...
 
     @abstractmethod
-    def _post_write(self, peer: AgentMetadata, reservation: Reservation, layer: int, src_block_ids: list[int],
-                    dst_block_ids: list[int], hs: HeadSlice) -> TransferHandle: ...
+    def _post_write(self, peer: AgentMetadata, reservation: Reservation, layer: int, src_block_ids: np.ndarray,
+                    dst_block_ids: np.ndarray, hs: HeadSlice) -> TransferHandle:
+        """Post a checked write; block ids are int64 arrays (see `block_ids_array`)."""
 
     @abstractmethod
     def _post_notify(self, peer: AgentMetadata, reservation: Reservation, block_ids: tuple[int, ...],
@@ -375,44 +402,76 @@ class Connector(ABC):
             raise ReservationExpiredError(f"request {reservation.request_id}: the reservation on "
                                           f"{reservation.agent_name} has expired; nothing was sent")
 
-    def _check_write(self, peer: AgentMetadata, reservation: Reservation, layer: int, src: list[int],
-                     dst: list[int]) -> HeadSlice:
+    def _check_write(self, peer: AgentMetadata, reservation: Reservation, layer: int, src: np.ndarray,
+                     dst: np.ndarray) -> HeadSlice:
         rid = reservation.request_id
         if not 0 <= layer < self.layout.num_layers:
             raise BlockOutOfRangeError(f"request {rid}: layer {layer} is outside 0..{self.layout.num_layers - 1}")
-        if len(src) != len(dst) or not src:
+        if len(src) != len(dst) or not len(src):
             raise ValueError(f"request {rid}: {len(src)} source blocks for {len(dst)} destination blocks")
-        bad = [b for b in src if not 0 <= b < self.num_blocks]
-        if bad:
-            raise BlockOutOfRangeError(f"request {rid}: source blocks {bad[:8]} are outside the local pool "
-                                       f"of {self.num_blocks} blocks")
-        bad = [b for b in dst if not 0 <= b < peer.num_blocks]
-        if bad:
-            raise BlockOutOfRangeError(f"request {rid}: destination blocks {bad[:8]} are outside {peer.name}'s "
-                                       f"pool of {peer.num_blocks} blocks")
-        missing = sorted(set(dst) - set(reservation.block_ids))
-        if missing:
-            raise NotReservedError(f"request {rid}: destination blocks {missing[:8]} are not reserved for it "
-                                   f"on {peer.name}")
+        if src.min() < 0 or src.max() >= self.num_blocks:
+            bad = src[(src < 0) | (src >= self.num_blocks)]
+            raise BlockOutOfRangeError(f"request {rid}: source blocks {bad[:8].tolist()} are outside the local "
+                                       f"pool of {self.num_blocks} blocks")
+        if dst.min() < 0 or dst.max() >= peer.num_blocks:
+            bad = dst[(dst < 0) | (dst >= peer.num_blocks)]
+            raise BlockOutOfRangeError(f"request {rid}: destination blocks {bad[:8].tolist()} are outside "
+                                       f"{peer.name}'s pool of {peer.num_blocks} blocks")
+        granted = self._grant_mask(reservation, peer.num_blocks)[dst]
+        if not granted.all():
+            missing = np.unique(dst[~granted])
+            raise NotReservedError(f"request {rid}: destination blocks {missing[:8].tolist()} are not "
+                                   f"reserved for it on {peer.name}")
         self._check_deadline(reservation)
-        hs = head_slice(self.layout, peer.layout)
+        hs = self._head_slices.get(peer.incarnation, False)
+        if hs is False:
+            hs = self._head_slices[peer.incarnation] = head_slice(self.layout, peer.layout)
         if hs is None:
             raise TransferError(f"request {rid}: {peer.name} holds KV heads [{peer.layout.head_start}, "
                                 f"{peer.layout.head_end}), none of this rank's")
         return hs
+
+    def _grant_mask(self, reservation: Reservation, num_blocks: int) -> np.ndarray:
+        """Bool mask over the receiver's `num_blocks` of the blocks `reservation` grants (cached per object).
+
+        Keyed by object identity with the reservation held alive, so an id is never reused
+        while cached; a reservation is immutable, so its mask never goes stale.
+        """
+        key = id(reservation)
+        with self._lock:
+            cached = self._grant_masks.get(key)
+            if cached is not None and cached[0] is reservation and cached[1].size == num_blocks:
+                self._grant_masks.move_to_end(key)
+                return cached[1]
+        granted = block_ids_array(reservation.block_ids)
+        mask = np.zeros(num_blocks, dtype=bool)
+        mask[granted[(granted >= 0) & (granted < num_blocks)]] = True
+        with self._lock:
+            self._grant_masks[key] = (reservation, mask)
+            while len(self._grant_masks) > _GRANT_CACHE_SIZE:
+                self._grant_masks.popitem(last=False)
+        return mask
 
     def _count(self, handle: TransferHandle) -> None:
         handle.counted = True
         if handle.error is not None:
             self._count_failure(type(handle.error))
             return
-        self.metrics.transfers.labels(self.backend, "send", handle.kind).inc()
-        self.metrics.bytes.labels(self.backend, "send").inc(handle.num_bytes)
+        self._metric("transfers", "send", handle.kind).inc()
+        self._metric("bytes", "send").inc(handle.num_bytes)
         if handle.kind == "write":
-            self.metrics.latency.labels(self.backend).observe(time.monotonic() - handle.posted_at)
+            self._metric("latency").observe(time.monotonic() - handle.posted_at)
 
     def _count_failure(self, error_type: type[TransferError]) -> None:
-        self.metrics.failures.labels(self.backend, error_type.reason).inc()
+        self._metric("failures", error_type.reason).inc()
+
+    def _metric(self, name: str, *labels: str):
+        """The metric's child for (this backend, *labels), looked up once."""
+        key = (name, labels)
+        child = self._metric_children.get(key)
+        if child is None:
+            child = self._metric_children[key] = getattr(self.metrics, name).labels(self.backend, *labels)
+        return child
 
     def _require_pool(self) -> torch.Tensor:
         if self.pool is None:

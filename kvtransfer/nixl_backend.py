@@ -15,11 +15,26 @@ Shaped by what DESIGN section 5 measured on these machines:
   a write with the old reservation is refused before it reaches UCX.
 - `add_remote_agent` returns the remote name as bytes while notification dicts
   are keyed by str: names are decoded once, here.
-- Descriptors: one per contiguous run of blocks that is consecutive on both
-  sides (K and V separately); mismatched TP uses one descriptor per token row
-  (see tp_slicing.py). The payload-carrying completion notification is a
+- Descriptors are prepared once and reused: per layer, one local descriptor
+  list (`prep_xfer_dlist(NIXL_INIT_AGENT)`) and, per remote agent, one remote
+  list, each with one descriptor per block (K blocks, then V blocks). A write
+  is `make_prepped_xfer` with block indices: no descriptor validation or
+  lookup per write (`initialize_xfer` with fresh lists costs that on every
+  call), and NIXL merges indices that are consecutive on both sides into one
+  descriptor, so a contiguous run still moves as one span. Lists are prepared
+  lazily on a layer's first write. Remote lists belong to one remote agent,
+  i.e. one incarnation: `add_peer` with new metadata releases them with the
+  old agent, so a restarted peer is never written through stale handles.
+  Mismatched TP uses one descriptor per token row (see tp_slicing.py) through
+  `initialize_xfer`. The payload-carrying completion notification is a
   standalone NIXL notification sent once all of the request's writes are DONE
   (a DONE WRITE is remotely complete: UCX flushes before reporting it).
+- Progress on loopback: UCX picks `cma` (process_vm_writev) for DRAM puts,
+  which is one-sided and copies inside `transfer()` on the sender's core. The
+  receiver must still progress for endpoint wire-up (the first transfer from
+  a new sender hangs until it does) and for notifications; that is what
+  `progress()`/`wait_notification()` are for. Other transports (UCX_TLS=tcp)
+  emulate puts with active messages and need the receiver on every fragment.
 
 Safety: one-sided writes cannot be vetoed by the receiver; see connector.py for
 the sender-side checks and the receiver's validation of the notification.
@@ -37,7 +52,7 @@ import torch
 
 from .connector import AgentMetadata, Connector, Reservation, TransferHandle
 from .errors import PeerLostError, TransferError
-from .tp_slicing import HeadSlice, joint_runs, row_descriptors
+from .tp_slicing import HeadSlice, row_descriptors
 from .wire import Notification
 
 logger = logging.getLogger(__name__)
@@ -76,10 +91,13 @@ class NixlConnector(Connector):
         self._agent = self._api.nixl_agent(self.agent_name, config)
         self._nixl_lock = threading.RLock()       # the agent runs with thread sync NONE
         self._remote: dict[str, str] = {}         # peer name → loaded NIXL agent name
+        self._agent_peers: dict[str, tuple[str, str]] = {}   # loaded NIXL agent → (peer name, incarnation)
         self._reg_descs = None
         self._mem_type = "DRAM"
         self._device_id = 0
         self._writes: dict[tuple[str, str], list[TransferHandle]] = {}
+        self._local_dlists: dict[int, object] = {}               # layer → prepped local list
+        self._remote_dlists: dict[str, dict[int, object]] = {}   # NIXL agent → layer → prepped list
         self._notifies: list[_PendingNotify] = []
         self._closed = False
 
@@ -101,13 +119,17 @@ class NixlConnector(Connector):
     def _add_peer(self, meta: AgentMetadata) -> None:
         with self._nixl_lock:
             loaded = self._agent.add_remote_agent(meta.agent_blob)
-        self._remote[meta.name] = loaded.decode() if isinstance(loaded, bytes) else loaded
+        agent = loaded.decode() if isinstance(loaded, bytes) else loaded
+        self._remote[meta.name] = agent
+        self._agent_peers[agent] = (meta.name, meta.incarnation)
 
     def _remove_peer(self, meta: AgentMetadata) -> None:
         remote = self._remote.pop(meta.name, None)
         if remote is None:
             return
         with self._nixl_lock:
+            self._release_dlists(self._remote_dlists.pop(remote, {}))
+            self._agent_peers.pop(remote, None)
             try:
                 self._agent.remove_remote_agent(remote)
             except Exception as error:      # a dead peer may refuse a clean disconnect
@@ -118,6 +140,11 @@ class NixlConnector(Connector):
             return
         self._closed = True
         with self._nixl_lock:
+            for dlists in self._remote_dlists.values():
+                self._release_dlists(dlists)
+            self._remote_dlists.clear()
+            self._release_dlists(self._local_dlists)
+            self._local_dlists = {}
             for remote in list(self._remote.values()):
                 try:
                     self._agent.remove_remote_agent(remote)
@@ -130,42 +157,83 @@ class NixlConnector(Connector):
                 except Exception as error:
                     logger.info("agent %s: deregister failed: %r", self.name, error)
 
-    # -- sender side -----------------------------------------------------------------------
-    def _descriptors(self, peer: AgentMetadata, layer: int, src: list[int], dst: list[int],
-                     hs: HeadSlice) -> tuple[np.ndarray, np.ndarray]:
-        lay, plays = self.layout, peer.layout
-        src_k = self._require_pool()[layer].data_ptr()
-        src_v = src_k + self.num_blocks * lay.block_bytes
-        dst_k = peer.layer_base_addrs[layer]
-        dst_v = dst_k + peer.num_blocks * plays.block_bytes
-        if hs.whole_rows:
-            runs = np.asarray(joint_runs(src, dst), dtype=np.int64)
-            bb = lay.block_bytes
-            lengths = runs[:, 2] * bb
-            s = np.concatenate([src_k + runs[:, 0] * bb, src_v + runs[:, 0] * bb])
-            d = np.concatenate([dst_k + runs[:, 1] * bb, dst_v + runs[:, 1] * bb])
-            lengths = np.concatenate([lengths, lengths])
-            return np.stack([s, lengths], 1), np.stack([d, lengths], 1)
-        return (row_descriptors(src_k, src_v, src, lay, hs.src_offset, hs.num_heads),
-                row_descriptors(dst_k, dst_v, dst, plays, hs.dst_offset, hs.num_heads))
+    def cached_peer_state(self) -> list[tuple[str, str]]:
+        """(peer name, incarnation) of every remote agent that has prepared descriptor lists here."""
+        with self._nixl_lock:
+            return sorted(self._agent_peers[agent] for agent, lists in self._remote_dlists.items() if lists)
 
-    def _xfer_list(self, rows: np.ndarray, device_id: int):
+    # -- sender side -----------------------------------------------------------------------
+    def _block_table(self, base_k: int, num_blocks: int, block_bytes: int, device_id: int) -> np.ndarray:
+        """[2 * num_blocks, 3] (addr, len, device) rows: every K block of a layer, then every V block."""
+        index = np.arange(2 * num_blocks, dtype=np.uint64)
+        table = np.empty((2 * num_blocks, 3), dtype=np.uint64)
+        table[:, 0] = np.uint64(base_k) + index * np.uint64(block_bytes)
+        table[:, 1] = block_bytes
+        table[:, 2] = device_id
+        return table
+
+    def _local_dlist(self, layer: int):
+        handle = self._local_dlists.get(layer)
+        if handle is None:
+            table = self._block_table(self._require_pool()[layer].data_ptr(), self.num_blocks,
+                                      self.layout.block_bytes, self._device_id)
+            handle = self._agent.prep_xfer_dlist("NIXL_INIT_AGENT", table, self._mem_type)
+            self._local_dlists[layer] = handle
+        return handle
+
+    def _remote_dlist(self, peer: AgentMetadata, remote: str, layer: int):
+        per_layer = self._remote_dlists.setdefault(remote, {})
+        handle = per_layer.get(layer)
+        if handle is None:
+            table = self._block_table(peer.layer_base_addrs[layer], peer.num_blocks, peer.layout.block_bytes,
+                                      _device_index(peer.device))
+            handle = self._agent.prep_xfer_dlist(remote, table, "VRAM" if peer.device.startswith("cuda")
+                                                 else "DRAM")
+            per_layer[layer] = handle
+        return handle
+
+    def _release_dlists(self, dlists: dict[int, object]) -> None:
+        for handle in dlists.values():
+            try:
+                self._agent.release_dlist_handle(handle)
+            except Exception as error:
+                logger.info("agent %s: releasing a descriptor list: %r", self.name, error)
+
+    def _xfer_list(self, rows: np.ndarray, device_id: int, mem_type: str):
         table = np.empty((rows.shape[0], 3), dtype=np.uint64)
         table[:, :2] = rows
         table[:, 2] = device_id
-        return self._agent.get_xfer_descs(table, self._mem_type)
+        return self._agent.get_xfer_descs(table, mem_type)
 
-    def _post_write(self, peer: AgentMetadata, reservation: Reservation, layer: int, src_block_ids: list[int],
-                    dst_block_ids: list[int], hs: HeadSlice) -> TransferHandle:
-        src_rows, dst_rows = self._descriptors(peer, layer, src_block_ids, dst_block_ids, hs)
-        num_bytes = int(src_rows[:, 1].sum())
+    def _make_xfer(self, peer: AgentMetadata, remote: str, layer: int, src: np.ndarray, dst: np.ndarray,
+                   hs: HeadSlice):
+        """The transfer request for one write (NIXL lock held)."""
+        if hs.whole_rows:
+            local_index = np.concatenate((src, src + self.num_blocks)).astype(np.int32)
+            remote_index = np.concatenate((dst, dst + peer.num_blocks)).astype(np.int32)
+            return self._agent.make_prepped_xfer("WRITE", self._local_dlist(layer), local_index,
+                                                 self._remote_dlist(peer, remote, layer), remote_index)
+        lay, plays = self.layout, peer.layout
+        src_k = self._require_pool()[layer].data_ptr()
+        dst_k = peer.layer_base_addrs[layer]
+        src_rows = row_descriptors(src_k, src_k + self.num_blocks * lay.block_bytes, src, lay, hs.src_offset,
+                                   hs.num_heads)
+        dst_rows = row_descriptors(dst_k, dst_k + peer.num_blocks * plays.block_bytes, dst, plays,
+                                   hs.dst_offset, hs.num_heads)
+        peer_mem = "VRAM" if peer.device.startswith("cuda") else "DRAM"
+        return self._agent.initialize_xfer("WRITE", self._xfer_list(src_rows, self._device_id, self._mem_type),
+                                           self._xfer_list(dst_rows, _device_index(peer.device), peer_mem),
+                                           remote, b"")
+
+    def _post_write(self, peer: AgentMetadata, reservation: Reservation, layer: int, src_block_ids: np.ndarray,
+                    dst_block_ids: np.ndarray, hs: HeadSlice) -> TransferHandle:
+        row_bytes = hs.num_heads * self.layout.head_dim * self.layout.itemsize
+        num_bytes = 2 * len(src_block_ids) * self.layout.block_size * row_bytes
         handle = self._new_handle(reservation, peer.name, "write", layer, num_bytes)
-        remote = self._remote[peer.name]
-        peer_device = int(peer.device.split(":")[1]) if ":" in peer.device else 0
         try:
             with self._nixl_lock:
-                xfer = self._agent.initialize_xfer("WRITE", self._xfer_list(src_rows, self._device_id),
-                                                   self._xfer_list(dst_rows, peer_device), remote, b"")
+                remote = self._remote[peer.name]
+                xfer = self._make_xfer(peer, remote, layer, src_block_ids, dst_block_ids, hs)
                 state = self._agent.transfer(xfer)
         except Exception as error:
             handle.error = PeerLostError(f"request {reservation.request_id}: posting a write to {peer.name} "
@@ -270,3 +338,8 @@ class NixlConnector(Connector):
 
     def _wait_notification_once(self, max_s: float) -> None:
         time.sleep(min(max_s, 50e-6))       # yield the core briefly; the next poll drives UCX
+
+
+def _device_index(device: str) -> int:
+    """"cuda:1" → 1; "cpu" → 0 (NIXL's device id for DRAM)."""
+    return int(device.split(":")[1]) if ":" in device else 0

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import statistics
 import time
 from dataclasses import asdict
 
@@ -20,6 +21,7 @@ import torch
 
 from .connector import Connector, Reservation
 from .layout import KVLayout
+from .memory import empty_pool
 
 _PROGRESS = "progress"
 
@@ -56,9 +58,12 @@ class _Peer:
         lay = KVLayout(**layout)
         self.registry = CollectorRegistry()
         self.connector = make_connector(backend, name, lay, timeout_s=timeout_s, registry=self.registry)
-        pool = (torch.zeros(lay.pool_shape(num_blocks), dtype=lay.torch_dtype) if seed is None
-                else random_pool(lay, num_blocks, seed))
-        self.connector.register(pool.to(device))
+        pool = empty_pool(lay.pool_shape(num_blocks), lay.torch_dtype, device)   # huge pages before first touch
+        if seed is None:
+            pool.zero_()
+        else:
+            pool.copy_(random_pool(lay, num_blocks, seed))
+        self.connector.register(pool)
         return self.connector.metadata()
 
     def pool(self) -> torch.Tensor:
@@ -110,9 +115,40 @@ class _Peer:
             best = min(best, time.perf_counter() - start)
         return best
 
+    def timed_writes_vs_memcpy(self, reservation: Reservation, src: list[int], dst: list[int], repeats: int,
+                               layer: int = 0) -> dict:
+        """One-layer writes interleaved with a local memcpy of as many bytes, on this process's core.
+
+        Each repetition runs both (alternating which goes first) so that both see the same
+        machine load; returns best and median seconds of each, after one warm-up of each.
+        """
+        c = self.connector
+        num_bytes = 2 * len(src) * c.layout.block_bytes
+        flat = c.pool.view(torch.uint8).reshape(-1)[:num_bytes]
+        scratch = empty_pool((num_bytes,), torch.uint8, flat.device)   # the same kind of memory as a pool
+        scratch.copy_(flat)
+        c.wait(c.write_layer(reservation, layer, src, dst))
+        writes, copies = [], []
+        for rep in range(repeats):
+            for kind in (("write", "copy") if rep % 2 == 0 else ("copy", "write")):
+                start = time.perf_counter()
+                if kind == "write":
+                    c.wait(c.write_layer(reservation, layer, src, dst))
+                    writes.append(time.perf_counter() - start)
+                else:
+                    scratch.copy_(flat)
+                    copies.append(time.perf_counter() - start)
+        return dict(bytes=num_bytes, write_best_s=min(writes), write_median_s=statistics.median(writes),
+                    memcpy_best_s=min(copies), memcpy_median_s=statistics.median(copies))
+
     def simulated_prefill(self, reservation: Reservation, src: list[int], dst: list[int],
-                          compute_s: float) -> float:
-        """Busy-compute `compute_s` per layer, posting each layer's WRITE; returns seconds exposed after the last."""
+                          compute_s: float, detail: bool = False) -> float | dict:
+        """Busy-compute `compute_s` per layer, posting each layer's WRITE; returns seconds exposed after the last.
+
+        Exposed = waiting for every write after the last layer's WRITE was posted. With
+        `detail`, a dict that also has `post_last_s` (how long posting the last layer took)
+        and `after_compute_s` (post_last_s + exposed: all the time after the last compute).
+        """
         c = self.connector
         a = torch.randn(128, 128)
         handles = []
@@ -123,11 +159,16 @@ class _Peer:
                 for handle in handles:      # an engine step polls its connector between kernels
                     if not handle.finished:
                         c.poll(handle)
+            posted = time.perf_counter()
             handles.append(c.write_layer(reservation, layer, src, dst))
         start = time.perf_counter()
         for handle in handles:
             c.wait(handle)
-        return time.perf_counter() - start
+        done = time.perf_counter()
+        if not detail:
+            return done - start
+        return dict(exposed_s=done - start, post_last_s=start - posted, after_compute_s=done - posted)
+
 
     def __getattr__(self, name):
         # Connector methods by name: add_peer, reserve, release, wait_notification, active_reservations...

@@ -1,10 +1,8 @@
 """TCP backend: plain asyncio sockets, no extra libraries.
 
 Each connector runs one asyncio loop in its own I/O thread: a listener that
-accepts senders, and one outgoing connection per peer incarnation. Public
-methods are called from the owner's thread and hand work to the loop with
-`run_coroutine_threadsafe`; completion is a `concurrent.futures.Future` the
-handle holds.
+accepts senders, a reader per outgoing connection (replies) and a server task
+per incoming one. Completion is a `concurrent.futures.Future` the handle holds.
 
 Wire: a frame header (wire.FrameHeader: request id, receiver incarnation,
 layer, head range, destination block ids, payload length), then the payload,
@@ -13,12 +11,22 @@ the header against its reservation table *before* reading the payload; a
 refused frame's payload is drained into a scratch buffer and an error reply
 names the reason, so nothing is written. One reply per frame, matched by seq.
 
-Speed: payload bytes go straight between the pools and the sockets —
-`sock_sendall` of memoryviews over contiguous block runs, `sock_recv_into`
-memoryviews of the destination runs — with 8 MiB socket buffers; there is no
-per-block Python work when both sides hold the same heads. Mismatched TP (or a
-CUDA pool) goes through a contiguous staging tensor (tp_slicing.gather_slice /
-scatter_slice).
+Sending is non-blocking and starts in the caller's thread: `write_layer`
+queues the frame on the peer's connection and, if nothing is queued ahead of
+it, pushes as much as the socket buffer takes right away with `sendmsg` (the
+kernel copies straight out of the pool); only the rest is left to the I/O
+thread, which resumes when the socket is writable. So a layer that fits the
+socket buffer is on its way when `write_layer` returns and the compute loop is
+not at the mercy of the I/O thread getting the GIL and the (shared) core.
+
+Speed: payload bytes go straight between the pools and the sockets. The
+sender gathers a request's runs of consecutive blocks (numpy, no per-block
+Python) into one `sendmsg` of memoryviews (writev); the receiver scatters with
+`recvmsg_into` (readv) straight into the destination runs. Socket buffers are
+8 MiB (as far as net.core.{w,r}mem_max allow) and a receiver waiting for a
+large payload sets SO_RCVLOWAT so it wakes once per chunk, not per segment.
+Mismatched TP (or a CUDA pool) goes through a contiguous staging tensor
+(tp_slicing.gather_slice / scatter_slice: one index_select / index_copy).
 """
 
 from __future__ import annotations
@@ -26,33 +34,76 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
+import os
 import socket
 import threading
+from collections import deque
 
 import numpy as np
 import torch
 
 from .connector import AgentMetadata, Connector, Reservation, TransferHandle
 from .errors import CODE_BY_ERROR, ERRORS_BY_CODE, PeerLostError, StalePeerError, TransferError
-from .tp_slicing import HeadSlice, block_runs, gather_slice, scatter_slice
+from .tp_slicing import HeadSlice, block_run_arrays, gather_slice, scatter_slice
 from .wire import FRAME_HEADER, KIND_NOTIFY, KIND_WRITE, REPLY_HEADER, FrameHeader, encode_reply
 
 logger = logging.getLogger(__name__)
 
 SOCKET_BUFFER = 8 << 20
+RCVLOWAT_MAX = 512 << 10          # a waiting receiver wakes once this much (or the rest) has arrived
 _DRAIN_CHUNK = 1 << 20
+try:
+    IOV_MAX = max(16, min(os.sysconf("SC_IOV_MAX"), 1024))
+except (ValueError, OSError):
+    IOV_MAX = 1024
+
+
+class _Frame:
+    """A frame being sent: the header and payload views, consumed from the front."""
+
+    __slots__ = ("seq", "views", "index", "future")
+
+    def __init__(self, seq: int, views: list[memoryview], future: concurrent.futures.Future):
+        self.seq, self.views, self.index, self.future = seq, views, 0, future
+
+    def advance(self, sent: int) -> None:
+        views, i = self.views, self.index
+        while sent:
+            size = views[i].nbytes
+            if sent >= size:
+                sent -= size
+                i += 1
+            else:
+                views[i] = views[i][sent:]
+                sent = 0
+        while i < len(views) and not views[i].nbytes:
+            i += 1
+        self.index = i
+
+    @property
+    def sent(self) -> bool:
+        return self.index >= len(self.views)
 
 
 class _Outgoing:
-    """One connection to one peer incarnation; frames are sent whole under `lock`."""
+    """One connection to one peer incarnation.
+
+    `lock` (a thread lock) guards everything below it; frames leave in queue order and
+    whole. Invariant while connected and not broken: the queue is empty, or the writer
+    is armed (the I/O thread resumes on writability), or a thread holding the lock is
+    flushing it.
+    """
 
     def __init__(self, peer: AgentMetadata):
         self.peer = peer
+        self.lock = threading.Lock()
         self.sock: socket.socket | None = None
-        self.lock = asyncio.Lock()
+        self.queue: deque[_Frame] = deque()
         self.pending: dict[int, concurrent.futures.Future] = {}
+        self.writer_armed = False
         self.reader: asyncio.Task | None = None
         self.broken: TransferError | None = None
+        self.cleaned = False
 
 
 class TcpConnector(Connector):
@@ -68,6 +119,7 @@ class TcpConnector(Connector):
         self._outgoing: dict[str, _Outgoing] = {}
         self._seq = 0
         self._pool_bytes: np.ndarray | None = None
+        self._pool_view: memoryview | None = None
         self._tasks: set[asyncio.Task] = set()
         self._closed = False
         self._thread.start()
@@ -76,6 +128,7 @@ class TcpConnector(Connector):
     def _register(self, pool: torch.Tensor) -> None:
         if pool.device.type == "cpu":
             self._pool_bytes = pool.view(torch.uint8).reshape(-1).numpy()
+            self._pool_view = memoryview(self._pool_bytes)
         asyncio.run_coroutine_threadsafe(self._start_accepting(), self._loop).result()
 
     def metadata(self) -> AgentMetadata:
@@ -88,10 +141,17 @@ class TcpConnector(Connector):
         pass                       # connect lazily on the first frame
 
     def _remove_peer(self, meta: AgentMetadata) -> None:
-        conn = self._outgoing.pop(meta.name, None)
+        with self._lock:
+            conn = self._outgoing.pop(meta.name, None)
         if conn is not None:
             error = StalePeerError(f"peer {meta.name} was replaced by a new incarnation")
             self._loop.call_soon_threadsafe(self._break, conn, error)
+
+    def cached_peer_state(self) -> list[tuple[str, str]]:
+        """(peer name, incarnation) of every open (or opening) outgoing connection."""
+        with self._lock:
+            return sorted((conn.peer.name, conn.peer.incarnation) for conn in self._outgoing.values()
+                          if conn.broken is None)
 
     def close(self) -> None:
         if self._closed:
@@ -106,11 +166,11 @@ class TcpConnector(Connector):
         self._listener.close()
 
     # -- sender side -----------------------------------------------------------------------
-    def _post_write(self, peer: AgentMetadata, reservation: Reservation, layer: int, src_block_ids: list[int],
-                    dst_block_ids: list[int], hs: HeadSlice) -> TransferHandle:
+    def _post_write(self, peer: AgentMetadata, reservation: Reservation, layer: int, src_block_ids: np.ndarray,
+                    dst_block_ids: np.ndarray, hs: HeadSlice) -> TransferHandle:
         parts = self._payload(layer, src_block_ids, hs)
         num_bytes = sum(p.nbytes for p in parts)
-        header = self._header(KIND_WRITE, reservation, layer, hs, tuple(dst_block_ids), num_bytes)
+        header = self._header(KIND_WRITE, reservation, layer, hs, dst_block_ids, num_bytes)
         return self._submit(peer, reservation, "write", layer, header, parts, num_bytes)
 
     def _post_notify(self, peer: AgentMetadata, reservation: Reservation, block_ids: tuple[int, ...],
@@ -118,21 +178,24 @@ class TcpConnector(Connector):
         header = self._header(KIND_NOTIFY, reservation, 0, None, block_ids, len(payload))
         return self._submit(peer, reservation, "notify", -1, header, [memoryview(payload)], len(payload))
 
-    def _payload(self, layer: int, src_block_ids: list[int], hs: HeadSlice) -> list[memoryview]:
+    def _payload(self, layer: int, src_block_ids: np.ndarray, hs: HeadSlice) -> list[memoryview]:
         pool = self._require_pool()
-        if hs.whole_rows and self._pool_bytes is not None:
-            bb = self.layout.block_bytes
-            parts = []
-            for kv in range(2):
-                region = (layer * 2 + kv) * self.num_blocks
-                for start, count in block_runs(src_block_ids):
-                    parts.append(memoryview(self._pool_bytes[(region + start) * bb:(region + start + count) * bb]))
-            return parts
+        if hs.whole_rows and self._pool_view is not None:
+            return self._run_views(layer, src_block_ids)
         staged = gather_slice(pool, layer, src_block_ids, hs).cpu()
         return [memoryview(staged.view(torch.uint8).reshape(-1).numpy())]
 
+    def _run_views(self, layer: int, block_ids: np.ndarray) -> list[memoryview]:
+        """Views of the pool over `block_ids`' K rows then V rows, one per run of consecutive ids."""
+        bb, view = self.layout.block_bytes, self._pool_view
+        starts, counts = block_run_arrays(block_ids)
+        k_start = (layer * 2 * self.num_blocks + starts) * bb
+        offsets = np.concatenate((k_start, k_start + self.num_blocks * bb)).tolist()
+        ends = (np.concatenate((k_start, k_start + self.num_blocks * bb)) + np.tile(counts * bb, 2)).tolist()
+        return [view[a:b] for a, b in zip(offsets, ends)]
+
     def _header(self, kind: int, reservation: Reservation, layer: int, hs: HeadSlice | None,
-                block_ids: tuple[int, ...], num_bytes: int) -> FrameHeader:
+                block_ids, num_bytes: int) -> FrameHeader:
         with self._lock:
             self._seq += 1
             seq = self._seq
@@ -143,7 +206,17 @@ class TcpConnector(Connector):
     def _submit(self, peer, reservation, kind, layer, header, parts, num_bytes) -> TransferHandle:
         future: concurrent.futures.Future = concurrent.futures.Future()
         handle = self._new_handle(reservation, peer.name, kind, layer, num_bytes, future)
-        self._loop.call_soon_threadsafe(self._spawn, self._send(peer, header, parts, future))
+        frame = _Frame(header.seq, [memoryview(header.encode()), *parts], future)
+        conn = self._connection(peer)
+        with conn.lock:
+            if conn.broken is not None:
+                _fail(future, conn.broken)
+                return handle
+            conn.pending[frame.seq] = future
+            conn.queue.append(frame)
+            if conn.sock is None or conn.writer_armed:
+                return handle              # connecting, or the I/O thread is draining the queue
+            self._flush_locked(conn)
         return handle
 
     def _check(self, handle: TransferHandle) -> None:
@@ -161,77 +234,138 @@ class TcpConnector(Connector):
     def _abandon(self, handle: TransferHandle) -> None:
         handle.backend_state.cancel()
 
-    # -- I/O loop: sending -----------------------------------------------------------------
+    # -- sending (caller threads and the I/O thread) -----------------------------------------
+    def _connection(self, peer: AgentMetadata) -> _Outgoing:
+        with self._lock:
+            conn = self._outgoing.get(peer.name)
+            if conn is None or conn.peer.incarnation != peer.incarnation or conn.broken is not None:
+                conn = _Outgoing(peer)
+                self._outgoing[peer.name] = conn
+                self._loop.call_soon_threadsafe(self._spawn, self._connect(conn))
+        return conn
+
+    def _flush_locked(self, conn: _Outgoing) -> None:
+        """Send queued frames without blocking (conn.lock held); arm the writer if the socket is full."""
+        sock = conn.sock
+        try:
+            while conn.queue:
+                frame = conn.queue[0]
+                while not frame.sent:
+                    batch = frame.views[frame.index:frame.index + IOV_MAX]
+                    try:
+                        sent = sock.sendmsg(batch) if len(batch) > 1 else sock.send(batch[0])
+                    except (BlockingIOError, InterruptedError):
+                        if not conn.writer_armed:
+                            conn.writer_armed = True
+                            self._loop.call_soon_threadsafe(self._arm_writer, conn)
+                        return
+                    frame.advance(sent)
+                conn.queue.popleft()
+        except OSError as error:
+            self._fail_locked(conn, PeerLostError(f"sending to {conn.peer.name} failed: {error!r}"))
+            self._loop.call_soon_threadsafe(self._break, conn, conn.broken)
+            return
+        if conn.writer_armed:
+            conn.writer_armed = False
+            self._loop.call_soon_threadsafe(self._disarm_writer, conn)
+
+    def _arm_writer(self, conn: _Outgoing) -> None:
+        with conn.lock:
+            if conn.broken is None and conn.writer_armed and conn.sock is not None:
+                self._loop.add_writer(conn.sock, self._on_writable, conn)
+
+    def _disarm_writer(self, conn: _Outgoing) -> None:
+        with conn.lock:
+            if not conn.writer_armed and conn.sock is not None and not conn.cleaned:
+                self._loop.remove_writer(conn.sock)
+
+    def _on_writable(self, conn: _Outgoing) -> None:
+        with conn.lock:
+            if conn.broken is None and conn.sock is not None:
+                self._flush_locked(conn)   # stays armed while the socket is full; disarms once drained
+
+    def _fail_locked(self, conn: _Outgoing, error: TransferError) -> None:
+        """Mark the connection broken and fail every frame on it (conn.lock held)."""
+        if conn.broken is None:
+            conn.broken = error
+        futures = list(conn.pending.values()) + [frame.future for frame in conn.queue]
+        conn.pending.clear()
+        conn.queue.clear()
+        for future in futures:
+            _fail(future, conn.broken)
+
+    def _break(self, conn: _Outgoing, error: TransferError) -> None:
+        """I/O thread: fail the connection's frames and close its socket (once)."""
+        with conn.lock:
+            self._fail_locked(conn, error)
+            sock, reader = conn.sock, conn.reader
+            cleanup = not conn.cleaned
+            conn.cleaned = True
+            if sock is not None and cleanup:
+                self._loop.remove_writer(sock)
+                conn.writer_armed = False
+        with self._lock:
+            if self._outgoing.get(conn.peer.name) is conn:
+                del self._outgoing[conn.peer.name]
+        if sock is None or not cleanup:
+            return
+        if reader is not None and not reader.done() and reader is not asyncio.current_task():
+            # Close only once the reader's pending sock_recv has unregistered the descriptor.
+            reader.add_done_callback(lambda _: sock.close())
+            reader.cancel()
+        else:
+            sock.close()
+
+    # -- I/O loop: connecting and replies ------------------------------------------------------
     def _spawn(self, coro) -> None:
         task = self._loop.create_task(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    async def _send(self, peer: AgentMetadata, header: FrameHeader, parts: list[memoryview],
-                    future: concurrent.futures.Future) -> None:
-        loop = asyncio.get_running_loop()
+    async def _connect(self, conn: _Outgoing) -> None:
+        peer = conn.peer
+        host, port = peer.address.rsplit(":", 1)
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        _tune(sock)
+        sock.setblocking(False)
         try:
-            conn = await self._connection(peer)
-            async with conn.lock:
-                if conn.broken is not None:
-                    raise conn.broken
-                conn.pending[header.seq] = future
-                await loop.sock_sendall(conn.sock, header.encode())
-                for part in parts:
-                    await loop.sock_sendall(conn.sock, part)
-        except TransferError as error:
-            _fail(future, error)
-        except OSError as error:
-            _fail(future, PeerLostError(f"request {header.request_id}: sending to {peer.name} failed: {error}"))
-
-    async def _connection(self, peer: AgentMetadata) -> _Outgoing:
-        conn = self._outgoing.get(peer.name)
-        if conn is None or conn.peer.incarnation != peer.incarnation:
-            conn = _Outgoing(peer)
-            self._outgoing[peer.name] = conn
-        async with conn.lock:
-            if conn.sock is None and conn.broken is None:
-                host, port = peer.address.rsplit(":", 1)
-                sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-                _tune(sock)
-                sock.setblocking(False)
-                try:
-                    await asyncio.wait_for(asyncio.get_running_loop().sock_connect(sock, (host, int(port))),
-                                           self.timeout_s)
-                except (OSError, asyncio.TimeoutError) as error:
-                    sock.close()
-                    raise PeerLostError(f"cannot connect to {peer.name} at {peer.address}: {error!r}") from None
-                conn.sock = sock
-                conn.reader = self._loop.create_task(self._read_replies(conn))
-        return conn
+            await asyncio.wait_for(self._loop.sock_connect(sock, (host, int(port))), self.timeout_s)
+        except (OSError, asyncio.TimeoutError) as error:
+            sock.close()
+            self._break(conn, PeerLostError(f"cannot connect to {peer.name} at {peer.address}: {error!r}"))
+            return
+        except asyncio.CancelledError:
+            sock.close()
+            self._break(conn, PeerLostError(f"connection to {peer.name} closed"))
+            raise
+        with conn.lock:
+            if conn.broken is not None:
+                sock.close()
+                return
+            conn.sock = sock
+            conn.reader = self._loop.create_task(self._read_replies(conn))
+            self._flush_locked(conn)
 
     async def _read_replies(self, conn: _Outgoing) -> None:
         try:
             while True:
                 magic, seq, code, msg_len = REPLY_HEADER.unpack(await _recv_exact(conn.sock, REPLY_HEADER.size))
                 message = (await _recv_exact(conn.sock, msg_len)).decode() if msg_len else ""
-                future = conn.pending.pop(seq, None)
+                with conn.lock:
+                    future = conn.pending.pop(seq, None)
                 if future is None or future.done():
                     continue
-                if code == 0:
-                    future.set_result(None)
-                else:
-                    future.set_exception(ERRORS_BY_CODE.get(code, TransferError)(message))
+                try:
+                    if code == 0:
+                        future.set_result(None)
+                    else:
+                        future.set_exception(ERRORS_BY_CODE.get(code, TransferError)(message))
+                except concurrent.futures.InvalidStateError:
+                    pass                      # abandoned (cancelled) by its owner meanwhile
         except (OSError, EOFError) as error:
             self._break(conn, PeerLostError(f"connection to {conn.peer.name} lost: {error!r}"))
         except asyncio.CancelledError:
             self._break(conn, PeerLostError(f"connection to {conn.peer.name} closed"))
-
-    def _break(self, conn: _Outgoing, error: TransferError) -> None:
-        if conn.broken is None:
-            conn.broken = error
-        for future in conn.pending.values():
-            _fail(future, error)
-        conn.pending.clear()
-        if conn.sock is not None:
-            conn.sock.close()
-        if self._outgoing.get(conn.peer.name) is conn:
-            del self._outgoing[conn.peer.name]
 
     # -- I/O loop: receiving ---------------------------------------------------------------
     async def _start_accepting(self) -> None:
@@ -302,26 +436,21 @@ class TcpConnector(Connector):
 
     async def _receive_payload(self, sock, header: FrameHeader) -> None:
         lay, pool = self.layout, self._require_pool()
-        dst = list(header.block_ids)
+        dst = np.asarray(header.block_ids, dtype=np.int64)
         whole = (header.head_lo, header.head_hi) == (lay.head_start, lay.head_end)
-        if whole and self._pool_bytes is not None:
-            bb = lay.block_bytes
-            for kv in range(2):
-                region = (header.layer * 2 + kv) * self.num_blocks
-                for start, count in block_runs(dst):
-                    view = memoryview(self._pool_bytes[(region + start) * bb:(region + start + count) * bb])
-                    await _recv_into(sock, view)
+        if whole and self._pool_view is not None:
+            await _recv_views(sock, self._run_views(header.layer, dst))   # readv straight into the runs
             return
         num_heads = header.head_hi - header.head_lo
         staged = torch.empty(2, len(dst), lay.block_size, num_heads, lay.head_dim, dtype=lay.torch_dtype)
-        await _recv_into(sock, memoryview(staged.view(torch.uint8).reshape(-1).numpy()))
+        await _recv_views(sock, [memoryview(staged.view(torch.uint8).reshape(-1).numpy())])
         hs = HeadSlice(header.head_lo, header.head_hi, 0, header.head_lo - lay.head_start, False)
         scatter_slice(pool, header.layer, dst, hs, staged)
 
     async def _shutdown(self) -> None:
-        for conn in list(self._outgoing.values()):
-            if conn.reader is not None:
-                conn.reader.cancel()
+        with self._lock:
+            conns = list(self._outgoing.values())
+        for conn in conns:
             self._break(conn, PeerLostError("connector closed"))
         for task in list(self._tasks):
             task.cancel()
@@ -335,17 +464,55 @@ def _tune(sock: socket.socket) -> None:
 
 def _fail(future: concurrent.futures.Future, error: TransferError) -> None:
     if not future.done():
-        future.set_exception(error)
+        try:
+            future.set_exception(error)
+        except concurrent.futures.InvalidStateError:
+            pass
+
+
+async def _readable(sock: socket.socket, want: int) -> None:
+    """Wait until `want` bytes (capped at RCVLOWAT_MAX), EOF or an error can be read."""
+    loop = asyncio.get_running_loop()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, max(1, min(want, RCVLOWAT_MAX)))
+    waiter = loop.create_future()
+    loop.add_reader(sock, _wake, waiter)
+    try:
+        await waiter
+    finally:
+        loop.remove_reader(sock)
+
+
+def _wake(waiter: asyncio.Future) -> None:
+    if not waiter.done():
+        waiter.set_result(None)
+
+
+async def _recv_views(sock: socket.socket, views: list[memoryview]) -> None:
+    """Fill `views` in order from the socket (readv of up to IOV_MAX views per call)."""
+    views = [v for v in views if v.nbytes]
+    remaining = sum(v.nbytes for v in views)
+    i = 0
+    while remaining:
+        try:
+            n = sock.recvmsg_into(views[i:i + IOV_MAX])[0] if len(views) - i > 1 else sock.recv_into(views[i])
+        except (BlockingIOError, InterruptedError):
+            await _readable(sock, remaining)
+            continue
+        if n == 0:
+            raise EOFError(f"peer closed the connection with {remaining} bytes still expected")
+        remaining -= n
+        while n:
+            size = views[i].nbytes
+            if n >= size:
+                n -= size
+                i += 1
+            else:
+                views[i] = views[i][n:]
+                n = 0
 
 
 async def _recv_into(sock: socket.socket, view: memoryview) -> None:
-    loop = asyncio.get_running_loop()
-    got, total = 0, view.nbytes
-    while got < total:
-        n = await loop.sock_recv_into(sock, view[got:])
-        if n == 0:
-            raise EOFError(f"peer closed the connection after {got} of {total} bytes")
-        got += n
+    await _recv_views(sock, [view])
 
 
 async def _recv_exact(sock: socket.socket, size: int) -> bytes:

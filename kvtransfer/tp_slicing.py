@@ -43,6 +43,25 @@ def joint_runs(src_block_ids: list[int], dst_block_ids: list[int]) -> list[tuple
     return runs
 
 
+def run_arrays(src_block_ids, dst_block_ids) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """`joint_runs` vectorised: (src_starts, dst_starts, counts) as int64 arrays, no Python loop per block."""
+    src = np.asarray(src_block_ids, dtype=np.int64)
+    dst = np.asarray(dst_block_ids, dtype=np.int64)
+    if src.size == 0:
+        empty = np.zeros(0, dtype=np.int64)
+        return empty, empty, empty
+    breaks = np.flatnonzero((np.diff(src) != 1) | (np.diff(dst) != 1)) + 1
+    starts = np.concatenate(([0], breaks))
+    counts = np.diff(np.concatenate((starts, [src.size])))
+    return src[starts], dst[starts], counts
+
+
+def block_run_arrays(block_ids) -> tuple[np.ndarray, np.ndarray]:
+    """`block_runs` vectorised: (starts, counts) as int64 arrays."""
+    starts, _, counts = run_arrays(block_ids, block_ids)
+    return starts, counts
+
+
 def block_runs(block_ids: list[int]) -> list[tuple[int, int]]:
     """(start, count) runs of consecutive ids, in the given order."""
     runs: list[tuple[int, int]] = []
@@ -80,14 +99,14 @@ def head_slice(src: KVLayout, dst: KVLayout) -> HeadSlice | None:
 
 def gather_slice(pool: torch.Tensor, layer: int, block_ids: list[int], hs: HeadSlice) -> torch.Tensor:
     """Contiguous [2, n, block_size, heads, head_dim] copy of the moved heads of `block_ids`."""
-    index = torch.tensor(block_ids, dtype=torch.long, device=pool.device)
+    index = torch.as_tensor(np.asarray(block_ids, dtype=np.int64)).to(pool.device)
     return pool[layer].index_select(1, index)[:, :, :, hs.src_offset:hs.src_offset + hs.num_heads].contiguous()
 
 
 def scatter_slice(pool: torch.Tensor, layer: int, block_ids: list[int], hs: HeadSlice,
                   data: torch.Tensor) -> None:
     """Inverse of gather_slice on the receiving pool."""
-    index = torch.tensor(block_ids, dtype=torch.long, device=pool.device)
+    index = torch.as_tensor(np.asarray(block_ids, dtype=np.int64)).to(pool.device)
     heads = slice(hs.dst_offset, hs.dst_offset + hs.num_heads)
     for kv in range(2):
         pool[layer, kv][:, :, heads].index_copy_(0, index, data[kv].to(pool.device))
