@@ -17,6 +17,7 @@ import logging
 from collections.abc import AsyncIterator, Awaitable
 from typing import TypeVar
 
+import orjson
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
@@ -164,8 +165,8 @@ async def _respond(request: Request, frontend: Frontend, gen: GenerationRequest,
     if stream:
         return StreamingResponse(_sse(fmt, first, deltas), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Request-Id": gen.request_id})
-    return JSONResponse(await unless_disconnected(request, _collect(fmt, first, deltas)),
-                        headers={"X-Request-Id": gen.request_id})
+    return _JSONResponse(await unless_disconnected(request, _collect(fmt, first, deltas)),
+                         headers={"X-Request-Id": gen.request_id})
 
 
 async def _collect(fmt, first: Delta, deltas: AsyncIterator[Delta]) -> dict:
@@ -179,28 +180,39 @@ async def _collect(fmt, first: Delta, deltas: AsyncIterator[Delta]) -> dict:
     return fmt.full(collected)
 
 
-async def _sse(fmt, first: Delta, deltas: AsyncIterator[Delta]) -> AsyncIterator[str]:
+async def _sse(fmt, first: Delta, deltas: AsyncIterator[Delta]) -> AsyncIterator[bytes]:
+    # One write per worker message: its events go out together, and the last one also
+    # carries the usage chunk and [DONE], so the end of a stream is one send, not three.
+    pending = b""
     try:
-        for chunk in fmt.opening():
-            yield _event(chunk)
+        pending = b"".join(_event(chunk) for chunk in fmt.opening())
         delta = first
         while True:
-            for chunk in fmt.chunks(delta):
-                yield _event(chunk)
+            pending += b"".join(_event(chunk) for chunk in fmt.chunks(delta))
             if delta.finish_reason is not None:
                 break
+            if pending:
+                yield pending
+                pending = b""
             delta = await anext(deltas)
-        for chunk in fmt.closing():
-            yield _event(chunk)
+        pending += b"".join(_event(chunk) for chunk in fmt.closing())
     except APIError as exc:
         # Headers are gone already: report in-band, as OpenAI does, and end the stream.
-        yield _event(exc.body())
+        pending += _event(exc.body())
     except StopAsyncIteration:
-        yield _event(APIError(502, "the worker ended the stream early", type="server_error").body())
+        pending += _event(APIError(502, "the worker ended the stream early", type="server_error").body())
     finally:
         await deltas.aclose()
-    yield "data: [DONE]\n\n"
+    yield pending + b"data: [DONE]\n\n"
 
 
-def _event(payload: dict) -> str:
-    return f"data: {json.dumps(payload, separators=(',', ':'), ensure_ascii=False)}\n\n"
+def _event(payload: dict) -> bytes:
+    return b"data: " + orjson.dumps(payload) + b"\n\n"
+
+
+class _JSONResponse(JSONResponse):
+    """Starlette's JSONResponse encoded by orjson: the same compact UTF-8 bytes for these
+    bodies, several times faster (a NaN or infinity becomes null instead of an error)."""
+
+    def render(self, content) -> bytes:
+        return orjson.dumps(content)

@@ -57,6 +57,8 @@ def deployment(request, llama_dir):
     server = start_serve(str(llama_dir), "--transfer", backend, "--prefill-workers", str(num_prefill),
                          "--decode-workers", str(num_decode), "--remote-prefill-threshold", str(THRESHOLD),
                          "--max-num-batched-tokens", "256", "--prefill-timeout", "20",
+                         # round-robin so that every worker of both pools serves (asserted below)
+                         "--router", "round-robin",
                          num_workers=num_prefill + num_decode, aggregated=False)
     try:
         yield backend, server
