@@ -31,6 +31,9 @@ class WorkerLoad:
     reported_decode_blocks: int = 0
 
 
+_IDLE = WorkerLoad()           # read-only stand-in for a worker with no load recorded
+
+
 class LoadTracker:
     def __init__(self, stale_after_s: float = 5.0):
         self._workers: dict[str, WorkerLoad] = {}
@@ -86,6 +89,18 @@ class LoadTracker:
     def decode_blocks(self, worker_id: str) -> int:
         w = self._workers.get(worker_id)
         return max(w.decode_blocks, w.reported_decode_blocks) if w else 0
+
+    def columns(self, worker_ids: list[str], block_sizes: list[int]) -> tuple[list[int], list[int]]:
+        """(pending prefill blocks, decode blocks) of each worker, for scoring every candidate at once.
+
+        Pending prefill tokens are rounded up to blocks of that worker's block size.
+        """
+        get = self._workers.get
+        loads = [get(w, _IDLE) for w in worker_ids]
+        pending = [-(-x.pending_prefill_tokens // bs) for x, bs in zip(loads, block_sizes)]
+        decode = [x.decode_blocks if x.decode_blocks >= x.reported_decode_blocks else x.reported_decode_blocks
+                  for x in loads]
+        return pending, decode
 
     def num_requests(self) -> int:
         return len(self._requests)

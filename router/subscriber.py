@@ -20,7 +20,7 @@ import grpc
 
 from splitserve.proto.v1 import worker_pb2
 
-from .index import KvIndex
+from .index import CLEARED, REMOVED, STORED, KvIndex
 
 log = logging.getLogger(__name__)
 
@@ -70,25 +70,21 @@ class EventSubscriber:
         if not self.synced:
             return GapDetected(self.last_seq + 1, batch.events[0].seq if batch.events else batch.last_seq)
         expected = self.last_seq + 1
-        for i, ev in enumerate(batch.events):
-            if ev.seq != expected + i:
-                self._apply_events(batch.events[:i])
-                self.last_seq = expected + i - 1
-                return GapDetected(expected + i, ev.seq)
-        self._apply_events(batch.events)
+        events = batch.events
+        seqs = [ev.seq for ev in events]
+        if seqs != list(range(expected, expected + len(seqs))):
+            i = next(i for i, s in enumerate(seqs) if s != expected + i)
+            self._apply_events(events[:i])
+            self.last_seq = expected + i - 1
+            return GapDetected(expected + i, seqs[i])
+        self._apply_events(events)
         self.last_seq = max(self.last_seq, batch.last_seq)
-        return Applied(len(batch.events))
+        return Applied(len(events))
 
     def _apply_events(self, events) -> None:
-        index, wid = self.index, self.worker_id
-        for ev in events:
-            kind = ev.WhichOneof("event")
-            if kind == "stored":
-                index.stored(wid, ev.stored.block_hashes)
-            elif kind == "removed":
-                index.removed(wid, ev.removed.block_hashes)
-            elif kind == "cleared":
-                index.clear_worker(wid)
+        """Protobuf events -> (kind, hashes) pairs, applied to the index in one call."""
+        self.index.apply(self.worker_id, [(STORED, ev.stored.block_hashes) if ev.HasField("stored") else _op(ev)
+                                          for ev in events])
         self.num_events += len(events)
 
     # -- the connection loop -------------------------------------------------------
@@ -119,3 +115,12 @@ class EventSubscriber:
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, self.max_backoff_s)
 
+
+def _op(ev: worker_pb2.KvEvent) -> tuple[int, object]:
+    if ev.HasField("stored"):
+        return STORED, ev.stored.block_hashes
+    if ev.HasField("removed"):
+        return REMOVED, ev.removed.block_hashes
+    if ev.HasField("cleared"):
+        return CLEARED, ()
+    return 0, ()                          # an event kind newer than this router: skipped

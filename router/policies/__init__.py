@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .base import Candidate, Decision, Policy, Scored
+from .base import Candidate, CandidateTable, Decision, Policy, Scored
 from .kv import KvPolicy, kv_cost
 from .least_loaded import LeastLoadedPolicy
 from .power_of_two import PowerOfTwoPolicy
@@ -22,4 +22,5 @@ def make_policy(name: str, seed: int | None = None, prefill_weight: float = 1.0,
     return POLICIES[name](seed=seed)
 
 
-__all__ = ["Candidate", "Decision", "Policy", "Scored", "KvPolicy", "kv_cost", "make_policy", "POLICIES"]
+__all__ = ["Candidate", "CandidateTable",
+           "Decision", "Policy", "Scored", "KvPolicy", "kv_cost", "make_policy", "POLICIES"]

@@ -27,6 +27,40 @@ class Candidate:
         return self.pending_prefill_blocks + self.decode_blocks
 
 
+class CandidateTable(Sequence[Candidate]):
+    """Candidates as parallel columns, the form RouterCore builds for every decision.
+
+    Indexing builds one `Candidate`, so a policy that scores the columns directly
+    (kv) materializes only its winner and runner-up; any other policy can treat
+    it as a plain sequence of candidates.
+    """
+
+    __slots__ = ("worker_ids", "overlap_blocks", "pending_prefill_blocks", "decode_blocks")
+
+    def __init__(self, worker_ids: list[str], overlap_blocks: list[int], pending_prefill_blocks: list[int],
+                 decode_blocks: list[int]):
+        self.worker_ids = worker_ids
+        self.overlap_blocks = overlap_blocks
+        self.pending_prefill_blocks = pending_prefill_blocks
+        self.decode_blocks = decode_blocks
+
+    @classmethod
+    def of(cls, candidates: Sequence[Candidate]) -> CandidateTable:
+        if isinstance(candidates, CandidateTable):
+            return candidates
+        return cls([c.worker_id for c in candidates], [c.overlap_blocks for c in candidates],
+                   [c.pending_prefill_blocks for c in candidates], [c.decode_blocks for c in candidates])
+
+    def __len__(self) -> int:
+        return len(self.worker_ids)
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self.worker_ids)))]
+        return Candidate(self.worker_ids[i], self.overlap_blocks[i], self.pending_prefill_blocks[i],
+                         self.decode_blocks[i])
+
+
 @dataclass(slots=True, frozen=True)
 class Scored:
     candidate: Candidate

@@ -14,6 +14,10 @@ the smaller worker id. With `temperature` > 0 the winner is sampled with
 probability ∝ exp(-normalized cost / temperature) from an RNG seeded at
 construction (deterministic tests). Parameters: prefill_weight (default 1.0),
 temperature (default 0: always the lowest), seed.
+
+With temperature 0 the costs are computed over the candidate columns in one
+pass and only the winner and runner-up become objects (the decision is the same
+as `lowest()` over every scored candidate).
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ from __future__ import annotations
 import random
 from collections.abc import Sequence
 
-from .base import Candidate, Decision, Scored, sample
+from .base import Candidate, CandidateTable, Decision, Scored, sample
 
 
 def kv_cost(num_prompt_blocks: int, c: Candidate, prefill_weight: float = 1.0) -> Scored:
@@ -40,5 +44,29 @@ class KvPolicy:
         self.rng = random.Random(seed)
 
     def choose(self, num_prompt_blocks: int, candidates: Sequence[Candidate]) -> Decision | None:
-        scored = [kv_cost(num_prompt_blocks, c, self.prefill_weight) for c in candidates]
-        return sample(self.name, scored, self.temperature, self.rng)
+        if self.temperature > 0 and len(candidates) >= 2:
+            scored = [kv_cost(num_prompt_blocks, c, self.prefill_weight) for c in candidates]
+            return sample(self.name, scored, self.temperature, self.rng)
+        return self._lowest(num_prompt_blocks, CandidateTable.of(candidates))
+
+    def _lowest(self, nb: int, t: CandidateTable) -> Decision | None:
+        """`lowest()` over the columns: keys (cost, load, worker id), the two smallest kept."""
+        if not t.worker_ids:
+            return None
+        w = self.prefill_weight
+        keys = [(w * (nb - o if o < nb else 0) + p + d, p + d, wid)
+                for wid, o, p, d in zip(t.worker_ids, t.overlap_blocks, t.pending_prefill_blocks, t.decode_blocks)]
+        first = min(keys)
+        i = keys.index(first)
+        winner = self._scored(nb, t, i, first[0])
+        if len(keys) == 1:
+            return Decision(self.name, winner, None)
+        rest = keys[:i] + keys[i + 1:]
+        second = min(rest)
+        j = rest.index(second)
+        return Decision(self.name, winner, self._scored(nb, t, j if j < i else j + 1, second[0]))
+
+    @staticmethod
+    def _scored(nb: int, t: CandidateTable, i: int, cost: float) -> Scored:
+        c = t[i]
+        return Scored(c, cost, max(nb - c.overlap_blocks, 0))

@@ -6,7 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from splitserve.router.hashing import block_hashes
-from splitserve.router.index import KvIndex
+from splitserve.router.index import CLEARED, REMOVED, STORED, KvIndex
 from splitserve.services.engine.block_hash import hash_full_blocks
 
 WORKERS = ["w0", "w1", "w2"]
@@ -49,6 +49,30 @@ def test_index_matches_brute_force(evs, chains):
     for w in WORKERS:
         index.clear_worker(w)
     assert index._holders == {} and index.workers() == []      # leak check
+
+
+@settings(max_examples=200, deadline=None)
+@given(events, queries)
+def test_batched_apply_equals_one_call_per_event(evs, chains):
+    one_by_one, batched = KvIndex(), KvIndex()
+    kinds = {"stored": STORED, "removed": REMOVED, "cleared": CLEARED}
+    for w in WORKERS:
+        batched.apply(w, [(kinds[k], hashes) for k, wid, hashes in evs if wid == w])
+        for kind, wid, hashes in evs:
+            if wid != w:
+                continue
+            if kind == "stored":
+                one_by_one.stored(w, hashes)
+            elif kind == "removed":
+                one_by_one.removed(w, hashes)
+            else:
+                one_by_one.clear_worker(w)
+    for chain in chains:
+        assert batched.overlaps(chain) == one_by_one.overlaps(chain)
+    for w in WORKERS:
+        assert batched.num_blocks(w) == one_by_one.num_blocks(w)
+        batched.clear_worker(w)
+    assert batched._holders == {}
 
 
 def test_worked_example_longest_prefix():

@@ -7,7 +7,8 @@ from collections import Counter
 from hypothesis import given
 from hypothesis import strategies as st
 
-from splitserve.router.policies import Candidate, KvPolicy, kv_cost, make_policy
+from splitserve.router.policies import Candidate, CandidateTable, KvPolicy, kv_cost, make_policy
+from splitserve.router.policies.base import lowest
 
 cands = st.lists(st.builds(Candidate, st.sampled_from([f"w{i}" for i in range(6)]), st.integers(0, 20),
                            st.integers(0, 50), st.integers(0, 50)), min_size=1, max_size=6,
@@ -25,6 +26,14 @@ def test_kv_picks_the_brute_force_minimum(candidates, prompt_blocks, weight):
     assert d.winner.candidate.load == min(c.load for c in tied)          # ties to the less loaded
     if len(candidates) > 1:
         assert d.runner_up is not None and d.runner_up.cost >= d.winner.cost
+
+
+@given(cands, st.integers(0, 20), st.sampled_from([0.0, 0.3, 1.0, 2.5]))
+def test_kv_column_scoring_equals_scoring_every_candidate(candidates, prompt_blocks, weight):
+    """The columnar fast path decides exactly what `lowest()` over all scored candidates decides."""
+    reference = lowest("kv", [kv_cost(prompt_blocks, c, weight) for c in candidates])
+    for given_as in (candidates, CandidateTable.of(candidates)):
+        assert KvPolicy(prefill_weight=weight).choose(prompt_blocks, given_as) == reference
 
 
 def test_worked_examples():
