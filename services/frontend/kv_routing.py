@@ -135,12 +135,15 @@ class PolicyRouter:
 
     async def _poll_stats(self) -> None:
         while True:
-            for w in self.pool.ready():
+            for w in list(self.pool.ready()):
                 try:
                     s = await w.stub.Stats(worker_pb2.StatsRequest(), timeout=2)
-                except grpc.aio.AioRpcError:
+                except Exception as exc:  # noqa: BLE001 - this loop must outlive any one worker
+                    # A worker removed meanwhile has a closed channel (not an AioRpcError).
+                    log.debug("router: stats of %s failed: %r", w.worker_id, exc)
                     continue
-                self.core.load.correct(w.worker_id, s.num_used_kv_blocks, s.num_in_flight)
+                if w in self.pool.workers:
+                    self.core.load.correct(w.worker_id, s.num_used_kv_blocks, s.num_in_flight)
             if self.core.metrics is not None:
                 for w in self.pool.workers:
                     self.core.metrics.index_blocks.labels(w.worker_id).set(self.core.index.num_blocks(w.worker_id))
