@@ -118,6 +118,7 @@ class EngineSide:
         while self.engine.has_unfinished():
             count += sum(len(o.new_token_ids) for o in self.engine.step())
         elapsed = time.perf_counter() - start
+        self.engine.take_events()    # a worker would publish them; here they would only pile up
         expected = len(prompts) * (new_tokens - 1)
         if count != expected:
             raise RuntimeError(f"engine decoded {count} tokens, expected {expected}")
@@ -131,6 +132,7 @@ class EngineSide:
         while not any(o.new_token_ids for o in outputs):
             outputs += [o for o in self.engine.step() if o.request_id == rid]
         elapsed = time.perf_counter() - start
+        self.engine.take_events()
         if outputs[-1].num_cached_tokens:
             raise RuntimeError(f"prefix cache served {outputs[-1].num_cached_tokens} tokens of a fresh prompt")
         return elapsed
