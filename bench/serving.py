@@ -44,7 +44,6 @@ import asyncio
 import json
 import os
 import random
-import socket
 import statistics
 import subprocess
 import sys
@@ -56,6 +55,7 @@ from pathlib import Path
 import grpc
 import httpx
 
+from splitserve.net import free_port
 from splitserve.proto.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 
 ROOT = Path(__file__).resolve().parent
@@ -78,12 +78,6 @@ class RequestTrace:
     kind: str
     start: float
     token_times: list[float] = field(default_factory=list)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def percentile(values: list[float], q: float) -> float:

@@ -13,24 +13,18 @@ from __future__ import annotations
 import logging
 import multiprocessing as mp
 import os
-import socket
 from dataclasses import replace
 
 import torch
 import torch.distributed as dist
 
 from splitserve.errors import FatalError
+from splitserve.net import free_port
 
 from .config import EngineConfig
 from .forward_batch import ForwardBatch
 
 log = logging.getLogger(__name__)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _backend(device: str) -> str:

@@ -24,7 +24,6 @@ import ctypes
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -36,6 +35,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from splitserve.errors import SplitserveError
+from splitserve.net import free_port
 
 GRACE_S = 10.0
 POLL_S = 0.25
@@ -47,12 +47,6 @@ class Child:
     process: subprocess.Popen
     address: str = ""          # host:port of a worker's gRPC service
     ready_after: float | None = None
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 def _die_with_parent() -> None:

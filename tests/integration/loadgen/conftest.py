@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import os
 import re
-import socket
 import subprocess
 import sys
 import time
@@ -20,6 +19,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+
+from splitserve.net import free_port
 
 READY_TIMEOUT_S = 120.0
 
@@ -53,12 +54,6 @@ def llama_vocab(llama_dir):
 
 
 # -- a real splitserve serve -------------------------------------------------------------
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @dataclass
 class Serve:
     process: subprocess.Popen
