@@ -11,6 +11,7 @@ weights are this rank's shard and the two row-parallel outputs are all-reduced.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -22,6 +23,12 @@ from .rope import RotaryEmbedding
 from .weights import LayerWeights, ModelWeights
 
 LayerDone = Callable[[int], None]
+
+
+@dataclass(slots=True)
+class _StepInputs:
+    cos_sin: tuple[torch.Tensor, torch.Tensor]
+    decode_mask: torch.Tensor | None
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -51,9 +58,11 @@ class CausalLM:
                 layer_done: LayerDone | None = None) -> torch.Tensor:
         """Run all layers; returns the final hidden states of `batch.sample_indices` (normed)."""
         x = F.embedding(batch.input_ids, self.w.embed)
+        # Per-step inputs shared by every layer: computed once here, not per layer.
+        step = _StepInputs(self.rotary.lookup(batch.positions), self._decode_mask(batch, kv))
         for i, layer in enumerate(self.w.layers):
             x = x + self._attention(i, layer, rms_norm(x, layer.input_norm, self.cfg.rms_norm_eps),
-                                    batch, kv)
+                                    batch, kv, step)
             if layer_done is not None:
                 layer_done(i)
             x = x + self._mlp(layer, rms_norm(x, layer.post_norm, self.cfg.rms_norm_eps))
@@ -70,8 +79,20 @@ class CausalLM:
             self.all_reduce(out)
         return out
 
+    def _decode_mask(self, batch: ForwardBatch, kv: KVCache) -> torch.Tensor | None:
+        """[D, 1, 1, L] bool: which gathered key slots each decode row may attend to."""
+        if not batch.num_decode:
+            return None
+        length = batch.decode_block_tables.shape[1] * kv.block_size
+        key_pos = torch.arange(length, device=batch.decode_context_lens.device)
+        ctx = batch.decode_context_lens.unsqueeze(1)
+        mask = key_pos < ctx
+        if self.cfg.sliding_window:
+            mask &= key_pos > ctx - 1 - self.cfg.sliding_window
+        return mask[:, None, None, :]
+
     def _attention(self, i: int, layer: LayerWeights, x: torch.Tensor,
-                   batch: ForwardBatch, kv: KVCache) -> torch.Tensor:
+                   batch: ForwardBatch, kv: KVCache, step: "_StepInputs") -> torch.Tensor:
         t = x.shape[0]
         qkv = F.linear(x, layer.qkv, layer.qkv_bias)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
@@ -81,13 +102,13 @@ class CausalLM:
         if layer.q_norm is not None:
             q = rms_norm(q, layer.q_norm, self.cfg.rms_norm_eps)
             k = rms_norm(k, layer.k_norm, self.cfg.rms_norm_eps)
-        q, k = self.rotary.apply(q, k, batch.positions)
+        q, k = self.rotary.apply(q, k, step.cos_sin)
         kv.write(i, batch.slot_mapping, k, v)
 
         out = torch.empty_like(q)
         d = batch.num_decode
         if d:
-            out[:d] = self._decode_attention(i, q[:d], batch, kv)
+            out[:d] = self._decode_attention(i, q[:d], batch, kv, step.decode_mask)
         for seg in batch.prefills:
             rows = slice(seg.query_start, seg.query_start + seg.query_len)
             out[rows] = self._prefill_attention(i, q[rows], k[rows], v[rows], seg, kv)
@@ -96,22 +117,15 @@ class CausalLM:
             self.all_reduce(o)
         return o
 
-    def _decode_attention(self, i: int, q: torch.Tensor, batch: ForwardBatch,
-                          kv: KVCache) -> torch.Tensor:
+    def _decode_attention(self, i: int, q: torch.Tensor, batch: ForwardBatch, kv: KVCache,
+                          mask: torch.Tensor) -> torch.Tensor:
         """q: [D, heads, d]; each row attends to its own cached context."""
         d = q.shape[0]
         keys, values = kv.gather(i, batch.decode_block_tables)    # [D, kv_heads, L, d]
-        length = keys.shape[2]
-        key_pos = torch.arange(length, device=q.device)
-        ctx = batch.decode_context_lens.unsqueeze(1)
-        mask = key_pos < ctx
-        if self.cfg.sliding_window:
-            mask &= key_pos > ctx - 1 - self.cfg.sliding_window
         # Grouped-query: the query heads sharing a KV head become that head's "query rows".
         groups = self.num_heads // self.num_kv_heads
         qg = q.view(d, self.num_kv_heads, groups, self.head_dim)
-        out = F.scaled_dot_product_attention(qg, keys, values, attn_mask=mask[:, None, None, :],
-                                             scale=self.scale)
+        out = F.scaled_dot_product_attention(qg, keys, values, attn_mask=mask, scale=self.scale)
         return out.reshape(d, self.num_heads, self.head_dim)
 
     def _prefill_attention(self, i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

@@ -78,11 +78,15 @@ class RotaryEmbedding:
         self.cos = (emb.cos() * scaling).to(device=device, dtype=dtype)
         self.sin = (emb.sin() * scaling).to(device=device, dtype=dtype)
 
-    def apply(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor
+    def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin for `positions` ([T]), shaped [T, 1, d]; look up once per step, use in every layer."""
+        return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+
+    @staticmethod
+    def apply(q: torch.Tensor, k: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]
               ) -> tuple[torch.Tensor, torch.Tensor]:
-        """q: [T, heads, d], k: [T, kv_heads, d], positions: [T]."""
-        cos = self.cos[positions].unsqueeze(1)
-        sin = self.sin[positions].unsqueeze(1)
+        """q: [T, heads, d], k: [T, kv_heads, d], with `lookup`'s cos and sin."""
+        cos, sin = cos_sin
         return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
 
 
