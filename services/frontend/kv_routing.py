@@ -138,15 +138,19 @@ class PolicyRouter:
             for w in list(self.pool.ready()):
                 try:
                     s = await w.stub.Stats(worker_pb2.StatsRequest(), timeout=2)
+                    if w in self.pool.workers:
+                        self.core.load.correct(w.worker_id, s.num_used_kv_blocks, s.num_in_flight)
                 except Exception as exc:  # noqa: BLE001 - this loop must outlive any one worker
-                    # A worker removed meanwhile has a closed channel (not an AioRpcError).
-                    log.debug("router: stats of %s failed: %r", w.worker_id, exc)
-                    continue
-                if w in self.pool.workers:
-                    self.core.load.correct(w.worker_id, s.num_used_kv_blocks, s.num_in_flight)
+                    # e.g. a worker removed (closed channel) or re-added (not yet known) meanwhile
+                    log.warning("router: stats of %s failed: %r", w.worker_id, exc)
             if self.core.metrics is not None:
                 for w in self.pool.workers:
-                    self.core.metrics.index_blocks.labels(w.worker_id).set(self.core.index.num_blocks(w.worker_id))
+                    try:
+                        blocks = self.core.index.num_blocks(w.worker_id)
+                    except Exception as exc:  # noqa: BLE001
+                        log.warning("router: index size of %s unknown: %r", w.worker_id, exc)
+                        blocks = 0
+                    self.core.metrics.index_blocks.labels(w.worker_id).set(blocks)
             await asyncio.sleep(STATS_INTERVAL_S)
 
 
