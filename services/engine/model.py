@@ -19,10 +19,24 @@ import torch.nn.functional as F
 from .config import ModelConfig
 from .forward_batch import ForwardBatch, PrefillSegment
 from .kv_cache import KVCache
+from .linear import Linear
 from .rope import RotaryEmbedding
 from .weights import LayerWeights, ModelWeights
 
 LayerDone = Callable[[int], None]
+
+
+@dataclass(slots=True)
+class _LayerLinears:
+    qkv: Linear
+    o: Linear
+    gate_up: Linear
+    down: Linear
+
+    @classmethod
+    def of(cls, layer: LayerWeights) -> "_LayerLinears":
+        return cls(Linear(layer.qkv, layer.qkv_bias), Linear(layer.o),
+                   Linear(layer.gate_up), Linear(layer.down))
 
 
 @dataclass(slots=True)
@@ -52,6 +66,8 @@ class CausalLM:
         self.rotary = RotaryEmbedding(cfg.rope, cfg.head_dim, max_positions, device, dtype)
         self.all_reduce = all_reduce
         self.scale = cfg.head_dim ** -0.5
+        self.linears = [_LayerLinears.of(layer) for layer in weights.layers]
+        self.lm_head = Linear(weights.lm_head)
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, kv: KVCache,
@@ -61,20 +77,21 @@ class CausalLM:
         # Per-step inputs shared by every layer: computed once here, not per layer.
         step = _StepInputs(self.rotary.lookup(batch.positions), self._decode_mask(batch, kv))
         for i, layer in enumerate(self.w.layers):
-            x = x + self._attention(i, layer, rms_norm(x, layer.input_norm, self.cfg.rms_norm_eps),
+            lin = self.linears[i]
+            x = x + self._attention(i, layer, lin, rms_norm(x, layer.input_norm, self.cfg.rms_norm_eps),
                                     batch, kv, step)
             if layer_done is not None:
                 layer_done(i)
-            x = x + self._mlp(layer, rms_norm(x, layer.post_norm, self.cfg.rms_norm_eps))
+            x = x + self._mlp(lin, rms_norm(x, layer.post_norm, self.cfg.rms_norm_eps))
         x = x.index_select(0, batch.sample_indices)
         return rms_norm(x, self.w.final_norm, self.cfg.rms_norm_eps)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return F.linear(hidden, self.w.lm_head).float()
+        return self.lm_head(hidden).float()
 
-    def _mlp(self, layer: LayerWeights, x: torch.Tensor) -> torch.Tensor:
-        gate, up = F.linear(x, layer.gate_up).chunk(2, dim=-1)
-        out = F.linear(F.silu(gate) * up, layer.down)
+    def _mlp(self, lin: _LayerLinears, x: torch.Tensor) -> torch.Tensor:
+        gate, up = lin.gate_up(x).chunk(2, dim=-1)
+        out = lin.down(F.silu(gate) * up)
         if self.all_reduce is not None:
             self.all_reduce(out)
         return out
@@ -91,10 +108,10 @@ class CausalLM:
             mask &= key_pos > ctx - 1 - self.cfg.sliding_window
         return mask[:, None, None, :]
 
-    def _attention(self, i: int, layer: LayerWeights, x: torch.Tensor,
+    def _attention(self, i: int, layer: LayerWeights, lin: _LayerLinears, x: torch.Tensor,
                    batch: ForwardBatch, kv: KVCache, step: "_StepInputs") -> torch.Tensor:
         t = x.shape[0]
-        qkv = F.linear(x, layer.qkv, layer.qkv_bias)
+        qkv = lin.qkv(x)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(t, self.num_heads, self.head_dim)
         k = k.view(t, self.num_kv_heads, self.head_dim)
@@ -112,7 +129,7 @@ class CausalLM:
         for seg in batch.prefills:
             rows = slice(seg.query_start, seg.query_start + seg.query_len)
             out[rows] = self._prefill_attention(i, q[rows], k[rows], v[rows], seg, kv)
-        o = F.linear(out.view(t, self.q_size), layer.o)
+        o = lin.o(out.view(t, self.q_size))
         if self.all_reduce is not None:
             self.all_reduce(o)
         return o
