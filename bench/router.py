@@ -5,22 +5,28 @@
 Decision latency: a RouterCore with the `kv` policy on both legs, N workers, each
 holding `blocks-per-worker` cached blocks (chains of 64 blocks drawn from a
 shared pool, so popular prefixes sit on several workers); one decision = hash
-a 1024-token prompt (64 blocks), walk the index, score, pick, account the
-load, finish. Ingestion: KvEventBatch protobufs of 64 single-block
-BlockStored/BlockRemoved events through EventSubscriber.apply (what the
-subscriber does per message, parsing aside). Prints a table, writes JSON with
-`decision_p50_us`/`decision_p99_us` keyed by worker count (wall clock, so a
-busy machine's preemptions land in p99), `decision_cpu_p99_us` (this thread's
-CPU time, which they do not), and `events_per_s`.
+a 1024-token prompt (64 blocks), expire lapsed predictions, walk the index,
+score, pick, predict the prompt on the winner, account the load; then the
+request finishes. Half the prompts are cached chains, half fresh (whose 64
+blocks get predicted, and expire 50 ms later, inside the run). Ingestion:
+KvEventBatch protobufs of 64 single-block BlockStored/BlockRemoved events
+through EventSubscriber.apply (what the subscriber does per message, parsing
+aside). Prints a table, writes JSON with `decision_p50_us`/`decision_p99_us`
+keyed by worker count (wall clock, so a busy machine's preemptions land in
+p99), `decision_cpu_p99_us` (this thread's CPU time, which they do not), and
+`events_per_s`.
 
-    python bench/router.py --e2e [--e2e-requests 96] [--out router-e2e.json]
+    python bench/router.py --e2e [--e2e-configs kv:2 kv:1 round-robin] [--e2e-rounds 3]
+                                 [--e2e-requests 96] [--out router-e2e.json]
 
-End to end (loopback only): for each of `kv` and `round-robin`, `splitserve serve
---aggregated --workers 4 --router P` on a random-weight Llama, then `splitserve
-bench --workload shared-prefix` at the same closed-loop load; the workers' own
-counters give the prefix-hit rate and the prompt tokens they computed
-(`--e2e-prefill-weight` is passed to serve as --prefill-weight). Writes
-`ttft_p50_s`/`ttft_p90_s`/`prefix_hit_rate`/`prefill_tokens_computed` keyed by policy.
+End to end (loopback only): for each config (a policy, or `kv:WEIGHT`),
+`splitserve serve --aggregated --workers 4 --router P --prefill-weight W` on a
+random-weight Llama, then `splitserve bench --workload shared-prefix` at the
+same closed-loop load; the workers' own counters give the prefix-hit rate and
+the prompt tokens they computed. Configs run one after another within a round,
+in reversed order every other round. Writes the medians over rounds of
+`ttft_p50_s`/`ttft_p90_s`/`prefix_hit_rate`/`prefill_tokens_computed` keyed by
+config, and each round's TTFT p90 ratio over round-robin (the target: kv ≤ 0.5).
 """
 
 from __future__ import annotations
@@ -38,18 +44,20 @@ import subprocess
 import tempfile
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from splitserve.proto.v1 import worker_pb2
 from splitserve.router.core import RouterCore, WorkerSpec
 from splitserve.router.hashing import block_hashes
 from splitserve.router.index import KvIndex
-from splitserve.router.policies import make_policy
+from splitserve.router.policies import DEFAULT_PREFILL_WEIGHT, make_policy
 from splitserve.router.subscriber import EventSubscriber
 
 CHAIN = 64
 BS = 16
 KEY = b"bench|torch.bfloat16|"
+PREDICTION_TTL_S = 0.05     # short, so that decisions also pay for expiring earlier ones (the steady state)
 
 
 def build(num_workers: int, blocks_per_worker: int, rng: random.Random):
@@ -59,7 +67,7 @@ def build(num_workers: int, blocks_per_worker: int, rng: random.Random):
     prompt_chains = [block_hashes(p, BS, KEY) for p in prompts]
     synthetic = [[rng.randbytes(32) for _ in range(CHAIN)] for _ in range(pool_size - len(prompt_chains))]
     chains = prompt_chains + synthetic
-    core = RouterCore(make_policy("kv"), make_policy("kv"))
+    core = RouterCore(make_policy("kv"), make_policy("kv"), prediction_ttl_s=PREDICTION_TTL_S)
     ids = [f"w{i}" for i in range(num_workers)]
     for wid in ids:
         core.set_spec(wid, WorkerSpec(BS, KEY))
@@ -116,7 +124,6 @@ def ingestion(num_events: int) -> float:
 
 
 # -- end to end: splitserve serve + splitserve bench, kv vs round-robin -------------------------------
-E2E_POLICIES = ("kv", "round-robin")
 CHILD_ENV = {"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
 
 
@@ -176,53 +183,95 @@ def _stop(proc: subprocess.Popen) -> None:
             proc.wait()
 
 
-def end_to_end(num_requests: int, concurrency: int, num_workers: int, prefix_len: int, out_dir: Path,
-               timeout_s: float, prefill_weight: float = 1.0) -> dict[str, dict[str, float]]:
+@dataclass(frozen=True)
+class E2EConfig:
+    """One contender: a policy and, for `kv`, its prefill weight ("kv:2", "round-robin")."""
+
+    policy: str
+    prefill_weight: float = DEFAULT_PREFILL_WEIGHT
+
+    @classmethod
+    def parse(cls, text: str) -> E2EConfig:
+        policy, _, weight = text.partition(":")
+        return cls(policy, float(weight)) if weight else cls(policy)
+
+    @property
+    def label(self) -> str:
+        return f"kv:{self.prefill_weight:g}" if self.policy == "kv" else self.policy
+
+
+def run_one(model: Path, config: E2EConfig, num_requests: int, concurrency: int, num_workers: int,
+            prefix_len: int, run_dir: Path, timeout_s: float) -> dict[str, float]:
+    """`serve` with this config, `splitserve bench` shared-prefix against it, the workers' counters."""
+    proc, base, workers = _serve(model, config.policy, num_workers, timeout_s, config.prefill_weight)
+    try:
+        before = _worker_counters(workers)
+        subprocess.run(["splitserve", "bench", "--url", base, "--tokenizer", str(model), "--prompt-format", "ids",
+                        "--workload", "shared-prefix", "--tenants", "8",
+                        "--prefix-len", str(prefix_len), "--questions-per-tenant", str(num_requests // 8),
+                        "--question-len", "32", "--output-len", "4", "--arrival", "concurrency",
+                        "--concurrency", str(concurrency), "--num-requests", str(num_requests), "--seed", "0",
+                        "--out", str(run_dir), "--label", config.label, "--no-plots", "--no-progress"],
+                       check=True, timeout=timeout_s, env={**os.environ, **CHILD_ENV}, stdout=subprocess.DEVNULL)
+        after = _worker_counters(workers)
+    finally:
+        _stop(proc)
+    summary = json.loads((run_dir / "result.json").read_text())["summary"]
+    computed = after["num_prompt_tokens_computed"] - before["num_prompt_tokens_computed"]
+    hit = after["num_prefix_hit_tokens"] - before["num_prefix_hit_tokens"]
+    return {"ttft_p50_s": summary["ttft_s"]["p50"], "ttft_p90_s": summary["ttft_s"]["p90"],
+            "prefix_hit_rate": hit / max(hit + computed, 1), "prefill_tokens_computed": computed,
+            "num_ok": summary["num_ok"], "num_errors": summary["num_errors"]}
+
+
+def end_to_end(configs: list[E2EConfig], rounds: int, num_requests: int, concurrency: int, num_workers: int,
+               prefix_len: int, out_dir: Path, timeout_s: float) -> list[dict[str, dict[str, float]]]:
+    """Every config once per round, the order reversed every other round (a drifting machine load
+    then favours no one); one {label: row} per round."""
     from splitserve.testing.models import build_random_model
 
     model = build_random_model("llama", out_dir / "model", seed=0)
-    rows: dict[str, dict[str, float]] = {}
-    for policy in E2E_POLICIES:
-        proc, base, workers = _serve(model, policy, num_workers, timeout_s, prefill_weight)
-        try:
-            before = _worker_counters(workers)
-            run_dir = out_dir / policy
-            subprocess.run(["splitserve", "bench", "--url", base, "--tokenizer", str(model), "--prompt-format", "ids",
-                            "--workload", "shared-prefix", "--tenants", "8",
-                            "--prefix-len", str(prefix_len), "--questions-per-tenant", str(num_requests // 8),
-                            "--question-len", "32", "--output-len", "4", "--arrival", "concurrency",
-                            "--concurrency", str(concurrency), "--num-requests", str(num_requests), "--seed", "0",
-                            "--out", str(run_dir), "--label", policy, "--no-plots", "--no-progress"],
-                           check=True, timeout=timeout_s, env={**os.environ, **CHILD_ENV},
-                           stdout=subprocess.DEVNULL)
-            after = _worker_counters(workers)
-        finally:
-            _stop(proc)
-        summary = json.loads((run_dir / "result.json").read_text())["summary"]
-        computed = after["num_prompt_tokens_computed"] - before["num_prompt_tokens_computed"]
-        hit = after["num_prefix_hit_tokens"] - before["num_prefix_hit_tokens"]
-        rows[policy] = {"ttft_p50_s": summary["ttft_s"]["p50"], "ttft_p90_s": summary["ttft_s"]["p90"],
-                        "prefix_hit_rate": hit / max(hit + computed, 1), "prefill_tokens_computed": computed,
-                        "num_ok": summary["num_ok"], "num_errors": summary["num_errors"]}
-    return rows
+    results = []
+    for r in range(rounds):
+        order = configs if r % 2 == 0 else configs[::-1]
+        rows = {}
+        for c in order:
+            rows[c.label] = run_one(model, c, num_requests, concurrency, num_workers, prefix_len,
+                                    out_dir / f"round{r}-{c.label}", timeout_s)
+            print(f"round {r + 1}/{rounds} {c.label:>12}: TTFT p90 {rows[c.label]['ttft_p90_s'] * 1e3:.1f} ms "
+                  f"(load {os.getloadavg()[0]:.1f})", flush=True)
+        results.append({c.label: rows[c.label] for c in configs})
+    return results
 
 
 def main_e2e(args) -> int:
+    configs = [E2EConfig.parse(c) for c in args.e2e_configs]
+    if "round-robin" not in {c.policy for c in configs}:
+        configs.append(E2EConfig("round-robin"))
     with tempfile.TemporaryDirectory(prefix="router-e2e-") as tmp:
-        rows = end_to_end(args.e2e_requests, args.e2e_concurrency, 4, args.e2e_prefix_len, Path(tmp),
-                          args.e2e_timeout, args.e2e_prefill_weight)
-    result = {key: {p: r[key] for p, r in rows.items()}
-              for key in ("ttft_p50_s", "ttft_p90_s", "prefix_hit_rate", "prefill_tokens_computed")}
-    kv, rr = rows["kv"]["ttft_p90_s"], rows["round-robin"]["ttft_p90_s"]
-    result["ttft_p90_ratio_kv_over_round_robin"] = round(kv / rr, 3) if rr else None
+        rounds = end_to_end(configs, args.e2e_rounds, args.e2e_requests, args.e2e_concurrency, 4,
+                            args.e2e_prefix_len, Path(tmp), args.e2e_timeout)
+    keys = ("ttft_p50_s", "ttft_p90_s", "prefix_hit_rate", "prefill_tokens_computed")
+    labels = [c.label for c in configs]
+    median = {k: {lb: statistics.median(r[lb][k] for r in rounds) for lb in labels} for k in keys}
+    ratios = {lb: [round(r[lb]["ttft_p90_s"] / r["round-robin"]["ttft_p90_s"], 3) for r in rounds] for lb in labels
+              if lb != "round-robin"}
+    result = dict(median)
+    result["ttft_p90_ratio_over_round_robin"] = {lb: statistics.median(v) for lb, v in ratios.items()}
+    result["ttft_p90_ratio_over_round_robin_per_round"] = ratios
+    result["e2e_rounds"] = rounds
     result["e2e_load"] = {"workers": 4, "requests": args.e2e_requests, "concurrency": args.e2e_concurrency,
                           "tenants": 8, "prefix_len": args.e2e_prefix_len, "question_len": 32, "output_len": 4,
-                          "kv_prefill_weight": args.e2e_prefill_weight}
-    print(f"{'policy':>12} {'TTFT p50 ms':>12} {'TTFT p90 ms':>12} {'prefix hit':>11} {'prefill tokens':>15}")
-    for p, r in rows.items():
-        print(f"{p:>12} {r['ttft_p50_s'] * 1e3:>12.1f} {r['ttft_p90_s'] * 1e3:>12.1f} "
-              f"{r['prefix_hit_rate']:>11.1%} {r['prefill_tokens_computed']:>15,}")
-    print(f"kv TTFT p90 / round-robin TTFT p90 = {result['ttft_p90_ratio_kv_over_round_robin']} (target <= 0.5)")
+                          "rounds": args.e2e_rounds}
+    print(f"medians over {len(rounds)} round(s), {args.e2e_requests} requests each:")
+    print(f"{'config':>12} {'TTFT p50 ms':>12} {'TTFT p90 ms':>12} {'prefix hit':>11} {'prefill tokens':>15} "
+          f"{'p90 / rr (per round)':>24}")
+    for lb in labels:
+        per_round = " / ".join(f"{x:.2f}" for x in ratios.get(lb, []))
+        print(f"{lb:>12} {median['ttft_p50_s'][lb] * 1e3:>12.1f} {median['ttft_p90_s'][lb] * 1e3:>12.1f} "
+              f"{median['prefix_hit_rate'][lb]:>11.1%} {median['prefill_tokens_computed'][lb]:>15,.0f} "
+              f"{per_round:>24}")
+    print("target: kv TTFT p90 <= 0.5 x round-robin")
     _merge_json(args.out, result)
     return 0
 
@@ -251,7 +300,9 @@ def main() -> int:
     ap.add_argument("--e2e-requests", type=int, default=96)
     ap.add_argument("--e2e-concurrency", type=int, default=4)
     ap.add_argument("--e2e-prefix-len", type=int, default=1024)
-    ap.add_argument("--e2e-prefill-weight", type=float, default=1.0, help="serve --prefill-weight (kv policy)")
+    ap.add_argument("--e2e-configs", nargs="+", default=["kv", "round-robin"],
+                    help="contenders: POLICY or kv:PREFILL_WEIGHT (round-robin is always added)")
+    ap.add_argument("--e2e-rounds", type=int, default=1, help="repetitions, interleaved (order reversed each round)")
     ap.add_argument("--e2e-timeout", type=float, default=600.0, help="seconds per serve start and per bench run")
     args = ap.parse_args()
     if args.e2e:

@@ -35,6 +35,8 @@ out; `active_reservations()` lists the open ones (tests use it as a leak check).
 from __future__ import annotations
 
 import base64
+import dataclasses
+import hashlib
 import json
 import threading
 import time
@@ -47,8 +49,9 @@ from typing import ClassVar
 import numpy as np
 import torch
 
-from .errors import (BlockOutOfRangeError, LayoutMismatchError, NotReservedError, ReservationExpiredError,
-                     StalePeerError, TransferError, TransferTimeoutError)
+from . import auth
+from .errors import (BlockOutOfRangeError, LayoutMismatchError, NotReservedError, PeerAuthError,
+                     ReservationExpiredError, StalePeerError, TransferError, TransferTimeoutError)
 from .layout import KVLayout
 from .memory import advise_huge_pages
 from .metrics import transfer_metrics
@@ -81,10 +84,12 @@ class AgentMetadata:
     layer_base_addrs: tuple[int, ...]   # address of each layer's K region; V follows num_blocks blocks later
     device: str                      # "cpu" | "cuda:N"
     agent_blob: bytes = b""          # backend agent metadata (NIXL get_agent_metadata())
+    auth: bytes = b""                # HMAC tag of the fields above under the transfer token (auth.py)
 
     def to_bytes(self) -> bytes:
         values = asdict(self)
         values["agent_blob"] = base64.b64encode(self.agent_blob).decode()
+        values["auth"] = base64.b64encode(self.auth).decode()
         return json.dumps(values).encode()
 
     @classmethod
@@ -93,7 +98,13 @@ class AgentMetadata:
         values["layout"] = KVLayout(**values["layout"])
         values["layer_base_addrs"] = tuple(values["layer_base_addrs"])
         values["agent_blob"] = base64.b64decode(values["agent_blob"])
+        values["auth"] = base64.b64decode(values.get("auth", ""))
         return cls(**values)
+
+    def signed_fields(self) -> tuple:
+        """What the auth tag covers: everything a sender trusts when it writes into this agent."""
+        return (self.name, self.incarnation, self.backend, self.address, self.layout_hash, self.num_blocks,
+                ",".join(map(str, self.layer_base_addrs)), self.device, hashlib.sha256(self.agent_blob).digest())
 
 
 @dataclass(frozen=True, slots=True)
@@ -134,8 +145,9 @@ class Connector(ABC):
     backend: ClassVar[str]
 
     def __init__(self, name: str, layout: KVLayout, *, timeout_s: float = 10.0, clock_margin_s: float = 0.05,
-                 registry=None):
+                 registry=None, token: bytes = b""):
         self.name = name
+        self.token = token                       # the deployment's shared secret (auth.py); b"": none
         self.layout = layout
         self.timeout_s = timeout_s
         self.clock_margin_s = clock_margin_s     # sender stops this long before a grant's deadline
@@ -186,6 +198,10 @@ class Connector(ABC):
         Same name and incarnation: no-op. Same name, new incarnation (the peer restarted):
         the stale metadata is dropped and replaced; grants of the old incarnation are refused.
         """
+        if not auth.verify(self.token, meta.auth, *meta.signed_fields()):
+            self._count_failure(PeerAuthError)
+            raise PeerAuthError(f"peer {meta.name} did not present this deployment's transfer token "
+                                "(--transfer-token / SPLITSERVE_TRANSFER_TOKEN); its metadata was refused")
         if meta.backend != self.backend:
             raise LayoutMismatchError(f"peer {meta.name} uses backend {meta.backend!r}, this agent {self.backend!r}")
         if meta.layout_hash != self.layout.layout_hash() or self.layout.compare(meta.layout):
@@ -201,6 +217,10 @@ class Connector(ABC):
                 self._remove_peer(old)
             self._add_peer(meta)
             self._peers[meta.name] = meta
+
+    def _sign(self, meta: AgentMetadata) -> AgentMetadata:
+        """`meta` with its auth tag under this agent's token (backends' `metadata()` return this)."""
+        return dataclasses.replace(meta, auth=auth.tag(self.token, *meta.signed_fields()))
 
     def peer(self, name: str) -> AgentMetadata | None:
         """The current metadata of peer `name`; None if it was never added or was removed."""

@@ -58,8 +58,15 @@ class TransferTimeoutError(TransferError):
     reason = "timeout"
 
 
+class PeerAuthError(TransferError):
+    """The peer did not prove it holds the deployment's transfer token (kvtransfer/auth.py)."""
+
+    reason = "unauthenticated"
+
+
 ERRORS_BY_CODE: dict[int, type[TransferError]] = {
     1: TransferError, 2: LayoutMismatchError, 3: BlockOutOfRangeError, 4: NotReservedError,
     5: ReservationExpiredError, 6: StalePeerError, 7: PeerLostError, 8: TransferTimeoutError,
+    9: PeerAuthError,
 }
 CODE_BY_ERROR = {cls: code for code, cls in ERRORS_BY_CODE.items()}

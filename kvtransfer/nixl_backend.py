@@ -51,7 +51,8 @@ import numpy as np
 import torch
 
 from .connector import AgentMetadata, Connector, Reservation, TransferHandle
-from .errors import PeerLostError, TransferError
+from . import auth
+from .errors import PeerAuthError, PeerLostError, TransferError
 from .tp_slicing import HeadSlice, row_descriptors
 from .wire import Notification
 
@@ -113,8 +114,8 @@ class NixlConnector(Connector):
         bases = tuple(pool[layer].data_ptr() for layer in range(self.layout.num_layers))
         with self._nixl_lock:
             blob = self._agent.get_agent_metadata()
-        return AgentMetadata(self.name, self.incarnation, self.backend, "", self.layout,
-                             self.layout.layout_hash(), self.num_blocks, bases, str(pool.device), blob)
+        return self._sign(AgentMetadata(self.name, self.incarnation, self.backend, "", self.layout,
+                                        self.layout.layout_hash(), self.num_blocks, bases, str(pool.device), blob))
 
     def _add_peer(self, meta: AgentMetadata) -> None:
         with self._nixl_lock:
@@ -248,6 +249,7 @@ class NixlConnector(Connector):
     def _post_notify(self, peer: AgentMetadata, reservation: Reservation, block_ids: tuple[int, ...],
                      payload: bytes) -> TransferHandle:
         message = Notification(reservation.request_id, reservation.incarnation, block_ids, payload).encode()
+        message += auth.tag(self.token, message)        # the receiver accepts it only with the token
         handle = self._new_handle(reservation, peer.name, "notify", -1, len(payload))
         with self._lock:
             writes = self._writes.pop((peer.name, reservation.request_id), [])
@@ -304,6 +306,10 @@ class NixlConnector(Connector):
         for sender, messages in notifs.items():
             for raw in messages:
                 try:
+                    raw = bytes(raw)
+                    if not auth.verify(self.token, raw[-auth.TAG_BYTES:], raw[:-auth.TAG_BYTES]):
+                        raise PeerAuthError("the notification does not carry this deployment's transfer token; "
+                                            "its request's KV is not accepted")
                     note = Notification.decode(raw)
                     table.complete(note.request_id, note.incarnation, note.block_ids, note.payload)
                 except TransferError as error:

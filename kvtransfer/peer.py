@@ -50,14 +50,15 @@ class _Peer:
         self.registry = None
 
     def setup(self, backend: str, name: str, layout: dict, num_blocks: int, seed: int | None,
-              timeout_s: float = 10.0, core: int | None = None, threads: int = 1, device: str = "cpu"):
+              timeout_s: float = 10.0, core: int | None = None, threads: int = 1, device: str = "cpu",
+              token: bytes = b""):
         from prometheus_client import CollectorRegistry
         if core is not None:
             os.sched_setaffinity(0, {core})
         torch.set_num_threads(threads)
         lay = KVLayout(**layout)
         self.registry = CollectorRegistry()
-        self.connector = make_connector(backend, name, lay, timeout_s=timeout_s, registry=self.registry)
+        self.connector = make_connector(backend, name, lay, timeout_s=timeout_s, registry=self.registry, token=token)
         pool = empty_pool(lay.pool_shape(num_blocks), lay.torch_dtype, device)   # huge pages before first touch
         if seed is None:
             pool.zero_()

@@ -43,9 +43,12 @@ import numpy as np
 import torch
 
 from .connector import AgentMetadata, Connector, Reservation, TransferHandle
-from .errors import CODE_BY_ERROR, ERRORS_BY_CODE, PeerLostError, StalePeerError, TransferError
+from . import auth
+from .errors import (CODE_BY_ERROR, ERRORS_BY_CODE, LayoutMismatchError, PeerAuthError, PeerLostError, StalePeerError,
+                     TransferError)
 from .tp_slicing import HeadSlice, block_run_arrays, gather_slice, scatter_slice
-from .wire import FRAME_HEADER, KIND_NOTIFY, KIND_WRITE, REPLY_HEADER, FrameHeader, encode_reply
+from .wire import (CHALLENGE, CHALLENGE_MAGIC, FRAME_HEADER, HELLO, HELLO_MAGIC, KIND_NOTIFY, KIND_WRITE, REPLY_HEADER,
+                   FrameHeader, encode_reply)
 
 logger = logging.getLogger(__name__)
 
@@ -134,8 +137,8 @@ class TcpConnector(Connector):
     def metadata(self) -> AgentMetadata:
         pool = self._require_pool()
         bases = tuple(pool[layer].data_ptr() for layer in range(self.layout.num_layers))
-        return AgentMetadata(self.name, self.incarnation, self.backend, self.address, self.layout,
-                             self.layout.layout_hash(), self.num_blocks, bases, str(pool.device))
+        return self._sign(AgentMetadata(self.name, self.incarnation, self.backend, self.address, self.layout,
+                                        self.layout.layout_hash(), self.num_blocks, bases, str(pool.device)))
 
     def _add_peer(self, meta: AgentMetadata) -> None:
         pass                       # connect lazily on the first frame
@@ -330,7 +333,12 @@ class TcpConnector(Connector):
         sock.setblocking(False)
         try:
             await asyncio.wait_for(self._loop.sock_connect(sock, (host, int(port))), self.timeout_s)
-        except (OSError, asyncio.TimeoutError) as error:
+            await asyncio.wait_for(self._answer_challenge(sock, peer), self.timeout_s)
+        except TransferError as error:
+            sock.close()
+            self._break(conn, error)
+            return
+        except (OSError, EOFError, ValueError, asyncio.TimeoutError) as error:
             sock.close()
             self._break(conn, PeerLostError(f"cannot connect to {peer.name} at {peer.address}: {error!r}"))
             return
@@ -345,6 +353,19 @@ class TcpConnector(Connector):
             conn.sock = sock
             conn.reader = self._loop.create_task(self._read_replies(conn))
             self._flush_locked(conn)
+
+    async def _answer_challenge(self, sock: socket.socket, peer: AgentMetadata) -> None:
+        """Prove the transfer token to a receiver (auth.py); raises its refusal as a TransferError."""
+        magic, nonce = CHALLENGE.unpack(await _recv_exact(sock, CHALLENGE.size))
+        if magic != CHALLENGE_MAGIC:
+            raise ValueError(f"{peer.name} at {peer.address} is not a splitserve KV receiver")
+        layout_hash = self.layout.layout_hash()
+        proof = auth.tag(self.token, nonce, peer.incarnation, layout_hash)
+        await self._loop.sock_sendall(sock, HELLO.pack(HELLO_MAGIC, layout_hash.encode(), proof))
+        _, _, code, msg_len = REPLY_HEADER.unpack(await _recv_exact(sock, REPLY_HEADER.size))
+        message = (await _recv_exact(sock, msg_len)).decode() if msg_len else ""
+        if code:
+            raise ERRORS_BY_CODE.get(code, TransferError)(f"{peer.name} refused the connection: {message}")
 
     async def _read_replies(self, conn: _Outgoing) -> None:
         try:
@@ -383,6 +404,8 @@ class TcpConnector(Connector):
         loop = asyncio.get_running_loop()
         table = self._require_table()
         try:
+            if not await asyncio.wait_for(self._challenge(sock), self.timeout_s):
+                return
             while True:
                 try:
                     fixed = await _recv_exact(sock, FRAME_HEADER.size)
@@ -392,7 +415,7 @@ class TcpConnector(Connector):
                 code, message = await self._handle_frame(sock, header, table)
                 await loop.sock_sendall(sock, encode_reply(header.seq, code, message))
         except (OSError, EOFError, ValueError) as error:
-            failed = table.fail_from_source(sock, lambda rid: PeerLostError(
+            failed = table.fail_from_source(sock, lambda rid, error=error: PeerLostError(
                 f"request {rid}: the sender's connection broke mid-transfer ({error!r}); reservation released"))
             if failed:
                 logger.warning("agent %s: sender lost, failed requests %s", self.name, failed)
@@ -400,6 +423,29 @@ class TcpConnector(Connector):
             table.fail_from_source(sock, lambda rid: PeerLostError(
                 f"request {rid}: the sender disconnected before notifying; reservation released"))
             sock.close()
+
+    async def _challenge(self, sock: socket.socket) -> bool:
+        """Open an accepted connection: the sender must prove the token and its layout hash (auth.py)."""
+        loop = asyncio.get_running_loop()
+        nonce = auth.new_nonce()
+        await loop.sock_sendall(sock, CHALLENGE.pack(CHALLENGE_MAGIC, nonce))
+        magic, layout_hash, proof = HELLO.unpack(await _recv_exact(sock, HELLO.size))
+        mine = self.layout.layout_hash()
+        error: TransferError | None = None
+        if magic != HELLO_MAGIC or not auth.verify(self.token, proof, nonce, self.incarnation,
+                                                   layout_hash.decode("ascii", "replace")):
+            error = PeerAuthError("the sender did not present this deployment's transfer token "
+                                  "(--transfer-token / SPLITSERVE_TRANSFER_TOKEN)")
+        elif layout_hash.decode("ascii", "replace") != mine:
+            error = LayoutMismatchError(f"the sender's KV layout hash {layout_hash[:12]!r}... differs from "
+                                        f"{mine[:12]}...: it serves a different model or configuration")
+        if error is None:
+            await loop.sock_sendall(sock, encode_reply(0, 0))
+            return True
+        self._count_failure(type(error))
+        logger.warning("agent %s: refused a KV sender connection: %s", self.name, error)
+        await loop.sock_sendall(sock, encode_reply(0, CODE_BY_ERROR[type(error)], str(error)))
+        return False
 
     async def _handle_frame(self, sock, header: FrameHeader, table) -> tuple[int, str]:
         try:

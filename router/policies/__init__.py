@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from .base import Candidate, CandidateTable, Decision, Policy, Scored
-from .kv import KvPolicy, kv_cost
+from .kv import DEFAULT_PREFILL_WEIGHT, KvPolicy, kv_cost
 from .least_loaded import LeastLoadedPolicy
 from .power_of_two import PowerOfTwoPolicy
 from .random_choice import RandomPolicy
@@ -12,7 +12,7 @@ from .round_robin import RoundRobinPolicy
 POLICIES = {p.name: p for p in (KvPolicy, RoundRobinPolicy, RandomPolicy, LeastLoadedPolicy, PowerOfTwoPolicy)}
 
 
-def make_policy(name: str, seed: int | None = None, prefill_weight: float = 1.0,
+def make_policy(name: str, seed: int | None = None, prefill_weight: float = DEFAULT_PREFILL_WEIGHT,
                 temperature: float = 0.0) -> Policy:
     """A policy by its CLI name; ValueError for an unknown one."""
     if name not in POLICIES:
@@ -23,4 +23,5 @@ def make_policy(name: str, seed: int | None = None, prefill_weight: float = 1.0,
 
 
 __all__ = ["Candidate", "CandidateTable",
-           "Decision", "Policy", "Scored", "KvPolicy", "kv_cost", "make_policy", "POLICIES"]
+           "Decision", "Policy", "Scored", "KvPolicy", "kv_cost", "make_policy", "POLICIES",
+           "DEFAULT_PREFILL_WEIGHT"]

@@ -22,12 +22,13 @@ from splitserve.errors import InvalidRequestError
 from .block_pool import BlockPool
 from .checkpoint import Checkpoint
 from .config import EngineConfig, ModelConfig
+from .forward_batch import LayerReport
 from .kv_cache import KVCache
 from .kv_events import KVEvent
 from .model import CausalLM
 from .model_runner import ModelRunner
 from .model_source import open_checkpoint
-from .sampler import SampledToken, sample
+from .sampler import SampledToken, sample, skip_draws
 from .sampling_params import SamplingParams
 from .scheduler import Reservation, ScheduledChunk, Scheduler
 from .sequence import FinishReason, LayerCallback, LayerReady, Sequence
@@ -162,6 +163,9 @@ class LLMEngine:
                                ) -> Reservation | None:
         """Hold KV blocks for a prompt another worker will fill; None when the pool is full."""
         seq = self._new_sequence(request_id, prompt, params, False, None)
+        if seq.generator is not None and params.seed is not None:
+            # The prefill worker samples the first token with the draw after the prior ones.
+            skip_draws(seq.generator, 1, self.model_config.vocab_size)
         reservation = self.scheduler.reserve_remote(seq)
         if reservation is None:
             self._stop_checkers.pop(request_id, None)
@@ -208,7 +212,8 @@ class LLMEngine:
         decision = self.scheduler.schedule()
         if not decision.chunks:
             return outputs
-        logits = self.runner.execute(decision.chunks, self._layer_callback(decision.chunks))
+        reports = self._layer_reports(decision.chunks)
+        logits = self.runner.execute(decision.chunks, self._layer_callback(decision.chunks, reports), reports)
         self._count(decision.chunks, len(decision.preempted))
         sampled = [c for c in decision.chunks if c.completes]
         for chunk in decision.chunks:
@@ -284,13 +289,16 @@ class LLMEngine:
         if not params.greedy:
             seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
             generator = torch.Generator().manual_seed(seed)
+            if params.seed is not None:
+                skip_draws(generator, params.num_prior_draws, self.model_config.vocab_size)
         self._arrivals += 1
         self._stop_checkers[request_id] = StopChecker(self.tokenizer, params, self.eos_token_ids)
         return Sequence(request_id, ids, params, self._arrivals, prefill_only=prefill_only,
                         on_layer_done=on_layer_done, generator=generator)
 
-    def _layer_callback(self, chunks: list[ScheduledChunk]) -> Callable[[int], None] | None:
-        watchers = []
+    def _layer_reports(self, chunks: list[ScheduledChunk]) -> list[LayerReport]:
+        """The step's sequences that report each layer (prefill-only ones with a callback)."""
+        reports = []
         bs = self.config.block_size
         for c in chunks:
             seq = c.seq
@@ -299,14 +307,19 @@ class LLMEngine:
             # The first chunk after admission also reports prefix-cache hits.
             first = 0 if c.admitted else c.start // bs
             end = -(-(c.start + c.num_tokens) // bs)
-            watchers.append((seq.on_layer_done, seq.request_id, first, seq.block_ids[first:end],
-                             c.start + c.num_tokens))
-        if not watchers:
+            reports.append(LayerReport(seq.request_id, first, seq.block_ids[first:end], c.start + c.num_tokens))
+        return reports
+
+    def _layer_callback(self, chunks: list[ScheduledChunk], reports: list[LayerReport]
+                        ) -> Callable[[int], None] | None:
+        if not reports:
             return None
+        callbacks = {c.seq.request_id: c.seq.on_layer_done for c in chunks if c.seq.on_layer_done is not None}
+        watchers = [(callbacks[r.request_id], r) for r in reports]
 
         def layer_done(layer: int) -> None:
-            for callback, request_id, first, block_ids, num_tokens in watchers:
-                callback(LayerReady(request_id, layer, first, block_ids, num_tokens))
+            for callback, r in watchers:
+                callback(LayerReady(r.request_id, layer, r.first_block, r.block_ids, r.num_tokens))
         return layer_done
 
     def _count(self, chunks: list[ScheduledChunk], num_preempted: int) -> None:

@@ -8,7 +8,7 @@ attended as one padded batch; prefill chunks follow, one segment each.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -23,6 +23,18 @@ class PrefillSegment:
     block_ids: torch.Tensor      # [num_blocks] long, the sequence's blocks covering context_len
 
 
+@dataclass(slots=True, frozen=True)
+class LayerReport:
+    """A prefill-only sequence whose KV this step completes: after each layer, every rank
+    reports `LayerReady(request_id, layer, first_block, block_ids, num_tokens)` to its
+    KV connector, which pushes that rank's heads of those blocks (engine._layer_callback)."""
+
+    request_id: str
+    first_block: int
+    block_ids: list[int]
+    num_tokens: int
+
+
 @dataclass(slots=True)
 class ForwardBatch:
     input_ids: torch.Tensor          # [T] long
@@ -33,6 +45,7 @@ class ForwardBatch:
     decode_context_lens: torch.Tensor   # [num_decode] long
     prefills: list[PrefillSegment]
     sample_indices: torch.Tensor     # [S] long: tokens whose logits are needed
+    layer_reports: list[LayerReport] = field(default_factory=list)   # set for the other TP ranks
 
     @property
     def num_tokens(self) -> int:
@@ -49,5 +62,5 @@ class ForwardBatch:
             decode_context_lens=move(self.decode_context_lens),
             prefills=[PrefillSegment(p.query_start, p.query_len, p.context_len, move(p.block_ids))
                       for p in self.prefills],
-            sample_indices=move(self.sample_indices),
+            sample_indices=move(self.sample_indices), layer_reports=self.layer_reports,
         )

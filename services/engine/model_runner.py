@@ -11,7 +11,7 @@ from collections.abc import Callable
 
 import torch
 
-from .forward_batch import ForwardBatch, PrefillSegment
+from .forward_batch import ForwardBatch, LayerReport, PrefillSegment
 from .kv_cache import KVCache
 from .model import CausalLM
 from .scheduler import ScheduledChunk
@@ -74,11 +74,15 @@ class ModelRunner:
         self.device = device
         self.broadcast = broadcast
 
-    def execute(self, chunks: list[ScheduledChunk],
-                layer_done: Callable[[int], None] | None = None) -> torch.Tensor:
-        """Run one step; returns float32 logits for the chunks that complete their tokens."""
+    def execute(self, chunks: list[ScheduledChunk], layer_done: Callable[[int], None] | None = None,
+                layer_reports: list[LayerReport] | None = None) -> torch.Tensor:
+        """Run one step; returns float32 logits for the chunks that complete their tokens.
+
+        `layer_reports` go to the other TP ranks with the batch (their layer hooks push
+        their share of those sequences' KV); `layer_done` is this rank's callback."""
         batch = build_forward_batch(chunks, self.kv.block_size, self.device)
         if self.broadcast is not None:
+            batch.layer_reports = layer_reports or []
             self.broadcast(batch)
         hidden = self.model.forward(batch, self.kv, layer_done)
         return self.model.logits(hidden)

@@ -2,7 +2,8 @@
 
 Greedy rows take the argmax. Sampling rows apply temperature, then top-k, top-p
 and min-p filtering, then draw with the sequence's own `torch.Generator`, so a
-seeded request gives the same tokens whatever else shares its batch.
+seeded request gives the same tokens whatever else shares its batch (and,
+with `skip_draws`, on whichever worker it continues after a migration).
 Log-probabilities (when asked) are those of the model's distribution before
 any filtering, like OpenAI's `logprobs`.
 """
@@ -14,6 +15,8 @@ from dataclasses import dataclass
 import torch
 
 from .sampling_params import SamplingParams
+
+MIN_TEMPERATURE = 1e-4
 
 
 @dataclass(slots=True)
@@ -52,9 +55,24 @@ def sample(logits: torch.Tensor, params: list[SamplingParams],
     return out
 
 
+def skip_draws(generator: torch.Generator, num_draws: int, vocab_size: int) -> None:
+    """Advance `generator` past `num_draws` draws of `sample` over a `vocab_size` row.
+
+    A draw consumes the same random numbers whatever the probabilities are (one
+    exponential per vocabulary entry), so a seeded request can be resumed on
+    another worker from its seed and the number of tokens it sampled so far.
+    """
+    if num_draws:
+        uniform = torch.ones(vocab_size)
+        for _ in range(num_draws):
+            torch.multinomial(uniform, 1, generator=generator)
+
+
 def _filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
     temps = torch.tensor([p.temperature for p in params], dtype=logits.dtype, device=logits.device)
-    logits = logits / temps.unsqueeze(1)
+    # A temperature of 1e-300 is 0 in float32 and would make every logit inf (then NaN); this
+    # low, any temperature is argmax but for exact ties, and logits / 1e-4 stay finite.
+    logits = logits / temps.clamp(min=MIN_TEMPERATURE).unsqueeze(1)
     if any(p.top_k for p in params):
         vocab = logits.shape[1]
         ks = torch.tensor([p.top_k or vocab for p in params], device=logits.device)
@@ -66,7 +84,9 @@ def _filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch
         sorted_probs, order = probs.sort(dim=-1, descending=True)
         # Keep the smallest prefix whose mass reaches top_p (always at least one token).
         mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
-        sorted_probs = sorted_probs.masked_fill(mass_before >= top_p.unsqueeze(1), 0.0)
+        drop = mass_before >= top_p.unsqueeze(1)
+        drop[:, 0] = False        # a top_p that underflows to 0 (5e-324) must still keep the top token
+        sorted_probs = sorted_probs.masked_fill(drop, 0.0)
         probs = torch.zeros_like(probs).scatter_(1, order, sorted_probs)
     if any(p.min_p > 0.0 for p in params):
         min_p = torch.tensor([p.min_p for p in params], dtype=probs.dtype, device=probs.device)

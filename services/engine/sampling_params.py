@@ -20,6 +20,9 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None       # top-n logprobs per generated token; None: none
     include_stop_str_in_output: bool = False
+    # Draws a seeded request's generator already made elsewhere (tokens sampled before a
+    # migration); the engine skips them so the request continues the same random stream.
+    num_prior_draws: int = 0
 
     MAX_LOGPROBS = 20
 
@@ -36,6 +39,8 @@ class SamplingParams:
             raise InvalidRequestError(f"min_p must be in [0, 1], got {self.min_p}")
         if self.logprobs is not None and not 0 <= self.logprobs <= self.MAX_LOGPROBS:
             raise InvalidRequestError(f"logprobs must be in [0, {self.MAX_LOGPROBS}], got {self.logprobs}")
+        if not isinstance(self.num_prior_draws, int) or self.num_prior_draws < 0:
+            raise InvalidRequestError(f"num_prior_draws must be an integer >= 0, got {self.num_prior_draws!r}")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise InvalidRequestError("stop must be a list of non-empty strings")
 

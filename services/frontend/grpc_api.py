@@ -16,6 +16,7 @@ from splitserve.services.engine.sequence import FinishReason
 
 from .errors import APIError, invalid
 from .lifecycle import Frontend, GenerationRequest, SamplingRequest, new_request_id
+from .limits import check_prompt_tokens
 
 _HTTP_TO_GRPC = {400: grpc.StatusCode.INVALID_ARGUMENT, 404: grpc.StatusCode.NOT_FOUND,
                  429: grpc.StatusCode.RESOURCE_EXHAUSTED, 501: grpc.StatusCode.UNIMPLEMENTED,
@@ -25,8 +26,9 @@ _ROLES = ("system", "developer", "user", "assistant")
 
 
 class InferenceService(inference_pb2_grpc.InferenceServicer):
-    def __init__(self, frontend: Frontend):
+    def __init__(self, frontend: Frontend, max_prompt_tokens: int = 0):
         self.frontend = frontend
+        self.max_prompt_tokens = max_prompt_tokens      # --max-prompt-tokens (0: the context length)
 
     async def Generate(self, request, context):
         failure = None
@@ -68,6 +70,7 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
             prompt_ids = fe.text_prompt(list(request.token_ids.ids))
         else:
             raise invalid("set one of text, token_ids or chat", "prompt")
+        check_prompt_tokens(len(prompt_ids), self.max_prompt_tokens, "prompt")
         if any(not s for s in request.stop):
             raise invalid("stop strings must not be empty", "stop")
         sampling = SamplingRequest(

@@ -7,7 +7,8 @@ background tasks, all cancelled by `close()`:
 - one KvEvents subscriber per worker once the worker has described itself
   (its block size and block-hash extra key come from Describe), so a frontend
   that starts or restarts builds its index from the workers alone;
-- a Stats poller that corrects the load model from the workers' own figures;
+- a Stats poller that corrects the load model from the workers' own figures
+  (and drops lapsed routing predictions from the index);
 - a reconciler that adds and removes pool workers as the registry (static or
   etcd) changes. When etcd is unreachable the registry keeps its last members,
   so routing carries on with them.
@@ -22,11 +23,11 @@ import asyncio
 import contextlib
 import logging
 
-import grpc
 
 from splitserve.proto.v1 import worker_pb2, worker_pb2_grpc
 from splitserve.router.core import RouterCore, WorkerSpec
 from splitserve.router.discovery import WorkerRecord
+from splitserve.router.policies import DEFAULT_PREFILL_WEIGHT
 from splitserve.router.subscriber import EventSubscriber
 
 from .routing import Route, RouteRequest
@@ -35,6 +36,7 @@ from .workers import WorkerHandle, WorkerPool
 log = logging.getLogger(__name__)
 
 STATS_INTERVAL_S = 0.5
+STATS_TIMEOUT_S = 2.0
 RECONCILE_INTERVAL_S = 0.5
 
 
@@ -48,6 +50,9 @@ class PolicyRouter:
         self._sub_tasks: dict[str, asyncio.Task] = {}
         self._watch_tasks: dict[str, asyncio.Task] = {}
         self._tasks: list[asyncio.Task] = []
+        # Called with (worker_id, StatsResponse) after each poll, (worker_id, None) when the
+        # worker is removed (the frontend's worker counters).
+        self.stats_listeners: list = []
 
     # -- the Router interface ------------------------------------------------------
     def route(self, request: RouteRequest, exclude: frozenset[str] = frozenset()) -> Route | None:
@@ -67,6 +72,11 @@ class PolicyRouter:
         self.core.on_finished(request_id)
 
     # -- background work -----------------------------------------------------------
+    def _spawn(self, coro, name: str) -> None:
+        task = asyncio.create_task(coro, name=name)
+        self._tasks.append(task)
+        task.add_done_callback(lambda t: t in self._tasks and self._tasks.remove(t))
+
     def start(self) -> None:
         self._tasks.append(asyncio.create_task(self._maintain(), name="router maintain"))
         self._tasks.append(asyncio.create_task(self._poll_stats(), name="router stats"))
@@ -101,7 +111,7 @@ class PolicyRouter:
         known = {w.address for w in self.pool.workers}
         for address, r in wanted.items():
             if address not in known:
-                channel = grpc.aio.insecure_channel(address)
+                channel = self.pool.tls.aio_channel(address)
                 handle = WorkerHandle(r.worker_id, r.role, address, channel, worker_pb2_grpc.WorkerStub(channel))
                 self.pool.workers.append(handle)
                 task = asyncio.create_task(self.pool._watch(handle), name=f"watch {address}")
@@ -117,10 +127,14 @@ class PolicyRouter:
                 task.cancel()
         self.subscribers.pop(w.address, None)
         self.core.forget(w.worker_id)
+        for listener in self.stats_listeners:
+            listener(w.worker_id, None)         # forget its figures
         if self.core.metrics is not None:
             with contextlib.suppress(KeyError):
                 self.core.metrics.index_blocks.remove(w.worker_id)
-        await w.channel.close()
+        # Closed in the background: awaiting a close that cancels calls to a hung peer
+        # must not stall the reconciler (the worker may re-register a moment later).
+        self._spawn(_bounded(w.channel.close(), STATS_TIMEOUT_S), f"close {w.address}")
 
     def _start_subscribers(self) -> None:
         for w in self.pool.workers:
@@ -135,14 +149,34 @@ class PolicyRouter:
 
     async def _poll_stats(self) -> None:
         while True:
-            for w in list(self.pool.ready()):
-                try:
-                    s = await w.stub.Stats(worker_pb2.StatsRequest(), timeout=2)
-                    if w in self.pool.workers:
-                        self.core.load.correct(w.worker_id, s.num_used_kv_blocks, s.num_in_flight)
-                except Exception as exc:  # noqa: BLE001 - this loop must outlive any one worker
+            try:
+                self.core.expire_predictions()   # lapsed ones, also while no request arrives
+            except Exception:  # noqa: BLE001 - a bug here must not stop the stats and index-size loop
+                log.exception("router: expiring predictions failed")
+            workers = list(self.pool.ready())
+            calls = {asyncio.ensure_future(w.stub.Stats(worker_pb2.StatsRequest(), timeout=STATS_TIMEOUT_S)): w
+                     for w in workers}
+            # asyncio.wait, not wait_for: a call whose cancellation hangs (its channel closed by
+            # _remove() meanwhile) is left behind instead of stalling this loop.
+            done, late = await asyncio.wait(calls, timeout=STATS_TIMEOUT_S + 1) if calls else (set(), set())
+            for call in late:
+                call.cancel()
+                log.warning("router: stats of %s timed out", calls[call].worker_id)
+            for call in done:
+                w = calls[call]
+                if call.exception() is not None:
                     # e.g. a worker removed (closed channel) or re-added (not yet known) meanwhile
-                    log.warning("router: stats of %s failed: %r", w.worker_id, exc)
+                    log.warning("router: stats of %s failed: %r", w.worker_id, call.exception())
+                    continue
+                if w not in self.pool.workers:
+                    continue
+                try:
+                    s = call.result()
+                    self.core.load.correct(w.worker_id, s.num_used_kv_blocks, s.num_in_flight)
+                    for listener in self.stats_listeners:
+                        listener(w.worker_id, s)
+                except Exception:  # noqa: BLE001 - this loop must outlive any one worker
+                    log.exception("router: applying the stats of %s failed", w.worker_id)
             if self.core.metrics is not None:
                 for w in self.pool.workers:
                     try:
@@ -152,6 +186,11 @@ class PolicyRouter:
                         blocks = 0
                     self.core.metrics.index_blocks.labels(w.worker_id).set(blocks)
             await asyncio.sleep(STATS_INTERVAL_S)
+
+
+async def _bounded(awaitable, timeout_s: float) -> None:
+    with contextlib.suppress(Exception):
+        await asyncio.wait_for(awaitable, timeout_s)
 
 
 async def _first(awaitables) -> None:
@@ -164,18 +203,20 @@ async def _first(awaitables) -> None:
 
 
 def build_router(pool: WorkerPool, policy: str = "kv", prefill_policy: str | None = None, seed: int | None = None,
-                 prefill_weight: float = 1.0, temperature: float = 0.0, remote_prefill_threshold: int = 64,
-                 registry=None, metrics_registry=None) -> PolicyRouter:
+                 prefill_weight: float = DEFAULT_PREFILL_WEIGHT, temperature: float = 0.0,
+                 remote_prefill_threshold: int = 64, registry=None, metrics_registry=None) -> PolicyRouter:
     """A PolicyRouter for the CLI names (kv, round-robin, random, least-loaded, power-of-two).
 
-    KV events are subscribed to only when a leg uses `kv` (the other policies never read the index).
+    KV events are subscribed to, and routed prompts predicted in the index, only when a leg
+    uses `kv` (the other policies never read the index).
     """
     from splitserve.router.metrics import RouterMetrics
     from splitserve.router.policies import make_policy
 
     prefill_policy = prefill_policy or policy
+    uses_index = "kv" in (policy, prefill_policy)
     core = RouterCore(make_policy(policy, seed, prefill_weight, temperature),
                       make_policy(prefill_policy, None if seed is None else seed + 1, prefill_weight, temperature),
                       remote_prefill_threshold=remote_prefill_threshold,
-                      metrics=RouterMetrics(metrics_registry))
-    return PolicyRouter(pool, core, registry, subscribe="kv" in (policy, prefill_policy))
+                      metrics=RouterMetrics(metrics_registry), predict=uses_index)
+    return PolicyRouter(pool, core, registry, subscribe=uses_index)

@@ -24,6 +24,7 @@ import ctypes
 import json
 import os
 import signal
+import ssl
 import subprocess
 import sys
 import time
@@ -36,8 +37,11 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from splitserve.errors import SplitserveError
 from splitserve.net import free_port
+from splitserve.services import security_args
+from splitserve.services.tls import PLAINTEXT, TlsConfig
 
 GRACE_S = 10.0
+DRAIN_S = GRACE_S - 3.0      # children drain (finish running requests) within the grace period
 POLL_S = 0.25
 
 
@@ -128,11 +132,12 @@ def _plan(args: argparse.Namespace) -> list[tuple[str, str]]:
 
 
 def _worker_argv(args: argparse.Namespace, name: str, role: str, port: int, model: str) -> list[str]:
-    argv = ["worker", "--role", role, "--port", str(port), "--worker-id", name, *_engine_argv(args, model)]
+    argv = ["worker", "--role", role, "--port", str(port), "--worker-id", name, "--drain-timeout", str(DRAIN_S),
+            *_engine_argv(args, model)]
     if role != "both":
         argv += ["--transfer", args.transfer, "--remote-prefill-threshold", str(args.remote_prefill_threshold),
                  "--prefill-timeout", str(args.prefill_timeout)]
-    return argv
+    return argv + security_args.serve_child_argv(args, "worker")
 
 
 def _default_served_name(model: str) -> str | None:
@@ -150,13 +155,14 @@ def _frontend_argv(args: argparse.Namespace, model: str, host: str, port: int, g
     argv = ["--model", model, "--host", host, "--port", str(port), "--grpc-port", str(grpc_port),
             "--router", args.router, "--prefill-weight", str(args.prefill_weight),
             "--router-temperature", str(args.router_temperature),
-            "--remote-prefill-threshold", str(args.remote_prefill_threshold)]
+            "--remote-prefill-threshold", str(args.remote_prefill_threshold),
+            "--migration-limit", str(args.migration_limit), "--drain-timeout", str(DRAIN_S)]
     for w, (_, role) in zip(workers, plan):
         argv += ["--worker", f"{role}={w.address}"]
     served_name = args.served_model_name or _default_served_name(args.model)
     if served_name:
         argv += ["--served-model-name", served_name]
-    return argv
+    return argv + security_args.serve_child_argv(args, "frontend")
 
 
 def _resolve_model(name: str) -> str:
@@ -170,8 +176,8 @@ def _resolve_model(name: str) -> str:
     return name
 
 
-def _worker_serving(address: str) -> bool:
-    with grpc.insecure_channel(address) as channel:
+def _worker_serving(address: str, tls: TlsConfig = PLAINTEXT) -> bool:
+    with tls.channel(address) as channel:
         try:
             reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=""),
                                                               timeout=1.0)
@@ -182,20 +188,23 @@ def _worker_serving(address: str) -> bool:
 
 def _http_ready(url: str) -> bool:
     """The frontend answers /ready with 200 and sees every worker ready."""
+    # A readiness probe of our own child: with HTTPS its certificate is not checked here.
+    context = ssl._create_unverified_context() if url.startswith("https:") else None
     try:
-        with urllib.request.urlopen(url, timeout=1.0) as reply:
+        with urllib.request.urlopen(url, timeout=1.0, context=context) as reply:
             return reply.status == 200 and json.loads(reply.read()).get("all_workers_ready", True)
     except (urllib.error.URLError, OSError, ValueError):
         return False
 
 
-def _wait_ready(sup: Supervisor, workers: list[Child], ready_url: str, timeout: float) -> None:
+def _wait_ready(sup: Supervisor, workers: list[Child], ready_url: str, timeout: float,
+                tls: TlsConfig = PLAINTEXT) -> None:
     start = time.monotonic()
     pending = list(workers)
     while pending:
         _check_alive(sup)
         for child in list(pending):
-            if _worker_serving(child.address):
+            if _worker_serving(child.address, tls):
                 pending.remove(child)
                 print(f"  {child.name} ready ({time.monotonic() - start:.1f} s) at {child.address}", flush=True)
         if time.monotonic() - start > timeout:
@@ -223,10 +232,10 @@ def _raise_stop(signum, frame) -> None:
     raise _Stop(signal.Signals(signum).name)
 
 
-def _transfer_backend(address: str) -> str:
+def _transfer_backend(address: str, tls: TlsConfig = PLAINTEXT) -> str:
     from splitserve.proto.v1 import worker_pb2, worker_pb2_grpc
 
-    with grpc.insecure_channel(address) as channel:
+    with tls.channel(address) as channel:
         try:
             info = worker_pb2_grpc.WorkerStub(channel).Describe(worker_pb2.DescribeRequest(), timeout=5)
         except grpc.RpcError:
@@ -236,6 +245,10 @@ def _transfer_backend(address: str) -> str:
 
 def run_serve(args: argparse.Namespace) -> int:
     plan = _plan(args)
+    security_args.check_serve_args(args)
+    security_args.export_serve_secrets(args, os.environ)      # children read them from the environment
+    tls = TlsConfig(cert=args.tls_internal_cert, key=args.tls_internal_key, ca=args.tls_ca)
+    scheme = "https" if args.tls_cert else "http"
     model = _resolve_model(args.model)
     host = args.host
     port = args.port or free_port(host)
@@ -261,14 +274,14 @@ def run_serve(args: argparse.Namespace) -> int:
             gport = grpc_port if i == 0 else free_port(host)
             sup.spawn("frontend" if i == 0 else f"frontend-{i}",
                       [*python, "frontend", *_frontend_argv(args, model, host, fport, gport, workers, plan)])
-        base = f"http://{host}:{port}"
-        _wait_ready(sup, workers, f"{base}/ready", args.ready_timeout)
+        base = f"{scheme}://{host}:{port}"
+        _wait_ready(sup, workers, f"{base}/ready", args.ready_timeout, tls)
         for fport in ports[1:]:
-            _wait_ready(sup, [], f"http://{host}:{fport}/ready", args.ready_timeout)
-            print(f"  frontend replica: http://{host}:{fport}/v1", flush=True)
+            _wait_ready(sup, [], f"{scheme}://{host}:{fport}/ready", args.ready_timeout)
+            print(f"  frontend replica: {scheme}://{host}:{fport}/v1", flush=True)
         if not args.aggregated:
-            print(f"  KV transfer between prefill and decode workers: {_transfer_backend(workers[0].address)}",
-                  flush=True)
+            print(f"  KV transfer between prefill and decode workers: "
+                  f"{_transfer_backend(workers[0].address, tls)}", flush=True)
         print(f"splitserve is ready: {base}/v1 (OpenAI-compatible), gRPC {host}:{grpc_port}", flush=True)
         print(f"  try: curl {base}/v1/models", flush=True)
         while True:

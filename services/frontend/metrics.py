@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from .fault_metrics import FaultMetrics
+
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 _ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 
@@ -39,6 +41,10 @@ class FrontendMetrics:
                                      registry=r)
         self.generation_tokens = Counter("splitserve_generation_tokens", "Tokens generated",
                                          registry=r)
+        self.faults = FaultMetrics(r)     # migrations, cancellations, failures (fault_metrics.py)
+        self.rejected = Counter("splitserve_rejected_requests",
+                                "Requests refused, by protocol (http, grpc) and reason (auth, rate_limit, "
+                                "concurrency, body_too_large, invalid, timeout)", ["protocol", "reason"], registry=r)
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)

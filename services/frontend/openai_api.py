@@ -22,9 +22,14 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 
+from splitserve import __version__
+
 from . import metrics as m
 from .errors import APIError, from_validation_error, install_handlers, invalid
+from .guard import Guard, GuardMiddleware
 from .lifecycle import Delta, Frontend, GenerationRequest, SamplingRequest, new_request_id
+from .limits import PromptBound, check_prompt_tokens
+from .openapi import build_openapi
 from .protocol import ChatCompletionRequest, CompletionRequest
 from .responses import ChatFormatter, CompletionFormatter
 
@@ -37,9 +42,9 @@ ModelT = TypeVar("ModelT", bound=BaseModel)
 async def parse_body(request: Request, model: type[ModelT]) -> ModelT:
     raw = await request.body()
     try:
-        data = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise invalid(f"malformed JSON body: {exc}", None, "invalid_json") from None
+        data = loads_body(raw)
+    except ValueError as exc:
+        raise invalid(f"malformed JSON body: {str(exc)[:200]}", None, "invalid_json") from None
     if not isinstance(data, dict):
         raise invalid("the request body must be a JSON object", None, "invalid_json")
     try:
@@ -51,8 +56,37 @@ async def parse_body(request: Request, model: type[ModelT]) -> ModelT:
     return body
 
 
+def loads_body(raw: bytes):
+    """Parse a JSON body; ValueError for anything that is not JSON or holds text no tokenizer takes.
+
+    orjson first: it refuses invalid UTF-8, lone surrogates and nesting beyond 1024 levels
+    outright. What it refuses but Python's json reads — NaN, Infinity, integers beyond 64
+    bits — is parsed again so that the schema check names the offending field (a NaN
+    temperature is an invalid temperature), as long as no string holds a lone surrogate.
+    """
+    try:
+        return orjson.loads(raw)
+    except orjson.JSONDecodeError as strict_error:
+        try:
+            data = json.loads(raw)
+        except (ValueError, RecursionError):
+            raise strict_error from None
+    pending = [data]
+    while pending:
+        item = pending.pop()
+        if isinstance(item, dict):
+            pending.extend(item.keys())
+            pending.extend(item.values())
+        elif isinstance(item, list):
+            pending.extend(item)
+        elif isinstance(item, str):
+            item.encode("utf-8")          # UnicodeEncodeError (a ValueError) on a lone surrogate
+    return data
+
+
 async def unless_disconnected(request: Request, work: Awaitable[T]) -> T:
-    """Await `work`; cancel it (and raise CancelledError) if the client disconnects first."""
+    """Await `work`; cancel it (and raise CancelledError) if the client disconnects first,
+    or if this handler itself is cancelled (the request timeout, shutdown)."""
     task = asyncio.ensure_future(work)
 
     async def watch() -> None:
@@ -64,6 +98,10 @@ async def unless_disconnected(request: Request, work: Awaitable[T]) -> T:
     watcher = asyncio.ensure_future(watch())
     try:
         await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:
+        task.cancel()               # otherwise the work (and its worker call) would run on, orphaned
+        await asyncio.gather(task, return_exceptions=True)
+        raise
     finally:
         watcher.cancel()
     if not task.done():
@@ -73,9 +111,18 @@ async def unless_disconnected(request: Request, work: Awaitable[T]) -> T:
     return task.result()
 
 
-def build_app(frontend: Frontend) -> FastAPI:
+def build_app(frontend: Frontend, guard: Guard | None = None) -> FastAPI:
+    """The app; `guard` (keys, limits, rejected-requests counter) wraps it when given."""
     app = FastAPI(title="splitserve", docs_url=None, redoc_url=None, openapi_url=None)
     install_handlers(app)
+    if guard is not None:
+        app.add_middleware(GuardMiddleware, guard=guard)
+    max_prompt_tokens = guard.limits.max_prompt_tokens if guard is not None else 0
+    bound = PromptBound.of(frontend.tokenizer)
+
+    def check_length(api: str, num_chars: int, param: str) -> None:
+        """Before tokenizing: a text that cannot fit is refused without spending CPU on it."""
+        _refusing(frontend, api, lambda: bound.check(num_chars, max_prompt_tokens or frontend.max_model_len, param))
 
     @app.get("/health")
     async def health():
@@ -92,6 +139,10 @@ def build_app(frontend: Frontend) -> FastAPI:
     async def metrics():
         return Response(frontend.metrics.exposition(), media_type="text/plain; version=0.0.4")
 
+    @app.get("/openapi.json", include_in_schema=False)
+    async def openapi():
+        return _JSONResponse(build_openapi(frontend.model_name, __version__, frontend.tokenizer.vocab_size))
+
     @app.get("/v1/models")
     async def models():
         name = frontend.model_name
@@ -104,11 +155,13 @@ def build_app(frontend: Frontend) -> FastAPI:
         body = await _parse(frontend, request, ChatCompletionRequest, "chat")
         messages = [{"role": "system" if msg.role == "developer" else msg.role, "content": msg.text()}
                     for msg in body.messages]
+        check_length("chat", sum(len(msg["content"]) for msg in messages), "messages")
         prompt_ids = _refusing(frontend, "chat", lambda: frontend.chat_prompt(messages))
         sampling = SamplingRequest(
             max_tokens=body.requested_max_tokens(), default_max_tokens=None,
             max_tokens_param="max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens",
             logprobs=body.num_logprobs(), **_sampling_fields(body))
+        _refusing(frontend, "chat", lambda: check_prompt_tokens(len(prompt_ids), max_prompt_tokens, "messages"))
         gen = _prepare(frontend, "chat", "chatcmpl", prompt_ids, sampling)
         fmt = ChatFormatter(gen.request_id, frontend.model_name, frontend.tokenizer, body)
         return await _respond(request, frontend, gen, fmt, body.stream)
@@ -116,9 +169,13 @@ def build_app(frontend: Frontend) -> FastAPI:
     @app.post("/v1/completions")
     async def completions(request: Request):
         body = await _parse(frontend, request, CompletionRequest, "completions")
-        prompt_ids = _refusing(frontend, "completions", lambda: frontend.text_prompt(body.single_prompt()))
+        prompt = body.single_prompt()
+        if isinstance(prompt, str):
+            check_length("completions", len(prompt), "prompt")
+        prompt_ids = _refusing(frontend, "completions", lambda: frontend.text_prompt(prompt))
         sampling = SamplingRequest(max_tokens=body.max_tokens, default_max_tokens=16,
                                    logprobs=body.logprobs, **_sampling_fields(body))
+        _refusing(frontend, "completions", lambda: check_prompt_tokens(len(prompt_ids), max_prompt_tokens, "prompt"))
         gen = _prepare(frontend, "completions", "cmpl", prompt_ids, sampling)
         fmt = CompletionFormatter(gen.request_id, frontend.model_name, frontend.tokenizer, body)
         return await _respond(request, frontend, gen, fmt, body.stream)

@@ -3,7 +3,9 @@
 The tokenizer comes from the model folder (no weights are loaded here); the
 model's name and context length come from the workers' Describe once they
 report SERVING. /ready answers 200 once at least one decode-capable worker is
-ready. SIGTERM or SIGINT stops both servers and closes the worker channels.
+ready. SIGTERM or SIGINT drains first (/ready fails, new requests get 503, running
+ones get up to --drain-timeout to finish), then stops both servers and closes the
+worker channels.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
+import time
 from dataclasses import dataclass, field
 
 import grpc
@@ -18,14 +21,21 @@ import uvicorn
 
 from splitserve.errors import SplitserveError
 from splitserve.proto.v1 import inference_pb2_grpc
+from splitserve.router.policies.kv import DEFAULT_PREFILL_WEIGHT
 from splitserve.services.engine.model_source import open_checkpoint
 from splitserve.services.engine.tokenizer import Tokenizer
+from splitserve.services.tls import PLAINTEXT, TlsConfig
 
+from .auth import ApiKeys
 from .grpc_api import InferenceService
+from .grpc_guard import GuardInterceptor
+from .guard import Guard
 from .lifecycle import Frontend
+from .migration import DEFAULT_LIMIT as DEFAULT_MIGRATION_LIMIT, MigrationPolicy
 from .metrics import FrontendMetrics
 from .openai_api import build_app
 from .kv_routing import build_router
+from .limits import LimitsConfig
 from .workers import WorkerAddress, WorkerPool
 
 log = logging.getLogger(__name__)
@@ -42,25 +52,26 @@ class FrontendConfig:
     router: str = "kv"                      # kv | round-robin | random | least-loaded | power-of-two
     prefill_router: str | None = None       # the prefill leg's policy (default: the same)
     router_seed: int | None = None
-    prefill_weight: float = 1.0
+    prefill_weight: float = DEFAULT_PREFILL_WEIGHT
     router_temperature: float = 0.0
     remote_prefill_threshold: int = 64
     etcd: list[str] = field(default_factory=list)    # HOST:PORT endpoints: discover workers there
     etcd_prefix: str = "/splitserve/workers/"
+    migration_limit: int = DEFAULT_MIGRATION_LIMIT   # re-dispatches of a request whose worker failed
+    drain_timeout_s: float = 30.0           # on SIGTERM: running requests get this long to finish
+    tls: TlsConfig = PLAINTEXT              # HTTPS and the public gRPC port (--tls-cert/--tls-key)
+    worker_tls: TlsConfig = PLAINTEXT       # mutual TLS to the workers (--tls-ca, --tls-client-cert/-key)
+    api_keys: ApiKeys = field(default_factory=ApiKeys)
+    limits: LimitsConfig = field(default_factory=LimitsConfig)
 
 
-async def run_frontend(config: FrontendConfig) -> int:
-    addresses = [WorkerAddress.parse(w) for w in config.workers]
-    if not config.etcd and not any(a.role in ("both", "decode") for a in addresses):
-        raise SplitserveError("the frontend needs at least one worker with role both or decode (or --etcd)")
+def build_frontend(config: FrontendConfig, pool: WorkerPool, registry=None) -> tuple[Frontend, Guard]:
+    """The request path (tokenizer, router, migration, limits) over `pool`; starts nothing.
+
+    `registry` (etcd, or Ray's worker directory) adds and removes pool members.
+    `run_frontend` and the Ray Serve ingress both build their frontend here.
+    """
     tokenizer = Tokenizer(open_checkpoint(config.model))
-    pool = WorkerPool.connect(addresses)
-    registry = None
-    if config.etcd:
-        from splitserve.router.discovery.etcd import EtcdRegistry
-
-        registry = EtcdRegistry(config.etcd, config.etcd_prefix)
-        await registry.start()
     metrics = FrontendMetrics()
     try:
         router = build_router(pool, config.router, config.prefill_router, config.router_seed,
@@ -68,16 +79,36 @@ async def run_frontend(config: FrontendConfig) -> int:
                               registry, metrics.registry)
     except ValueError as exc:
         raise SplitserveError(str(exc)) from None
-    frontend = Frontend(tokenizer, pool, router, metrics, config.served_model_name)
-    app = build_app(frontend)
+    frontend = Frontend(tokenizer, pool, router, metrics, config.served_model_name,
+                        MigrationPolicy(config.migration_limit))
+    router.stats_listeners.append(metrics.faults.workers.update)
+    return frontend, Guard(config.api_keys, config.limits, metrics.rejected)
+
+
+async def run_frontend(config: FrontendConfig) -> int:
+    addresses = [WorkerAddress.parse(w) for w in config.workers]
+    if not config.etcd and not any(a.role in ("both", "decode") for a in addresses):
+        raise SplitserveError("the frontend needs at least one worker with role both or decode (or --etcd)")
+    pool = WorkerPool.connect(addresses, config.worker_tls)
+    registry = None
+    if config.etcd:
+        from splitserve.router.discovery.etcd import EtcdRegistry
+
+        registry = EtcdRegistry(config.etcd, config.etcd_prefix)
+        await registry.start()
+    frontend, guard = build_frontend(config, pool, registry)
+    router = frontend.router
+    app = build_app(frontend, guard)
     uv = uvicorn.Server(uvicorn.Config(app, host=config.host, port=config.port, log_level="warning",
-                                       access_log=False, lifespan="off", timeout_graceful_shutdown=5))
+                                       access_log=False, lifespan="off", timeout_graceful_shutdown=5,
+                                       **config.tls.uvicorn_kwargs()))
     uv.install_signal_handlers = lambda: None    # we own SIGTERM/SIGINT below
     grpc_server = None
     if config.grpc_port is not None:
-        grpc_server = grpc.aio.server()
-        inference_pb2_grpc.add_InferenceServicer_to_server(InferenceService(frontend), grpc_server)
-        bound = grpc_server.add_insecure_port(f"{config.host}:{config.grpc_port}")
+        grpc_server = grpc.aio.server(interceptors=[GuardInterceptor(guard)])
+        inference_pb2_grpc.add_InferenceServicer_to_server(
+            InferenceService(frontend, config.limits.max_prompt_tokens), grpc_server)
+        bound = config.tls.add_port(grpc_server, f"{config.host}:{config.grpc_port}")
         if bound == 0:
             raise SplitserveError(f"cannot listen for gRPC on {config.host}:{config.grpc_port}")
         await grpc_server.start()
@@ -94,6 +125,11 @@ async def run_frontend(config: FrontendConfig) -> int:
         await asyncio.wait({serving, stopper}, return_when=asyncio.FIRST_COMPLETED)
         if serving.done() and serving.exception() is None and not uv.started:
             raise SplitserveError(f"cannot listen for HTTP on {config.host}:{config.port}")
+        if stopper.done():
+            # Graceful: stop admission, let running requests finish, then close.
+            began = time.monotonic()
+            left = await frontend.drain(config.drain_timeout_s)
+            log.info("frontend: drained in %.2f s (%d requests still running)", time.monotonic() - began, left)
     finally:
         uv.should_exit = True
         stopper.cancel()

@@ -18,6 +18,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from splitserve.errors import InvalidRequestError
 from splitserve.proto.v1 import worker_pb2, worker_pb2_grpc
+from splitserve.services.tls import PLAINTEXT, TlsConfig
 
 log = logging.getLogger(__name__)
 
@@ -62,12 +63,13 @@ class WorkerPool:
     workers: list[WorkerHandle] = field(default_factory=list)
     _tasks: list[asyncio.Task] = field(default_factory=list)
     changed: asyncio.Event = field(default_factory=asyncio.Event)
+    tls: TlsConfig = PLAINTEXT          # mutual TLS to the workers (services/tls.py)
 
     @classmethod
-    def connect(cls, addresses: list[WorkerAddress]) -> "WorkerPool":
-        pool = cls()
+    def connect(cls, addresses: list[WorkerAddress], tls: TlsConfig = PLAINTEXT) -> "WorkerPool":
+        pool = cls(tls=tls)
         for a in addresses:
-            channel = grpc.aio.insecure_channel(a.address)
+            channel = tls.aio_channel(a.address)
             pool.workers.append(WorkerHandle(a.address, a.role, a.address, channel,
                                              worker_pb2_grpc.WorkerStub(channel)))
         return pool

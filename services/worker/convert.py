@@ -36,7 +36,8 @@ def params_to_proto(p: SamplingParams) -> common_pb2.SamplingParams:
     msg = common_pb2.SamplingParams(
         max_tokens=p.max_tokens, temperature=p.temperature, top_k=p.top_k, top_p=p.top_p,
         min_p=p.min_p, stop=list(p.stop), stop_token_ids=list(p.stop_token_ids),
-        ignore_eos=p.ignore_eos, include_stop_str_in_output=p.include_stop_str_in_output)
+        ignore_eos=p.ignore_eos, include_stop_str_in_output=p.include_stop_str_in_output,
+        num_prior_draws=p.num_prior_draws)
     if p.seed is not None:
         msg.seed = p.seed
     if p.logprobs is not None:
@@ -52,7 +53,7 @@ def params_from_proto(msg: common_pb2.SamplingParams) -> SamplingParams:
         seed=msg.seed if msg.HasField("seed") else None,
         stop=list(msg.stop), stop_token_ids=list(msg.stop_token_ids), ignore_eos=msg.ignore_eos,
         logprobs=msg.logprobs if msg.HasField("logprobs") else None,
-        include_stop_str_in_output=msg.include_stop_str_in_output)
+        include_stop_str_in_output=msg.include_stop_str_in_output, num_prior_draws=msg.num_prior_draws)
     params.validate()
     return params
 

@@ -35,12 +35,15 @@ from splitserve.services.engine.sampler import SampledToken
 from splitserve.services.engine.sampling_params import SamplingParams
 from splitserve.services.engine.scheduler import Reservation
 from splitserve.services.engine.sequence import FinishReason
+from splitserve.services.tls import PLAINTEXT, TlsConfig
 
 from .convert import logprob_to_proto, params_to_proto
 from .engine_loop import EngineLoop
 from .transfer import KVReceiver, KVSender, TransferError, TransferTarget
 
 log = logging.getLogger(__name__)
+
+GRANT_GRACE_S = 1.0      # a prefill worker gives up this long after the receiver's grant expired
 
 GRPC_OPTIONS = [("grpc.max_receive_message_length", 64 * 2**20),
                 ("grpc.max_send_message_length", 64 * 2**20)]
@@ -70,14 +73,15 @@ def decode_first_token(payload: bytes) -> SampledToken:
 class PeerChannels:
     """One gRPC channel per prefill worker address, opened on first use."""
 
-    def __init__(self) -> None:
+    def __init__(self, tls: TlsConfig = PLAINTEXT) -> None:
+        self.tls = tls                   # mutual TLS to the other workers (services/tls.py)
         self._stubs: dict[str, worker_pb2_grpc.WorkerStub] = {}
         self._channels: list[grpc.aio.Channel] = []
 
     def stub(self, address: str) -> worker_pb2_grpc.WorkerStub:
         stub = self._stubs.get(address)
         if stub is None:
-            channel = grpc.aio.insecure_channel(address, options=GRPC_OPTIONS)
+            channel = self.tls.aio_channel(address, options=GRPC_OPTIONS)
             self._channels.append(channel)
             stub = self._stubs[address] = worker_pb2_grpc.WorkerStub(channel)
         return stub
@@ -157,7 +161,9 @@ class RemotePrefill:
             target = worker_pb2.TransferTarget(
                 agent_name=ep.agent_name, agent_metadata=ep.agent_metadata, layout_hash=ep.layout_hash,
                 block_ids=reservation.block_ids, num_cached_blocks=num_cached_blocks,
-                incarnation=grant.incarnation, deadline_unix=grant.deadline_unix)
+                incarnation=grant.incarnation, deadline_unix=grant.deadline_unix,
+                other_ranks=[worker_pb2.TransferAgent(agent_name=r.agent_name, agent_metadata=r.agent_metadata,
+                                                      incarnation=r.incarnation) for r in ep.other_ranks])
             request = worker_pb2.PrefillRequest(request_id=request_id, token_ids=token_ids,
                                                 params=params_to_proto(params), target=target)
             async with asyncio.timeout(timeout_s):
@@ -190,20 +196,30 @@ async def serve_prefill(loop: EngineLoop, sender: KVSender, request_id: str, tok
     """Prefill side: compute the prompt, pushing each layer; returns the first-token output.
 
     The engine holds the request's blocks after the prefill (the writes read them);
-    they are released once the transfer is over, whatever its outcome.
+    they are released once the transfer is over, whatever its outcome. The work is
+    bounded by the receiver's grant: past its deadline the receiver refuses the writes
+    anyway, so a receiver that vanished without closing the connection cannot keep
+    this worker's blocks held.
     """
     sender.begin(request_id, target, len(token_ids))
+    grant = target.grant
+    left = grant.deadline_unix - time.time() + GRANT_GRACE_S if grant is not None and grant.deadline_unix > 0 else None
     try:
-        last = None
-        start = lambda e: e.add_request(request_id, token_ids, params, prefill_only=True,  # noqa: E731
-                                        on_layer_done=sender.on_layer_ready)
-        async for out in loop.stream(request_id, start):
-            last = out
-        if last is None or last.finish_reason is not FinishReason.PREFILL_DONE:
-            raise TransferError(f"prefill of {request_id!r} ended without a first token")
-        token = last.logprobs[0] if last.logprobs else SampledToken(last.new_token_ids[0])
-        await sender.finish(request_id, encode_first_token(token))
+        async with asyncio.timeout(left):
+            last = None
+            start = lambda e: e.add_request(request_id, token_ids, params, prefill_only=True,  # noqa: E731
+                                            on_layer_done=sender.on_layer_ready)
+            async for out in loop.stream(request_id, start):
+                last = out
+            if last is None or last.finish_reason is not FinishReason.PREFILL_DONE:
+                raise TransferError(f"prefill of {request_id!r} ended without a first token")
+            token = last.logprobs[0] if last.logprobs else SampledToken(last.new_token_ids[0])
+            await sender.finish(request_id, encode_first_token(token))
         return last
+    except TimeoutError:
+        sender.abandon(request_id)
+        raise TransferError(f"prefill of {request_id!r}: the receiver's grant expired before the "
+                            "transfer completed") from None
     except BaseException:
         sender.abandon(request_id)
         raise

@@ -1,48 +1,52 @@
-"""KVSender and KVReceiver over kvtransfer's Connector (TCP or NIXL).
+"""KVSender and KVReceiver over kvtransfer's Connector (TCP or NIXL), for any TP degree.
 
-One connector per worker registers the engine's KV tensor
-(`[layers][2][blocks][block_size][kv_heads][head_dim]`) right after the model
-is loaded, before anyone can ask for its metadata.
+Each tensor-parallel rank of a worker has its own connector, registered on its own
+KV pool (its share of the KV heads) right after the model is loaded, before anyone
+can ask for its metadata: rank 0's here, the others in their own processes over the
+engine's control pipe (tp_transfer.py). Each rank's transfer logic is
+`RankTransfer` (rank_transfer.py); `ConnectorTransfer` is rank 0's facade that the
+worker calls, and a TP=1 worker is exactly rank 0's `RankTransfer` with nothing
+around it.
 
-Prefill side (`ConnectorSender`). The decode worker's Prefill call carries its
-agent metadata and grant; `begin` handshakes (`add_peer`, a no-op for a known
-incarnation, a replacement for a restarted peer). `on_layer_ready` runs on the
-engine thread after each layer of each chunk and posts one WRITE per layer of
-the blocks that became complete — each prompt block once per layer (a block
-split across chunks is sent with the chunk that completes it, so two writes
-never race on one block), and never the blocks the decode worker already
-holds. `finish` waits for the writes, then posts the notification carrying the
-first token and waits for it.
+Prefill side. The decode worker's Prefill call carries the metadata of all its
+ranks and their grant; `begin` handshakes on every rank (each keeps a grant for the
+decode ranks whose heads overlap its own); each step's layer reports reach rank
+0's `on_layer_ready` on the engine thread and the other ranks with the broadcast
+batch, and every rank posts the WRITEs of its own heads after each layer (head
+slicing to each overlapping decode rank). `finish` waits until rank 0's writes are
+done and every other rank reported its writes done, then rank 0 notifies every
+decode rank with the first token.
 
-Decode side (`ConnectorReceiver`). `expect` reserves the blocks that will be
-written; `wait_complete` resolves with the notification's payload.
-
-Both sides are driven by one `_Driver` thread per worker: while anything is
-pending it polls write handles, notification handles and expected
-notifications every half millisecond (NIXL runs without a progress thread, so
-someone must poll; for TCP the polling only reads futures). Idle, it sleeps on
-an event. No asyncio caller or engine step ever blocks on the network.
+Decode side. `expect` reserves the same block ids on every rank (rank 0 schedules,
+so they are identical), each with one sender (the prefill worker's rank 0 notifies
+every decode rank, whatever its own TP degree); `wait_complete` resolves once every
+rank's notification is in, with rank 0's payload. A failure on any rank fails the
+request; `release` and `abandon` end it on every rank.
 """
 
 from __future__ import annotations
 
 import asyncio
 import importlib.util
+import itertools
 import logging
 import threading
-from dataclasses import dataclass, field
 
-from splitserve.kvtransfer import AgentMetadata, Connector, KVLayout, Reservation, TransferHandle, make_connector
+from splitserve.kvtransfer import AgentMetadata, Connector, KVLayout, make_connector
 from splitserve.kvtransfer.errors import TransferError
 from splitserve.services.engine.engine import LLMEngine
+from splitserve.services.engine.rank_control import RankControl
 from splitserve.services.engine.sequence import LayerReady
 
+from . import tp_transfer
+from .rank_transfer import RankTransfer
+from .tp_transfer import Gathered, RankReceived, RankSent, settle
 from .transfer import TransferEndpoint, TransferGrant, TransferTarget
 
 log = logging.getLogger(__name__)
 
-POLL_INTERVAL_S = 5e-4
 BACKENDS = ("nixl", "tcp")
+SETUP_TIMEOUT_S = 300.0     # a rank's connector setup imports its backend: start-up time, not request time
 
 
 def resolve_backend(name: str) -> str:
@@ -65,260 +69,163 @@ def engine_layout(engine: LLMEngine) -> KVLayout:
                     block_size=cfg.block_size)
 
 
-def build_connector(backend: str, name: str, engine: LLMEngine, host: str) -> Connector:
-    """A connector with the engine's KV tensor registered (TCP listens on `host`)."""
-    if engine.config.tensor_parallel_size != 1:
-        raise TransferError("disaggregated roles need --tp 1 for now: the KV transfer registers only "
-                            "rank 0's KV pool")
-    kwargs = {"host": host} if backend == "tcp" else {}
-    connector = make_connector(backend, name, engine_layout(engine), **kwargs)
-    connector.register(engine.runner.kv.tensor)
+def _connector_kwargs(backend: str, host: str, token: bytes) -> dict:
+    return {"token": token, **({"host": host} if backend == "tcp" else {})}
+
+
+def build_connector(backend: str, name: str, engine: LLMEngine, host: str, token: bytes = b"") -> Connector:
+    """Rank 0's connector with rank 0's KV tensor registered (TCP listens on `host`); peers must
+    prove `token` (kvtransfer/auth.py)."""
+    layout = engine_layout(engine).with_tp(0, engine.config.tensor_parallel_size)
+    connector = make_connector(backend, tp_transfer.rank_agent_name(name, 0), layout,
+                               **_connector_kwargs(backend, host, token))
+    try:
+        connector.register(engine.runner.kv.tensor)
+    except BaseException:
+        connector.close()
+        raise
     return connector
 
 
-@dataclass(slots=True)
-class _Send:
-    """One request being pushed to a decode worker."""
-
-    grant: Reservation
-    dst_block_ids: list[int]         # destination of each prompt block
-    num_skipped_blocks: int          # leading blocks the receiver holds already
-    num_prompt_tokens: int
-    next_block: list[int]            # per layer: first prompt block not yet posted
-    writes: list[TransferHandle] = field(default_factory=list)
-    error: TransferError | None = None
-    payload: bytes | None = None     # set by finish: notify once the writes are done
-    notify: TransferHandle | None = None
-    waiter: tuple[asyncio.AbstractEventLoop, asyncio.Future] | None = None
-
-
-class _Driver(threading.Thread):
-    """Polls the connector while transfers are pending; resolves asyncio futures."""
-
-    def __init__(self, connector: Connector):
-        super().__init__(name=f"kv-transfer-{connector.name}", daemon=True)
-        self.connector = connector
-        self.lock = threading.Lock()
-        self.sends: dict[str, _Send] = {}
-        self.expected: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Future] | None] = {}
-        self._wake = threading.Event()
-        self._stopping = False
-
-    def wake(self) -> None:
-        self._wake.set()
-
-    def stop(self) -> None:
-        self._stopping = True
-        self._wake.set()
-        self.join(5)
-
-    def run(self) -> None:
-        while not self._stopping:
-            with self.lock:
-                busy = bool(self.expected) or bool(self.sends)
-            if not busy:
-                self._wake.wait(0.5)
-                self._wake.clear()
-                continue
-            try:
-                self._poll_once()
-            except Exception:          # never let the driver die: requests would hang to their deadline
-                log.exception("KV transfer driver: poll failed")
-            self._wake.wait(POLL_INTERVAL_S)
-            self._wake.clear()
-
-    def _poll_once(self) -> None:
-        self.connector.progress()
-        with self.lock:
-            sends = [(rid, s) for rid, s in self.sends.items() if s.waiter is not None]
-            expected = [(rid, w) for rid, w in self.expected.items() if w is not None]
-        for rid, send in sends:
-            self._drive_send(rid, send)
-        for rid, waiter in expected:
-            try:
-                payload = self.connector.poll_notification(rid)
-            except TransferError as error:
-                self._resolve_expected(rid, waiter, error=error)
-                continue
-            if payload is not None:
-                self._resolve_expected(rid, waiter, payload=payload)
-
-    def _drive_send(self, rid: str, send: _Send) -> None:
-        c = self.connector
-        try:
-            if send.error is not None:
-                if send.waiter is None:
-                    return                      # reported by finish
-                raise send.error
-            if send.notify is None:
-                for handle in list(send.writes):
-                    if not handle.done:
-                        c.poll(handle)          # raises the write's error
-                if send.waiter is None or not all(h.done for h in send.writes):
-                    return                      # more layers to come, or writes in flight
-                send.notify = c.notify(send.grant, send.payload or b"")
-            if not c.poll(send.notify):
-                return
-        except TransferError as error:
-            if send.waiter is None:
-                send.error = send.error or error
-                return
-            self._resolve_send(rid, send, error)
-            return
-        self._resolve_send(rid, send, None)
-
-    def _resolve_send(self, rid: str, send: _Send, error: TransferError | None) -> None:
-        with self.lock:
-            waiter, send.waiter = send.waiter, None
-            self.sends.pop(rid, None)
-        if waiter is not None:
-            _settle(waiter, None, error)
-
-    def _resolve_expected(self, rid: str, waiter, payload: bytes | None = None,
-                          error: TransferError | None = None) -> None:
-        with self.lock:
-            if self.expected.get(rid) is not waiter:
-                return
-            del self.expected[rid]
-        _settle(waiter, payload, error)
-
-
-def _settle(waiter, result, error) -> None:
-    loop, future = waiter
-
-    def apply() -> None:
-        if future.done():
-            return
-        if error is not None:
-            future.set_exception(error)
-        else:
-            future.set_result(result)
+def build_connector_transfer(backend: str, name: str, engine: LLMEngine, host: str,
+                             token: bytes = b"") -> ConnectorTransfer:
+    """Both halves for this worker: a connector per TP rank, each on its own KV pool."""
+    bs = engine.config.block_size
+    connector = build_connector(backend, name, engine, host, token)
+    if engine.tp is None:
+        return ConnectorTransfer(connector, bs)
+    control = engine.tp.control
     try:
-        loop.call_soon_threadsafe(apply)
-    except RuntimeError:       # the event loop is closed: nobody waits any more
-        pass
+        metas = control.call_all(tp_transfer.setup, backend, name, engine_layout(engine),
+                                 _connector_kwargs(backend, host, token), bs, timeout_s=SETUP_TIMEOUT_S)
+    except BaseException:
+        control.post_all(tp_transfer.close)
+        connector.close()
+        raise
+    return ConnectorTransfer(connector, bs, control, [AgentMetadata.from_bytes(m) for m in metas])
 
 
 class ConnectorTransfer:
-    """Both halves over one connector; a worker uses the half its role needs."""
+    """Both halves, on rank 0, over every rank's connector; a worker uses the half its role needs."""
 
-    def __init__(self, connector: Connector, block_size: int):
+    def __init__(self, connector: Connector, block_size: int, control: RankControl | None = None,
+                 rank_metadata: list[AgentMetadata] | None = None):
+        self.local = RankTransfer(connector, block_size)
         self.connector = connector
         self.backend = connector.backend
         self.block_size = block_size
-        self._meta = connector.metadata()
-        self._meta_bytes = self._meta.to_bytes()
-        self._driver = _Driver(connector)
-        self._driver.start()
+        self._control = control if rank_metadata else None
+        m = self.local.metadata
+        others = tuple(TransferEndpoint(r.name, r.to_bytes(), r.layout_hash.encode(), r.incarnation)
+                       for r in rank_metadata or ())
+        self._endpoint = TransferEndpoint(m.name, m.to_bytes(), m.layout_hash.encode(), m.incarnation, others)
+        self._lock = threading.Lock()
+        self._serials = itertools.count(1)          # tells a request's attempts apart in child events
+        self._gathered: dict[str, tuple[int, Gathered]] = {}    # receiving: request → (serial, wait)
+        self._sending: dict[str, int] = {}                      # sending: request → serial
+        if self._control is not None:
+            self._control.set_event_handler(self._on_rank_event)
 
     # -- receiver (decode) ------------------------------------------------------------
     def endpoint(self) -> TransferEndpoint:
-        m = self._meta
-        return TransferEndpoint(m.name, self._meta_bytes, m.layout_hash.encode(), m.incarnation)
+        return self._endpoint
 
     def expect(self, request_id: str, block_ids: list[int], ttl_s: float) -> TransferGrant:
-        try:
-            grant = self.connector.reserve(request_id, block_ids, ttl_s)
-        except ValueError as error:
-            raise TransferError(f"request {request_id}: cannot reserve its blocks for a transfer: {error}") from None
-        with self._driver.lock:
-            self._driver.expected[request_id] = None
-        self._driver.wake()
-        return TransferGrant(grant.incarnation, grant.deadline_unix)
+        grant = self.local.expect(request_id, block_ids, ttl_s)
+        deadline = grant.deadline_unix
+        if self._control is not None:
+            serial = next(self._serials)
+            try:
+                deadlines = self._control.call_all(tp_transfer.expect, request_id, list(block_ids), ttl_s, serial)
+            except Exception as error:
+                self.release(request_id)
+                raise TransferError(f"request {request_id}: a tensor-parallel rank cannot reserve its "
+                                    f"blocks: {error}") from None
+            deadline = min(deadline, *deadlines)
+            with self._lock:
+                self._gathered[request_id] = (serial, Gathered(set(self._control.ranks)))
+        return TransferGrant(grant.incarnation, deadline)
 
     async def wait_complete(self, request_id: str) -> bytes:
-        loop = asyncio.get_running_loop()
-        future = loop.create_future()
-        with self._driver.lock:
-            if request_id not in self._driver.expected:
-                raise TransferError(f"request {request_id}: no transfer is expected for it")
-            self._driver.expected[request_id] = (loop, future)
-        self._driver.wake()
-        return await future
+        if self._control is None:
+            loop = asyncio.get_running_loop()
+            future = loop.create_future()
+            self.local.watch(request_id, lambda payload, error: settle((loop, future), payload, error))
+            return await future
+        with self._lock:
+            entry = self._gathered.get(request_id)
+        if entry is None:
+            raise TransferError(f"request {request_id}: no transfer is expected for it")
+        self.local.watch(request_id, entry[1].own)
+        return await entry[1].wait()
 
     def release(self, request_id: str) -> None:
-        with self._driver.lock:
-            self._driver.expected.pop(request_id, None)
-        self.connector.release(request_id)
+        self.local.release(request_id)
+        if self._control is not None:
+            with self._lock:
+                self._gathered.pop(request_id, None)
+            self._control.post_all(tp_transfer.release, request_id)
 
     def num_open(self) -> int:
-        return len(self.connector.active_reservations())
+        num = self.local.num_open()
+        if self._control is not None:
+            num += sum(self._control.call_all(tp_transfer.num_open, timeout_s=5.0))
+        return num
 
     # -- sender (prefill) ---------------------------------------------------------------
     def begin(self, request_id: str, target: TransferTarget, num_prompt_tokens: int) -> None:
-        ep, grant = target.endpoint, target.grant
-        if grant is None or not ep.agent_name:
-            raise TransferError(f"request {request_id}: the Prefill call carries no transfer grant")
-        known = self.connector.peer(ep.agent_name)
-        if known is None or known.incarnation != grant.incarnation:
-            try:
-                meta = AgentMetadata.from_bytes(ep.agent_metadata)
-            except (ValueError, KeyError, TypeError) as error:
-                raise TransferError(f"request {request_id}: unreadable agent metadata from "
-                                    f"{ep.agent_name}: {error}") from None
-            self.connector.add_peer(meta)        # LayoutMismatchError names the differing fields
-            log.info("KV transfer: handshake with %s (incarnation %s)", meta.name, meta.incarnation[:12])
-        num_blocks = -(-num_prompt_tokens // self.block_size)
-        if len(target.block_ids) != num_blocks or not 0 <= target.num_cached_blocks < num_blocks:
-            raise TransferError(f"request {request_id}: {len(target.block_ids)} destination blocks "
-                                f"({target.num_cached_blocks} cached) for a {num_prompt_tokens}-token prompt")
-        skipped = target.num_cached_blocks
-        reservation = Reservation(request_id, ep.agent_name, grant.incarnation,
-                                  tuple(target.block_ids[skipped:]), grant.deadline_unix)
-        send = _Send(reservation, list(target.block_ids), skipped, num_prompt_tokens,
-                     [skipped] * self.connector.layout.num_layers)
-        with self._driver.lock:
-            if request_id in self._driver.sends:
-                raise TransferError(f"request {request_id} is already being sent")
-            self._driver.sends[request_id] = send
-        self._driver.wake()
+        if self._control is None:
+            self.local.begin(request_id, target, num_prompt_tokens, notify=True)
+            return
+        serial = next(self._serials)
+        self.local.begin(request_id, target, num_prompt_tokens, notify=True, pending_ranks=set(self._control.ranks))
+        with self._lock:
+            self._sending[request_id] = serial
+        try:
+            self._control.call_all(tp_transfer.begin, request_id, target, num_prompt_tokens, serial)
+        except Exception as error:
+            self.abandon(request_id)
+            if isinstance(error, TransferError):
+                raise
+            raise TransferError(f"request {request_id}: a tensor-parallel rank cannot send: {error}") from None
 
     def on_layer_ready(self, ready: LayerReady) -> None:
-        send = self._driver.sends.get(ready.request_id)
-        if send is None or send.error is not None:
-            return
-        final = ready.num_tokens >= send.num_prompt_tokens
-        end = -(-ready.num_tokens // self.block_size) if final else ready.num_tokens // self.block_size
-        start = send.next_block[ready.layer]
-        if end <= start:
-            return
-        offset = start - ready.first_block
-        src = ready.block_ids[offset:offset + end - start]
-        try:
-            if offset < 0 or len(src) != end - start:
-                raise TransferError(f"request {ready.request_id}: layer {ready.layer} reported blocks "
-                                    f"{ready.first_block}.. but blocks {start}..{end} are due")
-            handle = self.connector.write_layer(send.grant, ready.layer, src, send.dst_block_ids[start:end])
-        except TransferError as error:
-            send.error = error
-            return
-        except ValueError as error:
-            send.error = TransferError(f"request {ready.request_id}: {error}")
-            return
-        send.next_block[ready.layer] = end
-        send.writes.append(handle)
+        self.local.on_layer_ready(ready)
 
     async def finish(self, request_id: str, payload: bytes) -> None:
         loop = asyncio.get_running_loop()
         future = loop.create_future()
-        with self._driver.lock:
-            send = self._driver.sends.get(request_id)
-            if send is None:
-                raise TransferError(f"request {request_id}: nothing is being sent for it")
-            num_blocks = len(send.dst_block_ids)
-            if send.error is None and any(n != num_blocks for n in send.next_block):
-                send.error = TransferError(f"request {request_id}: the prefill ended before every "
-                                           "layer of every block was posted")
-            send.payload = payload
-            send.waiter = (loop, future)
-        self._driver.wake()
-        await future
+        self.local.close_send(request_id, payload, lambda _, error: settle((loop, future), None, error))
+        try:
+            await future
+        finally:
+            with self._lock:
+                self._sending.pop(request_id, None)
 
     def abandon(self, request_id: str) -> None:
-        with self._driver.lock:
-            self._driver.sends.pop(request_id, None)
-        self.connector.forget_request(request_id)
+        self.local.abandon(request_id)
+        if self._control is not None:
+            with self._lock:
+                self._sending.pop(request_id, None)
+            self._control.post_all(tp_transfer.abandon, request_id)
 
     def close(self) -> None:
-        self._driver.stop()
-        self.connector.close()
+        """Close rank 0's connector; the other ranks close theirs when the engine stops them."""
+        self.local.close()
+        if self._control is not None:
+            self._control.set_event_handler(None)
+
+    # -- events from the other ranks (a control reader thread; never calls them) --------
+    def _on_rank_event(self, rank: int, event: object) -> None:
+        if isinstance(event, RankSent):
+            with self._lock:
+                current = self._sending.get(event.request_id) == event.serial
+            if current:
+                self.local.rank_reported(event.request_id, rank, event.error)
+        elif isinstance(event, RankReceived):
+            with self._lock:
+                entry = self._gathered.get(event.request_id)
+            if entry is not None and entry[0] == event.serial:
+                entry[1].rank(rank, event.error)
+        else:
+            log.warning("KV transfer: unexpected event %r from tensor-parallel rank %d", event, rank)

@@ -2,8 +2,10 @@
 
 The server starts first and reports NOT_SERVING through the standard health
 service while the model loads (on a thread, so health checks are answered
-meanwhile); SERVING once the engine is attached. SIGTERM or SIGINT stops
-admission, gives running calls a grace period and exits.
+meanwhile); SERVING once the engine is attached. SIGTERM or SIGINT drains (shutdown.py):
+admission stops, running calls get up to --drain-timeout to finish, the etcd
+registration is revoked, whatever still runs is failed so that its frontend
+migrates it, and the process exits 0.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from splitserve.services.engine.config import EngineConfig
 from splitserve.services.engine.engine import LLMEngine
 
 from .service import Role, WorkerOptions, WorkerService
+from .shutdown import drain
 from .transfer import KVReceiver, KVSender, UnwiredTransfer
 
 log = logging.getLogger(__name__)
@@ -38,37 +41,42 @@ class WorkerServerConfig:
     engine: EngineConfig
     host: str = "127.0.0.1"
     port: int = 0
-    grace_s: float = 2.0     # running calls get this long to finish on SIGTERM
+    grace_s: float = 2.0     # after the drain: the server's grace period for the calls' last messages
+    drain_timeout_s: float = 30.0   # on SIGTERM: running calls get this long to finish (shutdown.py)
     transfer: str = "auto"   # KV transfer backend for the prefill/decode roles: auto | nixl | tcp
     etcd: list[str] = field(default_factory=list)     # register here (with a lease) once serving
     etcd_prefix: str = "/splitserve/workers/"
     etcd_ttl_s: int = 10
+    transfer_token: bytes = b""   # KV transfer peers must prove this shared secret (kvtransfer/auth.py)
 
 
 def build_transfer(role: Role, engine: LLMEngine, backend: str = "auto", name: str = "worker",
-                   host: str = "127.0.0.1") -> tuple[KVSender, KVReceiver]:
+                   host: str = "127.0.0.1", token: bytes = b"") -> tuple[KVSender, KVReceiver]:
     """(sender, receiver) for this role, built once the engine's KV pool exists (the
     connector registers `engine.runner.kv.tensor` before any peer can fetch its metadata).
 
-    Prefill and decode workers get one kvtransfer connector (both halves); an aggregated
+    Prefill and decode workers get one kvtransfer connector per TP rank, each on its own
+    rank's KV pool (both halves; kv_connector.py); an aggregated
     worker (role both) gets `UnwiredTransfer`, which refuses transfers clearly.
     """
     if role is Role.BOTH:
         unwired = UnwiredTransfer()
         return unwired, unwired
-    from .kv_connector import ConnectorTransfer, build_connector, resolve_backend
+    from .kv_connector import build_connector_transfer, resolve_backend
 
-    connector = build_connector(resolve_backend(backend), name, engine, host)
-    transfer = ConnectorTransfer(connector, engine.config.block_size)
+    transfer = build_connector_transfer(resolve_backend(backend), name, engine, host, token)
     return transfer, transfer
 
 
-async def serve(config: WorkerServerConfig, stop: asyncio.Event | None = None) -> int:
-    """Run until `stop` is set or a SIGTERM/SIGINT arrives; returns an exit code."""
+async def serve(config: WorkerServerConfig, stop: asyncio.Event | None = None,
+                handle_signals: bool = True) -> int:
+    """Run until `stop` is set or (with `handle_signals`, main thread only) a SIGTERM/SIGINT
+    arrives; returns an exit code. Embedders that own the signals (a Ray replica) pass False."""
     stop = stop or asyncio.Event()
     loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
+    if handle_signals:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
     wid = config.options.worker_id
     server = grpc.aio.server(options=GRPC_OPTIONS)
     health = HealthServicer()
@@ -76,7 +84,7 @@ async def serve(config: WorkerServerConfig, stop: asyncio.Event | None = None) -
     service = WorkerService(config.options, health)
     worker_pb2_grpc.add_WorkerServicer_to_server(service, server)
     address = f"{config.host}:{config.port}"
-    port = server.add_insecure_port(address)
+    port = config.options.tls.add_port(server, address)   # mutual TLS when a certificate is configured
     if port == 0:
         raise SplitserveError(f"worker {wid}: cannot listen on {address}")
     for name in ("", "splitserve.v1.Worker"):
@@ -96,7 +104,7 @@ async def serve(config: WorkerServerConfig, stop: asyncio.Event | None = None) -
         waiter.cancel()
         engine = load.result()
         sender, receiver = await asyncio.to_thread(build_transfer, config.options.role, engine,
-                                                   config.transfer, wid, config.host)
+                                                   config.transfer, wid, config.host, config.transfer_token)
         await service.attach(engine, sender, receiver)
         log.info("worker %s: serving %s (max_model_len %d, %d KV blocks, transfer %s)", wid,
                  engine.config.model_name, engine.max_model_len, engine.config.num_kv_blocks,
@@ -105,6 +113,8 @@ async def serve(config: WorkerServerConfig, stop: asyncio.Event | None = None) -
         registration = await _register(config, port)
         try:
             await stop.wait()
+            await drain(service, config.drain_timeout_s, registration)    # deregisters
+            registration = None
         finally:
             if registration is not None:
                 await registration.close()
@@ -112,6 +122,10 @@ async def serve(config: WorkerServerConfig, stop: asyncio.Event | None = None) -
         return 0
     finally:
         await health.enter_graceful_shutdown()
+        if service.loop is not None:
+            # Fail what still runs with UNAVAILABLE while the server can still say so: the
+            # frontends migrate those requests.
+            await asyncio.to_thread(service.loop.stop)
         await server.stop(config.grace_s)
         await service.close()
         if engine is not None:

@@ -21,10 +21,11 @@ from grpc_health.v1._async import HealthServicer
 from splitserve.errors import FatalError, InvalidRequestError, RecoverableError
 from splitserve.proto.v1 import worker_pb2, worker_pb2_grpc
 from splitserve.services.engine.engine import LLMEngine
+from splitserve.services.tls import PLAINTEXT, TlsConfig
 
 from .convert import event_to_proto, logprob_to_proto, output_to_proto, params_from_proto
 from .disaggregation import PeerChannels, RemotePrefill, serve_prefill
-from .engine_loop import EngineLoop
+from .engine_loop import EngineLoop, EngineStoppedError
 from .kv_event_hub import KvEventHub
 from .transfer import (KVReceiver, KVSender, TransferEndpoint, TransferError, TransferGrant, TransferNotWiredError,
                        TransferTarget)
@@ -55,6 +56,7 @@ class WorkerOptions:
     remote_prefill_threshold: int = 64     # uncached prompt tokens below this prefill locally
     prefill_timeout_s: float = 30.0        # a remote prefill, retries included; then prefill locally
     kv_event_buffer: int = 10_000
+    tls: TlsConfig = PLAINTEXT             # this worker's certificate and CA (mutual TLS; services/tls.py)
 
 
 @dataclass(slots=True)
@@ -72,8 +74,8 @@ class WorkerCounters:
 def _status_of(exc: BaseException) -> grpc.StatusCode:
     if isinstance(exc, TransferNotWiredError):
         return grpc.StatusCode.FAILED_PRECONDITION
-    if isinstance(exc, (WorkerUnavailableError, TransferError)):
-        return grpc.StatusCode.UNAVAILABLE
+    if isinstance(exc, (WorkerUnavailableError, TransferError, EngineStoppedError)):
+        return grpc.StatusCode.UNAVAILABLE     # this worker cannot serve it now: try another
     if isinstance(exc, RecoverableError):
         return grpc.StatusCode.INVALID_ARGUMENT
     return grpc.StatusCode.INTERNAL
@@ -88,7 +90,7 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         self.instance_id = uuid.uuid4().hex
         self.counters = WorkerCounters()
         self.draining = False
-        self.peers = PeerChannels()
+        self.peers = PeerChannels(options.tls)
         self.loop: EngineLoop | None = None
         self.hub = KvEventHub(options.kv_event_buffer)
         self.remote: RemotePrefill | None = None
@@ -189,7 +191,10 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
                 raise InvalidRequestError("Prefill needs a request_id")
             params = params_from_proto(request.params)
             t = request.target
-            target = TransferTarget(TransferEndpoint(t.agent_name, t.agent_metadata, t.layout_hash, t.incarnation),
+            other_ranks = tuple(TransferEndpoint(r.agent_name, r.agent_metadata, t.layout_hash, r.incarnation)
+                                for r in t.other_ranks)      # a TP decode worker's ranks 1..M-1
+            target = TransferTarget(TransferEndpoint(t.agent_name, t.agent_metadata, t.layout_hash, t.incarnation,
+                                                     other_ranks),
                                     list(t.block_ids), t.num_cached_blocks,
                                     TransferGrant(t.incarnation, t.deadline_unix))
             out = await serve_prefill(loop, self.sender, request.request_id, list(request.token_ids),
@@ -256,11 +261,15 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
             transfer_backend=self.sender.backend if self.sender is not None else "",
             block_hash_extra_key=engine.scheduler.extra_key)
 
-    async def Drain(self, request, context):
+    async def start_draining(self) -> None:
+        """Refuse new work (UNAVAILABLE) and report NOT_SERVING; running calls go on."""
         if not self.draining:
             log.info("worker %s: draining", self.options.worker_id)
         self.draining = True
         await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
+
+    async def Drain(self, request, context):
+        await self.start_draining()
         return worker_pb2.DrainResponse(num_in_flight=self.counters.num_in_flight)
 
     async def KvEvents(self, request, context):

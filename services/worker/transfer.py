@@ -32,12 +32,18 @@ class TransferNotWiredError(TransferError):
 
 @dataclass(slots=True, frozen=True)
 class TransferEndpoint:
-    """How a prefill worker reaches a decode worker's KV pool."""
+    """How a prefill worker reaches a decode worker's KV pool.
+
+    A decode worker with tensor parallelism has one transfer agent per rank, each
+    registered on that rank's share of the KV heads: this endpoint is rank 0's, and
+    `other_ranks` are ranks 1..M-1 (each grants the same block ids, under its own
+    incarnation, until the same deadline)."""
 
     agent_name: str
     agent_metadata: bytes          # kvtransfer AgentMetadata.to_bytes()
     layout_hash: bytes
     incarnation: str = ""          # changes when the decode worker restarts
+    other_ranks: tuple[TransferEndpoint, ...] = ()
 
 
 @dataclass(slots=True, frozen=True)

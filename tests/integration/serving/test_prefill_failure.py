@@ -27,7 +27,8 @@ from .conftest import Proc, free_port, worker_stats
 PROMPTS = {name: [(7 * i + 31 * k) % 31000 + 5 for i in range(n)]
            for k, (name, n) in enumerate([("warm", 100), ("killed", 2500), ("dead", 150), ("hung", 160)])}
 MAX_TOKENS = 5
-PREFILL_TIMEOUT_S = 3.0
+# Covers the killed worker's attempt plus the retry's 2500-token prefill on a loaded 2-core machine.
+PREFILL_TIMEOUT_S = 8.0
 
 
 def _worker(llama_dir, role: str, name: str, *extra: str) -> tuple[Proc, str]:
@@ -117,7 +118,7 @@ def test_dead_prefill_workers_fall_back_to_local_prefill(workers, expected):
     start = time.monotonic()
     tokens, remote = asyncio.run(_generate(d0, "dead", PROMPTS["dead"], [_peer("p0", p0)]))
     assert tokens == expected["dead"] and not remote
-    assert time.monotonic() - start < PREFILL_TIMEOUT_S
+    assert time.monotonic() - start < 3.0      # a refused connection, well before the 8 s deadline
     after = worker_stats(d0)
     assert after.num_prefill_fallbacks == before.num_prefill_fallbacks + 1
     assert after.num_local_prefills == before.num_local_prefills + 1

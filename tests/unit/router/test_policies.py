@@ -39,15 +39,20 @@ def test_kv_column_scoring_equals_scoring_every_candidate(candidates, prompt_blo
 def test_worked_examples():
     # 10-block prompt. w0 holds 8 blocks but is busy; w1 holds nothing and is idle; w2 holds 6.
     c = [Candidate("w0", 8, 0, 9), Candidate("w1", 0, 0, 0), Candidate("w2", 6, 1, 2)]
-    assert kv_cost(10, c[0]).cost == 2 + 9
-    d = KvPolicy().choose(10, c)
+    assert kv_cost(10, c[0], prefill_weight=1).cost == 2 + 9
+    d = KvPolicy(prefill_weight=1).choose(10, c)
     assert (d.winner.worker_id, d.winner.cost, d.runner_up.worker_id) == ("w2", 7, "w1")
-    # Overlap weighs more with a higher prefill weight: w0 (2*2+9=13) beats w1 (20), loses to w2 (8+3=11).
-    assert KvPolicy(prefill_weight=2).choose(10, c).winner.worker_id == "w2"
+    # The default weight 2 (an uncached block is prefill time and new memory): w2 2*4+3=11, w0 2*2+9=13, w1 20.
+    d = KvPolicy().choose(10, c)
+    assert (d.winner.worker_id, d.winner.cost, d.runner_up.worker_id, d.runner_up.cost) == ("w2", 11, "w0", 13)
+    # Overlap weighs more with a higher prefill weight: at 4, w0 (4*2+9=17) beats w2 (4*4+3=19) and w1 (40).
+    assert KvPolicy(prefill_weight=4).choose(10, c).winner.worker_id == "w0"
     # Equal cost: the less loaded wins (w1: 5 uncached + 0 load; w0: 0 uncached + 5 load).
     tie = [Candidate("w0", 5, 2, 3), Candidate("w1", 0, 0, 0)]
-    assert KvPolicy().choose(5, tie).winner.worker_id == "w1"
-    assert "runner-up w0" in KvPolicy().choose(5, tie).explain()
+    assert KvPolicy(prefill_weight=1).choose(5, tie).winner.worker_id == "w1"
+    assert "runner-up w0" in KvPolicy(prefill_weight=1).choose(5, tie).explain()
+    # Weight 0 ignores the cache: the least loaded wins, ties to the smaller id.
+    assert KvPolicy(prefill_weight=0).choose(10, c + [Candidate("a", 0, 0, 0)]).winner.worker_id == "a"
 
 
 def test_temperature_is_seeded_and_prefers_cheap():

@@ -1,0 +1,134 @@
+{{/*
+Names, labels and small values shared by every template.
+Names are DNS-1123 labels truncated to 63 characters; user labels never go into
+selectors (a selector is immutable, so it must not change on upgrade).
+*/}}
+
+{{- define "splitserve.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
+{{- define "splitserve.fullname" -}}
+{{- if .Values.fullnameOverride -}}
+{{- .Values.fullnameOverride | trunc 63 | trimSuffix "-" -}}
+{{- else -}}
+{{- $name := default .Chart.Name .Values.nameOverride -}}
+{{- if contains $name .Release.Name -}}
+{{- .Release.Name | trunc 63 | trimSuffix "-" -}}
+{{- else -}}
+{{- printf "%s-%s" .Release.Name $name | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+
+{{/* "<fullname>-<suffix>", still at most 63 characters. */}}
+{{- define "splitserve.componentName" -}}
+{{- $full := include "splitserve.fullname" .root -}}
+{{- printf "%s-%s" ($full | trunc (int (sub 62 (len .component))) | trimSuffix "-") .component -}}
+{{- end -}}
+
+{{- define "splitserve.chart" -}}
+{{- printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
+{{/* Selector labels of one component: stable across upgrades. */}}
+{{- define "splitserve.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "splitserve.name" .root }}
+app.kubernetes.io/instance: {{ .root.Release.Name }}
+app.kubernetes.io/component: {{ .component }}
+{{- end -}}
+
+{{/* Full labels of one component's objects. */}}
+{{- define "splitserve.labels" -}}
+{{ include "splitserve.selectorLabels" . }}
+helm.sh/chart: {{ include "splitserve.chart" .root }}
+app.kubernetes.io/version: {{ .root.Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .root.Release.Service }}
+app.kubernetes.io/part-of: splitserve
+{{- with .root.Values.commonLabels }}
+{{ toYaml . }}
+{{- end }}
+{{- end -}}
+
+{{- define "splitserve.image" -}}
+{{- printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) -}}
+{{- end -}}
+
+{{- define "splitserve.operator.serviceAccountName" -}}
+{{- if .Values.operator.serviceAccount.create -}}
+{{- default (include "splitserve.componentName" (dict "root" . "component" "operator")) .Values.operator.serviceAccount.name -}}
+{{- else -}}
+{{- required "operator.serviceAccount.name must be set when operator.serviceAccount.create is false" .Values.operator.serviceAccount.name -}}
+{{- end -}}
+{{- end -}}
+
+{{/* The etcd endpoint(s) workers and frontends register with, comma-separated. */}}
+{{- define "splitserve.etcdEndpoints" -}}
+{{- if .Values.etcd.external.endpoints -}}
+{{- join "," .Values.etcd.external.endpoints -}}
+{{- else if .Values.etcd.enabled -}}
+{{- printf "http://%s.%s.svc:%d" (include "splitserve.componentName" (dict "root" . "component" "etcd")) .Release.Namespace (int .Values.etcd.clientPort) -}}
+{{- else -}}
+{{- fail "etcd: set etcd.enabled=true or etcd.external.endpoints (workers need an etcd for discovery)" -}}
+{{- end -}}
+{{- end -}}
+
+{{/* Pod selector terms of ServingDeployment workloads (labels the operator sets). */}}
+{{- define "splitserve.workerSelector" -}}
+matchExpressions:
+  - key: splitserve.io/role
+    operator: In
+    values: [prefill, decode]
+{{- end -}}
+
+{{- define "splitserve.frontendSelector" -}}
+matchLabels:
+  splitserve.io/role: frontend
+{{- end -}}
+
+{{- define "splitserve.scrapeAnnotations" -}}
+{{- if .root.Values.monitoring.scrapeAnnotations }}
+prometheus.io/scrape: "true"
+prometheus.io/port: {{ .port | quote }}
+prometheus.io/path: /metrics
+{{- end }}
+{{- end -}}
+
+{{/* What the operator does to the workloads it owns (README: RBAC table). */}}
+{{- define "splitserve.operator.workloadRules" -}}
+- apiGroups: [""]
+  resources: [pods]
+  verbs: [get, list, watch, create, delete, patch]
+- apiGroups: [""]
+  resources: [pods/binding]
+  verbs: [create]
+- apiGroups: [""]
+  resources: [pods/status]
+  verbs: [patch]
+- apiGroups: [""]
+  resources: [services, configmaps]
+  verbs: [get, list, watch, create, update, patch, delete]
+- apiGroups: [""]
+  resources: [events]
+  verbs: [create, patch]
+- apiGroups: [events.k8s.io]
+  resources: [events]
+  verbs: [create, patch]
+- apiGroups: [apps]
+  resources: [deployments]
+  verbs: [get, list, watch, create, update, patch, delete]
+- apiGroups: [splitserve.io]
+  resources: [servingdeployments]
+  verbs: [get, list, watch, patch, update]
+- apiGroups: [splitserve.io]
+  resources: [servingdeployments/status, servingdeployments/scale]
+  verbs: [get, patch, update]
+# ServingPool: the per-pool child that makes each pool `kubectl scale`-able. Its
+# deletion is left to the garbage collector (owner references): no delete.
+- apiGroups: [splitserve.io]
+  resources: [servingpools]
+  verbs: [get, list, watch, create, patch, update]
+- apiGroups: [splitserve.io]
+  resources: [servingpools/status]
+  verbs: [get, patch, update]
+{{- end -}}

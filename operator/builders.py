@@ -1,0 +1,216 @@
+"""Pure builders: a ServingDeployment in, the documents of the objects it owns out.
+
+Nothing here talks to the apiserver, so unit tests cover every field. Each
+builder returns a plain JSON document (as `kubectl get -o json` shows it), with
+the owner reference that makes the garbage collector delete it with its
+ServingDeployment, and the labels of `names.py`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from typing import Any
+
+import yaml
+
+from splitserve.operator import names
+from splitserve.operator.spec import API_GROUP, API_VERSION, KIND, PoolSpec, ServingDeploymentSpec
+
+POOL_KIND = "ServingPool"
+POOL_PLURAL = "servingpools"
+
+
+@dataclass(frozen=True, slots=True)
+class Owner:
+    """The identity of the ServingDeployment that owns what is built."""
+
+    name: str
+    namespace: str
+    uid: str
+
+    @classmethod
+    def from_body(cls, body: dict[str, Any]) -> Owner:
+        meta = body["metadata"]
+        return cls(name=meta["name"], namespace=meta["namespace"], uid=meta["uid"])
+
+    def reference(self) -> dict[str, Any]:
+        return {"apiVersion": f"{API_GROUP}/{API_VERSION}", "kind": KIND, "name": self.name, "uid": self.uid,
+                "controller": True, "blockOwnerDeletion": True}
+
+    def metadata(self, name: str, labels: dict[str, str], annotations: dict[str, str] | None = None
+                 ) -> dict[str, Any]:
+        meta: dict[str, Any] = {"name": name, "namespace": self.namespace,
+                                "labels": {**self.labels(), **labels}, "ownerReferences": [self.reference()]}
+        if annotations:
+            meta["annotations"] = annotations
+        return meta
+
+    def labels(self) -> dict[str, str]:
+        return {names.LABEL_DEPLOYMENT: self.name, names.LABEL_MANAGED_BY: names.MANAGED_BY}
+
+
+def content_hash(doc: Any) -> str:
+    return hashlib.sha256(json.dumps(doc, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def pool_spec_hash(spec: ServingDeploymentSpec, pool: str) -> str:
+    """What a worker group's pods are built from, minus the group count: a change here
+    means the group must be replaced (rolling update)."""
+    p = spec.pool(pool)
+    return content_hash({"image": spec.image, "model": spec.model.to_dict(),
+                         "threshold": spec.disaggregation_threshold,
+                         "pool": {**p.to_dict(), "replicas": None, "autoscaling": None}})[:10]
+
+
+# --- worker groups -------------------------------------------------------------------------
+
+def worker_args(spec: ServingDeploymentSpec, pool: str) -> list[str]:
+    p = spec.pool(pool)
+    return ["splitserve", "worker", "--role", pool, "--model", spec.model.source, "--dtype", spec.model.dtype,
+            "--device", "cuda" if p.gpus_per_rank > 0 else "cpu", "--tp", str(p.tensor_parallel),
+            "--host", "0.0.0.0", "--port", str(names.WORKER_PORT), "--worker-id", "$(POD_NAME)",
+            "--remote-prefill-threshold", str(spec.disaggregation_threshold), "--etcd", "$(SPLITSERVE_ETCD)"]
+
+
+def leader_address(owner: Owner, group: str) -> str:
+    """The rank-0 pod's stable DNS name, through the deployment's headless Service."""
+    return (f"{names.pod_name(group, 0)}.{names.workers_service_name(owner.name)}."
+            f"{owner.namespace}.svc.cluster.local")
+
+
+def probe_command() -> list[str]:
+    """The active canary: gRPC health SERVING and a one-token Generate (operator/probe.py)."""
+    return ["python", "-m", "splitserve.operator.probe", "--address", f"127.0.0.1:{names.WORKER_PORT}"]
+
+
+def build_worker_pod(owner: Owner, spec: ServingDeploymentSpec, pool: str, group: str, rank: int) -> dict[str, Any]:
+    p: PoolSpec = spec.pool(pool)
+    name = names.pod_name(group, rank)
+    labels = {names.LABEL_POOL: pool, names.LABEL_ROLE: pool, names.LABEL_GROUP: group,
+              names.LABEL_RANK: str(rank), names.LABEL_SPEC_HASH: pool_spec_hash(spec, pool)}
+    topology = p.topology.mode + (f"={p.topology.label_key}" if p.topology.label_key else "")
+    annotations = {names.ANN_GROUP_SIZE: str(p.group_size), names.ANN_TOPOLOGY: topology}
+    env = [
+        {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+        {"name": "SPLITSERVE_ETCD", "valueFrom": {"configMapKeyRef": {
+            "name": names.config_map_name(owner.name), "key": "etcd"}}},
+        {"name": "SPLITSERVE_GROUP", "value": group},
+        {"name": "SPLITSERVE_POOL", "value": pool},
+        {"name": "SPLITSERVE_RANK", "value": str(rank)},
+        {"name": "SPLITSERVE_WORLD_SIZE", "value": str(p.group_size)},
+        {"name": "SPLITSERVE_TENSOR_PARALLEL", "value": str(p.tensor_parallel)},
+        {"name": "SPLITSERVE_PIPELINE_PARALLEL", "value": str(p.pipeline_parallel)},
+        {"name": "SPLITSERVE_LEADER_ADDRESS", "value": f"{leader_address(owner, group)}:{names.DIST_PORT}"},
+        {"name": "MASTER_ADDR", "value": leader_address(owner, group)},
+        {"name": "MASTER_PORT", "value": str(names.DIST_PORT)},
+    ]
+    resources: dict[str, Any] = {"cpu": p.resources.cpu, "memory": p.resources.memory}
+    limits = dict(resources)
+    if p.gpus_per_rank > 0:
+        resources[names.GPU_RESOURCE] = str(p.gpus_per_rank)
+        limits[names.GPU_RESOURCE] = str(p.gpus_per_rank)
+    container: dict[str, Any] = {
+        "name": "worker", "image": spec.image, "args": worker_args(spec, pool), "env": env,
+        "ports": [{"name": "grpc", "containerPort": names.WORKER_PORT},
+                  {"name": "dist", "containerPort": names.DIST_PORT}],
+        "resources": {"requests": resources, "limits": limits},
+    }
+    if rank == 0:
+        container["readinessProbe"] = {"exec": {"command": probe_command()}, "periodSeconds": 10,
+                                       "timeoutSeconds": 8, "failureThreshold": 3}
+        container["startupProbe"] = {"grpc": {"port": names.WORKER_PORT}, "periodSeconds": 5,
+                                     "failureThreshold": 120}
+    return {
+        "apiVersion": "v1", "kind": "Pod",
+        "metadata": owner.metadata(name, labels, annotations),
+        "spec": {
+            "schedulerName": names.SCHEDULER_NAME,
+            # A rank that dies cannot rejoin its torch.distributed group: the operator
+            # replaces the whole group instead of restarting one container.
+            "restartPolicy": "Never",
+            "hostname": name, "subdomain": names.workers_service_name(owner.name),
+            "terminationGracePeriodSeconds": 30,
+            "tolerations": [{"key": names.GPU_RESOURCE, "operator": "Exists", "effect": "NoSchedule"}],
+            "containers": [container],
+        },
+    }
+
+
+def build_group_pods(owner: Owner, spec: ServingDeploymentSpec, pool: str, group: str) -> list[dict[str, Any]]:
+    return [build_worker_pod(owner, spec, pool, group, rank) for rank in range(spec.pool(pool).group_size)]
+
+
+def build_workers_service(owner: Owner) -> dict[str, Any]:
+    """Headless: gives every worker pod `<pod>.<service>` DNS (the leader address)."""
+    name = names.workers_service_name(owner.name)
+    return {"apiVersion": "v1", "kind": "Service",
+            "metadata": owner.metadata(name, {names.LABEL_ROLE: "workers"}),
+            "spec": {"clusterIP": "None", "publishNotReadyAddresses": True,
+                     "selector": {names.LABEL_DEPLOYMENT: owner.name, names.LABEL_RANK: "0"},
+                     "ports": [{"name": "grpc", "port": names.WORKER_PORT},
+                               {"name": "dist", "port": names.DIST_PORT}]}}
+
+
+# --- frontend, config, pools ---------------------------------------------------------------
+
+def frontend_args(spec: ServingDeploymentSpec) -> list[str]:
+    return ["splitserve", "frontend", "--model", spec.model.source, "--router", spec.router.policy,
+            "--prefill-weight", str(spec.router.prefill_weight),
+            "--router-temperature", str(spec.router.temperature),
+            "--remote-prefill-threshold", str(spec.disaggregation_threshold),
+            "--etcd", "$(SPLITSERVE_ETCD)", "--host", "0.0.0.0", "--port", str(spec.frontend.port),
+            "--grpc-port", str(spec.frontend.port + names.FRONTEND_GRPC_PORT_OFFSET)]
+
+
+def build_frontend_deployment(owner: Owner, spec: ServingDeploymentSpec) -> dict[str, Any]:
+    name = names.frontend_name(owner.name)
+    select = {names.LABEL_DEPLOYMENT: owner.name, names.LABEL_ROLE: "frontend"}
+    port = spec.frontend.port
+    container = {
+        "name": "frontend", "image": spec.image, "args": frontend_args(spec),
+        "env": [{"name": "SPLITSERVE_ETCD", "valueFrom": {"configMapKeyRef": {
+            "name": names.config_map_name(owner.name), "key": "etcd"}}}],
+        "ports": [{"name": "http", "containerPort": port},
+                  {"name": "grpc", "containerPort": port + names.FRONTEND_GRPC_PORT_OFFSET}],
+        "readinessProbe": {"httpGet": {"path": "/ready", "port": port}, "periodSeconds": 5},
+        "resources": {"requests": {"cpu": "1", "memory": "2Gi"}},
+    }
+    return {"apiVersion": "apps/v1", "kind": "Deployment",
+            "metadata": owner.metadata(name, {names.LABEL_ROLE: "frontend"}),
+            "spec": {"replicas": spec.frontend.replicas, "selector": {"matchLabels": select},
+                     "template": {"metadata": {"labels": {**owner.labels(), **select},
+                                               "annotations": {"prometheus.io/scrape": "true",
+                                                               "prometheus.io/port": str(port),
+                                                               "prometheus.io/path": "/metrics"}},
+                                  "spec": {"containers": [container]}}}}
+
+
+def build_frontend_service(owner: Owner, spec: ServingDeploymentSpec) -> dict[str, Any]:
+    port = spec.frontend.port
+    return {"apiVersion": "v1", "kind": "Service",
+            "metadata": owner.metadata(names.frontend_name(owner.name), {names.LABEL_ROLE: "frontend"}),
+            "spec": {"type": spec.frontend.service_type,
+                     "selector": {names.LABEL_DEPLOYMENT: owner.name, names.LABEL_ROLE: "frontend"},
+                     "ports": [{"name": "http", "port": port, "targetPort": "http"},
+                               {"name": "grpc", "port": port + names.FRONTEND_GRPC_PORT_OFFSET,
+                                "targetPort": "grpc"}]}}
+
+
+def build_config_map(owner: Owner, spec: ServingDeploymentSpec, etcd_endpoint: str) -> dict[str, Any]:
+    """The spec as a file (`servingdeployment.yaml`, the document Ray reads too) and the etcd endpoint."""
+    document = {"apiVersion": f"{API_GROUP}/{API_VERSION}", "kind": KIND,
+                "metadata": {"name": owner.name, "namespace": owner.namespace}, "spec": spec.to_dict()}
+    return {"apiVersion": "v1", "kind": "ConfigMap",
+            "metadata": owner.metadata(names.config_map_name(owner.name), {}),
+            "data": {"servingdeployment.yaml": yaml.safe_dump(document, sort_keys=False),
+                     "etcd": etcd_endpoint}}
+
+
+def build_serving_pool(owner: Owner, pool: str, replicas: int) -> dict[str, Any]:
+    """The per-pool child whose `scale` subresource makes each pool `kubectl scale`-able."""
+    return {"apiVersion": f"{API_GROUP}/{API_VERSION}", "kind": POOL_KIND,
+            "metadata": owner.metadata(names.pool_resource_name(owner.name, pool), {names.LABEL_POOL: pool},
+                                       {names.ANN_SYNCED_REPLICAS: str(replicas)}),
+            "spec": {"deployment": owner.name, "pool": pool, "replicas": replicas}}

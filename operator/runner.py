@@ -1,0 +1,111 @@
+"""Run the operator under kopf (`splitserve operator`).
+
+kopf provides the process frame: login (kubeconfig or in-cluster service
+account, through the official client), watch streams, startup and cleanup.
+It runs standalone (no peering CRD). Watch events on ServingDeployments, their
+pods and nodes only wake the control loop (`loop.OperatorLoop`), which does the
+level-triggered work; no kopf handler stores state on the objects, so the
+operator adds no finalizers and deleting a ServingDeployment never waits for it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import socket
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import kopf
+import kubernetes
+
+from splitserve.errors import SplitserveError
+from splitserve.operator import names
+from splitserve.operator.kube import AsyncKube, Kube, load_api_client
+from splitserve.operator.leader import LeaseElector
+from splitserve.operator.loop import OperatorLoop
+from splitserve.operator.spec import API_GROUP, API_VERSION, PLURAL
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class OperatorOptions:
+    kubeconfig: Path | None = None
+    namespaces: list[str] = field(default_factory=list)    # empty: all namespaces
+    etcd_endpoint: str = "splitserve-etcd:2379"
+    interval_s: float = 2.0
+    use_pod_ip: bool = True       # False: reach workers only through the worker-address annotation
+    leader_election_namespace: str | None = None   # None: no election (a single replica)
+    health_port: int | None = None                 # kopf's liveness endpoint on 0.0.0.0 (in a pod)
+    node_grace_s: float = 10.0    # how long a node may be NotReady before its groups are replaced
+
+
+def connection_info(configuration: kubernetes.client.Configuration) -> kopf.ConnectionInfo:
+    """kopf's credentials from the same client configuration the operator's own calls use
+    (kubeconfig or in-cluster), so both always talk to the same apiserver as the same user."""
+    header = (configuration.get_api_key_with_prefix("BearerToken")
+              or configuration.get_api_key_with_prefix("authorization"))
+    parts = header.split(" ", 1) if header else []
+    scheme, token = (None, None) if not parts else (None, parts[0]) if len(parts) == 1 else (parts[0], parts[1])
+    return kopf.ConnectionInfo(server=configuration.host, ca_path=configuration.ssl_ca_cert,
+                               insecure=not configuration.verify_ssl, scheme=scheme, token=token,
+                               certificate_path=configuration.cert_file, private_key_path=configuration.key_file,
+                               username=configuration.username or None, password=configuration.password or None)
+
+
+def build_registry(configuration: kubernetes.client.Configuration) -> kopf.OperatorRegistry:
+    registry = kopf.OperatorRegistry()
+
+    @kopf.on.login(registry=registry)
+    def login(**_: Any) -> kopf.ConnectionInfo:
+        return connection_info(configuration)
+
+    @kopf.on.startup(registry=registry)
+    async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
+        settings.posting.level = logging.WARNING
+        settings.watching.server_timeout = 60
+        memo.task = asyncio.create_task(memo.loop.run(), name="splitserve-operator-loop")
+
+    @kopf.on.cleanup(registry=registry)
+    async def cleanup(memo: kopf.Memo, **_: Any) -> None:
+        memo.loop.stop()
+        await memo.task
+
+    @kopf.on.event(API_GROUP, API_VERSION, PLURAL, registry=registry)
+    def deployment_changed(memo: kopf.Memo, **_: Any) -> None:
+        memo.loop.wake()
+
+    @kopf.on.event("", "v1", "pods", labels={names.LABEL_MANAGED_BY: names.MANAGED_BY}, registry=registry)
+    def pod_changed(memo: kopf.Memo, **_: Any) -> None:
+        memo.loop.wake()
+
+    @kopf.on.event("", "v1", "nodes", registry=registry)
+    def node_changed(memo: kopf.Memo, **_: Any) -> None:
+        memo.loop.wake()
+
+    return registry
+
+
+def run_operator(options: OperatorOptions) -> int:
+    try:
+        api_client = load_api_client(options.kubeconfig)
+    except (kubernetes.config.ConfigException, OSError) as exc:
+        where = options.kubeconfig or "in-cluster service account or $KUBECONFIG"
+        raise SplitserveError(f"cannot load Kubernetes credentials from {where}: {exc}") from exc
+    kube = AsyncKube(Kube(api_client))
+    elector = None
+    if options.leader_election_namespace:
+        identity = os.environ.get("POD_NAME") or f"{socket.gethostname()}-{os.getpid()}"
+        elector = LeaseElector(kube, options.leader_election_namespace, identity)
+    loop = OperatorLoop(kube, options.namespaces, options.etcd_endpoint, interval_s=options.interval_s,
+                        use_pod_ip=options.use_pod_ip, elector=elector, node_grace_s=options.node_grace_s)
+    memo = kopf.Memo(loop=loop, task=None)
+    logging.getLogger("kopf.objects").setLevel(logging.WARNING)   # one line per watch event otherwise
+    log.warning("splitserve operator: watching %s", ", ".join(options.namespaces) or "all namespaces")
+    liveness = f"http://0.0.0.0:{options.health_port}/healthz" if options.health_port else None
+    kopf.run(registry=build_registry(api_client.configuration), standalone=True, memo=memo, liveness_endpoint=liveness,
+             namespaces=options.namespaces, clusterwide=not options.namespaces)
+    return 0

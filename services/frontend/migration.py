@@ -1,0 +1,118 @@
+"""Request migration (DESIGN section 7): continue a request on another decode worker when
+the stream from the one serving it breaks.
+
+A stream is broken when the worker call fails with a status that says the worker (not
+the request) is the problem — it crashed or was killed (UNAVAILABLE), it is shutting
+down or draining and gave up (UNAVAILABLE, CANCELLED), the connection was lost, it
+failed internally — or when it ends without a finished message. The frontend then
+sends the prompt plus every token it has already forwarded to the client to another
+decode worker, excluding every worker that failed this request, with the remaining
+token budget, up to `limit` times. The client sees one uninterrupted stream.
+
+Why replay is exact:
+- greedy: the new worker recomputes the KV of prompt + forwarded tokens and continues
+  from the same logits (the engine's oracle tests show any batch or prefill split gives
+  the same greedy tokens);
+- seeded sampling: a draw consumes the same random numbers whatever the probabilities
+  (sampler.skip_draws), so the new worker seeds the generator and skips one draw per
+  forwarded token (`SamplingParams.num_prior_draws`): the continuation is the one the
+  first worker would have sampled;
+- unseeded sampling: the continuation is a fresh sample from the same distribution,
+  which is all an unseeded request promises;
+- stop strings: the frontend detokenizes the whole output with the engine's StopChecker
+  and judges stop strings itself, so a stop string that spans the migration point is
+  still found and cut (the new worker only sees its own tokens);
+- usage: prompt tokens are the original prompt's, completion tokens all forwarded ones.
+
+When it is refused (and counted, `splitserve_migrations_total{outcome="refused_*"}`):
+migration disabled (`limit` 0), the limit reached, no other decode worker ready, or the
+context full (prompt + forwarded tokens leave no room). Errors that are the request's
+own fault (INVALID_ARGUMENT and the like) are never retried.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field, replace
+
+import grpc
+
+from splitserve.proto.v1 import worker_pb2
+from splitserve.services.engine.sampling_params import SamplingParams
+from splitserve.services.worker.convert import params_to_proto
+
+DEFAULT_LIMIT = 2
+
+# Statuses that blame the worker or the connection, not the request.
+_BROKEN = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grpc.StatusCode.INTERNAL,
+           grpc.StatusCode.UNKNOWN, grpc.StatusCode.ABORTED, grpc.StatusCode.DATA_LOSS}
+
+
+class Refusal(enum.Enum):
+    DISABLED = "disabled"
+    LIMIT = "limit"
+    NO_WORKER = "no_worker"
+    CONTEXT_FULL = "context_full"
+
+    @property
+    def message(self) -> str:
+        return {Refusal.DISABLED: "migration is disabled (--migration-limit 0)",
+                Refusal.LIMIT: "it was already migrated as often as --migration-limit allows",
+                Refusal.NO_WORKER: "no other decode worker is ready",
+                Refusal.CONTEXT_FULL: "the prompt and the tokens generated so far fill the context"}[self]
+
+
+def breaks_stream(exc: grpc.aio.AioRpcError) -> bool:
+    """True when the call failed because of the worker or the network (migrate), False when
+    the worker refused the request itself (report it to the client)."""
+    return exc.code() in _BROKEN
+
+
+@dataclass(slots=True)
+class Progress:
+    """One request across the workers that served it: what the client has been sent."""
+
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    token_ids: list[int] = field(default_factory=list)      # forwarded to the client
+    num_cached_tokens: int | None = None                    # from the first worker that said
+    failed_worker_ids: set[str] = field(default_factory=set)
+    num_migrations: int = 0
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids)
+
+    def attempt_id(self) -> str:
+        """The request id the next worker call uses: a fresh one per attempt, so a worker or a
+        prefill worker that still holds the old attempt never sees a duplicate id."""
+        return self.request_id if not self.num_migrations else f"{self.request_id}.m{self.num_migrations}"
+
+    def worker_request(self) -> worker_pb2.TokenGenerateRequest:
+        """The next worker call: prompt + forwarded tokens, the remaining budget, the draws
+        a seeded generator has made so far."""
+        n = self.num_output_tokens
+        params = self.params if not n else replace(
+            self.params, max_tokens=self.params.max_tokens - n,
+            num_prior_draws=self.params.num_prior_draws + (n if self.params.seed is not None else 0))
+        return worker_pb2.TokenGenerateRequest(request_id=self.attempt_id(), token_ids=self.prompt_ids + self.token_ids,
+                                               params=params_to_proto(params))
+
+
+@dataclass(slots=True, frozen=True)
+class MigrationPolicy:
+    limit: int = DEFAULT_LIMIT
+
+    def refusal(self, progress: Progress, max_model_len: int | None) -> Refusal | None:
+        """Why this request must not be re-dispatched now; None when it may be (the caller
+        still needs a worker: no route is Refusal.NO_WORKER)."""
+        if self.limit <= 0:
+            return Refusal.DISABLED
+        if progress.num_migrations >= self.limit:
+            return Refusal.LIMIT
+        n = progress.num_output_tokens
+        if n >= progress.params.max_tokens or (
+                max_model_len is not None and len(progress.prompt_ids) + n >= max_model_len):
+            return Refusal.CONTEXT_FULL
+        return None

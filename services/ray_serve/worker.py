@@ -1,0 +1,200 @@
+"""A prefill or decode worker as a Ray Serve replica: the existing worker, in-process.
+
+The replica actor *is* the worker: its constructor runs `splitserve worker`'s
+own gRPC server (services/worker/server.py, engine, KV connector, KV-event
+stream) on a thread with its own event loop, listening on the node's IP, and
+returns only once that server reports SERVING, so Serve counts the replica
+ready exactly when it can take work. Nothing reaches the worker through Ray's
+request path: the ingress talks to it over its gRPC API like any frontend,
+and it is found through the directory (directory.py), to which the replica
+renews a lease every second. Killing the replica's actor therefore kills the
+worker and its streams (the frontend migrates them); Serve replaces it.
+Serve's graceful stop (scale-down, redeploy, delete) drains instead: the
+worker refuses new work, its running calls finish (up to the spec's drain
+timeout), then it gives its lease back and stops.
+
+A tensor-parallel worker's extra ranks are the engine's own spawned processes
+(services/engine/tensor_parallel.py); the replica's placement group (one
+bundle per rank, STRICT_PACK: app.py) reserves their CPUs and GPUs on the
+same node.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import threading
+import time
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from splitserve.errors import SplitserveError
+from splitserve.net import free_port
+
+from .autoscaling import IN_FLIGHT_METRIC
+from .directory import LEASE_RENEW_S, DirectoryEntry
+from .settings import WorkerSettings
+
+log = logging.getLogger(__name__)
+
+READY_TIMEOUT_S = 600.0
+STOP_TIMEOUT_S = 10.0
+
+
+def _server_config(settings: WorkerSettings, worker_id: str, host: str, port: int):
+    from splitserve.services.engine.config import EngineConfig
+    from splitserve.services.worker.server import WorkerServerConfig
+    from splitserve.services.worker.service import Role, WorkerOptions
+
+    e = settings.engine
+    engine = EngineConfig(model=e.model, device=e.device, dtype=e.dtype,
+                          tensor_parallel_size=settings.tensor_parallel, block_size=e.block_size,
+                          kv_cache_gib=e.kv_cache_gib, max_num_batched_tokens=e.max_num_batched_tokens,
+                          max_num_seqs=e.max_num_seqs, num_threads=e.threads)
+    options = WorkerOptions(worker_id=worker_id, role=Role(settings.role),
+                            remote_prefill_threshold=settings.remote_prefill_threshold,
+                            prefill_timeout_s=settings.prefill_timeout_s)
+    return WorkerServerConfig(options=options, engine=engine, host=host, port=port, transfer=settings.transfer)
+
+
+def _serving(address: str) -> bool:
+    with grpc.insecure_channel(address) as channel:
+        try:
+            reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=""),
+                                                              timeout=1.0)
+        except grpc.RpcError:
+            return False
+    return reply.status == health_pb2.HealthCheckResponse.SERVING
+
+
+class WorkerThread:
+    """`splitserve worker`'s server on a thread of this process, stopped through `stop()`."""
+
+    def __init__(self, settings: WorkerSettings, worker_id: str, host: str):
+        self.port = free_port(host)
+        self.address = f"{host}:{self.port}"
+        self._config = _server_config(settings, worker_id, host, self.port)
+        self._loop = asyncio.new_event_loop()
+        self._stop: asyncio.Event | None = None
+        self.error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name=f"worker {worker_id}", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        from splitserve.services.worker.server import serve
+
+        asyncio.set_event_loop(self._loop)
+        try:
+            self._stop = asyncio.Event()
+            self._loop.run_until_complete(serve(self._config, self._stop, handle_signals=False))
+        except BaseException as exc:  # noqa: BLE001 - reported through alive()/error
+            self.error = exc
+            log.exception("worker %s failed", self._config.options.worker_id)
+        finally:
+            self._loop.close()
+
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def wait_serving(self, timeout: float = READY_TIMEOUT_S) -> None:
+        deadline = time.monotonic() + timeout
+        while not _serving(self.address):
+            if not self.alive():
+                raise SplitserveError(f"worker {self._config.options.worker_id} exited while starting: "
+                                      f"{self.error!r}")
+            if time.monotonic() > deadline:
+                raise SplitserveError(f"worker {self._config.options.worker_id} not serving after {timeout:.0f} s")
+            time.sleep(0.1)
+
+    def drain(self, timeout: float) -> int:
+        """Refuse new work (the routers see NOT_SERVING) and wait up to `timeout` for the
+        calls in flight to end; returns how many were still running."""
+        from splitserve.proto.v1 import worker_pb2, worker_pb2_grpc
+
+        deadline = time.monotonic() + timeout
+        with grpc.insecure_channel(self.address) as channel:
+            stub = worker_pb2_grpc.WorkerStub(channel)
+            try:
+                left = stub.Drain(worker_pb2.DrainRequest(), timeout=5).num_in_flight
+                while left and time.monotonic() < deadline:
+                    time.sleep(0.2)
+                    left = stub.Stats(worker_pb2.StatsRequest(), timeout=5).num_in_flight
+            except grpc.RpcError as exc:
+                log.warning("worker %s: drain failed: %s", self._config.options.worker_id, exc.code().name)
+                return -1
+        return left
+
+    def num_in_flight(self) -> int:
+        from splitserve.proto.v1 import worker_pb2, worker_pb2_grpc
+
+        with grpc.insecure_channel(self.address) as channel:
+            return worker_pb2_grpc.WorkerStub(channel).Stats(worker_pb2.StatsRequest(), timeout=5).num_in_flight
+
+    def stop(self, timeout: float = STOP_TIMEOUT_S) -> None:
+        if self._stop is not None and self.alive():
+            self._loop.call_soon_threadsafe(self._stop.set)
+        self._thread.join(timeout)
+
+
+class WorkerReplica:
+    """The Serve deployment class of both pools (app.py names and sizes each pool)."""
+
+    async def __init__(self, settings: WorkerSettings, directory) -> None:
+        import ray
+        from ray import serve
+
+        context = serve.get_replica_context()
+        self.worker_id = f"{settings.role}-{context.replica_id.unique_id}"
+        self.settings = settings
+        self.directory = directory
+        host = ray.util.get_node_ip_address()
+        self.worker = WorkerThread(settings, self.worker_id, host)
+        await asyncio.to_thread(self.worker.wait_serving)
+        runtime = ray.get_runtime_context()
+        self.entry = DirectoryEntry(self.worker_id, settings.role, self.worker.address,
+                                    runtime.get_actor_name() or runtime.get_actor_id(), os.getpid())
+        await self.directory.renew.remote(self.entry)
+        # On the replica's event loop: Serve handles may only be used from one (in some modes).
+        self._lease: asyncio.Task | None = asyncio.create_task(self._renew(), name="directory lease")
+        log.info("worker replica %s (%s) serving at %s", self.worker_id, settings.role, self.worker.address)
+
+    async def _renew(self) -> None:
+        """Renew the directory lease every LEASE_RENEW_S until shutdown cancels this task."""
+        while True:
+            await asyncio.sleep(LEASE_RENEW_S)
+            try:
+                await asyncio.wait_for(self.directory.renew.remote(self.entry), 5)
+            except Exception as exc:  # noqa: BLE001 - the directory may be restarting; retry
+                log.warning("worker %s: directory lease renewal failed: %r", self.worker_id, exc)
+
+    def check_health(self) -> None:
+        """Serve's periodic health check: a worker whose server thread ended is replaced."""
+        if not self.worker.alive():
+            raise SplitserveError(f"worker {self.worker_id} stopped: {self.worker.error!r}")
+
+    async def record_autoscaling_stats(self) -> dict[str, float]:
+        """Serve's custom autoscaling metrics hook (autoscaling.py reads it)."""
+        return {IN_FLIGHT_METRIC: float(await asyncio.to_thread(self.worker.num_in_flight))}
+
+    def describe(self) -> DirectoryEntry:
+        return self.entry
+
+    async def __del__(self) -> None:
+        """Serve's graceful shutdown (scale-down, redeploy, delete): drain, give the lease
+        back, stop the worker server. The lease is kept while draining: releasing it makes
+        the routers drop the worker and close their channels, which would break its streams."""
+        lease = getattr(self, "_lease", None)
+        if lease is None:
+            return
+        left = await asyncio.to_thread(self.worker.drain, self.settings.drain_timeout_s)
+        if left:
+            log.warning("worker %s: %d calls still running after the %.0f s drain timeout", self.worker_id,
+                        left, self.settings.drain_timeout_s)
+        lease.cancel()
+        try:
+            await asyncio.wait_for(self.directory.release.remote(self.worker_id), 1)
+        except Exception as exc:  # noqa: BLE001 - best effort: the lease expires anyway
+            log.warning("worker %s: directory release failed: %r", self.worker_id, exc)
+        await asyncio.to_thread(self.worker.stop)

@@ -1,0 +1,133 @@
+"""Chaos under load: a decode worker killed, a prefill worker killed mid-transfer, a decode
+worker stopped with SIGTERM. Every request completes, token for token as without the fault,
+and every surviving worker returns to idle (no block, reservation or held prefill left).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import time
+from dataclasses import replace
+
+from splitserve.testing.cluster import wait_idle
+
+from .conftest import MODEL_NAME, expected_outputs, make_jobs, run_load, wait_progress
+
+FRONTEND = ["--router", "round-robin", "--served-model-name", MODEL_NAME]
+DECODE = ["--remote-prefill-threshold", "64", "--prefill-timeout", "20"]
+
+
+def _report(name: str, outcomes, expected, leaked: int, front) -> None:
+    completed = sum(o.completed for o in outcomes)
+    exact = sum(o.completed and o.token_ids == want for o, want in zip(outcomes, expected))
+    migrated = front.metric("splitserve_migrations_total", outcome="migrated")
+    retried = front.metric("splitserve_migrations_total", outcome="retried")
+    print(f"\n[chaos] {name}: requests={len(outcomes)} completed={completed} token_exact={exact} "
+          f"leaked_blocks={leaked} migrated={migrated:.0f} retried={retried:.0f}")
+
+
+def _leaked_blocks(workers, timeout: float = 2.0) -> int:
+    """KV blocks still held on `workers` once they had `timeout` seconds to settle."""
+    try:
+        wait_idle(workers, timeout)
+    except AssertionError:
+        pass
+    return sum(w.stats().num_used_kv_blocks for w in workers)
+
+
+def _assert_all_exact(outcomes, expected, jobs, front) -> None:
+    errors = [(i, o.error) for i, o in enumerate(outcomes) if not o.completed]
+    assert not errors, (errors, front.proc.tail(80))
+    wrong = [i for i, (o, want) in enumerate(zip(outcomes, expected)) if o.token_ids != want]
+    assert not wrong, [(i, outcomes[i].token_ids, expected[i]) for i in wrong[:3]]
+    for o, j in zip(outcomes, jobs):
+        assert (o.prompt_tokens, o.completion_tokens) == (len(j.prompt), j.max_tokens)
+        assert o.finish_reason == "length"
+
+
+def test_sigkill_decode_worker_mid_stream_migrates_32_streams(cluster, llama_dir):
+    """32 SSE streams (4 of them seeded sampling), plus 4 whole HTTP and 4 public gRPC requests."""
+    streams = make_jobs(32, seed=1, min_len=20, max_len=120, max_tokens=40, num_seeded=4)
+    others = make_jobs(8, seed=11, min_len=20, max_len=120, max_tokens=40)
+    jobs = streams + [replace(j, api="whole" if i < 4 else "grpc") for i, j in enumerate(others)]
+    expected = expected_outputs(llama_dir, jobs)
+    p0 = cluster.start_worker("p0", "prefill")
+    d0 = cluster.start_worker("d0", "decode", *DECODE)
+    d1 = cluster.start_worker("d1", "decode", *DECODE)
+    cluster.wait_workers()
+    front = cluster.start_frontend(*FRONTEND)
+    cluster.wait_frontend(front)
+    served_by_d0 = {}
+
+    async def kill_d0(progress):
+        await wait_progress(progress, 3, num_streams=len(streams))
+        served_by_d0["n"] = d0.stats().num_running
+        d0.proc.process.send_signal(signal.SIGKILL)
+
+    outcomes = asyncio.run(run_load(front.openai_url, jobs, kill_d0,
+                                    grpc_address=f"127.0.0.1:{front.grpc_port}"))
+    assert d0.proc.process.wait(10) == -signal.SIGKILL
+    _report("SIGKILL decode worker", outcomes, expected, _leaked_blocks([p0, d1]), front)
+    _assert_all_exact(outcomes, expected, jobs, front)
+    migrated = front.metric("splitserve_migrations_total", outcome="migrated")
+    assert served_by_d0["n"] > 0 and migrated >= 1, (served_by_d0, migrated)
+    assert front.metric("splitserve_migrations_total", outcome="refused_limit") == 0
+    wait_idle([p0, d1], timeout=2.0)
+
+
+def test_sigkill_prefill_worker_mid_transfer_leaks_nothing(cluster, llama_dir):
+    jobs = make_jobs(16, seed=2, min_len=300, max_len=500, max_tokens=8)
+    expected = expected_outputs(llama_dir, jobs)
+    p0 = cluster.start_worker("p0", "prefill", "--max-num-batched-tokens", "256")
+    p1 = cluster.start_worker("p1", "prefill", "--max-num-batched-tokens", "256")
+    d0 = cluster.start_worker("d0", "decode", *DECODE)
+    d1 = cluster.start_worker("d1", "decode", *DECODE)
+    cluster.wait_workers()
+    front = cluster.start_frontend(*FRONTEND)
+    cluster.wait_frontend(front)
+
+    async def kill_p0_while_prefilling(progress):
+        deadline = time.monotonic() + 30
+        while p0.stats().num_running == 0:      # p0 is computing (and pushing) a prompt now
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.005)
+        p0.proc.process.send_signal(signal.SIGKILL)
+
+    outcomes = asyncio.run(run_load(front.openai_url, jobs, kill_p0_while_prefilling))
+    p0.proc.process.wait(10)
+    _report("SIGKILL prefill worker", outcomes, expected, _leaked_blocks([d0, d1]), front)
+    _assert_all_exact(outcomes, expected, jobs, front)
+    wait_idle([p1, d0, d1], timeout=2.0)
+    retried = sum(w.stats().num_prefill_retries + w.stats().num_prefill_fallbacks for w in (d0, d1))
+    assert retried >= 1
+
+
+def test_sigterm_decode_worker_drains_migrates_and_deregisters(cluster, llama_dir, etcd):
+    """d0 gets SIGTERM with a 1 s drain timeout while it serves long streams: it stops
+    admitting, the streams it cannot finish in time are migrated to d1, it revokes its etcd
+    lease (the router drops it) and exits 0."""
+    jobs = make_jobs(16, seed=3, min_len=20, max_len=60, max_tokens=200)
+    expected = expected_outputs(llama_dir, jobs)
+    reg = ["--etcd", etcd.endpoint, "--etcd-ttl", "5"]
+    p0 = cluster.start_worker("p0", "prefill", *reg)
+    d0 = cluster.start_worker("d0", "decode", *DECODE, *reg, "--drain-timeout", "1")
+    d1 = cluster.start_worker("d1", "decode", *DECODE, *reg)
+    cluster.wait_workers()
+    front = cluster.start_frontend(*FRONTEND, "--etcd", etcd.endpoint, workers=[])
+    cluster.wait_frontend(front, num_workers=3)
+
+    async def sigterm_d0(progress):
+        await wait_progress(progress, 3)
+        d0.proc.process.send_signal(signal.SIGTERM)
+
+    outcomes = asyncio.run(run_load(front.openai_url, jobs, sigterm_d0))
+    assert d0.proc.process.wait(20) == 0, d0.proc.tail()
+    _report("SIGTERM decode worker", outcomes, expected, _leaked_blocks([p0, d1]), front)
+    _assert_all_exact(outcomes, expected, jobs, front)
+    assert front.metric("splitserve_migrations_total", outcome="migrated") >= 1, d0.proc.tail()
+    deadline = time.monotonic() + 5
+    while 'splitserve_router_index_blocks{worker="d0"}' in front.metrics():   # deregistered: dropped
+        assert time.monotonic() < deadline, "d0 is still known to the router"
+        time.sleep(0.1)
+    wait_idle([p0, d1], timeout=2.0)

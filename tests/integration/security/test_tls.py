@@ -1,0 +1,133 @@
+"""TLS for clients and mutual TLS between the frontend and the worker, with real processes.
+
+A CA made for the module signs the worker's certificate, the frontend's public
+certificate and the certificate the frontend presents to the worker; a second,
+unrelated CA signs an impostor's. The worker requires client certificates.
+
+- The official openai client over HTTPS (trusting the CA) is served; plain HTTP
+  to that port and HTTPS without trusting the CA fail.
+- The public gRPC port speaks TLS: a channel trusting the CA is served, an
+  insecure one is not.
+- The worker refuses plaintext, TLS without a client certificate, and a client
+  certificate from another CA; a frontend without a client certificate (or with
+  plaintext) never becomes ready.
+"""
+
+from __future__ import annotations
+
+import ssl
+import time
+
+import grpc
+import httpx
+import openai
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from splitserve.services.tls import TlsConfig
+from splitserve.testing.certs import TestCA
+from splitserve.testing.stack import Stack
+
+from .conftest import grpc_generate
+
+
+@pytest.fixture(scope="module")
+def pki(ca, tmp_path_factory):
+    rogue = TestCA(tmp_path_factory.mktemp("rogue-pki"), name="rogue CA")
+    return {"ca": ca, "worker": ca.issue("worker"), "public": ca.issue("frontend"),
+            "client": ca.issue("frontend-client"), "rogue": rogue.issue("impostor")}
+
+
+@pytest.fixture(scope="module")
+def stack(llama_dir, pki):
+    ca = pki["ca"].ca_path
+    stack = Stack(llama_dir)
+    try:
+        stack.start_worker("--tls-cert", str(pki["worker"].cert), "--tls-key", str(pki["worker"].key),
+                           "--tls-ca", str(ca))
+        good = stack.start_frontend("--tls-cert", str(pki["public"].cert), "--tls-key", str(pki["public"].key),
+                                    "--tls-ca", str(ca), "--tls-client-cert", str(pki["client"].cert),
+                                    "--tls-client-key", str(pki["client"].key), https_ca=ca)
+        no_client_cert = stack.start_frontend("--tls-ca", str(ca), wait=False)
+        plaintext = stack.start_frontend(wait=False)
+        for front in (no_client_cert, plaintext):      # up (its HTTP answers), though never ready
+            deadline = time.monotonic() + 120
+            while front.get("/health")[0] != 200:
+                assert time.monotonic() < deadline and front.proc.alive(), front.proc.output[-2000:]
+                time.sleep(0.1)
+        yield stack, {"good": good, "no_client_cert": no_client_cert, "plaintext": plaintext}
+    finally:
+        codes = stack.close()
+    assert codes == [0] * 4, stack.outputs()[-3000:]
+    assert "Traceback" not in stack.outputs(), stack.outputs()[-6000:]
+
+
+@pytest.fixture(scope="module")
+def fronts(stack):
+    return stack[1]
+
+
+@pytest.fixture(scope="module")
+def model_name(fronts, pki):
+    verify = ssl.create_default_context(cafile=str(pki["ca"].ca_path))
+    return httpx.get(f"{fronts['good'].openai_url}/models", verify=verify).json()["data"][0]["id"]
+
+
+def test_openai_client_over_https(fronts, pki, model_name):
+    verify = ssl.create_default_context(cafile=str(pki["ca"].ca_path))
+    with httpx.Client(verify=verify) as http:
+        client = openai.OpenAI(base_url=fronts["good"].openai_url, api_key="unused", http_client=http,
+                               max_retries=0, timeout=60)
+        out = client.completions.create(model=model_name, prompt="Hello", max_tokens=3)
+        assert out.usage.completion_tokens == 3
+        chunks = list(client.chat.completions.create(model=model_name, max_tokens=3, stream=True,
+                                                     messages=[{"role": "user", "content": "Hi"}]))
+        assert chunks and chunks[-1].choices[0].finish_reason == "length"
+
+
+def test_plain_http_and_untrusted_https_fail(fronts):
+    port = fronts["good"].port
+    with pytest.raises(httpx.TransportError):
+        httpx.get(f"http://127.0.0.1:{port}/health", timeout=5)
+    with pytest.raises(httpx.ConnectError, match="CERTIFICATE_VERIFY_FAILED"):
+        httpx.get(f"https://127.0.0.1:{port}/health", timeout=5)        # the system roots do not know our CA
+
+
+def test_public_grpc_speaks_tls(fronts, pki, model_name):
+    address = fronts["good"].grpc_address
+    with TlsConfig(ca=str(pki["ca"].ca_path)).channel(address) as channel:
+        assert grpc_generate(channel, model_name)
+    with grpc.insecure_channel(address) as channel:
+        with pytest.raises(grpc.RpcError) as info:
+            grpc_generate(channel, model_name, timeout=5)
+        assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+
+
+def _health(tls: TlsConfig, address: str) -> grpc.StatusCode | int:
+    with tls.channel(address) as channel:
+        try:
+            return health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5).status
+        except grpc.RpcError as exc:
+            return exc.code()
+
+
+def test_worker_requires_a_client_certificate_from_the_ca(stack, pki):
+    address, ca = stack[0].worker_address, str(pki["ca"].ca_path)
+    serving = health_pb2.HealthCheckResponse.SERVING
+    assert _health(TlsConfig(cert=str(pki["client"].cert), key=str(pki["client"].key), ca=ca), address) == serving
+    assert _health(TlsConfig(), address) == grpc.StatusCode.UNAVAILABLE                     # plaintext
+    assert _health(TlsConfig(ca=ca), address) == grpc.StatusCode.UNAVAILABLE                # no client cert
+    impostor = TlsConfig(cert=str(pki["rogue"].cert), key=str(pki["rogue"].key), ca=ca)
+    assert _health(impostor, address) == grpc.StatusCode.UNAVAILABLE                       # another CA's cert
+
+
+def test_frontend_without_a_client_certificate_is_refused(fronts):
+    deadline = time.monotonic() + 5      # the good frontend became ready in less than this
+    while time.monotonic() < deadline:
+        for name in ("no_client_cert", "plaintext"):
+            assert fronts[name].get("/ready")[0] == 503, name
+            assert fronts[name].proc.alive(), fronts[name].proc.output[-2000:]
+        time.sleep(0.5)
+    reply = httpx.post(f"{fronts['plaintext'].openai_url}/completions",
+                       json={"model": "any", "prompt": "Hi", "max_tokens": 2})
+    assert reply.status_code == 503 and reply.json()["error"]["type"] == "service_unavailable"

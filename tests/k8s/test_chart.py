@@ -1,0 +1,238 @@
+"""The Helm chart deploy/helm/splitserve with the real helm binary and apiserver.
+
+- `helm lint --strict` is clean, with default values and with every option on;
+- `helm template` output is valid against the Kubernetes 1.37 schemas
+  (kubernetes-validate, strict: unknown fields are errors). Objects of custom
+  kinds have no schema there and are routed: ServingDeployment to the real
+  apiserver (server-side dry run against the chart's CRD), ServiceMonitor
+  (third-party CRD, not installed here) to a structural check;
+- values.schema.json rejects bad values, and helm says which field;
+- `helm install` into the real control plane creates every rendered object,
+  the operator's ServiceAccount has exactly the RBAC it needs, and
+  `helm uninstall` removes them again.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+
+import kubernetes_validate
+import pytest
+import yaml
+
+from cluster import wait_until
+from controlplane import KubeCluster
+
+CHART = Path(__file__).resolve().parents[2] / "deploy" / "helm" / "splitserve"
+CRD_FILE = CHART / "crds" / "servingdeployments.splitserve.io.yaml"
+K8S_SCHEMA_VERSION = "1.37.0"      # kubernetes-validate's schemas for the cluster's minor
+KUBE_VERSION = "v1.37.2"           # what build-control-plane.sh builds
+CUSTOM_KINDS = {"ServingDeployment", "ServiceMonitor"}
+
+ALL_OPTIONS = {
+    "commonLabels": {"team": "inference"},
+    "image": {"repository": "registry.example/splitserve", "tag": "0.1.0-test", "pullPolicy": "Always"},
+    "imagePullSecrets": [{"name": "regcred"}],
+    "operator": {"replicas": 2, "watchNamespaces": ["team-a", "team-b"], "logLevel": "debug",
+                 "extraArgs": ["--verbose"], "extraEnv": [{"name": "EXTRA", "value": "1"}],
+                 "nodeSelector": {"node-role": "system"},
+                 "tolerations": [{"key": "system", "operator": "Exists", "effect": "NoSchedule"}],
+                 "podAnnotations": {"example.com/note": "x"},
+                 "serviceAccount": {"annotations": {"example.com/role": "operator"}}},
+    "etcd": {"persistence": {"enabled": True, "size": "2Gi", "storageClass": "fast"}},
+    "networkPolicy": {"frontendFrom": [{"namespaceSelector": {"matchLabels": {"ingress": "true"}}}],
+                      "workerPeerPorts": [29500, 40000]},
+    "monitoring": {"serviceMonitor": {"enabled": True, "labels": {"release": "prom"}}},
+    "tls": {"enabled": True, "secretName": "splitserve-tls"},
+    "sample": {"enabled": True, "name": "demo"},
+}
+
+
+def _helm_template(bin_dir: Path, tmp_path: Path, values: dict | None = None, *extra: str,
+                   check: bool = True) -> subprocess.CompletedProcess:
+    argv = [str(bin_dir / "helm"), "template", "rel", str(CHART), "--namespace", "splitserve",
+            "--include-crds", "--kube-version", KUBE_VERSION, *extra]
+    if values is not None:
+        path = tmp_path / "values.yaml"
+        path.write_text(yaml.safe_dump(values))
+        argv += ["-f", str(path)]
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=60,
+                          env={"HOME": str(tmp_path), "PATH": "/usr/bin:/bin"})
+    if check and proc.returncode != 0:
+        raise AssertionError(f"helm template failed:\n{proc.stderr}")
+    return proc
+
+
+def _documents(text: str) -> list[dict]:
+    return [d for d in yaml.safe_load_all(text) if d]
+
+
+def _validate_all(docs: list[dict]) -> list[dict]:
+    """Validate built-in kinds strictly; return the custom-kind objects for routing."""
+    routed = []
+    for doc in docs:
+        if doc["kind"] in CUSTOM_KINDS:
+            routed.append(doc)
+            continue
+        try:
+            kubernetes_validate.validate(doc, K8S_SCHEMA_VERSION, strict=True)
+        except kubernetes_validate.ValidationError as e:
+            raise AssertionError(f"{doc['kind']}/{doc['metadata']['name']}: {e.message} at "
+                                 f"{'.'.join(str(p) for p in e.path)}") from e
+    return routed
+
+
+def _summary(docs: list[dict]) -> list[str]:
+    return sorted(f"{d['kind']}/{d['metadata'].get('namespace', '-')}/{d['metadata']['name']}" for d in docs)
+
+
+def test_lint_is_clean_with_default_and_all_options(k8s_bin_dir: Path, tmp_path: Path):
+    helm = str(k8s_bin_dir / "helm")
+    values = tmp_path / "all.yaml"
+    values.write_text(yaml.safe_dump(ALL_OPTIONS))
+    env = {"HOME": str(tmp_path), "PATH": "/usr/bin:/bin"}
+    for extra in ([], ["-f", str(values)]):
+        proc = subprocess.run([helm, "lint", "--strict", str(CHART), "--kube-version", KUBE_VERSION, *extra],
+                              capture_output=True, text=True, timeout=60, env=env)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        assert "1 chart(s) linted, 0 chart(s) failed" in proc.stdout
+        assert "[WARNING]" not in proc.stdout and "[ERROR]" not in proc.stdout, proc.stdout
+
+
+def test_default_render_is_valid_kubernetes(k8s_bin_dir: Path, tmp_path: Path):
+    docs = _documents(_helm_template(k8s_bin_dir, tmp_path).stdout)
+    routed = _validate_all(docs)
+    assert routed == []
+    kinds = sorted(d["kind"] for d in docs)
+    print("\n".join(_summary(docs)))
+    assert kinds.count("NetworkPolicy") == 4
+    assert {"CustomResourceDefinition", "ServiceAccount", "ClusterRole", "ClusterRoleBinding", "Role",
+            "RoleBinding", "Deployment", "StatefulSet", "Service", "ConfigMap"} <= set(kinds)
+    # Standard labels everywhere; never user labels in selectors.
+    for d in docs:
+        if d["kind"] == "CustomResourceDefinition":
+            continue
+        labels = d["metadata"]["labels"]
+        for key in ("app.kubernetes.io/name", "app.kubernetes.io/instance", "app.kubernetes.io/managed-by",
+                    "app.kubernetes.io/version", "app.kubernetes.io/component", "helm.sh/chart"):
+            assert key in labels, (d["kind"], d["metadata"]["name"], key)
+    dashboard = next(d for d in docs if d["kind"] == "ConfigMap")
+    panels = {p["title"] for p in json.loads(dashboard["data"]["splitserve.json"])["panels"]}
+    assert {"Time to first token", "Inter-token latency", "End-to-end request latency", "Requests by status",
+            "KV cache usage", "KV transfer bytes"} <= panels
+
+
+def test_all_options_render_is_valid_kubernetes(k8s_bin_dir: Path, tmp_path: Path, kube_cluster: KubeCluster,
+                                                k8s_namespace: str):
+    proc = _helm_template(k8s_bin_dir, tmp_path, ALL_OPTIONS,
+                          "--api-versions", "monitoring.coreos.com/v1/ServiceMonitor")
+    docs = _documents(proc.stdout)
+    routed = _validate_all(docs)
+    print("\n".join(_summary(docs)))
+    assert sorted(d["kind"] for d in routed) == ["ServiceMonitor", "ServingDeployment"]
+    # Roles per watched namespace instead of a cluster-wide workload ClusterRole.
+    roles = {(d["metadata"].get("namespace"), d["metadata"]["name"]) for d in docs if d["kind"] == "Role"}
+    assert {ns for ns, _ in roles} == {"team-a", "team-b", "splitserve"}
+    operator = next(d for d in docs if d["kind"] == "Deployment")
+    pod = operator["spec"]["template"]["spec"]
+    assert pod["volumes"][-1] == {"name": "tls", "secret": {"secretName": "splitserve-tls"}}
+    monitor = next(d for d in routed if d["kind"] == "ServiceMonitor")
+    assert monitor["spec"]["selector"] == {"matchLabels": {"splitserve.io/role": "frontend"}}
+    assert monitor["spec"]["endpoints"][0]["port"] == "http"
+    assert monitor["metadata"]["labels"]["release"] == "prom"
+    # The sample ServingDeployment is checked by the real apiserver against the chart's CRD.
+    sample = next(d for d in routed if d["kind"] == "ServingDeployment")
+    kube_cluster.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(CRD_FILE))
+    kube_cluster.kubectl("wait", "--for=condition=Established", "--timeout=30s",
+                         "crd/servingdeployments.splitserve.io")
+    sample["metadata"]["namespace"] = k8s_namespace
+    kube_cluster.kubectl("create", "--dry-run=server", "-o", "name", "-f", "-", input=yaml.safe_dump(sample))
+
+
+def test_external_etcd_replaces_the_statefulset(k8s_bin_dir: Path, tmp_path: Path):
+    endpoints = ["https://etcd-0.example:2379", "https://etcd-1.example:2379"]
+    docs = _documents(_helm_template(k8s_bin_dir, tmp_path, {"etcd": {"external": {"endpoints": endpoints}}}).stdout)
+    assert _validate_all(docs) == []
+    assert "StatefulSet" not in {d["kind"] for d in docs}
+    assert not [d for d in docs if d["metadata"]["name"].endswith("-etcd")]
+    operator = next(d for d in docs if d["kind"] == "Deployment")
+    env = {e["name"]: e.get("value") for e in operator["spec"]["template"]["spec"]["containers"][0]["env"]}
+    assert env["SPLITSERVE_ETCD"] == ",".join(endpoints)
+
+
+def test_service_monitor_needs_its_api(k8s_bin_dir: Path, tmp_path: Path):
+    docs = _documents(_helm_template(k8s_bin_dir, tmp_path, {"monitoring": {"serviceMonitor": {"enabled": True}}}).stdout)
+    assert "ServiceMonitor" not in {d["kind"] for d in docs}
+
+
+@pytest.mark.parametrize("flag, message", [
+    ("operator.replicas=-1", "at '/operator/replicas': minimum: got -1, want 0"),
+    ("image.pullPolicy=Sometimes", "at '/image/pullPolicy'"),
+    ("etcd.external.endpoints={etcd:2379}", "at '/etcd/external/endpoints/0'"),
+    ("networkPolicy.workerGrpcPort=70000", "at '/networkPolicy/workerGrpcPort': maximum"),
+    ("operatr.replicas=1", "additional properties 'operatr' not allowed"),
+    ("tls.enabled=true", "at '/tls/secretName': minLength"),
+    ("sample.name=Not_A_Name", "at '/sample/name'"),
+])
+def test_schema_rejects_bad_values(k8s_bin_dir: Path, tmp_path: Path, flag: str, message: str):
+    proc = _helm_template(k8s_bin_dir, tmp_path, None, "--set", flag, check=False)
+    assert proc.returncode != 0, proc.stdout[:500]
+    assert "values don't meet the specifications of the schema" in proc.stderr, proc.stderr
+    assert message in proc.stderr, proc.stderr
+
+
+def _exists(cluster: KubeCluster, doc: dict) -> bool:
+    kind, meta = doc["kind"], doc["metadata"]
+    args = ["get", kind, meta["name"], "--ignore-not-found", "-o", "name"]
+    if meta.get("namespace"):
+        args += ["-n", meta["namespace"]]
+    return bool(cluster.kubectl(*args).stdout.strip())
+
+
+# (verb, resource, subresource or "", expected) as `kubectl auth can-i` sees the operator's ServiceAccount.
+RBAC_EXPECTATIONS = [
+    ("create", "pods", "binding", True), ("patch", "pods", "status", True), ("update", "pods", "status", False),
+    ("delete", "pods", "", True), ("update", "pods", "", False), ("watch", "nodes", "", True),
+    ("patch", "nodes", "", False), ("delete", "nodes", "", False),
+    ("create", "deployments.apps", "", True), ("create", "statefulsets.apps", "", False),
+    ("patch", "servingdeployments.splitserve.io", "status", True),
+    ("update", "servingdeployments.splitserve.io", "scale", True),
+    ("create", "servingdeployments.splitserve.io", "", False),
+    ("create", "servingpools.splitserve.io", "", True), ("delete", "servingpools.splitserve.io", "", False),
+    ("patch", "servingpools.splitserve.io", "status", True),
+    ("delete", "servingdeployments.splitserve.io", "", False),
+    ("list", "customresourcedefinitions.apiextensions.k8s.io", "", True),
+    ("create", "customresourcedefinitions.apiextensions.k8s.io", "", False),
+    ("get", "secrets", "", False), ("create", "events", "", True), ("create", "events.events.k8s.io", "", True),
+    ("delete", "events", "", False), ("update", "leases.coordination.k8s.io", "", True),
+    ("delete", "leases.coordination.k8s.io", "", False),
+]
+
+
+def test_install_creates_objects_and_uninstall_removes_them(kube_cluster: KubeCluster, k8s_namespace: str,
+                                                            tmp_path: Path):
+    ns, release = k8s_namespace, "ss"
+    values = {"sample": {"enabled": True, "name": "sample"}}
+    (tmp_path / "v.yaml").write_text(yaml.safe_dump(values))
+    kube_cluster.helm("install", release, str(CHART), "-n", ns, "-f", str(tmp_path / "v.yaml"), timeout=180)
+    manifest = _documents(kube_cluster.helm("get", "manifest", release, "-n", ns).stdout)
+    print("\n".join(_summary(manifest)))
+    assert len(manifest) >= 15
+    for doc in manifest:
+        assert _exists(kube_cluster, doc), f"{doc['kind']}/{doc['metadata']['name']} not created"
+    assert _exists(kube_cluster, {"kind": "crd", "metadata": {"name": "servingdeployments.splitserve.io"}})
+
+    sa = f"system:serviceaccount:{ns}:{release}-splitserve-operator"
+    for verb, resource, sub, expected in RBAC_EXPECTATIONS:
+        args = ["auth", "can-i", verb, resource, f"--as={sa}", "-n", ns]
+        if sub:
+            args.append(f"--subresource={sub}")
+        answer = kube_cluster.kubectl(*args, check=False).stdout.strip()
+        assert answer == ("yes" if expected else "no"), (verb, resource, sub, answer)
+
+    kube_cluster.helm("uninstall", release, "-n", ns, "--wait", "--timeout", "60s", timeout=120)
+    for doc in manifest:
+        wait_until(lambda: not _exists(kube_cluster, doc), timeout=30,
+                   what=f"{doc['kind']}/{doc['metadata']['name']} to be deleted")

@@ -1,0 +1,94 @@
+"""Migration bookkeeping: the next worker call, when migration is refused, and stop strings
+judged by the frontend across a migration (the new worker sees only its own tokens)."""
+
+from __future__ import annotations
+
+import pytest
+
+from splitserve.proto.v1 import worker_pb2
+from splitserve.services.engine.model_source import open_checkpoint
+from splitserve.services.engine.sampling_params import SamplingParams
+from splitserve.services.engine.stop_checker import StopChecker
+from splitserve.services.engine.tokenizer import Tokenizer
+from splitserve.services.frontend.lifecycle import Frontend, GenerationRequest, _Refused, _Run
+from splitserve.services.frontend.metrics import FrontendMetrics
+from splitserve.services.frontend.migration import MigrationPolicy, Progress, Refusal
+from splitserve.services.frontend.routing import RoundRobinRouter
+from splitserve.services.frontend.workers import WorkerPool
+from splitserve.services.worker.convert import params_from_proto
+
+PROMPT = [1, 415, 2936, 9060]
+
+
+def test_next_worker_call_carries_forwarded_tokens_budget_and_draws():
+    greedy = Progress("r", PROMPT, SamplingParams(max_tokens=10))
+    assert greedy.worker_request().request_id == "r"
+    greedy.token_ids += [7, 8, 9]
+    greedy.num_migrations = 1
+    call = greedy.worker_request()
+    assert call.request_id == "r.m1" and list(call.token_ids) == PROMPT + [7, 8, 9]
+    params = params_from_proto(call.params)
+    assert params.max_tokens == 7 and params.num_prior_draws == 0
+    seeded = Progress("s", PROMPT, SamplingParams(max_tokens=10, temperature=0.7, seed=3), token_ids=[5, 6])
+    params = params_from_proto(seeded.worker_request().params)
+    assert (params.seed, params.num_prior_draws, params.max_tokens) == (3, 2, 8)
+
+
+def test_refusals():
+    p = Progress("r", PROMPT, SamplingParams(max_tokens=10), token_ids=[5])
+    assert MigrationPolicy(0).refusal(p, 100) is Refusal.DISABLED
+    assert MigrationPolicy(2).refusal(p, 100) is None
+    p.num_migrations = 2
+    assert MigrationPolicy(2).refusal(p, 100) is Refusal.LIMIT
+    p.num_migrations = 0
+    assert MigrationPolicy(2).refusal(p, len(PROMPT) + 1) is Refusal.CONTEXT_FULL
+
+
+@pytest.fixture(scope="module")
+def frontend(llama_dir):
+    pool = WorkerPool()
+    return Frontend(Tokenizer(open_checkpoint(str(llama_dir))), pool, RoundRobinRouter(pool), FrontendMetrics())
+
+
+def _resp(token_ids, finished=False):
+    return worker_pb2.TokenGenerateResponse(token_ids=token_ids, finished=finished, num_prompt_tokens=99)
+
+
+def test_a_stop_string_spanning_the_migration_point_is_cut(frontend):
+    tok = frontend.tokenizer
+    output = tok.encode("The river flows into the sea near the old town", add_special_tokens=False)
+    cut = 5                                   # tokens forwarded before the worker died
+    text = tok.decode(output)
+    # A stop string that starts in the forwarded tokens and ends in the next worker's.
+    before, after = tok.decode(output[:cut]), tok.decode(output[:cut + 2])
+    stop = text[len(before) - 3:len(after)]
+    assert stop and len(before) - 3 > 0
+    params = SamplingParams(max_tokens=40, stop=[stop])
+    req = GenerationRequest("r", "completions", PROMPT, params)
+    progress = Progress("r", PROMPT, params)
+    run = _Run(StopChecker(tok, params, set()))
+    shown = frontend._delta(req, progress, run, _resp(output[:cut]), "r").text
+    progress.num_migrations = 1           # the first worker's stream broke here
+    # The new worker does not know the stop string began earlier: it keeps going.
+    last = frontend._delta(req, progress, run, _resp(output[cut:]), "r.m1")
+    assert last.finish_reason == "stop"
+    assert shown + last.text == text[:text.index(stop)]
+    assert progress.token_ids == output[:cut + 2] and last.token_ids == output[cut:cut + 2]
+    assert (last.num_prompt_tokens, last.num_output_tokens) == (len(PROMPT), cut + 2)
+
+
+def test_a_refused_migration_is_a_503_and_is_counted(llama_dir):
+    pool = WorkerPool()
+    fe = Frontend(Tokenizer(open_checkpoint(str(llama_dir))), pool, RoundRobinRouter(pool), FrontendMetrics(),
+                  migration=MigrationPolicy(0))
+    req = GenerationRequest("r", "chat", PROMPT, SamplingParams(max_tokens=10))
+    progress = Progress("r", PROMPT, req.params, token_ids=[5, 6])
+    with pytest.raises(_Refused) as info:
+        fe._migrate(req, progress, "UNAVAILABLE: Socket closed", "d0")
+    assert info.value.reason == "disabled" and info.value.error.status == 503
+    assert "Socket closed" in info.value.error.message and "--migration-limit 0" in info.value.error.message
+    assert progress.failed_worker_ids == {"d0"} and progress.num_migrations == 0
+    assert fe.metrics.registry.get_sample_value("splitserve_migrations_total", {"outcome": "refused_disabled"}) == 1
+    with pytest.raises(_Refused) as info:          # no decode worker left to move it to
+        fe._route(req, Progress("r", PROMPT, req.params, num_migrations=1))
+    assert info.value.reason == "no_worker"

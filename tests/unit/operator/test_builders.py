@@ -1,0 +1,72 @@
+"""Pure builders: worker pods carry rank, world size, leader, scheduler; children are owned."""
+
+from __future__ import annotations
+
+import yaml
+
+from splitserve.operator import builders, names
+from splitserve.operator.builders import Owner
+from splitserve.operator.spec import ServingDeploymentSpec
+
+OWNER = Owner("llm", "prod", "uid-7")
+SPEC = ServingDeploymentSpec.from_dict({
+    "model": {"source": "smollm2"},
+    "prefill": {"tensorParallel": 2, "pipelineParallel": 2, "gpusPerRank": 2,
+                "topology": {"mode": "same-label", "labelKey": "zone"}},
+})
+
+
+def env(pod):
+    return {e["name"]: e.get("value") for e in pod["spec"]["containers"][0]["env"]}
+
+
+def test_group_pods_carry_rank_world_size_and_leader():
+    pods = builders.build_group_pods(OWNER, SPEC, "prefill", "llm-prefill-abc12")
+    assert [p["metadata"]["name"] for p in pods] == [f"llm-prefill-abc12-{r}" for r in range(4)]
+    leader = "llm-prefill-abc12-0.llm-workers.prod.svc.cluster.local"
+    for rank, pod in enumerate(pods):
+        meta, spec = pod["metadata"], pod["spec"]
+        assert meta["labels"][names.LABEL_RANK] == str(rank)
+        assert meta["labels"][names.LABEL_GROUP] == "llm-prefill-abc12"
+        assert meta["labels"][names.LABEL_ROLE] == "prefill"
+        assert meta["labels"][names.LABEL_DEPLOYMENT] == "llm"
+        assert meta["annotations"][names.ANN_GROUP_SIZE] == "4"
+        assert meta["annotations"][names.ANN_TOPOLOGY] == "same-label=zone"
+        assert meta["ownerReferences"][0]["uid"] == "uid-7" and meta["ownerReferences"][0]["controller"]
+        assert spec["schedulerName"] == "splitserve-gang" and spec["restartPolicy"] == "Never"
+        assert spec["subdomain"] == "llm-workers" and spec["hostname"] == meta["name"]
+        e = env(pod)
+        assert e["SPLITSERVE_RANK"] == str(rank) and e["SPLITSERVE_WORLD_SIZE"] == "4"
+        assert e["SPLITSERVE_LEADER_ADDRESS"] == f"{leader}:{names.DIST_PORT}"
+        container = pod["spec"]["containers"][0]
+        assert container["resources"]["requests"][names.GPU_RESOURCE] == "2"
+        assert ("readinessProbe" in container) == (rank == 0)
+    probe = pods[0]["spec"]["containers"][0]["readinessProbe"]["exec"]["command"]
+    assert probe[:3] == ["python", "-m", "splitserve.operator.probe"]
+
+
+def test_spec_hash_ignores_replicas_but_not_image():
+    scaled = ServingDeploymentSpec.from_dict({**SPEC.to_dict(), "prefill": {**SPEC.prefill.to_dict(), "replicas": 5}})
+    assert builders.pool_spec_hash(scaled, "prefill") == builders.pool_spec_hash(SPEC, "prefill")
+    moved = ServingDeploymentSpec.from_dict({**SPEC.to_dict(), "image": "x:2"})
+    assert builders.pool_spec_hash(moved, "prefill") != builders.pool_spec_hash(SPEC, "prefill")
+
+
+def test_frontend_and_config_map():
+    deployment = builders.build_frontend_deployment(OWNER, SPEC)
+    args = deployment["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert args[:2] == ["splitserve", "frontend"] and "--router" in args and "kv" in args
+    labels = deployment["spec"]["template"]["metadata"]["labels"]
+    assert all(labels[k] == v for k, v in deployment["spec"]["selector"]["matchLabels"].items())
+    service = builders.build_frontend_service(OWNER, SPEC)
+    assert service["spec"]["type"] == "ClusterIP" and service["spec"]["ports"][0]["port"] == 8000
+    config = builders.build_config_map(OWNER, SPEC, "etcd:2379")
+    document = yaml.safe_load(config["data"]["servingdeployment.yaml"])
+    assert ServingDeploymentSpec.from_resource(document) == SPEC
+    assert config["data"]["etcd"] == "etcd:2379"
+
+
+def test_long_names_are_truncated_uniquely():
+    a, b = names.truncate("x" * 80 + "a"), names.truncate("x" * 80 + "b")
+    assert len(a) == len(b) == 63 and a != b
+    assert len(names.new_group_name("y" * 70, "prefill")) <= 60

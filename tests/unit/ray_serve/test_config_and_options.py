@@ -1,0 +1,147 @@
+"""ServingDeployment spec -> RayServeConfig -> Ray Serve deployment options, without Ray."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+import yaml
+
+from splitserve.errors import SplitserveError
+from splitserve.services.ray_serve.app import deployment_options
+from splitserve.services.ray_serve.config import (config_from_args, config_from_spec, parse_cpu, parse_memory,
+                                                  read_spec)
+from splitserve.services.ray_serve.settings import EngineSettings
+
+SPEC = {
+    "model": {"source": "/models/llama", "dtype": "float32"},
+    "frontend": {"replicas": 2, "port": 9000},
+    "router": {"policy": "round-robin", "prefillWeight": 2.0, "temperature": 0.5},
+    "prefill": {"replicas": 1, "tensorParallel": 2, "gpusPerRank": 1, "resources": {"cpu": "500m", "memory": "2Gi"}},
+    "decode": {"replicas": 3, "gpusPerRank": 0, "resources": {"cpu": "2", "memory": "1Gi"},
+               "autoscaling": {"minReplicas": 1, "maxReplicas": 4, "targetOngoingRequests": 3}},
+    "disaggregationThreshold": 32,
+    "migrationLimit": 5,
+}
+
+
+def _write(tmp_path, doc) -> str:
+    path = tmp_path / "deployment.yaml"
+    path.write_text(yaml.safe_dump(doc))
+    return str(path)
+
+
+@pytest.mark.parametrize("doc", [SPEC, {"apiVersion": "splitserve.io/v1alpha1", "kind": "ServingDeployment",
+                                        "metadata": {"name": "x"}, "spec": SPEC}])
+def test_a_manifest_or_its_spec_reads_the_same(tmp_path, doc):
+    spec = read_spec(_write(tmp_path, doc))
+    assert spec.decode.replicas == 3 and spec.prefill.tensor_parallel == 2
+
+
+def test_a_bad_spec_names_the_field(tmp_path):
+    with pytest.raises(SplitserveError, match=r"spec\.decode\.replicas"):
+        read_spec(_write(tmp_path, {**SPEC, "decode": {"replicas": -1}}))
+
+
+def test_spec_maps_onto_pools_router_and_ingress(tmp_path):
+    config = config_from_spec(read_spec(_write(tmp_path, SPEC)), EngineSettings("ignored", kv_cache_gib=0.5))
+    assert config.ingress_replicas == 2 and config.http_port == 9000
+    assert config.ingress.router.policy == "round-robin" and config.ingress.router.prefill_weight == 2.0
+    assert config.ingress.router.remote_prefill_threshold == 32 and config.ingress.migration_limit == 5
+    prefill, decode = config.prefill, config.decode
+    assert prefill.worker.role == "prefill" and decode.worker.role == "decode"
+    assert prefill.worker.engine.model == "/models/llama" and prefill.worker.engine.dtype == "float32"
+    assert prefill.worker.engine.kv_cache_gib == 0.5
+    assert prefill.worker.engine.device == "cuda" and decode.worker.engine.device == "cpu"
+    assert prefill.cpus_per_rank == 0.5 and prefill.gpus_per_rank == 1.0
+    assert decode.memory_bytes_per_rank == 2**30
+    assert decode.worker.remote_prefill_threshold == 32
+
+
+def test_no_prefill_pool_means_aggregated_workers(tmp_path):
+    config = config_from_spec(read_spec(_write(tmp_path, {**SPEC, "prefill": {"replicas": 0}})))
+    assert config.prefill is None and config.decode.worker.role == "both"
+    assert [p.name for p in config.pools] == ["Worker"]
+
+
+def test_pipeline_parallel_is_refused(tmp_path):
+    with pytest.raises(SplitserveError, match="pipelineParallel"):
+        config_from_spec(read_spec(_write(tmp_path, {**SPEC, "decode": {"pipelineParallel": 2}})))
+
+
+def test_a_tensor_parallel_group_is_one_strict_pack_placement_group(tmp_path):
+    config = config_from_spec(read_spec(_write(tmp_path, SPEC)))
+    options = deployment_options(config.prefill)
+    assert options["name"] == "PrefillWorker" and options["num_replicas"] == 1
+    assert options["placement_group_strategy"] == "STRICT_PACK"
+    assert options["placement_group_bundles"] == [{"CPU": 0.5, "GPU": 1.0, "memory": 2 * 2**30}] * 2
+    assert options["ray_actor_options"] == {"num_cpus": 0.5, "num_gpus": 1.0, "memory": 2 * 2**30}
+
+
+def test_the_drain_timeout_bounds_serves_graceful_stop(tmp_path):
+    config = config_from_spec(read_spec(_write(tmp_path, {**SPEC, "drainTimeoutSeconds": 45})))
+    assert config.decode.worker.drain_timeout_s == 45.0
+    assert deployment_options(config.decode)["graceful_shutdown_timeout_s"] > 45.0
+
+
+def test_topology_none_packs_loosely(tmp_path):
+    doc = {**SPEC, "prefill": {**SPEC["prefill"], "topology": {"mode": "none"}}}
+    options = deployment_options(config_from_spec(read_spec(_write(tmp_path, doc))).prefill)
+    assert options["placement_group_strategy"] == "PACK"
+
+
+def test_autoscaling_replaces_a_fixed_count(tmp_path):
+    options = deployment_options(config_from_spec(read_spec(_write(tmp_path, SPEC))).decode)
+    assert "num_replicas" not in options and "placement_group_bundles" not in options
+    assert options["autoscaling_config"] == {
+        "min_replicas": 1, "max_replicas": 4, "target_ongoing_requests": 3.0,
+        "policy": {"policy_function": "splitserve.services.ray_serve.autoscaling:in_flight_policy"}}
+
+
+def test_the_autoscaling_policy_sizes_the_pool_by_in_flight_calls():
+    from splitserve.services.ray_serve.autoscaling import desired_replicas, in_flight_policy
+
+    assert desired_replicas({"a": 6.0, "b": 3.0}, target=3.0, current=2) == 3.0
+    assert desired_replicas({"a": 0.0, "b": 0.0}, target=3.0, current=2) == 0.0
+    assert desired_replicas({}, target=3.0, current=2) == 2.0          # nothing reported yet: hold
+    assert in_flight_policy.__module__ + ":" + in_flight_policy.__name__ == \
+        "splitserve.services.ray_serve.autoscaling:in_flight_policy"
+
+
+def test_the_version_ignores_the_replica_count(tmp_path):
+    """Scaling through the config must not restart workers: the version depends on what a
+    replica is built with, never on how many there are."""
+    def options(replicas: int, kv: float = 0.5) -> dict:
+        doc = {**SPEC, "prefill": {**SPEC["prefill"], "replicas": replicas}}
+        config = config_from_spec(read_spec(_write(tmp_path, doc)), EngineSettings("m", kv_cache_gib=kv))
+        return deployment_options(config.prefill)
+
+    assert options(1)["version"] == options(5)["version"]
+    assert options(1)["version"] != options(1, kv=0.25)["version"]
+
+
+def test_quantities():
+    assert parse_cpu("250m") == 0.25 and parse_cpu("3") == 3.0
+    assert parse_memory("512Mi") == 512 * 2**20 and parse_memory("1G") == 10**9 and parse_memory("1024") == 1024
+    with pytest.raises(SplitserveError):
+        parse_cpu("lots")
+
+
+def test_serve_flags_map_like_splitserve_serve():
+    from splitserve.services.cli import build_parser
+
+    args = build_parser().parse_args(["serve", "--on-ray", "--model", "/m", "--prefill-workers", "2",
+                                      "--decode-workers", "3", "--router", "least-loaded", "--kv-cache-gib", "0.1"])
+    assert isinstance(args, argparse.Namespace)
+    config = config_from_args(args)
+    assert config.prefill.replicas == 2 and config.decode.replicas == 3
+    assert config.ingress.router.policy == "least-loaded" and config.decode.worker.engine.kv_cache_gib == 0.1
+    assert config.http_port == 8000 and config.ingress_replicas == 1
+
+
+def test_security_flags_are_refused_not_ignored():
+    from splitserve.services.cli import build_parser
+
+    args = build_parser().parse_args(["serve", "--on-ray", "--model", "/m", "--api-key", "secret"])
+    with pytest.raises(SplitserveError, match="--api-key"):
+        config_from_args(args)
