@@ -56,10 +56,17 @@ class Proc:
     def pid(self) -> int:
         return self.process.pid
 
+    @property
+    def output(self) -> str:
+        return "\n".join(self.lines)
+
+    def alive(self) -> bool:
+        return self.process.poll() is None
+
     def tail(self, n: int = 60) -> str:
         return "\n".join(self.lines[-n:])
 
-    def wait_for_line(self, pattern: str, timeout: float) -> re.Match:
+    def wait_for_line(self, pattern: str, timeout: float = READY_TIMEOUT_S) -> re.Match:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             for line in list(self.lines):

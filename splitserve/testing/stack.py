@@ -9,58 +9,20 @@ that nothing crashed.
 
 from __future__ import annotations
 
-import os
 import re
 import signal
 import ssl
 import subprocess
-import threading
 import time
 import urllib.error
 import urllib.request
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from splitserve.net import free_port
+from splitserve.testing.cluster import Proc
 
-CHILD_ENV = {"SPLITSERVE_TEST_THREADS": "1", "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
 READY_TIMEOUT_S = 120.0
-
-
-@dataclass
-class Proc:
-    process: subprocess.Popen
-    lines: list[str] = field(default_factory=list)
-
-    @classmethod
-    def start(cls, argv: list[str], env: dict | None = None) -> "Proc":
-        process = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                   stdin=subprocess.DEVNULL, env={**os.environ, **CHILD_ENV, **(env or {})})
-        proc = cls(process)
-        threading.Thread(target=proc._read, daemon=True).start()
-        return proc
-
-    def _read(self) -> None:
-        for line in self.process.stdout:
-            self.lines.append(line.rstrip("\n"))
-
-    @property
-    def output(self) -> str:
-        return "\n".join(self.lines)
-
-    def alive(self) -> bool:
-        return self.process.poll() is None
-
-    def wait_for_line(self, pattern: str, timeout: float = READY_TIMEOUT_S) -> re.Match:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            for line in list(self.lines):
-                if m := re.search(pattern, line):
-                    return m
-            if self.process.poll() is not None:
-                break
-            time.sleep(0.05)
-        raise AssertionError(f"no line matching {pattern!r}:\n{self.output[-4000:]}")
 
 
 @dataclass

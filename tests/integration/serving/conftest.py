@@ -7,11 +7,9 @@ One server per test module keeps the suite within a few minutes on 2 cores.
 
 from __future__ import annotations
 
-import os
 import re
 import signal
 import subprocess
-import threading
 import time
 import urllib.error
 import urllib.request
@@ -22,45 +20,20 @@ import grpc
 import pytest
 
 from splitserve.net import free_port
+from splitserve.testing.cluster import Proc as ClusterProc
 
 READY_TIMEOUT_S = 120.0
-CHILD_ENV = {"SPLITSERVE_TEST_THREADS": "1", "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
 
 
 @dataclass
-class Proc:
-    """A child process whose combined output is collected by a reader thread."""
+class Proc(ClusterProc):
+    """splitserve.testing.cluster.Proc, but a process that ignores its stop signal fails the test."""
 
-    process: subprocess.Popen
-    lines: list[str] = field(default_factory=list)
-
-    @classmethod
-    def start(cls, argv: list[str], env: dict | None = None) -> "Proc":
-        process = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                   env={**os.environ, **CHILD_ENV, **(env or {})})
-        proc = cls(process)
-        threading.Thread(target=proc._read, daemon=True).start()
-        return proc
-
-    def _read(self) -> None:
-        for line in self.process.stdout:
-            self.lines.append(line.rstrip("\n"))
-
-    @property
-    def output(self) -> str:
-        return "\n".join(self.lines)
-
-    def wait_for_line(self, pattern: str, timeout: float) -> re.Match:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            for line in list(self.lines):
-                match = re.search(pattern, line)
-                if match:
-                    return match
-            if self.process.poll() is not None:
-                break
-            time.sleep(0.05)
-        raise AssertionError(f"no line matching {pattern!r}; output so far:\n{self.output}")
+    def wait_for_line(self, pattern: str, timeout: float = READY_TIMEOUT_S) -> re.Match:
+        try:
+            return super().wait_for_line(pattern, timeout)
+        except AssertionError:
+            raise AssertionError(f"no line matching {pattern!r}; output so far:\n{self.output}") from None
 
     def children(self) -> list[int]:
         pids = []
