@@ -164,6 +164,11 @@ class PolicyRouter:
                 log.warning("router: stats of %s timed out", calls[call].worker_id)
             for call in done:
                 w = calls[call]
+                if call.cancelled():
+                    # Its channel was closed under it (the worker was removed meanwhile).
+                    # call.exception() would raise CancelledError here and end this loop.
+                    log.info("router: stats of %s cancelled (worker removed)", w.worker_id)
+                    continue
                 if call.exception() is not None:
                     # e.g. a worker removed (closed channel) or re-added (not yet known) meanwhile
                     log.warning("router: stats of %s failed: %r", w.worker_id, call.exception())
