@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from splitserve.testing.cluster import Etcd
+
 
 @pytest.fixture(scope="session", autouse=True)
 def torch_threads():
@@ -70,3 +72,14 @@ def smollm2_dir(tmp_path_factory) -> Path:
     cache = os.environ.get("SPLITSERVE_TEST_CACHE")
     cache_dir = Path(cache) if cache else tmp_path_factory.mktemp("smollm2-cache")
     return resolve_smollm2(cache_dir=cache_dir, progress=False)
+
+
+@pytest.fixture(scope="module")
+def etcd(tmp_path_factory):
+    """A real etcd on 127.0.0.1 (router discovery and fault tests), one per test module."""
+    server = Etcd(str(tmp_path_factory.mktemp("etcd")))
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()

@@ -176,7 +176,8 @@ def _resolve_model(name: str) -> str:
     return name
 
 
-def _worker_serving(address: str, tls: TlsConfig = PLAINTEXT) -> bool:
+def worker_serving(address: str, tls: TlsConfig = PLAINTEXT) -> bool:
+    """The worker's gRPC health says SERVING (also the Ray worker replica's readiness check)."""
     with tls.channel(address) as channel:
         try:
             reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=""),
@@ -204,7 +205,7 @@ def _wait_ready(sup: Supervisor, workers: list[Child], ready_url: str, timeout: 
     while pending:
         _check_alive(sup)
         for child in list(pending):
-            if _worker_serving(child.address, tls):
+            if worker_serving(child.address, tls):
                 pending.remove(child)
                 print(f"  {child.name} ready ({time.monotonic() - start:.1f} s) at {child.address}", flush=True)
         if time.monotonic() - start > timeout:

@@ -28,10 +28,10 @@ import threading
 import time
 
 import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from splitserve.errors import SplitserveError
 from splitserve.net import free_port
+from splitserve.services.frontend.launcher import worker_serving
 
 from .autoscaling import IN_FLIGHT_METRIC
 from .directory import LEASE_RENEW_S, DirectoryEntry
@@ -57,16 +57,6 @@ def _server_config(settings: WorkerSettings, worker_id: str, host: str, port: in
                             remote_prefill_threshold=settings.remote_prefill_threshold,
                             prefill_timeout_s=settings.prefill_timeout_s)
     return WorkerServerConfig(options=options, engine=engine, host=host, port=port, transfer=settings.transfer)
-
-
-def _serving(address: str) -> bool:
-    with grpc.insecure_channel(address) as channel:
-        try:
-            reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=""),
-                                                              timeout=1.0)
-        except grpc.RpcError:
-            return False
-    return reply.status == health_pb2.HealthCheckResponse.SERVING
 
 
 class WorkerThread:
@@ -100,7 +90,7 @@ class WorkerThread:
 
     def wait_serving(self, timeout: float = READY_TIMEOUT_S) -> None:
         deadline = time.monotonic() + timeout
-        while not _serving(self.address):
+        while not worker_serving(self.address):
             if not self.alive():
                 raise SplitserveError(f"worker {self._config.options.worker_id} exited while starting: "
                                       f"{self.error!r}")

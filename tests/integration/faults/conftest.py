@@ -22,7 +22,7 @@ from splitserve.proto.v1 import common_pb2, inference_pb2, inference_pb2_grpc
 from splitserve.services.engine.config import EngineConfig
 from splitserve.services.engine.engine import LLMEngine
 from splitserve.services.engine.sampling_params import SamplingParams
-from splitserve.testing.cluster import Cluster, Etcd
+from splitserve.testing.cluster import Cluster
 
 MODEL_NAME = "llama"      # the served name: the checkpoint folder's name
 
@@ -185,11 +185,3 @@ def cluster(llama_dir):
         c.close()
 
 
-@pytest.fixture(scope="module")
-def etcd(tmp_path_factory):
-    server = Etcd(str(tmp_path_factory.mktemp("etcd")))
-    server.start()
-    try:
-        yield server
-    finally:
-        server.stop()

@@ -11,20 +11,10 @@ from __future__ import annotations
 import json
 import urllib.request
 
-import pytest
-
 from splitserve.net import free_port  # noqa: F401 - the test modules import it from here
-from splitserve.testing.cluster import Etcd, Proc  # noqa: F401 - shared with tests/integration/faults
+from splitserve.testing.cluster import Proc  # noqa: F401 - the test modules import it from here
 
 
-@pytest.fixture(scope="module")
-def etcd(tmp_path_factory):
-    server = Etcd(str(tmp_path_factory.mktemp("etcd")))
-    server.start()
-    try:
-        yield server
-    finally:
-        server.stop()
 
 
 def http_json(url: str, body: dict | None = None, timeout: float = 30.0):
