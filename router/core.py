@@ -109,10 +109,11 @@ class RouterCore:
         """(candidates, the prompt's number of full blocks for the first worker's block size).
 
         Overlaps come from one index walk per distinct worker spec; workers the walk
-        does not name hold 0 leading blocks.
+        does not name hold 0 leading blocks. Cached blocks (the kv tie-break) are the
+        index's per-worker sizes.
         """
         if not worker_ids:
-            return CandidateTable([], [], [], []), len(token_ids) // DEFAULT_SPEC.block_size
+            return CandidateTable([], [], [], [], []), len(token_ids) // DEFAULT_SPEC.block_size
         specs = self.specs
         first = specs.get(worker_ids[0], DEFAULT_SPEC)
         if self._one_spec is first and all(map(specs.__contains__, worker_ids)):   # the usual case
@@ -126,7 +127,7 @@ class RouterCore:
             overlap = [by_spec[s].get(w, 0) for w, s in zip(worker_ids, wspecs)]
             hashes = self._chain(request_id, token_ids, first)
             pending, decode = self.load.columns(worker_ids, [s.block_size for s in wspecs])
-        return CandidateTable(worker_ids, overlap, pending, decode), len(hashes)
+        return CandidateTable(worker_ids, overlap, pending, decode, self.index.num_held(worker_ids)), len(hashes)
 
     def route(self, request_id: str, token_ids: list[int], decode_ids: list[str],
               prefill_ids: list[str]) -> RouteDecision | None:

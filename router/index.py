@@ -200,6 +200,11 @@ class KvIndex:
     def num_predicted(self, worker_id: str) -> int:
         return len(self._predicted.get(worker_id, ()))
 
+    def num_held(self, worker_ids: list[str]) -> list[int]:
+        """Blocks each worker caches: stored plus predicted (a stored block is no longer predicted)."""
+        blocks, predicted = self._blocks.get, self._predicted.get
+        return [len(blocks(w, ())) + len(predicted(w, ())) for w in worker_ids]
+
     def workers(self) -> list[str]:
         return [w for w, b in self._blocks.items() if b or self._predicted.get(w)]
 

@@ -21,6 +21,7 @@ class Candidate:
     overlap_blocks: int = 0            # leading prompt blocks this worker holds
     pending_prefill_blocks: int = 0    # prefill work queued or running there
     decode_blocks: int = 0             # KV blocks of its active decodes
+    cached_blocks: int = 0             # blocks it caches in all (stored or predicted): the tie-break
 
     @property
     def load(self) -> int:
@@ -32,24 +33,27 @@ class CandidateTable(Sequence[Candidate]):
 
     Indexing builds one `Candidate`, so a policy that scores the columns directly
     (kv) materializes only its winner and runner-up; any other policy can treat
-    it as a plain sequence of candidates.
+    it as a plain sequence of candidates. `cached_blocks` may be None: every
+    worker's is 0.
     """
 
-    __slots__ = ("worker_ids", "overlap_blocks", "pending_prefill_blocks", "decode_blocks")
+    __slots__ = ("worker_ids", "overlap_blocks", "pending_prefill_blocks", "decode_blocks", "cached_blocks")
 
     def __init__(self, worker_ids: list[str], overlap_blocks: list[int], pending_prefill_blocks: list[int],
-                 decode_blocks: list[int]):
+                 decode_blocks: list[int], cached_blocks: list[int] | None = None):
         self.worker_ids = worker_ids
         self.overlap_blocks = overlap_blocks
         self.pending_prefill_blocks = pending_prefill_blocks
         self.decode_blocks = decode_blocks
+        self.cached_blocks = cached_blocks
 
     @classmethod
     def of(cls, candidates: Sequence[Candidate]) -> CandidateTable:
         if isinstance(candidates, CandidateTable):
             return candidates
         return cls([c.worker_id for c in candidates], [c.overlap_blocks for c in candidates],
-                   [c.pending_prefill_blocks for c in candidates], [c.decode_blocks for c in candidates])
+                   [c.pending_prefill_blocks for c in candidates], [c.decode_blocks for c in candidates],
+                   [c.cached_blocks for c in candidates])
 
     def __len__(self) -> int:
         return len(self.worker_ids)
@@ -58,7 +62,7 @@ class CandidateTable(Sequence[Candidate]):
         if isinstance(i, slice):
             return [self[j] for j in range(*i.indices(len(self.worker_ids)))]
         return Candidate(self.worker_ids[i], self.overlap_blocks[i], self.pending_prefill_blocks[i],
-                         self.decode_blocks[i])
+                         self.decode_blocks[i], self.cached_blocks[i] if self.cached_blocks is not None else 0)
 
 
 @dataclass(slots=True, frozen=True)
@@ -74,7 +78,7 @@ class Scored:
     def terms(self) -> str:
         c = self.candidate
         return (f"cost={self.cost:g} overlap={c.overlap_blocks} uncached={self.uncached_blocks} "
-                f"prefill={c.pending_prefill_blocks} decode={c.decode_blocks}")
+                f"prefill={c.pending_prefill_blocks} decode={c.decode_blocks} cached={c.cached_blocks}")
 
 
 @dataclass(slots=True, frozen=True)
@@ -98,10 +102,11 @@ class Policy(Protocol):
 
 
 def lowest(policy: str, scored: list[Scored]) -> Decision | None:
-    """Lowest cost wins; ties go to the less-loaded worker, then the smaller worker id."""
+    """Lowest cost wins; ties go to the less-loaded worker, then the one caching fewer blocks, then
+    the smaller worker id."""
     if not scored:
         return None
-    ranked = sorted(scored, key=lambda s: (s.cost, s.candidate.load, s.worker_id))
+    ranked = sorted(scored, key=lambda s: (s.cost, s.candidate.load, s.candidate.cached_blocks, s.worker_id))
     return Decision(policy, ranked[0], ranked[1] if len(ranked) > 1 else None)
 
 

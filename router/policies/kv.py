@@ -12,10 +12,18 @@ For each candidate worker:
   routed before this one (queued or running), i.e. work ahead of this prompt;
 - decode_blocks: KV blocks its decoding requests *added* (each request's prompt
   minus the prefix the worker already held, counted from its first token on;
-  load.py), plus what the worker reports beyond this router's own requests.
+  load.py), plus what the worker reports beyond this router's own requests;
+- cached_blocks (tie-break only): blocks the worker caches in all, stored or
+  predicted, whether this prompt uses them or not.
 
 The lowest cost wins; ties go to the less-loaded worker (pending + decode), then
-the smaller worker id. With `temperature` > 0 the winner is sampled with
+to the one caching fewer blocks, then the smaller worker id. The cache tie-break
+is for a prefix no worker holds (a new tenant) while several workers are
+equally idle: it lands where it evicts the least, so tenants spread over the
+workers. Before it, every such tie went to the first worker id (in one 8-tenant
+run: three tenants on worker-0, one on worker-3), and in a KV pool too small for
+all of them that worker evicts its own tenants' prefixes while another's pool
+sits half empty. With `temperature` > 0 the winner is sampled with
 probability ∝ exp(-normalized cost / temperature) from an RNG seeded at
 construction (deterministic tests). Parameters: prefill_weight (default
 DEFAULT_PREFILL_WEIGHT = 2), temperature (default 0: always the lowest), seed.
@@ -50,11 +58,12 @@ from __future__ import annotations
 
 import random
 from collections.abc import Sequence
+from itertools import repeat
 
 from .base import Candidate, CandidateTable, Decision, Scored, sample
 
 DEFAULT_PREFILL_WEIGHT = 2.0
-_LAST = (float("inf"),)          # sorts after every (cost, load, worker id) key
+_LAST = (float("inf"),)          # sorts after every (cost, load, cached, worker id) key
 
 
 def kv_cost(num_prompt_blocks: int, c: Candidate, prefill_weight: float = DEFAULT_PREFILL_WEIGHT) -> Scored:
@@ -80,18 +89,19 @@ class KvPolicy:
         return self._lowest(num_prompt_blocks, CandidateTable.of(candidates))
 
     def _lowest(self, nb: int, t: CandidateTable) -> Decision | None:
-        """`lowest()` over the columns in one pass: keys (cost, load, worker id), the two smallest kept."""
+        """`lowest()` over the columns in one pass: keys (cost, load, cached, worker id), the two smallest kept."""
         w = self.prefill_weight
         first = second = _LAST
         i1 = i2 = -1
         cost2 = _LAST[0]                   # the runner-up's cost: anything dearer is out at once
-        for i, (wid, o, p, d) in enumerate(zip(t.worker_ids, t.overlap_blocks, t.pending_prefill_blocks,
-                                                t.decode_blocks)):
+        cached = t.cached_blocks if t.cached_blocks is not None else repeat(0)
+        for i, (wid, o, p, d, c) in enumerate(zip(t.worker_ids, t.overlap_blocks, t.pending_prefill_blocks,
+                                                   t.decode_blocks, cached)):
             load = p + d
             cost = w * (nb - o if o < nb else 0) + load
             if cost > cost2:
                 continue
-            key = (cost, load, wid)
+            key = (cost, load, c, wid)
             if key < second:
                 if key < first:
                     second, i2, first, i1 = first, i1, key, i

@@ -161,3 +161,26 @@ def test_no_predictions_when_no_leg_reads_the_index():
     core = RouterCore(make_policy("round-robin"), make_policy("round-robin"), predict=False)
     core.route("r", list(range(64)), ["d0"], [])
     assert core.index.num_predicted("d0") == 0
+
+
+def test_core_spreads_new_prefixes_over_equally_idle_workers():
+    """Four idle workers and four tenants arriving one after another, each finishing before the next:
+    every tenant's prefix lands on a different worker (the cache tie-break), and each tenant's next
+    request then goes to the worker that holds its prefix."""
+    core = RouterCore(make_policy("kv"), make_policy("kv"))
+    ids = ["w0", "w1", "w2", "w3"]
+    for w in ids:
+        core.set_spec(w, WorkerSpec(16, b"k"))
+    prompts = [[t * 1000 + i for i in range(1024)] for t in range(4)]
+    homes = []
+    for t, p in enumerate(prompts):
+        d = core.route(f"t{t}", p + [7] * 32, ids, [])
+        homes.append(d.decode.winner.worker_id)
+        core.on_first_token(f"t{t}")
+        core.on_finished(f"t{t}")
+    assert sorted(homes) == ids                            # not all on w0, the smallest id
+    for t, p in enumerate(prompts):
+        d = core.route(f"t{t}q", p + [9] * 32, ids, [])
+        assert d.decode.winner.worker_id == homes[t] and d.decode.winner.candidate.overlap_blocks == 64
+        core.on_finished(f"t{t}q")
+    assert core.load.num_requests() == 0

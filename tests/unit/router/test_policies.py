@@ -11,7 +11,7 @@ from splitserve.router.policies import Candidate, CandidateTable, KvPolicy, kv_c
 from splitserve.router.policies.base import lowest
 
 cands = st.lists(st.builds(Candidate, st.sampled_from([f"w{i}" for i in range(6)]), st.integers(0, 20),
-                           st.integers(0, 50), st.integers(0, 50)), min_size=1, max_size=6,
+                           st.integers(0, 50), st.integers(0, 50), st.integers(0, 3)), min_size=1, max_size=6,
                  unique_by=lambda c: c.worker_id)
 
 
@@ -24,6 +24,8 @@ def test_kv_picks_the_brute_force_minimum(candidates, prompt_blocks, weight):
     assert abs(d.winner.cost - best) < 1e-9
     tied = [c for c in candidates if abs(costs[c.worker_id] - best) < 1e-9]
     assert d.winner.candidate.load == min(c.load for c in tied)          # ties to the less loaded
+    tied = [c for c in tied if c.load == d.winner.candidate.load]
+    assert d.winner.candidate.cached_blocks == min(c.cached_blocks for c in tied)   # then the emptier cache
     if len(candidates) > 1:
         assert d.runner_up is not None and d.runner_up.cost >= d.winner.cost
 
@@ -53,6 +55,23 @@ def test_worked_examples():
     assert "runner-up w0" in KvPolicy(prefill_weight=1).choose(5, tie).explain()
     # Weight 0 ignores the cache: the least loaded wins, ties to the smaller id.
     assert KvPolicy(prefill_weight=0).choose(10, c + [Candidate("a", 0, 0, 0)]).winner.worker_id == "a"
+
+
+def test_a_prefix_nobody_holds_goes_to_the_emptier_cache():
+    """Worked example: 8 tenants' 64-block prefixes, 4 idle workers. A new tenant's 66-block prompt
+    costs 2 * 66 = 132 everywhere; it goes to the idle worker caching the fewest blocks (here w3,
+    which holds no tenant yet), not to the first id (w0, which holds two tenants already)."""
+    c = [Candidate("w0", 0, 0, 0, 128), Candidate("w1", 0, 0, 0, 64), Candidate("w2", 0, 0, 0, 64),
+         Candidate("w3", 0, 0, 0, 0)]
+    for given_as in (c, CandidateTable.of(c)):
+        d = KvPolicy().choose(66, given_as)
+        assert (d.winner.worker_id, d.winner.cost, d.runner_up.worker_id) == ("w3", 132, "w1")
+        assert "cached=0" in d.explain() and "runner-up w1 (cost=132" in d.explain()
+    # Load still comes first: an emptier cache does not beat a shorter queue (w3 is prefilling 2 blocks).
+    busy = [Candidate("w0", 0, 0, 0, 128), Candidate("w3", 0, 2, 0, 0)]
+    assert KvPolicy().choose(66, busy).winner.worker_id == "w0"
+    # And the cache only breaks ties: the holder of this tenant (w0, 64 of 66 blocks) wins outright.
+    assert KvPolicy().choose(66, [Candidate("w0", 64, 0, 0, 128), *c[1:]]).winner.worker_id == "w0"
 
 
 def test_temperature_is_seeded_and_prefers_cheap():
