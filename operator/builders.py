@@ -71,6 +71,7 @@ def worker_args(spec: ServingDeploymentSpec, pool: str) -> list[str]:
     return ["splitserve", "worker", "--role", pool, "--model", spec.model.source, "--dtype", spec.model.dtype,
             "--device", "cuda" if p.gpus_per_rank > 0 else "cpu", "--tp", str(p.tensor_parallel),
             "--host", "0.0.0.0", "--port", str(names.WORKER_PORT), "--worker-id", "$(POD_NAME)",
+            "--metrics-port", str(names.WORKER_METRICS_PORT),
             "--remote-prefill-threshold", str(spec.disaggregation_threshold), "--etcd", "$(SPLITSERVE_ETCD)"]
 
 
@@ -85,13 +86,20 @@ def probe_command() -> list[str]:
     return ["python", "-m", "splitserve.operator.probe", "--address", f"127.0.0.1:{names.WORKER_PORT}"]
 
 
+def scrape_annotations(port: int) -> dict[str, str]:
+    """For Prometheus setups that discover pods by annotation (the chart's PodMonitor and
+    ServiceMonitor select by label and port name instead)."""
+    return {"prometheus.io/scrape": "true", "prometheus.io/port": str(port), "prometheus.io/path": "/metrics"}
+
+
 def build_worker_pod(owner: Owner, spec: ServingDeploymentSpec, pool: str, group: str, rank: int) -> dict[str, Any]:
     p: PoolSpec = spec.pool(pool)
     name = names.pod_name(group, rank)
     labels = {names.LABEL_POOL: pool, names.LABEL_ROLE: pool, names.LABEL_GROUP: group,
               names.LABEL_RANK: str(rank), names.LABEL_SPEC_HASH: pool_spec_hash(spec, pool)}
     topology = p.topology.mode + (f"={p.topology.label_key}" if p.topology.label_key else "")
-    annotations = {names.ANN_GROUP_SIZE: str(p.group_size), names.ANN_TOPOLOGY: topology}
+    annotations = {names.ANN_GROUP_SIZE: str(p.group_size), names.ANN_TOPOLOGY: topology,
+                   **scrape_annotations(names.WORKER_METRICS_PORT)}
     env = [
         {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
         {"name": "SPLITSERVE_ETCD", "valueFrom": {"configMapKeyRef": {
@@ -114,7 +122,8 @@ def build_worker_pod(owner: Owner, spec: ServingDeploymentSpec, pool: str, group
     container: dict[str, Any] = {
         "name": "worker", "image": spec.image, "args": worker_args(spec, pool), "env": env,
         "ports": [{"name": "grpc", "containerPort": names.WORKER_PORT},
-                  {"name": "dist", "containerPort": names.DIST_PORT}],
+                  {"name": "dist", "containerPort": names.DIST_PORT},
+                  {"name": names.METRICS_PORT_NAME, "containerPort": names.WORKER_METRICS_PORT}],
         "resources": {"requests": resources, "limits": limits},
     }
     if rank == 0:
@@ -181,9 +190,7 @@ def build_frontend_deployment(owner: Owner, spec: ServingDeploymentSpec) -> dict
             "metadata": owner.metadata(name, {names.LABEL_ROLE: "frontend"}),
             "spec": {"replicas": spec.frontend.replicas, "selector": {"matchLabels": select},
                      "template": {"metadata": {"labels": {**owner.labels(), **select},
-                                               "annotations": {"prometheus.io/scrape": "true",
-                                                               "prometheus.io/port": str(port),
-                                                               "prometheus.io/path": "/metrics"}},
+                                               "annotations": scrape_annotations(port)},
                                   "spec": {"containers": [container]}}}}
 
 

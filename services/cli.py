@@ -99,7 +99,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
     config = WorkerServerConfig(options=options, engine=_engine_config(args), host=args.host,
                                 port=args.port, transfer=args.transfer, etcd=args.etcd or [],
                                 etcd_prefix=args.etcd_prefix, etcd_ttl_s=args.etcd_ttl,
-                                drain_timeout_s=args.drain_timeout)
+                                drain_timeout_s=args.drain_timeout, metrics_port=args.metrics_port)
     _apply_worker_security(config, args)
     return asyncio.run(serve(config))
 
@@ -241,6 +241,10 @@ def _add_worker_parser(sub) -> None:
     p.add_argument("--host", default="127.0.0.1", help="listen address (default: %(default)s)")
     p.add_argument("--port", type=int, default=0, help="gRPC port (default: 0, any free port)")
     p.add_argument("--worker-id", default=None, help="name in logs, stats and KV events")
+    p.add_argument("--metrics-port", type=int, default=None, metavar="PORT",
+                   help="serve Prometheus metrics (GET /metrics, plain HTTP) on --host:PORT: KV usage, "
+                        "queue and token counters, KV transfer bytes and latency (default: off; 0: any "
+                        "free port)")
     _add_disaggregation_args(p)
     _add_etcd_args(p)
     p.add_argument("--etcd-ttl", type=int, default=10, metavar="S",

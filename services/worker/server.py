@@ -5,7 +5,8 @@ service while the model loads (on a thread, so health checks are answered
 meanwhile); SERVING once the engine is attached. SIGTERM or SIGINT drains (shutdown.py):
 admission stops, running calls get up to --drain-timeout to finish, the etcd
 registration is revoked, whatever still runs is failed so that its frontend
-migrates it, and the process exits 0.
+migrates it, and the process exits 0. With --metrics-port the worker also serves
+Prometheus metrics over HTTP from the start (metrics_http.py), until it exits.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import asyncio
 import logging
 import signal
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -28,11 +30,15 @@ from .service import Role, WorkerOptions, WorkerService
 from .shutdown import drain
 from .transfer import KVReceiver, KVSender, UnwiredTransfer
 
+if TYPE_CHECKING:
+    from .metrics_http import MetricsServer
+
 log = logging.getLogger(__name__)
 
 MAX_MESSAGE_BYTES = 64 * 2**20
 GRPC_OPTIONS = [("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
                 ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)]
+STATS_TIMEOUT_S = 5.0       # a scrape waits this long for the engine thread (one long step), then omits Stats
 
 
 @dataclass(slots=True)
@@ -48,6 +54,7 @@ class WorkerServerConfig:
     etcd_prefix: str = "/splitserve/workers/"
     etcd_ttl_s: int = 10
     transfer_token: bytes = b""   # KV transfer peers must prove this shared secret (kvtransfer/auth.py)
+    metrics_port: int | None = None   # serve GET /metrics over HTTP on host:metrics_port (0: any); None: off
 
 
 def build_transfer(role: Role, engine: LLMEngine, backend: str = "auto", name: str = "worker",
@@ -94,7 +101,9 @@ async def serve(config: WorkerServerConfig, stop: asyncio.Event | None = None,
              config.host, port, config.engine.model)
     print(f"worker {wid} listening on {config.host}:{port}", flush=True)
     engine = None
+    metrics = None
     try:
+        metrics = await _serve_metrics(config, service)
         load = asyncio.ensure_future(asyncio.to_thread(LLMEngine, config.engine))
         waiter = asyncio.ensure_future(stop.wait())
         await asyncio.wait({load, waiter}, return_when=asyncio.FIRST_COMPLETED)
@@ -128,8 +137,23 @@ async def serve(config: WorkerServerConfig, stop: asyncio.Event | None = None,
             await asyncio.to_thread(service.loop.stop)
         await server.stop(config.grace_s)
         await service.close()
+        if metrics is not None:
+            await metrics.close()
         if engine is not None:
             engine.close()
+
+
+async def _serve_metrics(config: WorkerServerConfig, service: WorkerService) -> MetricsServer | None:
+    """Start the metrics HTTP server (metrics_http.py); None without --metrics-port."""
+    if config.metrics_port is None:
+        return None
+    from .metrics_http import MetricsApp, MetricsServer
+
+    metrics = await MetricsServer.start(MetricsApp(lambda: service.read_stats(STATS_TIMEOUT_S)), config.host,
+                                        config.metrics_port)
+    log.info("worker %s: metrics on http://%s:%d/metrics", config.options.worker_id, config.host, metrics.port)
+    print(f"worker {config.options.worker_id} metrics on http://{config.host}:{metrics.port}/metrics", flush=True)
+    return metrics
 
 
 async def _register(config: WorkerServerConfig, port: int):

@@ -9,6 +9,7 @@ Drain, calls that would start work get UNAVAILABLE.
 
 from __future__ import annotations
 
+import asyncio
 import enum
 import logging
 import uuid
@@ -225,6 +226,17 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
             return await self._engine_loop(admit=False).call(self._stats)
         except Exception as exc:
             await self._fail(context, "Stats", "-", exc)
+
+    async def read_stats(self, timeout_s: float) -> worker_pb2.StatsResponse | None:
+        """What Stats answers, computed on the engine thread; None while there is no engine
+        (loading, stopped) or when one step outlasts `timeout_s` (the metrics scrape)."""
+        loop = self.loop
+        if loop is None or not loop.alive:
+            return None
+        try:
+            return await asyncio.wait_for(loop.call(self._stats), timeout_s)
+        except (EngineStoppedError, TimeoutError):
+            return None
 
     def _stats(self, engine: LLMEngine) -> worker_pb2.StatsResponse:
         pool, sched, s, c = engine.pool, engine.scheduler, engine.stats, self.counters

@@ -4,8 +4,10 @@
 - `helm template` output is valid against the Kubernetes 1.37 schemas
   (kubernetes-validate, strict: unknown fields are errors). Objects of custom
   kinds have no schema there and are routed: ServingDeployment to the real
-  apiserver (server-side dry run against the chart's CRD), ServiceMonitor
-  (third-party CRD, not installed here) to a structural check;
+  apiserver (server-side dry run against the chart's CRD), ServiceMonitor and
+  PodMonitor (third-party CRDs, not installed here) to a structural check;
+- the dashboard only queries worker metrics that `splitserve worker --metrics-port`
+  exports, on the port the PodMonitor scrapes and the workers' NetworkPolicy opens;
 - values.schema.json rejects bad values, and helm says which field;
 - `helm install` into the real control plane creates every rendered object,
   the operator's ServiceAccount has exactly the RBAC it needs, and
@@ -15,6 +17,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 from pathlib import Path
 
@@ -25,11 +28,17 @@ import yaml
 from cluster import wait_until
 from controlplane import KubeCluster
 
+from splitserve.operator import builders, names
+from splitserve.operator.spec import ServingDeploymentSpec
+from splitserve.services.worker.metrics_http import COUNTERS, GAUGES
+
 CHART = Path(__file__).resolve().parents[2] / "deploy" / "helm" / "splitserve"
 CRD_FILE = CHART / "crds" / "servingdeployments.splitserve.io.yaml"
 K8S_SCHEMA_VERSION = "1.37.0"      # kubernetes-validate's schemas for the cluster's minor
 KUBE_VERSION = "v1.37.2"           # what build-control-plane.sh builds
-CUSTOM_KINDS = {"ServingDeployment", "ServiceMonitor"}
+CUSTOM_KINDS = {"ServingDeployment", "ServiceMonitor", "PodMonitor"}
+MONITOR_APIS = ("--api-versions", "monitoring.coreos.com/v1/ServiceMonitor",
+                "--api-versions", "monitoring.coreos.com/v1/PodMonitor")
 
 ALL_OPTIONS = {
     "commonLabels": {"team": "inference"},
@@ -126,12 +135,11 @@ def test_default_render_is_valid_kubernetes(k8s_bin_dir: Path, tmp_path: Path):
 
 def test_all_options_render_is_valid_kubernetes(k8s_bin_dir: Path, tmp_path: Path, kube_cluster: KubeCluster,
                                                 k8s_namespace: str):
-    proc = _helm_template(k8s_bin_dir, tmp_path, ALL_OPTIONS,
-                          "--api-versions", "monitoring.coreos.com/v1/ServiceMonitor")
+    proc = _helm_template(k8s_bin_dir, tmp_path, ALL_OPTIONS, *MONITOR_APIS)
     docs = _documents(proc.stdout)
     routed = _validate_all(docs)
     print("\n".join(_summary(docs)))
-    assert sorted(d["kind"] for d in routed) == ["ServiceMonitor", "ServingDeployment"]
+    assert sorted(d["kind"] for d in routed) == ["PodMonitor", "ServiceMonitor", "ServingDeployment"]
     # Roles per watched namespace instead of a cluster-wide workload ClusterRole.
     roles = {(d["metadata"].get("namespace"), d["metadata"]["name"]) for d in docs if d["kind"] == "Role"}
     assert {ns for ns, _ in roles} == {"team-a", "team-b", "splitserve"}
@@ -162,9 +170,66 @@ def test_external_etcd_replaces_the_statefulset(k8s_bin_dir: Path, tmp_path: Pat
     assert env["SPLITSERVE_ETCD"] == ",".join(endpoints)
 
 
-def test_service_monitor_needs_its_api(k8s_bin_dir: Path, tmp_path: Path):
+def test_monitors_need_their_api(k8s_bin_dir: Path, tmp_path: Path):
     docs = _documents(_helm_template(k8s_bin_dir, tmp_path, {"monitoring": {"serviceMonitor": {"enabled": True}}}).stdout)
-    assert "ServiceMonitor" not in {d["kind"] for d in docs}
+    assert not {"ServiceMonitor", "PodMonitor"} & {d["kind"] for d in docs}
+    docs = _documents(_helm_template(k8s_bin_dir, tmp_path, None, *MONITOR_APIS).stdout)
+    assert not {"ServiceMonitor", "PodMonitor"} & {d["kind"] for d in docs}     # off by default
+
+
+def _worker_pod() -> dict:
+    spec = ServingDeploymentSpec.from_dict({"model": {"source": "smollm2"}})
+    return builders.build_worker_pod(builders.Owner("llm", "splitserve", "uid"), spec, "decode", "llm-decode-1", 0)
+
+
+def _selects(selector: dict, labels: dict[str, str]) -> bool:
+    """A LabelSelector (matchLabels, matchExpressions with In) against a pod's labels."""
+    if any(labels.get(k) != v for k, v in selector.get("matchLabels", {}).items()):
+        return False
+    for term in selector.get("matchExpressions", []):
+        assert term["operator"] == "In", term
+        if labels.get(term["key"]) not in term["values"]:
+            return False
+    return True
+
+
+def test_pod_monitor_scrapes_the_workers_metrics_port(k8s_bin_dir: Path, tmp_path: Path):
+    values = {"monitoring": {"serviceMonitor": {"enabled": True, "interval": "15s", "labels": {"release": "prom"}}}}
+    docs = _documents(_helm_template(k8s_bin_dir, tmp_path, values, *MONITOR_APIS).stdout)
+    monitor = next(d for d in docs if d["kind"] == "PodMonitor")
+    assert monitor["apiVersion"] == "monitoring.coreos.com/v1"
+    assert monitor["metadata"]["namespace"] == "splitserve" and monitor["metadata"]["labels"]["release"] == "prom"
+    assert monitor["spec"]["namespaceSelector"] == {"any": True}
+    assert monitor["spec"]["podMetricsEndpoints"] == [{"port": "metrics", "path": "/metrics", "interval": "15s"}]
+    # It selects the pods the operator builds, by their labels, and their port of that name.
+    pod = _worker_pod()
+    assert _selects(monitor["spec"]["selector"], pod["metadata"]["labels"])
+    frontend = builders.build_frontend_deployment(builders.Owner("llm", "splitserve", "uid"),
+                                                  ServingDeploymentSpec.from_dict({"model": {"source": "smollm2"}}))
+    assert not _selects(monitor["spec"]["selector"], frontend["spec"]["template"]["metadata"]["labels"])
+    ports = {p["name"]: p["containerPort"] for p in pod["spec"]["containers"][0]["ports"]}
+    assert ports["metrics"] == names.WORKER_METRICS_PORT
+    # The workers' NetworkPolicy lets Prometheus reach that port (and only that one, from anyone).
+    policy = next(d for d in docs if d["kind"] == "NetworkPolicy" and d["metadata"]["name"].endswith("-workers"))
+    assert {"ports": [{"port": "metrics", "protocol": "TCP"}]} in policy["spec"]["ingress"]
+    scoped = {"networkPolicy": {"workerMetricsFrom": [{"namespaceSelector": {"matchLabels": {"name": "mon"}}}]}}
+    policy = next(d for d in _documents(_helm_template(k8s_bin_dir, tmp_path, scoped).stdout)
+                  if d["kind"] == "NetworkPolicy" and d["metadata"]["name"].endswith("-workers"))
+    assert {"from": scoped["networkPolicy"]["workerMetricsFrom"],
+            "ports": [{"port": "metrics", "protocol": "TCP"}]} in policy["spec"]["ingress"]
+
+
+def test_dashboard_queries_only_exported_worker_metrics(k8s_bin_dir: Path, tmp_path: Path):
+    docs = _documents(_helm_template(k8s_bin_dir, tmp_path).stdout)
+    dashboard = json.loads(next(d for d in docs if d["kind"] == "ConfigMap")["data"]["splitserve.json"])
+    exprs = [t["expr"] for p in dashboard["panels"] for t in p.get("targets", [])]
+    exported = {name for name, _, _ in GAUGES} | {f"{name}_total" for name, _, _ in COUNTERS}
+    queried = {m for e in exprs for m in re.findall(r"splitserve_worker_[a-z_]+", e)}
+    # The frontend's Stats-fed prefill counters are not the workers' (fault_metrics.py).
+    queried -= {"splitserve_worker_prefill_retries_total", "splitserve_worker_prefill_fallbacks_total"}
+    assert "splitserve_worker_kv_usage" in queried and queried <= exported, queried - exported
+    assert any("by (worker)" in e and "splitserve_worker_kv_usage" in e for e in exprs)
+    assert any("by (direction)" in e and "splitserve_kv_transfer_bytes_total" in e for e in exprs)
 
 
 @pytest.mark.parametrize("flag, message", [

@@ -45,6 +45,32 @@ def test_group_pods_carry_rank_world_size_and_leader():
     assert probe[:3] == ["python", "-m", "splitserve.operator.probe"]
 
 
+def test_every_worker_rank_serves_metrics_on_a_named_port():
+    for rank, pod in enumerate(builders.build_group_pods(OWNER, SPEC, "prefill", "llm-prefill-abc12")):
+        container = pod["spec"]["containers"][0]
+        args = container["args"]
+        assert args[args.index("--metrics-port") + 1] == str(names.WORKER_METRICS_PORT), rank
+        ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+        assert ports == {"grpc": names.WORKER_PORT, "dist": names.DIST_PORT, "metrics": names.WORKER_METRICS_PORT}
+        assert len(set(ports.values())) == len(ports)
+        annotations = pod["metadata"]["annotations"]
+        assert annotations["prometheus.io/scrape"] == "true"
+        assert annotations["prometheus.io/port"] == str(names.WORKER_METRICS_PORT)
+        assert annotations["prometheus.io/path"] == "/metrics"
+    frontend = builders.build_frontend_deployment(OWNER, SPEC)["spec"]["template"]["metadata"]["annotations"]
+    assert frontend["prometheus.io/port"] == "8000"
+
+
+def test_worker_args_parse_with_the_worker_cli():
+    """What the operator passes is what `splitserve worker` accepts (its own parser, no process)."""
+    from splitserve.services.cli import build_parser
+
+    args = builders.worker_args(SPEC, "decode")
+    parsed = build_parser().parse_args(args[1:])
+    assert parsed.command == "worker" and parsed.role == "decode"
+    assert parsed.metrics_port == names.WORKER_METRICS_PORT and parsed.port == names.WORKER_PORT
+
+
 def test_spec_hash_ignores_replicas_but_not_image():
     scaled = ServingDeploymentSpec.from_dict({**SPEC.to_dict(), "prefill": {**SPEC.prefill.to_dict(), "replicas": 5}})
     assert builders.pool_spec_hash(scaled, "prefill") == builders.pool_spec_hash(SPEC, "prefill")

@@ -1,0 +1,174 @@
+"""`splitserve worker --metrics-port`: Prometheus metrics served over HTTP by the workers.
+
+Real `splitserve worker` processes (one prefill, one decode, TCP transfer) and one
+disaggregated Generate over the worker gRPC API; everything asserted is read from
+the real /metrics text: the per-worker `splitserve_worker_*` families (taken from
+the Stats data), the kvtransfer counters on both sides (send on the prefill worker,
+recv on the decode worker, the write latency histogram), the token counters, 404
+for other paths. The metrics server's contract without Stats (a worker still
+loading) is checked in-process on loopback, and a taken port fails the worker clearly.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import subprocess
+import urllib.error
+import urllib.request
+
+import grpc
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from splitserve.proto.v1 import common_pb2, worker_pb2, worker_pb2_grpc
+from splitserve.services.worker.metrics_http import COUNTERS, GAUGES, MetricsApp, MetricsServer
+
+from .conftest import Proc, free_port, worker_stats
+
+PROMPT = [(13 * i + 7) % 31000 + 5 for i in range(90)]    # over the threshold: prefilled remotely
+MAX_TOKENS = 4
+
+Samples = dict[tuple[str, frozenset], float]
+
+
+def _get(url: str, method: str = "GET") -> tuple[int, str]:
+    request = urllib.request.Request(url, method=method)
+    try:
+        with urllib.request.urlopen(request, timeout=10) as reply:
+            return reply.status, reply.read().decode()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read().decode()
+
+
+def _scrape(url: str) -> Samples:
+    status, text = _get(url)
+    assert status == 200, text
+    return {(s.name, frozenset(s.labels.items())): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}
+
+
+def _value(samples: Samples, name: str, **labels: str) -> float:
+    """Sum of the samples of `name` whose labels include `labels` (0 when none)."""
+    want = set(labels.items())
+    return sum(v for (n, ls), v in samples.items() if n == name and want <= ls)
+
+
+def _worker(llama_dir, role: str, name: str, *extra: str) -> tuple[Proc, str, str]:
+    port, metrics_port = free_port(), free_port()
+    proc = Proc.start(["splitserve", "worker", "--role", role, "--model", str(llama_dir), "--port", str(port),
+                       "--metrics-port", str(metrics_port), "--threads", "1", "--kv-cache-gib", "0.05",
+                       "--worker-id", name, "--transfer", "tcp", *extra])
+    return proc, f"127.0.0.1:{port}", f"http://127.0.0.1:{metrics_port}"
+
+
+@pytest.fixture(scope="module")
+def workers(llama_dir):
+    procs = {}
+    try:
+        procs["d0"] = _worker(llama_dir, "decode", "d0", "--remote-prefill-threshold", "32")
+        procs["p0"] = _worker(llama_dir, "prefill", "p0")
+        for name, (proc, _, base) in procs.items():
+            proc.wait_for_line(rf"worker {name} metrics on {base}/metrics", 60)
+            # Served from the start, while the model may still be loading: 200 either way.
+            assert _get(f"{base}/metrics")[0] == 200
+        for name, (proc, _, _) in procs.items():
+            proc.wait_for_line(rf"worker {name} ready", 120)
+        yield {name: (address, base) for name, (_, address, base) in procs.items()}
+    finally:
+        for proc, _, _ in procs.values():
+            assert proc.stop() == 0, proc.output
+
+
+async def _generate(decode: str, prefill: str) -> worker_pb2.TokenGenerateResponse:
+    request = worker_pb2.TokenGenerateRequest(
+        request_id="metrics-1", token_ids=PROMPT,
+        params=common_pb2.SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True),
+        prefill_peer=worker_pb2.PrefillPeer(worker_id="p0", address=prefill))
+    async with grpc.aio.insecure_channel(decode) as channel:
+        replies = [r async for r in worker_pb2_grpc.WorkerStub(channel).Generate(request)]
+    assert sum(len(r.token_ids) for r in replies) == MAX_TOKENS
+    return replies[0]
+
+
+def test_disaggregated_request_shows_in_both_workers_metrics(workers):
+    (d0, d0_http), (p0, p0_http) = workers["d0"], workers["p0"]
+    before = {"d0": _scrape(f"{d0_http}/metrics"), "p0": _scrape(f"{p0_http}/metrics")}
+    first = asyncio.run(_generate(d0, p0))
+    assert first.prefilled_remotely
+    after = {"d0": _scrape(f"{d0_http}/metrics"), "p0": _scrape(f"{p0_http}/metrics")}
+
+    # One kv_usage gauge per worker, labelled with its id and role; every Stats family is there.
+    for name, role in (("d0", "decode"), ("p0", "prefill")):
+        usage = [(ls, v) for (n, ls), v in after[name].items() if n == "splitserve_worker_kv_usage"]
+        assert usage == [(frozenset({("worker", name), ("role", role)}), 0.0)], usage   # idle again: no leak
+        stats = worker_stats(workers[name][0])
+        assert _value(after[name], "splitserve_worker_kv_blocks", worker=name) == stats.num_kv_blocks > 0
+        for metric, _, _ in GAUGES:
+            assert (metric, frozenset({("worker", name), ("role", role)})) in after[name], metric
+        for metric, _, _ in COUNTERS:
+            assert _value(after[name], f"{metric}_total", worker=name) >= 0
+            assert (f"{metric}_total", frozenset({("worker", name), ("role", role)})) in after[name], metric
+
+    def grew(name: str, metric: str, **labels: str) -> float:
+        return _value(after[name], metric, **labels) - _value(before[name], metric, **labels)
+
+    # The KV bytes went from the prefill worker (send) to the decode worker (recv); the sender
+    # also counts the notification's payload (the first token).
+    sent = grew("p0", "splitserve_kv_transfer_bytes_total", direction="send", backend="tcp")
+    received = grew("d0", "splitserve_kv_transfer_bytes_total", direction="recv", backend="tcp")
+    assert 0 < received <= sent < received + 64
+    assert grew("p0", "splitserve_kv_transfer_seconds_count", backend="tcp") > 0
+    assert grew("d0", "splitserve_kv_transfer_bytes_total", direction="send") == 0
+    # Engine and worker counters, as the Stats RPC counts them.
+    assert grew("p0", "splitserve_worker_prefills_served_total") == 1
+    assert grew("p0", "splitserve_worker_prompt_tokens_computed_total") == len(PROMPT)
+    assert grew("d0", "splitserve_worker_remote_prefills_total") == 1
+    assert grew("d0", "splitserve_worker_generated_tokens_total") >= MAX_TOKENS - 1
+    assert grew("d0", "splitserve_worker_requests_finished_total") == 1
+
+
+def test_other_paths_and_methods_are_refused(workers):
+    for _, base in workers.values():
+        assert _get(f"{base}/nope")[0] == 404
+        assert _get(f"{base}/")[0] == 404
+        assert _get(f"{base}/metrics", method="POST")[0] == 405
+        status, body = _get(f"{base}/metrics", method="HEAD")
+        assert status == 200 and body == ""
+
+
+def test_without_stats_the_scrape_answers_the_registry_alone():
+    """A worker still loading (or stopped) has no Stats: 200, no splitserve_worker_* family."""
+    stats: list[worker_pb2.StatsResponse | None] = [None]
+
+    async def read_stats():
+        return stats[0]
+
+    async def main():
+        server = await MetricsServer.start(MetricsApp(read_stats), "127.0.0.1", 0)
+        url = f"http://127.0.0.1:{server.port}/metrics"
+        try:
+            loading = await asyncio.to_thread(_scrape, url)
+            stats[0] = worker_pb2.StatsResponse(worker_id="w", role=worker_pb2.WORKER_ROLE_BOTH, num_kv_blocks=8,
+                                                num_used_kv_blocks=2, kv_usage=0.25, num_generated_tokens=5)
+            loaded = await asyncio.to_thread(_scrape, url)
+        finally:
+            await server.close()
+        return loading, loaded
+
+    loading, loaded = asyncio.run(main())
+    assert not [n for n, _ in loading if n.startswith("splitserve_worker_")]
+    assert any(n.startswith("process_") for n, _ in loading)       # the default registry is served
+    assert _value(loaded, "splitserve_worker_kv_usage", worker="w", role="both") == 0.25
+    assert _value(loaded, "splitserve_worker_kv_blocks_used", worker="w") == 2
+    assert _value(loaded, "splitserve_worker_generated_tokens_total", worker="w") == 5
+
+
+def test_a_taken_metrics_port_fails_the_worker_clearly(tmp_path):
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        port = taken.getsockname()[1]
+        proc = subprocess.run(["splitserve", "worker", "--model",
+                               str(tmp_path / "never-loaded"), "--metrics-port", str(port)],
+                              capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert f"cannot serve metrics on 127.0.0.1:{port}" in proc.stderr and "--metrics-port" in proc.stderr
