@@ -27,10 +27,13 @@ whole-response path is reported beside it. Also reported: the paired median of
 (HTTP - gRPC) and the frontend process's CPU time per HTTP request (all its
 threads, from /proc/PID/task/*/schedstat): the wall-clock difference absorbs
 every preemption on a shared machine, the CPU time does not, so it says what the
-frontend itself costs; the benchmark's own CPU per request (httpx vs grpc.aio,
+frontend itself costs; the benchmark's own CPU per request (aiohttp vs grpc.aio,
 client side) is reported too, since the HTTP path's client is part of the
-difference. `--profile-frontend FILE` runs that frontend under
-cProfile (its numbers are then inflated) and writes the stats to FILE.
+difference. The HTTP client is aiohttp: httpx, which the load generator uses,
+spends about a millisecond more of client CPU per request on this machine,
+and that would land in the difference although the frontend does not cost it.
+`--profile-frontend FILE` runs that frontend under cProfile (its numbers are
+then inflated) and writes the stats to FILE.
 
 Model: the random-weight h256 Llama test checkpoint (splitserve.testing.models) unless
 --model names a folder. Targets: disaggregated ITL p99 <= 0.5x aggregated; frontend
@@ -52,6 +55,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+import aiohttp
 import grpc
 import httpx
 
@@ -70,7 +74,7 @@ class Workload:
     long_prompt_tokens: int = 1536
     long_output_tokens: int = 16
     long_interval_s: float = 0.5
-    overhead_requests: int = 60
+    overhead_requests: int = 200
 
 
 @dataclass
@@ -217,32 +221,29 @@ async def frontend_overhead(d: Deployment, w: Workload) -> dict:
     wall: dict[str, list[float]] = {p: [] for p in PATHS}
     cpu: dict[str, list[float]] = {p: [] for p in PATHS[1:]}       # the frontend's
     client_cpu: dict[str, list[float]] = {p: [] for p in PATHS}     # this process's
-    async with httpx.AsyncClient(timeout=60) as http, grpc.aio.insecure_channel(worker) as channel:
-        model = (await http.get(f"{d.base}/v1/models")).json()["data"][0]["id"]
+    async with aiohttp.ClientSession() as http, grpc.aio.insecure_channel(worker) as channel:
+        async with http.get(f"{d.base}/v1/models") as reply:
+            model = (await reply.json())["data"][0]["id"]
         stub = worker_pb2_grpc.WorkerStub(channel)
-
-        def body(stream: bool, token_ids: bool = False) -> dict:
-            return {"model": model, "prompt": OVERHEAD_PROMPT, "max_tokens": OVERHEAD_OUTPUT_TOKENS,
-                    "stream": stream, "temperature": 0, "ignore_eos": True, "return_token_ids": token_ids}
+        stream_body, whole_body = (json.dumps(overhead_body(model, stream)).encode() for stream in (True, False))
+        headers = {"content-type": "application/json"}
 
         async def grpc_direct(i: int) -> None:
-            request = worker_pb2.TokenGenerateRequest(
-                request_id=f"direct-{i}", token_ids=OVERHEAD_PROMPT,
-                params=common_pb2.SamplingParams(max_tokens=OVERHEAD_OUTPUT_TOKENS, temperature=0,
-                                                 ignore_eos=True))
-            async for _ in stub.Generate(request):
+            async for _ in stub.Generate(overhead_grpc_request(f"direct-{i}")):
                 pass
 
         async def http_stream(i: int) -> None:
-            async with http.stream("POST", f"{d.base}/v1/completions", json=body(True)) as reply:
+            async with http.post(f"{d.base}/v1/completions", data=stream_body, headers=headers) as reply:
                 reply.raise_for_status()
-                async for _ in reply.aiter_raw():
+                async for _ in reply.content.iter_any():
                     pass
 
         async def http_whole(i: int) -> None:
-            (await http.post(f"{d.base}/v1/completions", json=body(False))).raise_for_status()
+            async with http.post(f"{d.base}/v1/completions", data=whole_body, headers=headers) as reply:
+                reply.raise_for_status()
+                await reply.read()
 
-        await check_same_tokens(http, stub, d.base, body)
+        await check_same_tokens(http, stub, d.base, model)
         calls = {"grpc_direct": grpc_direct, "http_stream": http_stream, "http_whole": http_whole}
         for i in range(w.overhead_requests + 5):          # the first 5 rounds warm up
             for path in PATHS[i % 3:] + PATHS[:i % 3]:     # rotate which goes first
@@ -258,7 +259,7 @@ async def frontend_overhead(d: Deployment, w: Workload) -> dict:
     out = {"grpc_direct_p50_ms": 1e3 * g, "num_requests": len(wall["grpc_direct"]),
            "grpc_direct_client_cpu_p50_ms": 1e3 * statistics.median(client_cpu["grpc_direct"]),
            "prompt_tokens": len(OVERHEAD_PROMPT), "output_tokens": OVERHEAD_OUTPUT_TOKENS,
-           "frontend_core": d.frontend_core}
+           "frontend_core": d.frontend_core, "http_client": f"aiohttp {aiohttp.__version__}"}
     for path in PATHS[1:]:
         h = statistics.median(wall[path])
         out[path] = {"http_p50_ms": 1e3 * h, "overhead_p50_ms": 1e3 * (h - g),
@@ -269,15 +270,23 @@ async def frontend_overhead(d: Deployment, w: Workload) -> dict:
     return out
 
 
-async def check_same_tokens(http: httpx.AsyncClient, stub, base: str, body) -> None:
-    """Both paths must generate the same tokens, or the comparison means nothing."""
-    reply = (await http.post(f"{base}/v1/completions", json=body(False, token_ids=True))).json()
-    via_http = reply["choices"][0]["token_ids"]
-    via_grpc = []
-    request = worker_pb2.TokenGenerateRequest(
-        request_id="direct-check", token_ids=OVERHEAD_PROMPT,
+def overhead_body(model: str, stream: bool, token_ids: bool = False) -> dict:
+    return {"model": model, "prompt": OVERHEAD_PROMPT, "max_tokens": OVERHEAD_OUTPUT_TOKENS, "stream": stream,
+            "temperature": 0, "ignore_eos": True, "return_token_ids": token_ids}
+
+
+def overhead_grpc_request(request_id: str) -> worker_pb2.TokenGenerateRequest:
+    return worker_pb2.TokenGenerateRequest(
+        request_id=request_id, token_ids=OVERHEAD_PROMPT,
         params=common_pb2.SamplingParams(max_tokens=OVERHEAD_OUTPUT_TOKENS, temperature=0, ignore_eos=True))
-    async for resp in stub.Generate(request):
+
+
+async def check_same_tokens(http: aiohttp.ClientSession, stub, base: str, model: str) -> None:
+    """Both paths must generate the same tokens, or the comparison means nothing."""
+    async with http.post(f"{base}/v1/completions", json=overhead_body(model, False, token_ids=True)) as reply:
+        via_http = (await reply.json())["choices"][0]["token_ids"]
+    via_grpc = []
+    async for resp in stub.Generate(overhead_grpc_request("direct-check")):
         via_grpc.extend(resp.token_ids)
     if via_http != via_grpc or len(via_grpc) != OVERHEAD_OUTPUT_TOKENS:
         raise SystemExit(f"the paths disagree: HTTP {via_http} vs gRPC {via_grpc}")

@@ -61,6 +61,32 @@ class TokenGenerateResponse(_message.Message):
     prefilled_remotely: bool
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprob, _Mapping]]] = ..., finished: _Optional[bool] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., num_prompt_tokens: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ..., num_output_tokens: _Optional[int] = ..., prefilled_remotely: _Optional[bool] = ...) -> None: ...
 
+class SessionRequest(_message.Message):
+    __slots__ = ("generate", "abort_request_id")
+    GENERATE_FIELD_NUMBER: _ClassVar[int]
+    ABORT_REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    generate: TokenGenerateRequest
+    abort_request_id: str
+    def __init__(self, generate: _Optional[_Union[TokenGenerateRequest, _Mapping]] = ..., abort_request_id: _Optional[str] = ...) -> None: ...
+
+class SessionResponse(_message.Message):
+    __slots__ = ("request_id", "output", "error")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    OUTPUT_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    output: TokenGenerateResponse
+    error: SessionError
+    def __init__(self, request_id: _Optional[str] = ..., output: _Optional[_Union[TokenGenerateResponse, _Mapping]] = ..., error: _Optional[_Union[SessionError, _Mapping]] = ...) -> None: ...
+
+class SessionError(_message.Message):
+    __slots__ = ("code", "message")
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    code: int
+    message: str
+    def __init__(self, code: _Optional[int] = ..., message: _Optional[str] = ...) -> None: ...
+
 class TransferTarget(_message.Message):
     __slots__ = ("agent_name", "agent_metadata", "layout_hash", "block_ids", "num_cached_blocks", "incarnation", "deadline_unix", "other_ranks")
     AGENT_NAME_FIELD_NUMBER: _ClassVar[int]

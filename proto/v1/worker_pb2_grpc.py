@@ -39,6 +39,11 @@ class WorkerStub:
                 request_serializer=splitserve_dot_v1_dot_worker__pb2.TokenGenerateRequest.SerializeToString,
                 response_deserializer=splitserve_dot_v1_dot_worker__pb2.TokenGenerateResponse.FromString,
                 _registered_method=True)
+        self.GenerateSession = channel.stream_stream(
+                '/splitserve.v1.Worker/GenerateSession',
+                request_serializer=splitserve_dot_v1_dot_worker__pb2.SessionRequest.SerializeToString,
+                response_deserializer=splitserve_dot_v1_dot_worker__pb2.SessionResponse.FromString,
+                _registered_method=True)
         self.Prefill = channel.unary_unary(
                 '/splitserve.v1.Worker/Prefill',
                 request_serializer=splitserve_dot_v1_dot_worker__pb2.PrefillRequest.SerializeToString,
@@ -78,6 +83,17 @@ class WorkerServicer:
         """Generate tokens for a tokenized prompt; one message per engine step that
         produced something, the last one with `finished` set. Cancelling the call
         aborts the request and frees its KV blocks.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GenerateSession(self, request_iterator, context):
+        """Many Generate requests over one long-lived call (what a frontend uses): each
+        SessionRequest starts a request or aborts one, each SessionResponse carries one
+        request's next message or its error. A request ends with `finished` or an error;
+        an abort ends it with no further message. Ending the call aborts every request
+        still running on it. Saves each request the cost of setting up its own call.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -132,6 +148,11 @@ def add_WorkerServicer_to_server(servicer, server):
                     servicer.Generate,
                     request_deserializer=splitserve_dot_v1_dot_worker__pb2.TokenGenerateRequest.FromString,
                     response_serializer=splitserve_dot_v1_dot_worker__pb2.TokenGenerateResponse.SerializeToString,
+            ),
+            'GenerateSession': grpc.stream_stream_rpc_method_handler(
+                    servicer.GenerateSession,
+                    request_deserializer=splitserve_dot_v1_dot_worker__pb2.SessionRequest.FromString,
+                    response_serializer=splitserve_dot_v1_dot_worker__pb2.SessionResponse.SerializeToString,
             ),
             'Prefill': grpc.unary_unary_rpc_method_handler(
                     servicer.Prefill,
@@ -191,6 +212,33 @@ class Worker:
             '/splitserve.v1.Worker/Generate',
             splitserve_dot_v1_dot_worker__pb2.TokenGenerateRequest.SerializeToString,
             splitserve_dot_v1_dot_worker__pb2.TokenGenerateResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GenerateSession(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/splitserve.v1.Worker/GenerateSession',
+            splitserve_dot_v1_dot_worker__pb2.SessionRequest.SerializeToString,
+            splitserve_dot_v1_dot_worker__pb2.SessionResponse.FromString,
             options,
             channel_credentials,
             insecure,

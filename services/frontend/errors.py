@@ -74,7 +74,8 @@ _GRPC_TO_HTTP = {
 }
 
 
-def from_grpc(exc: grpc.aio.AioRpcError) -> APIError:
+def from_grpc(exc) -> APIError:
+    """A worker's refusal (grpc.aio.AioRpcError, or a session's WorkerCallError) as an APIError."""
     status, kind = _GRPC_TO_HTTP.get(exc.code(), (500, "server_error"))
     return APIError(status, exc.details() or exc.code().name, type=kind)
 

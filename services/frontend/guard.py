@@ -65,10 +65,10 @@ class GuardMiddleware:
         if scope["type"] != "http" or scope["path"] in OPEN_PATHS:
             await self.app(scope, receive, send)
             return
-        guard, headers = self.guard, _headers(scope)
+        guard = self.guard
         client = (scope.get("client") or ("unknown", 0))[0]
         if guard.keys.enabled:
-            key = guard.keys.check_header(headers.get("authorization"))
+            key = guard.keys.check_header(_headers(scope).get("authorization"))
             if key is None:
                 log.info("refused %s %s from %s: missing or unknown API key", scope["method"], scope["path"], client)
                 await self._refuse(send, Rejection.AUTH, APIError(
@@ -114,7 +114,8 @@ class GuardMiddleware:
 
         timeout = self.guard.limits.request_timeout_s
         try:
-            await asyncio.wait_for(body_then_app(), timeout or None)
+            async with asyncio.timeout(timeout or None):
+                await body_then_app()
         except TimeoutError:
             log.warning("request %s %s: timed out after %.0f s, cancelled", scope["method"], scope["path"], timeout)
             self.guard.count("http", Rejection.TIMEOUT)
@@ -123,7 +124,7 @@ class GuardMiddleware:
     async def _read_body(self, scope: Scope, receive: Receive, send: Send) -> bytes | None:
         """The whole body, or None after answering 413 (or when the client went away)."""
         limit = self.guard.limits.max_body_bytes
-        declared = _headers(scope).get("content-length")
+        declared = _headers(scope).get("content-length") if limit else None
         if limit and declared is not None and declared.isdigit() and int(declared) > limit:
             await self._refuse_body(receive, send, limit, int(declared) <= DRAIN_FACTOR * limit)
             return None

@@ -22,10 +22,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-
+from dataclasses import dataclass
 
 from splitserve.proto.v1 import worker_pb2, worker_pb2_grpc
-from splitserve.router.core import RouterCore, WorkerSpec
+from splitserve.router.core import RouteDecision, RouterCore, WorkerSpec
 from splitserve.router.discovery import WorkerRecord
 from splitserve.router.policies import DEFAULT_PREFILL_WEIGHT
 from splitserve.router.subscriber import EventSubscriber
@@ -62,8 +62,7 @@ class PolicyRouter:
         if decision is None:
             return None
         prefill = prefillers[decision.prefill.winner.worker_id] if decision.prefill else None
-        return Route(decoders[decision.decode.winner.worker_id], prefill,
-                     f"{decision.decode.explain()}; {decision.reason}")
+        return Route(decoders[decision.decode.winner.worker_id], prefill, _Explanation(decision))
 
     def on_first_token(self, request_id: str) -> None:
         self.core.on_first_token(request_id)
@@ -134,7 +133,7 @@ class PolicyRouter:
                 self.core.metrics.index_blocks.remove(w.worker_id)
         # Closed in the background: awaiting a close that cancels calls to a hung peer
         # must not stall the reconciler (the worker may re-register a moment later).
-        self._spawn(_bounded(w.channel.close(), STATS_TIMEOUT_S), f"close {w.address}")
+        self._spawn(_bounded(w.close(), STATS_TIMEOUT_S), f"close {w.address}")
 
     def _start_subscribers(self) -> None:
         for w in self.pool.workers:
@@ -225,3 +224,13 @@ def build_router(pool: WorkerPool, policy: str = "kv", prefill_policy: str | Non
                       remote_prefill_threshold=remote_prefill_threshold,
                       metrics=RouterMetrics(metrics_registry), predict=uses_index)
     return PolicyRouter(pool, core, registry, subscribe=uses_index)
+
+
+@dataclass(slots=True, frozen=True)
+class _Explanation:
+    """A decision's reason for the request log, formatted only if the line is written."""
+
+    decision: RouteDecision
+
+    def __str__(self) -> str:
+        return f"{self.decision.decode.explain()}; {self.decision.reason}"

@@ -21,8 +21,6 @@ import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
-import grpc
-
 from splitserve.errors import InvalidRequestError
 from splitserve.proto.v1 import common_pb2, worker_pb2
 from splitserve.services.engine.sampling_params import SamplingParams
@@ -36,6 +34,7 @@ from .fault_metrics import OUTCOME_MIGRATED, OUTCOME_RETRIED, PHASE_BEFORE_FIRST
 from .metrics import FrontendMetrics
 from .migration import MigrationPolicy, Progress, Refusal, breaks_stream
 from .routing import Route, RouteRequest, Router
+from .worker_session import WorkerCallError
 from .workers import WorkerPool
 
 log = logging.getLogger(__name__)
@@ -272,28 +271,21 @@ class Frontend:
         log.info("request %s: %d prompt tokens -> %s (%s)", message.request_id, len(message.token_ids),
                  route.decode.worker_id, route.reason)
         run.broken, run.first_of_attempt = "", True
-        call = route.decode.stub.Generate(message)
         try:
-            async for resp in call:
-                delta = self._delta(req, progress, run, resp, message.request_id)
-                run.finished = delta.finish_reason is not None
-                yield delta
-                if run.finished:
-                    return
+            async with contextlib.aclosing(route.decode.generate(message)) as responses:
+                async for resp in responses:
+                    delta = self._delta(req, progress, run, resp, message.request_id)
+                    run.finished = delta.finish_reason is not None
+                    yield delta
+                    if run.finished:
+                        return
             run.broken = "the worker ended the stream without finishing the request"
-        except grpc.aio.AioRpcError as exc:
+        except WorkerCallError as exc:
             if not breaks_stream(exc):
                 run.failure = exc.code().name.lower()
                 raise from_grpc(exc) from None
             run.broken = f"{exc.code().name}: {exc.details()}"
-        except asyncio.CancelledError:
-            task = asyncio.current_task()
-            if task is None or task.cancelling():
-                raise           # this request was cancelled (the client went away)
-            # The call alone was cancelled: its channel was closed (the worker was removed).
-            run.broken = "the call was cancelled: the worker's channel was closed"
         finally:
-            call.cancel()
             self.router.on_finished(message.request_id)
 
     def _delta(self, req: GenerationRequest, progress: Progress, run: "_Run",

@@ -62,8 +62,9 @@ class Refusal(enum.Enum):
                 Refusal.CONTEXT_FULL: "the prompt and the tokens generated so far fill the context"}[self]
 
 
-def breaks_stream(exc: grpc.aio.AioRpcError) -> bool:
-    """True when the call failed because of the worker or the network (migrate), False when
+def breaks_stream(exc) -> bool:
+    """`exc`: a grpc.aio.AioRpcError or a session's WorkerCallError (both have code()).
+    True when the call failed because of the worker or the network (migrate), False when
     the worker refused the request itself (report it to the client)."""
     return exc.code() in _BROKEN
 

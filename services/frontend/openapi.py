@@ -1,6 +1,6 @@
 """The HTTP API's OpenAPI 3.1 document, built from the request models the app really parses.
 
-The app parses bodies by hand (openai_api.parse_body) to phrase every failure
+The app parses bodies by hand (generation_http.parse_body) to phrase every failure
 as an OpenAI error, so FastAPI cannot infer the request schemas; this module
 writes them from the same pydantic models (protocol.py), with every refusal the
 app can answer (400, 401, 404, 413, 429, 503, 504) described by one error schema.

@@ -25,7 +25,7 @@ class RouteRequest:
 class Route:
     decode: WorkerHandle
     prefill: WorkerHandle | None
-    reason: str
+    reason: object          # str() says why: formatted only when it is logged
 
 
 class Router(Protocol):

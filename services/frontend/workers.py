@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 import grpc
@@ -19,6 +20,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from splitserve.errors import InvalidRequestError
 from splitserve.proto.v1 import worker_pb2, worker_pb2_grpc
 from splitserve.services.tls import PLAINTEXT, TlsConfig
+
+from .worker_session import WorkerSession
 
 log = logging.getLogger(__name__)
 
@@ -52,10 +55,22 @@ class WorkerHandle:
     stub: worker_pb2_grpc.WorkerStub
     ready: bool = False
     info: worker_pb2.DescribeResponse | None = None
+    session: WorkerSession | None = None     # opened by the first request
 
     @property
     def decodes(self) -> bool:
         return self.role in ("both", "decode")
+
+    def generate(self, message: worker_pb2.TokenGenerateRequest) -> AsyncIterator[worker_pb2.TokenGenerateResponse]:
+        """The worker's messages for one request, over this frontend's session with it."""
+        if self.session is None:
+            self.session = WorkerSession(self.stub, self.address)
+        return self.session.generate(message)
+
+    async def close(self) -> None:
+        if self.session is not None:
+            await self.session.close()
+        await self.channel.close()
 
 
 @dataclass(slots=True)
@@ -84,7 +99,7 @@ class WorkerPool:
         await asyncio.gather(*self._tasks, return_exceptions=True)
         self._tasks.clear()
         for worker in self.workers:
-            await worker.channel.close()
+            await worker.close()
 
     def ready(self, role_filter: str | None = None) -> list[WorkerHandle]:
         return [w for w in self.workers if w.ready and w.info is not None

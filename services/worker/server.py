@@ -135,6 +135,7 @@ async def serve(config: WorkerServerConfig, stop: asyncio.Event | None = None,
             # Fail what still runs with UNAVAILABLE while the server can still say so: the
             # frontends migrate those requests.
             await asyncio.to_thread(service.loop.stop)
+        service.end_sessions()
         await server.stop(config.grace_s)
         await service.close()
         if metrics is not None:

@@ -28,6 +28,7 @@ from .convert import event_to_proto, logprob_to_proto, output_to_proto, params_f
 from .disaggregation import PeerChannels, RemotePrefill, serve_prefill
 from .engine_loop import EngineLoop, EngineStoppedError
 from .kv_event_hub import KvEventHub
+from .session import GenerateSession
 from .transfer import (KVReceiver, KVSender, TransferEndpoint, TransferError, TransferGrant, TransferNotWiredError,
                        TransferTarget)
 
@@ -95,6 +96,7 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         self.loop: EngineLoop | None = None
         self.hub = KvEventHub(options.kv_event_buffer)
         self.remote: RemotePrefill | None = None
+        self.sessions: set[GenerateSession] = set()
 
     # -- lifecycle ---------------------------------------------------------------
     async def attach(self, engine: LLMEngine, sender: KVSender, receiver: KVReceiver) -> None:
@@ -129,6 +131,10 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
 
     async def _fail(self, context: grpc.aio.ServicerContext, method: str, request_id: str,
                     exc: BaseException) -> None:
+        await context.abort(self.failure_status(method, request_id, exc), str(exc) or type(exc).__name__)
+
+    def failure_status(self, method: str, request_id: str, exc: BaseException) -> grpc.StatusCode:
+        """Count and log a call's failure; the status it ends with."""
         self.counters.num_errors += 1
         code = _status_of(exc)
         if code is grpc.StatusCode.INTERNAL:
@@ -136,12 +142,36 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
                       exc_info=not isinstance(exc, FatalError))
         else:
             log.info("worker %s: %s %s refused: %s", self.options.worker_id, method, request_id, exc)
-        await context.abort(code, str(exc) or type(exc).__name__)
+        return code
 
     # -- Generate ----------------------------------------------------------------
     async def Generate(self, request, context):
         request_id = request.request_id or f"gen-{uuid.uuid4().hex}"
         failure = None
+        try:
+            async for response in self.generate(request_id, request):
+                yield response
+        except Exception as exc:
+            failure = exc
+        if failure is not None:
+            await self._fail(context, "Generate", request_id, failure)
+
+    async def GenerateSession(self, request_iterator, context):
+        session = GenerateSession(self)
+        self.sessions.add(session)
+        try:
+            async for response in session.run(request_iterator):
+                yield response
+        finally:
+            self.sessions.discard(session)
+
+    def end_sessions(self) -> None:
+        """Let every GenerateSession call end once its running requests are done (see session.py)."""
+        for session in self.sessions:
+            session.end()
+
+    async def generate(self, request_id: str, request: worker_pb2.TokenGenerateRequest):
+        """One Generate request's messages (Generate and GenerateSession); raises what refuses it."""
         self.counters.num_in_flight += 1
         try:
             loop = self._engine_loop()
@@ -152,12 +182,8 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
             peers += [p.address for p in request.alternate_prefill_peers if p.address not in peers]
             async for response in self._generate(loop, request_id, token_ids, params, peers):
                 yield response
-        except Exception as exc:
-            failure = exc
         finally:
             self.counters.num_in_flight -= 1
-        if failure is not None:
-            await self._fail(context, "Generate", request_id, failure)
 
     def _disaggregates(self) -> bool:
         return self.options.role is Role.DECODE and self.receiver is not None and bool(self.receiver.backend)

@@ -195,9 +195,12 @@ def test_bad_input_gets_its_4xx(server, model_name, body, endpoint, status, para
 
 
 def test_server_keeps_serving_after_bad_input(server, client, model_name):
-    for path, method in (("/nope", "GET"), ("/v1/completions", "GET")):
+    for path, method, status in (("/nope", "GET", 404), ("/v1/completions", "GET", 405),
+                                 ("/v1/chat/completions", "PUT", 405)):
         reply = httpx.request(method, f"{server.base_url}{path}")
-        assert reply.status_code in (404, 405) and "error" in reply.json()
+        assert reply.status_code == status and reply.json()["error"]["message"], reply.text
+        if status == 405:
+            assert reply.headers["allow"] == "POST"
     with pytest.raises(openai.BadRequestError):
         client.completions.create(model=model_name, prompt="hi", max_tokens=0)
     out = client.completions.create(model=model_name, prompt="still there?", max_tokens=3, temperature=0)

@@ -7,7 +7,8 @@ import json
 
 from splitserve.services.frontend.errors import APIError
 from splitserve.services.frontend.lifecycle import Delta
-from splitserve.services.frontend.openai_api import _JSONResponse, _event, _sse
+from splitserve.services.frontend.generation_http import event as _event, sse as _sse
+from splitserve.services.frontend.openai_api import _JSONResponse
 
 
 class _Fmt:
