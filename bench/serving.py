@@ -12,7 +12,12 @@ mixed workload runs against the HTTP endpoint with streaming:
 
 - decode-heavy requests (short prompts, long outputs) start first and keep decoding;
 - long prompts arrive at a fixed interval while those decode (the interference that
-  disaggregation removes: an aggregated worker stalls its decodes for each prefill).
+  disaggregation removes: an aggregated worker stalls its decodes for each prefill);
+- once every long prompt has its output, the client stops the decodes (they would run
+  up to decode_output_tokens), so every inter-token gap measured lies in the window
+  where prefills arrive, however fast the engine decodes. (With a fixed 160-token
+  output, a faster engine finished its decodes before most long prompts came, and
+  the few stalled gaps fell below the p99.)
 
 Reported per deployment: TTFT p50/p99, inter-token latency p50/p99 (gap between
 streamed tokens of one request), output tokens/s over the workload's wall time.
@@ -69,7 +74,7 @@ ROOT = Path(__file__).resolve().parent
 class Workload:
     num_decode_requests: int = 8
     decode_prompt_tokens: int = 64
-    decode_output_tokens: int = 160
+    decode_output_tokens: int = 3000        # an upper bound: stopped after the last long prompt
     num_long_prompts: int = 6
     long_prompt_tokens: int = 1536
     long_output_tokens: int = 16
@@ -162,13 +167,17 @@ async def stream_request(http: httpx.AsyncClient, base: str, model: str, prompt:
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "stream": True, "temperature": 0,
             "ignore_eos": True}
     trace = RequestTrace(kind, time.perf_counter())
-    async with http.stream("POST", f"{base}/v1/completions", json=body) as reply:
-        reply.raise_for_status()
-        async for line in reply.aiter_lines():
-            if line.startswith("data:") and line != "data: [DONE]":
-                chunk = json.loads(line[5:])
-                if chunk.get("choices") and chunk["choices"][0].get("text") is not None:
-                    trace.token_times.append(time.perf_counter())
+    try:
+        async with http.stream("POST", f"{base}/v1/completions", json=body) as reply:
+            reply.raise_for_status()
+            async for line in reply.aiter_lines():
+                if line.startswith("data:") and line != "data: [DONE]":
+                    chunk = json.loads(line[5:])
+                    if chunk.get("choices") and chunk["choices"][0].get("text") is not None:
+                        trace.token_times.append(time.perf_counter())
+    except asyncio.CancelledError:
+        if kind != "decode":
+            raise               # only the decodes are stopped on purpose (run_workload)
     return trace
 
 
@@ -182,13 +191,19 @@ async def run_workload(base: str, w: Workload, seed: int) -> dict:
             http, base, model, [rng.randrange(5, 32000) for _ in range(w.decode_prompt_tokens)],
             w.decode_output_tokens, "decode")) for _ in range(w.num_decode_requests)]
         await asyncio.sleep(0.5)              # the decodes are running when the long prompts arrive
+        longs = []
         for _ in range(w.num_long_prompts):
-            tasks.append(asyncio.create_task(stream_request(
+            longs.append(asyncio.create_task(stream_request(
                 http, base, model, [rng.randrange(5, 32000) for _ in range(w.long_prompt_tokens)],
                 w.long_output_tokens, "long")))
             await asyncio.sleep(w.long_interval_s)
-        traces = await asyncio.gather(*tasks)
+        traces = await asyncio.gather(*longs)
         wall = time.perf_counter() - start
+        for task in tasks:
+            task.cancel()
+        traces += await asyncio.gather(*tasks)
+        if any(not t.token_times for t in traces):
+            raise SystemExit("a request produced no token (see the deployment's logs)")
     ttft = [t.token_times[0] - t.start for t in traces if t.token_times]
     itl = [b - a for t in traces for a, b in zip(t.token_times, t.token_times[1:])]
     tokens = sum(len(t.token_times) for t in traces)
