@@ -53,6 +53,13 @@ class Child:
     ready_after: float | None = None
 
 
+def say(line: str) -> None:
+    """One progress line in one write: the children share this stdout, and a line written in
+    two parts (print's text, then its newline, when unbuffered) can have theirs in between."""
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()
+
+
 def _die_with_parent() -> None:
     """In the child before exec: SIGTERM when the parent dies (Linux)."""
     try:
@@ -171,7 +178,7 @@ def _resolve_model(name: str) -> str:
     from splitserve.services.engine.model_source import SMOLLM2_NAMES, resolve_smollm2
 
     if name.strip().lower() in SMOLLM2_NAMES:
-        print("preparing the shipped SmolLM2-135M-Instruct (converted once into the cache)...", flush=True)
+        say("preparing the shipped SmolLM2-135M-Instruct (converted once into the cache)...")
         return str(resolve_smollm2())
     return name
 
@@ -207,7 +214,7 @@ def _wait_ready(sup: Supervisor, workers: list[Child], ready_url: str, timeout: 
         for child in list(pending):
             if worker_serving(child.address, tls):
                 pending.remove(child)
-                print(f"  {child.name} ready ({time.monotonic() - start:.1f} s) at {child.address}", flush=True)
+                say(f"  {child.name} ready ({time.monotonic() - start:.1f} s) at {child.address}")
         if time.monotonic() - start > timeout:
             raise SplitserveError(f"workers not ready after {timeout:.0f} s: "
                                   f"{', '.join(c.name for c in pending)}")
@@ -262,10 +269,10 @@ def run_serve(args: argparse.Namespace) -> int:
         workers = []
         roles = [role for _, role in plan]
         if args.aggregated:
-            print(f"starting {len(plan)} aggregated worker(s) and the frontend for {model}", flush=True)
+            say(f"starting {len(plan)} aggregated worker(s) and the frontend for {model}")
         else:
-            print(f"starting {roles.count('prefill')} prefill and {roles.count('decode')} decode worker(s) "
-                  f"(KV transfer: {args.transfer}) and the frontend for {model}", flush=True)
+            say(f"starting {roles.count('prefill')} prefill and {roles.count('decode')} decode worker(s) "
+                f"(KV transfer: {args.transfer}) and the frontend for {model}")
         for name, role in plan:
             wport = free_port("127.0.0.1")
             workers.append(sup.spawn(name, [*python, *_worker_argv(args, name, role, wport, model)],
@@ -279,17 +286,17 @@ def run_serve(args: argparse.Namespace) -> int:
         _wait_ready(sup, workers, f"{base}/ready", args.ready_timeout, tls)
         for fport in ports[1:]:
             _wait_ready(sup, [], f"{scheme}://{host}:{fport}/ready", args.ready_timeout)
-            print(f"  frontend replica: {scheme}://{host}:{fport}/v1", flush=True)
+            say(f"  frontend replica: {scheme}://{host}:{fport}/v1")
         if not args.aggregated:
-            print(f"  KV transfer between prefill and decode workers: "
-                  f"{_transfer_backend(workers[0].address, tls)}", flush=True)
-        print(f"splitserve is ready: {base}/v1 (OpenAI-compatible), gRPC {host}:{grpc_port}", flush=True)
-        print(f"  try: curl {base}/v1/models", flush=True)
+            say(f"  KV transfer between prefill and decode workers: "
+                f"{_transfer_backend(workers[0].address, tls)}")
+        say(f"splitserve is ready: {base}/v1 (OpenAI-compatible), gRPC {host}:{grpc_port}")
+        say(f"  try: curl {base}/v1/models")
         while True:
             _check_alive(sup)
             time.sleep(POLL_S)
     except _Stop as stop:
-        print(f"splitserve: {stop}: stopping...", flush=True)
+        say(f"splitserve: {stop}: stopping...")
         return 0
     finally:
         signal.signal(signal.SIGINT, signal.SIG_IGN)
