@@ -320,5 +320,13 @@ async def sse(fmt, first: Delta, deltas: AsyncIterator[Delta]) -> AsyncIterator[
     yield pending + DONE
 
 
+# Characters JSON may leave raw that line splitters such as str.splitlines (httpx's
+# aiter_lines) take for line breaks, cutting an event in two; escaped, the text is the same.
+_LINE_BREAKS = ((b"\xe2\x80\xa8", b"\\u2028"), (b"\xe2\x80\xa9", b"\\u2029"), (b"\xc2\x85", b"\\u0085"))
+
+
 def event(payload: dict) -> bytes:
-    return b"data: " + orjson.dumps(payload) + b"\n\n"
+    data = orjson.dumps(payload)
+    for raw, escaped in _LINE_BREAKS:
+        data = data.replace(raw, escaped)
+    return b"data: " + data + b"\n\n"

@@ -77,3 +77,12 @@ def test_json_bodies_match_the_standard_encoding():
             "usage": {"prompt_tokens": 3, "x": -0.25}}
     assert _JSONResponse(body).body == json.dumps(body, separators=(",", ":"), ensure_ascii=False).encode()
     assert _event(body) == b"data: " + _JSONResponse(body).body + b"\n\n"
+
+
+def test_unicode_line_separators_are_escaped_so_no_line_splitter_cuts_an_event():
+    body = {"text": "a\u2028b\u2029c\x85d\u00e9"}
+    data = _event(body)
+    assert data.startswith(b"data: ") and data.endswith(b"\n\n")
+    line = data[len(b"data: "):-2]
+    assert len(line.decode().splitlines()) == 1 and "\u00e9".encode() in line
+    assert json.loads(line) == body
