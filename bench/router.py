@@ -173,10 +173,14 @@ def kv_cache_gib(model: Path, num_blocks: int) -> float:
     0 blocks: the fixed 0.1 GiB of the earlier setting."""
     if num_blocks <= 0:
         return DEFAULT_KV_CACHE_GIB
+    import torch
+
+    from splitserve.services.engine.kv_cache import KVCache
+
     c = json.loads((model / "config.json").read_text())
     head_dim = c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
-    bytes_per_block = c["num_hidden_layers"] * 2 * c["num_key_value_heads"] * head_dim * BS * 4
-    return (num_blocks + 0.5) * bytes_per_block / 2**30      # the engine rounds down to whole blocks
+    per_block = KVCache.bytes_per_block(c["num_hidden_layers"], BS, c["num_key_value_heads"], head_dim, torch.float32)
+    return (num_blocks + 0.5) * per_block / 2**30      # the engine rounds down to whole blocks
 
 
 def _serve(model: Path, policy: str, num_workers: int, timeout_s: float,

@@ -113,6 +113,11 @@ class Stack:
     def outputs(self) -> str:
         return "\n".join(p.output for p in self.procs)
 
+    def assert_clean_exit(self, codes: list[int], num_procs: int) -> None:
+        """After close(): every one of `num_procs` processes exited 0, none printed a traceback."""
+        assert codes == [0] * num_procs, self.outputs()[-3000:]
+        assert "Traceback" not in self.outputs(), self.outputs()[-6000:]
+
     def close(self) -> list[int]:
         """Stop everything; the exit codes in start order (0 is a clean SIGTERM exit)."""
         for p in self.procs:

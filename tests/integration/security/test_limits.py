@@ -40,8 +40,7 @@ def stack(llama_dir):
         yield stack, fronts
     finally:
         codes = stack.close()
-    assert codes == [0] * 4, stack.outputs()[-3000:]
-    assert "Traceback" not in stack.outputs(), stack.outputs()[-6000:]
+    stack.assert_clean_exit(codes, 4)
 
 
 @pytest.fixture(scope="module")

@@ -58,8 +58,7 @@ def stack(llama_dir, pki):
         yield stack, {"good": good, "no_client_cert": no_client_cert, "plaintext": plaintext}
     finally:
         codes = stack.close()
-    assert codes == [0] * 4, stack.outputs()[-3000:]
-    assert "Traceback" not in stack.outputs(), stack.outputs()[-6000:]
+    stack.assert_clean_exit(codes, 4)
 
 
 @pytest.fixture(scope="module")
