@@ -71,7 +71,7 @@ def worker_args(spec: ServingDeploymentSpec, pool: str) -> list[str]:
     return ["splitserve", "worker", "--role", pool, "--model", spec.model.source, "--dtype", spec.model.dtype,
             "--device", "cuda" if p.gpus_per_rank > 0 else "cpu", "--tp", str(p.tensor_parallel),
             "--host", "0.0.0.0", "--port", str(names.WORKER_PORT), "--worker-id", "$(POD_NAME)",
-            "--metrics-port", str(names.WORKER_METRICS_PORT),
+            "--metrics-port", str(names.WORKER_METRICS_PORT), "--session-port", str(names.WORKER_SESSION_PORT),
             "--remote-prefill-threshold", str(spec.disaggregation_threshold), "--etcd", "$(SPLITSERVE_ETCD)"]
 
 
@@ -123,7 +123,8 @@ def build_worker_pod(owner: Owner, spec: ServingDeploymentSpec, pool: str, group
         "name": "worker", "image": spec.image, "args": worker_args(spec, pool), "env": env,
         "ports": [{"name": "grpc", "containerPort": names.WORKER_PORT},
                   {"name": "dist", "containerPort": names.DIST_PORT},
-                  {"name": names.METRICS_PORT_NAME, "containerPort": names.WORKER_METRICS_PORT}],
+                  {"name": names.METRICS_PORT_NAME, "containerPort": names.WORKER_METRICS_PORT},
+                  {"name": "session", "containerPort": names.WORKER_SESSION_PORT}],
         "resources": {"requests": resources, "limits": limits},
     }
     if rank == 0:

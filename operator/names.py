@@ -33,6 +33,7 @@ GPU_RESOURCE = "nvidia.com/gpu"
 WORKER_PORT = 50051         # the worker's gRPC service (Worker + grpc.health.v1)
 DIST_PORT = 29500           # torch.distributed rendezvous on the rank-0 pod
 WORKER_METRICS_PORT = 8090  # the worker's Prometheus /metrics (HTTP; `splitserve worker --metrics-port`)
+WORKER_SESSION_PORT = 50052 # the worker's session stream, frontends' requests (`splitserve worker --session-port`)
 METRICS_PORT_NAME = "metrics"   # the container port the chart's PodMonitor scrapes
 FRONTEND_GRPC_PORT_OFFSET = 1
 

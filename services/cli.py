@@ -99,7 +99,8 @@ def cmd_worker(args: argparse.Namespace) -> int:
     config = WorkerServerConfig(options=options, engine=_engine_config(args), host=args.host,
                                 port=args.port, transfer=args.transfer, etcd=args.etcd or [],
                                 etcd_prefix=args.etcd_prefix, etcd_ttl_s=args.etcd_ttl,
-                                drain_timeout_s=args.drain_timeout, metrics_port=args.metrics_port)
+                                drain_timeout_s=args.drain_timeout, metrics_port=args.metrics_port,
+                                session_port=None if args.session_port < 0 else args.session_port)
     _apply_worker_security(config, args)
     return asyncio.run(serve(config))
 
@@ -255,6 +256,11 @@ def _add_worker_parser(sub) -> None:
                    help="serve Prometheus metrics (GET /metrics, plain HTTP) on --host:PORT: KV usage, "
                         "queue and token counters, KV transfer bytes and latency (default: off; 0: any "
                         "free port)")
+    p.add_argument("--session-port", type=int, default=0, metavar="PORT",
+                   help="the session stream frontends send requests over (GenerateSession's messages on a "
+                        "plain TCP connection, TLS as the gRPC port), on --host:PORT; Describe tells "
+                        "frontends the port (default: 0, any free port; -1: off, frontends use the "
+                        "GenerateSession gRPC call)")
     _add_disaggregation_args(p)
     _add_etcd_args(p)
     p.add_argument("--etcd-ttl", type=int, default=10, metavar="S",

@@ -1,4 +1,4 @@
-"""TLS material from files, turned into gRPC and uvicorn credentials. Shared by every process.
+"""TLS material from files, turned into gRPC, asyncio and uvicorn credentials. Shared by every process.
 
 One `TlsConfig` describes one side of one kind of connection:
 
@@ -19,6 +19,7 @@ insecure port, so callers have a single code path.
 
 from __future__ import annotations
 
+import ssl
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -100,6 +101,31 @@ class TlsConfig:
             return grpc.insecure_channel(address, options=list(options))
         return grpc.secure_channel(address, self.channel_credentials(), options=self.channel_options(options))
 
+    # -- plain streams (the workers' session stream) -----------------------------------
+    def server_ssl_context(self) -> ssl.SSLContext | None:
+        """The asyncio server side of the same TLS as `server_credentials`; None for plaintext."""
+        if not self.cert:
+            return None
+        context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+        context.load_cert_chain(self.cert, self.key)
+        if self.ca:
+            context.load_verify_locations(cafile=self.ca)
+            context.verify_mode = ssl.CERT_REQUIRED
+        return context
+
+    def client_ssl_context(self) -> ssl.SSLContext | None:
+        """The asyncio client side of the same TLS as `channel_credentials`; None for plaintext."""
+        if not self.enabled:
+            return None
+        context = ssl.create_default_context(cafile=self.ca)
+        if self.cert:
+            context.load_cert_chain(self.cert, self.key)
+        return context
+
+    def server_hostname(self, host: str) -> str | None:
+        """The name to check the server's certificate against (`server_name` overrides the host)."""
+        return (self.server_name or host) if self.enabled else None
+
     # -- HTTP ----------------------------------------------------------------------------
     def uvicorn_kwargs(self) -> dict:
         """uvicorn.Config arguments for HTTPS (empty: plain HTTP)."""
@@ -107,8 +133,6 @@ class TlsConfig:
             return {}
         kwargs = {"ssl_certfile": self.cert, "ssl_keyfile": self.key}
         if self.ca:
-            import ssl
-
             kwargs.update(ssl_ca_certs=self.ca, ssl_cert_reqs=ssl.CERT_REQUIRED)
         return kwargs
 

@@ -111,7 +111,8 @@ class PolicyRouter:
         for address, r in wanted.items():
             if address not in known:
                 channel = self.pool.tls.aio_channel(address)
-                handle = WorkerHandle(r.worker_id, r.role, address, channel, worker_pb2_grpc.WorkerStub(channel))
+                handle = WorkerHandle(r.worker_id, r.role, address, channel, worker_pb2_grpc.WorkerStub(channel),
+                                      tls=self.pool.tls)
                 self.pool.workers.append(handle)
                 task = asyncio.create_task(self.pool._watch(handle), name=f"watch {address}")
                 self._watch_tasks[address] = task

@@ -3,8 +3,9 @@
 Discovery is static here (`splitserve serve` passes the addresses); a cluster
 registry feeds the same `WorkerPool` later. Each worker's readiness follows
 its standard gRPC health `Watch` stream, reconnecting with capped backoff, and
-a worker that turns SERVING is asked to `Describe` itself once (model name,
-context length), which the frontend validates requests against.
+a worker that turns SERVING is asked to `Describe` itself (model name,
+context length, session port), which the frontend validates requests against
+and sends requests by (worker_session.py).
 """
 
 from __future__ import annotations
@@ -56,6 +57,7 @@ class WorkerHandle:
     ready: bool = False
     info: worker_pb2.DescribeResponse | None = None
     session: WorkerSession | None = None     # opened by the first request
+    tls: TlsConfig = PLAINTEXT               # the session stream's, as the channel's
 
     @property
     def decodes(self) -> bool:
@@ -64,8 +66,17 @@ class WorkerHandle:
     def generate(self, message: worker_pb2.TokenGenerateRequest) -> AsyncIterator[worker_pb2.TokenGenerateResponse]:
         """The worker's messages for one request, over this frontend's session with it."""
         if self.session is None:
-            self.session = WorkerSession(self.stub, self.address)
+            self.session = self._new_session()
         return self.session.generate(message)
+
+    def _new_session(self) -> WorkerSession:
+        """Over the worker's session stream when it has one (Describe), else over gRPC."""
+        port = self.info.session_port if self.info is not None else 0
+        if not port:
+            return WorkerSession.over_grpc(self.stub, self.address)
+        host = self.address.rpartition(":")[0].strip("[]")
+        return WorkerSession.over_stream(host, port, self.tls.client_ssl_context(), self.tls.server_hostname(host),
+                                         self.address)
 
     async def close(self) -> None:
         if self.session is not None:
@@ -86,7 +97,7 @@ class WorkerPool:
         for a in addresses:
             channel = tls.aio_channel(a.address)
             pool.workers.append(WorkerHandle(a.address, a.role, a.address, channel,
-                                             worker_pb2_grpc.WorkerStub(channel)))
+                                             worker_pb2_grpc.WorkerStub(channel), tls=tls))
         return pool
 
     def start(self) -> None:
@@ -115,9 +126,8 @@ class WorkerPool:
             try:
                 async for update in stub.Watch(health_pb2.HealthCheckRequest(service="")):
                     serving = update.status == health_pb2.HealthCheckResponse.SERVING
-                    if serving and worker.info is None:
-                        worker.info = await worker.stub.Describe(worker_pb2.DescribeRequest(), timeout=10)
-                        worker.worker_id = worker.info.worker_id
+                    if serving and not worker.ready:
+                        await self._describe(worker)
                     self._set_ready(worker, serving)
                     backoff = 0.1
             except asyncio.CancelledError:
@@ -127,6 +137,17 @@ class WorkerPool:
             self._set_ready(worker, False)
             await asyncio.sleep(backoff)
             backoff = min(backoff * 2, MAX_BACKOFF_S)
+
+    @staticmethod
+    async def _describe(worker: WorkerHandle) -> None:
+        """Ask a worker that turned SERVING what it serves. A different instance at the same
+        address (restarted) gets a new session: its session port may have changed."""
+        info = await worker.stub.Describe(worker_pb2.DescribeRequest(), timeout=10)
+        if worker.info is not None and info.instance_id != worker.info.instance_id and worker.session is not None:
+            session, worker.session = worker.session, None
+            await session.close()
+        worker.info = info
+        worker.worker_id = info.worker_id
 
     def _set_ready(self, worker: WorkerHandle, ready: bool) -> None:
         if worker.ready != ready:

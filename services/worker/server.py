@@ -6,7 +6,9 @@ meanwhile); SERVING once the engine is attached. SIGTERM or SIGINT drains (shutd
 admission stops, running calls get up to --drain-timeout to finish, the etcd
 registration is revoked, whatever still runs is failed so that its frontend
 migrates it, and the process exits 0. With --metrics-port the worker also serves
-Prometheus metrics over HTTP from the start (metrics_http.py), until it exits.
+Prometheus metrics over HTTP from the start (metrics_http.py), until it exits. Beside
+the gRPC port the worker listens for frontends' session streams (session_stream.py;
+--session-port, any free port by default), whose port Describe tells.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from splitserve.services.engine.config import EngineConfig
 from splitserve.services.engine.engine import LLMEngine
 
 from .service import Role, WorkerOptions, WorkerService
+from .session_stream import SessionStreamServer
 from .shutdown import drain
 from .transfer import KVReceiver, KVSender, UnwiredTransfer
 
@@ -55,6 +58,7 @@ class WorkerServerConfig:
     etcd_ttl_s: int = 10
     transfer_token: bytes = b""   # KV transfer peers must prove this shared secret (kvtransfer/auth.py)
     metrics_port: int | None = None   # serve GET /metrics over HTTP on host:metrics_port (0: any); None: off
+    session_port: int | None = 0      # the session stream on host:session_port (0: any); None: off
 
 
 def build_transfer(role: Role, engine: LLMEngine, backend: str = "auto", name: str = "worker",
@@ -102,8 +106,10 @@ async def serve(config: WorkerServerConfig, stop: asyncio.Event | None = None,
     print(f"worker {wid} listening on {config.host}:{port}", flush=True)
     engine = None
     metrics = None
+    stream = None
     try:
         metrics = await _serve_metrics(config, service)
+        stream = await _serve_session_stream(config, service)
         load = asyncio.ensure_future(asyncio.to_thread(LLMEngine, config.engine))
         waiter = asyncio.ensure_future(stop.wait())
         await asyncio.wait({load, waiter}, return_when=asyncio.FIRST_COMPLETED)
@@ -137,6 +143,8 @@ async def serve(config: WorkerServerConfig, stop: asyncio.Event | None = None,
             await asyncio.to_thread(service.loop.stop)
         service.end_sessions()
         await server.stop(config.grace_s)
+        if stream is not None:
+            await stream.close()
         await service.close()
         if metrics is not None:
             await metrics.close()
@@ -155,6 +163,17 @@ async def _serve_metrics(config: WorkerServerConfig, service: WorkerService) -> 
     log.info("worker %s: metrics on http://%s:%d/metrics", config.options.worker_id, config.host, metrics.port)
     print(f"worker {config.options.worker_id} metrics on http://{config.host}:{metrics.port}/metrics", flush=True)
     return metrics
+
+
+async def _serve_session_stream(config: WorkerServerConfig, service: WorkerService) -> SessionStreamServer | None:
+    """Start the session stream (session_stream.py); its port goes out in Describe. None when off."""
+    if config.session_port is None:
+        return None
+    stream = await SessionStreamServer.start(service, config.host, config.session_port,
+                                             config.options.tls.server_ssl_context())
+    service.session_port = stream.port
+    log.info("worker %s: session stream on %s:%d", config.options.worker_id, config.host, stream.port)
+    return stream
 
 
 async def _register(config: WorkerServerConfig, port: int):

@@ -96,7 +96,8 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         self.loop: EngineLoop | None = None
         self.hub = KvEventHub(options.kv_event_buffer)
         self.remote: RemotePrefill | None = None
-        self.sessions: set[GenerateSession] = set()
+        self.sessions: set[GenerateSession] = set()   # gRPC calls and session streams
+        self.session_port = 0                  # the session stream's, once it listens (server.py)
 
     # -- lifecycle ---------------------------------------------------------------
     async def attach(self, engine: LLMEngine, sender: KVSender, receiver: KVReceiver) -> None:
@@ -297,7 +298,7 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
             dtype=str(cfg.torch_dtype()).removeprefix("torch."), device=cfg.device,
             tensor_parallel_size=cfg.tensor_parallel_size,
             transfer_backend=self.sender.backend if self.sender is not None else "",
-            block_hash_extra_key=engine.scheduler.extra_key)
+            block_hash_extra_key=engine.scheduler.extra_key, session_port=self.session_port)
 
     async def start_draining(self) -> None:
         """Refuse new work (UNAVAILABLE) and report NOT_SERVING; running calls go on."""

@@ -212,6 +212,11 @@ def test_pod_monitor_scrapes_the_workers_metrics_port(k8s_bin_dir: Path, tmp_pat
     # The workers' NetworkPolicy lets Prometheus reach that port (and only that one, from anyone).
     policy = next(d for d in docs if d["kind"] == "NetworkPolicy" and d["metadata"]["name"].endswith("-workers"))
     assert {"ports": [{"port": "metrics", "protocol": "TCP"}]} in policy["spec"]["ingress"]
+    # Frontends (and the operator) reach the gRPC port and the session stream the operator configures.
+    clients = next(rule for rule in policy["spec"]["ingress"]
+                   if {"podSelector": {"matchLabels": {"splitserve.io/role": "operator"}}} in rule.get("from", []))
+    assert {p["port"] for p in clients["ports"]} == {names.WORKER_PORT, names.WORKER_SESSION_PORT}
+    assert ports["session"] == names.WORKER_SESSION_PORT
     scoped = {"networkPolicy": {"workerMetricsFrom": [{"namespaceSelector": {"matchLabels": {"name": "mon"}}}]}}
     policy = next(d for d in _documents(_helm_template(k8s_bin_dir, tmp_path, scoped).stdout)
                   if d["kind"] == "NetworkPolicy" and d["metadata"]["name"].endswith("-workers"))

@@ -9,12 +9,13 @@ unrelated CA signs an impostor's. The worker requires client certificates.
 - The public gRPC port speaks TLS: a channel trusting the CA is served, an
   insecure one is not.
 - The worker refuses plaintext, TLS without a client certificate, and a client
-  certificate from another CA; a frontend without a client certificate (or with
-  plaintext) never becomes ready.
+  certificate from another CA, on its gRPC port and on its session stream; a
+  frontend without a client certificate (or with plaintext) never becomes ready.
 """
 
 from __future__ import annotations
 
+import asyncio
 import ssl
 import time
 
@@ -24,6 +25,8 @@ import openai
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from splitserve.proto.v1 import common_pb2, worker_pb2, worker_pb2_grpc
+from splitserve.services.frontend.worker_session import WorkerCallError, WorkerSession
 from splitserve.services.tls import TlsConfig
 from splitserve.testing.certs import TestCA
 from splitserve.testing.stack import Stack
@@ -118,6 +121,30 @@ def test_worker_requires_a_client_certificate_from_the_ca(stack, pki):
     assert _health(TlsConfig(ca=ca), address) == grpc.StatusCode.UNAVAILABLE                # no client cert
     impostor = TlsConfig(cert=str(pki["rogue"].cert), key=str(pki["rogue"].key), ca=ca)
     assert _health(impostor, address) == grpc.StatusCode.UNAVAILABLE                       # another CA's cert
+
+
+def test_the_session_stream_requires_the_same_client_certificate(stack, pki):
+    address, ca = stack[0].worker_address, str(pki["ca"].ca_path)
+    good = TlsConfig(cert=str(pki["client"].cert), key=str(pki["client"].key), ca=ca)
+    with good.channel(address) as channel:
+        port = worker_pb2_grpc.WorkerStub(channel).Describe(worker_pb2.DescribeRequest(), timeout=10).session_port
+    request = worker_pb2.TokenGenerateRequest(request_id="tls", token_ids=[5, 6, 7], params=common_pb2.SamplingParams(
+        max_tokens=2, temperature=0, ignore_eos=True))
+
+    async def generate(tls: TlsConfig) -> list[int] | grpc.StatusCode:
+        session = WorkerSession.over_stream("127.0.0.1", port, tls.client_ssl_context(),
+                                            tls.server_hostname("127.0.0.1"), address)
+        try:
+            return [t async for r in session.generate(request) for t in r.token_ids]
+        except WorkerCallError as exc:
+            return exc.code()
+        finally:
+            await session.close()
+
+    impostor = TlsConfig(cert=str(pki["rogue"].cert), key=str(pki["rogue"].key), ca=ca)
+    results = [asyncio.run(generate(tls)) for tls in (good, TlsConfig(), TlsConfig(ca=ca), impostor)]
+    assert port and len(results[0]) == 2, results
+    assert results[1:] == [grpc.StatusCode.UNAVAILABLE] * 3, results    # plaintext, no client cert, another CA
 
 
 def test_frontend_without_a_client_certificate_is_refused(fronts):

@@ -1,28 +1,43 @@
-"""GenerateSession against a real `splitserve worker`, through the frontend's WorkerSession:
-concurrent requests on one call, abort, per-request errors, a worker that dies, a drain."""
+"""Worker sessions against a real `splitserve worker`, through the frontend's WorkerSession over
+both links (the session stream and the GenerateSession gRPC call): concurrent requests on one
+link, abort, per-request errors, a worker that dies, a drain, and what the stream does with a
+client that sends garbage."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import signal
+import socket
+import struct
 
 import grpc
 import pytest
 
 from splitserve.proto.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from splitserve.services.frontend.migration import breaks_stream
-from splitserve.services.frontend.worker_session import WorkerCallError, WorkerSession
+from splitserve.services.frontend.worker_session import GrpcLink, StreamLink, WorkerCallError, WorkerSession
+from splitserve.services.frontend.workers import WorkerAddress, WorkerPool
 
 from .conftest import Proc, free_port, worker_stats
 
 PROMPT = list(range(100, 170))           # 70 tokens: 4 full blocks
+LINKS = ["stream", "grpc"]
 
 
-def start_worker(llama_dir, name: str) -> tuple[Proc, str]:
+async def open_session(channel: grpc.aio.Channel, address: str, link: str) -> WorkerSession:
+    stub = worker_pb2_grpc.WorkerStub(channel)
+    if link == "grpc":
+        return WorkerSession.over_grpc(stub, address)
+    info = await stub.Describe(worker_pb2.DescribeRequest())
+    assert info.session_port, info
+    return WorkerSession.over_stream("127.0.0.1", info.session_port, None, None, address)
+
+
+def start_worker(llama_dir, name: str, *extra: str) -> tuple[Proc, str]:
     port = free_port()
     proc = Proc.start(["splitserve", "worker", "--model", str(llama_dir), "--port", str(port), "--threads", "1",
-                       "--kv-cache-gib", "0.05", "--worker-id", name, "--drain-timeout", "1"])
+                       "--kv-cache-gib", "0.05", "--worker-id", name, "--drain-timeout", "1", *extra])
     proc.wait_for_line(rf"worker {name} ready", 120)
     return proc, f"127.0.0.1:{port}"
 
@@ -46,11 +61,12 @@ async def tokens(responses) -> list[int]:
     return [t async for r in responses for t in r.token_ids]
 
 
-def test_concurrent_requests_on_one_session_match_generate(worker):
+@pytest.mark.parametrize("link", LINKS)
+def test_concurrent_requests_on_one_session_match_generate(worker, link):
     async def main():
         async with grpc.aio.insecure_channel(worker) as channel:
             stub = worker_pb2_grpc.WorkerStub(channel)
-            session = WorkerSession(stub, worker)
+            session = await open_session(channel, worker, link)
             prompts = [PROMPT, PROMPT[:40], list(range(500, 530))]
             via_session = await asyncio.gather(*(tokens(session.generate(request(f"s{i}", p)))
                                                  for i, p in enumerate(prompts)))
@@ -62,10 +78,11 @@ def test_concurrent_requests_on_one_session_match_generate(worker):
     assert via_session == via_generate and all(len(t) == 8 for t in via_session)
 
 
-def test_refusals_end_only_their_request(worker):
+@pytest.mark.parametrize("link", LINKS)
+def test_refusals_end_only_their_request(worker, link):
     async def main():
         async with grpc.aio.insecure_channel(worker) as channel:
-            session = WorkerSession(worker_pb2_grpc.WorkerStub(channel), worker)
+            session = await open_session(channel, worker, link)
             good = asyncio.ensure_future(tokens(session.generate(request("ok", max_tokens=30))))
             with pytest.raises(WorkerCallError) as bad:
                 await tokens(session.generate(request("bad", token_ids=[1, 2], top_p=1.5)))
@@ -81,10 +98,11 @@ def test_refusals_end_only_their_request(worker):
     assert len(out) == 30
 
 
-def test_leaving_a_request_early_aborts_it_on_the_worker(worker):
+@pytest.mark.parametrize("link", LINKS)
+def test_leaving_a_request_early_aborts_it_on_the_worker(worker, link):
     async def main():
         async with grpc.aio.insecure_channel(worker) as channel:
-            session = WorkerSession(worker_pb2_grpc.WorkerStub(channel), worker)
+            session = await open_session(channel, worker, link)
             async with contextlib.aclosing(session.generate(request("long", max_tokens=2000))) as responses:
                 async for _ in responses:
                     break                       # the client went away after the first message
@@ -103,7 +121,78 @@ def test_leaving_a_request_early_aborts_it_on_the_worker(worker):
     assert stats.num_aborted >= 1 and len(after) == 8
 
 
-def test_a_dying_worker_breaks_its_requests_and_a_drain_ends_the_session(llama_dir):
+def test_closing_the_stream_aborts_its_requests(worker):
+    """A frontend that goes away (its connection closes) leaves nothing running on the worker."""
+    async def main():
+        async with grpc.aio.insecure_channel(worker) as channel:
+            session = await open_session(channel, worker, "stream")
+            responses = session.generate(request("orphan", max_tokens=2000))
+            await anext(responses)
+            await session.close()               # the connection goes; the request was not aborted
+            with pytest.raises(WorkerCallError) as cut:
+                await anext(responses)
+            deadline = asyncio.get_running_loop().time() + 1.0
+            while (stats := await asyncio.to_thread(worker_stats, worker)).num_running:
+                assert asyncio.get_running_loop().time() < deadline, f"still running after 1 s: {stats}"
+                await asyncio.sleep(0.02)
+            return cut.value, stats
+
+    cut, stats = asyncio.run(main())
+    assert cut.code() == grpc.StatusCode.CANCELLED and stats.num_used_kv_blocks == 0
+
+
+def test_the_stream_drops_a_client_that_sends_garbage_and_serves_on(worker):
+    async def main():
+        async with grpc.aio.insecure_channel(worker) as channel:
+            port = (await worker_pb2_grpc.WorkerStub(channel).Describe(worker_pb2.DescribeRequest())).session_port
+            replies = []
+            for garbage in (struct.pack("<I", 5) + b"\xff" * 5, struct.pack("<I", 2**31)):   # not protobuf; too long
+                with socket.create_connection(("127.0.0.1", port), timeout=5) as raw:
+                    raw.sendall(garbage)
+                    replies.append(await asyncio.to_thread(raw.recv, 100))     # b"": the worker closed it
+            session = await open_session(channel, worker, "stream")
+            out = await tokens(session.generate(request("after-garbage")))
+            await session.close()
+            return replies, out
+
+    replies, out = asyncio.run(main())
+    assert replies == [b"", b""] and len(out) == 8
+
+
+async def generate_through_the_pool(address: str) -> tuple[list[int], type]:
+    """What the frontend does: Describe the worker, then send a request over the link it offers."""
+    pool = WorkerPool.connect([WorkerAddress("both", address)])
+    pool.start()
+    try:
+        async with asyncio.timeout(30):
+            while not pool.all_ready():
+                await asyncio.sleep(0.02)
+        worker = pool.workers[0]
+        out = await tokens(worker.generate(request("via-pool")))
+        return out, type(worker.session._current.link)
+    finally:
+        await pool.close()
+
+
+def test_the_frontend_sends_over_the_stream_when_the_worker_has_one(worker):
+    out, link = asyncio.run(generate_through_the_pool(worker))
+    assert link is StreamLink and len(out) == 8
+
+
+def test_a_worker_without_a_stream_says_so_and_is_served_over_grpc(llama_dir):
+    proc, address = start_worker(llama_dir, "nostream", "--session-port", "-1")
+    try:
+        with grpc.insecure_channel(address) as channel:
+            info = worker_pb2_grpc.WorkerStub(channel).Describe(worker_pb2.DescribeRequest(), timeout=10)
+        out, link = asyncio.run(generate_through_the_pool(address))
+    finally:
+        assert proc.stop() == 0, proc.output
+    assert info.session_port == 0 and info.worker_id == "nostream"
+    assert link is GrpcLink and len(out) == 8
+
+
+@pytest.mark.parametrize("link", LINKS)
+def test_a_dying_worker_breaks_its_requests_and_a_drain_ends_the_session(llama_dir, link):
     async def stream_until_cut(session: WorkerSession, name: str) -> WorkerCallError:
         with pytest.raises(WorkerCallError) as cut:
             await tokens(session.generate(request(name, max_tokens=3000)))
@@ -111,18 +200,18 @@ def test_a_dying_worker_breaks_its_requests_and_a_drain_ends_the_session(llama_d
 
     async def main(address: str, proc: Proc, sig: int):
         async with grpc.aio.insecure_channel(address) as channel:
-            session = WorkerSession(worker_pb2_grpc.WorkerStub(channel), address)
+            session = await open_session(channel, address, link)
             running = asyncio.ensure_future(stream_until_cut(session, "cut"))
             await asyncio.sleep(0.5)
             proc.process.send_signal(sig)
             return await asyncio.wait_for(running, 30)
 
-    proc, address = start_worker(llama_dir, "s1")
+    proc, address = start_worker(llama_dir, f"{link}1")
     killed = asyncio.run(main(address, proc, signal.SIGKILL))
     proc.process.wait(10)
     assert breaks_stream(killed), killed             # migrated by the frontend, not reported
 
-    proc, address = start_worker(llama_dir, "s2")    # SIGTERM: the drain times out (1 s), then fails it
+    proc, address = start_worker(llama_dir, f"{link}2")    # SIGTERM: the drain times out (1 s), then fails it
     drained = asyncio.run(main(address, proc, signal.SIGTERM))
     assert proc.stop() == 0 and "Traceback" not in proc.output, proc.output
     assert drained.code() == grpc.StatusCode.UNAVAILABLE and breaks_stream(drained), drained

@@ -51,7 +51,8 @@ def test_every_worker_rank_serves_metrics_on_a_named_port():
         args = container["args"]
         assert args[args.index("--metrics-port") + 1] == str(names.WORKER_METRICS_PORT), rank
         ports = {p["name"]: p["containerPort"] for p in container["ports"]}
-        assert ports == {"grpc": names.WORKER_PORT, "dist": names.DIST_PORT, "metrics": names.WORKER_METRICS_PORT}
+        assert ports == {"grpc": names.WORKER_PORT, "dist": names.DIST_PORT, "metrics": names.WORKER_METRICS_PORT,
+                         "session": names.WORKER_SESSION_PORT}
         assert len(set(ports.values())) == len(ports)
         annotations = pod["metadata"]["annotations"]
         assert annotations["prometheus.io/scrape"] == "true"
@@ -69,6 +70,7 @@ def test_worker_args_parse_with_the_worker_cli():
     parsed = build_parser().parse_args(args[1:])
     assert parsed.command == "worker" and parsed.role == "decode"
     assert parsed.metrics_port == names.WORKER_METRICS_PORT and parsed.port == names.WORKER_PORT
+    assert parsed.session_port == names.WORKER_SESSION_PORT
 
 
 def test_spec_hash_ignores_replicas_but_not_image():
