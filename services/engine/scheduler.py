@@ -2,7 +2,9 @@
 
 Each step spends a token budget: running sequences first (a decoding sequence
 costs one token, a long prompt continues its next chunk), then waiting ones in
-arrival order. A sequence's KV blocks grow as it computes; when the pool runs
+arrival order, except that a waiting sequence whose next uncached block a running
+prefill is computing waits for it (two requests with a new shared prefix compute
+it once, not side by side). A sequence's KV blocks grow as it computes; when the pool runs
 dry, the most recently admitted running sequence is preempted: its blocks are
 released (full ones stay in the prefix cache) and it waits to be recomputed.
 
@@ -133,26 +135,46 @@ class Scheduler:
         return out
 
     def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            seq = self.waiting[0]
-            hits = self._prefix_hits(seq, allow_full=False)
-            start = len(hits) * self.block_size
-            n = min(seq.num_tokens - start, budget)
-            self.pool.take_refs(hits)
-            new_ids = self.pool.allocate(self._blocks_for(start + n) - len(hits))
-            if new_ids is None:
-                self.pool.release(hits)
-                break
-            self.waiting.popleft()
-            seq.block_ids = hits + new_ids
-            seq.num_cached_blocks = len(hits)
-            seq.num_computed_tokens = start
-            seq.num_prefix_hit_tokens += start
-            self.num_prefix_hit_tokens += start
-            seq.status = SequenceStatus.RUNNING
-            self.running.append(seq)
-            out.chunks.append(ScheduledChunk(seq, start, n, admitted=True))
-            budget -= n
+        """Admit waiting sequences in arrival order while blocks, budget and seats last. A sequence
+        whose next uncached block a running prefill is computing right now waits (and the ones
+        behind it may go first): next step that block is cached, so the prefix is computed once."""
+        pending = self._blocks_being_computed()
+        held: list[Sequence] = []
+        try:
+            while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+                seq = self.waiting[0]
+                hits = self._prefix_hits(seq, allow_full=False)
+                if len(hits) < len(seq.block_hashes) and seq.block_hashes[len(hits)] in pending:
+                    held.append(self.waiting.popleft())
+                    continue
+                start = len(hits) * self.block_size
+                n = min(seq.num_tokens - start, budget)
+                self.pool.take_refs(hits)
+                new_ids = self.pool.allocate(self._blocks_for(start + n) - len(hits))
+                if new_ids is None:
+                    self.pool.release(hits)
+                    break
+                self.waiting.popleft()
+                seq.block_ids = hits + new_ids
+                seq.num_cached_blocks = len(hits)
+                seq.num_computed_tokens = start
+                seq.num_prefix_hit_tokens += start
+                self.num_prefix_hit_tokens += start
+                seq.status = SequenceStatus.RUNNING
+                self.running.append(seq)
+                out.chunks.append(ScheduledChunk(seq, start, n, admitted=True))
+                budget -= n
+                pending.update(seq.block_hashes[len(hits):])
+        finally:
+            self.waiting.extendleft(reversed(held))
+
+    def _blocks_being_computed(self) -> set[bytes]:
+        """Hashes of the full blocks that running sequences have hashed but not yet computed and
+        cached: the rest of a prefill in progress."""
+        pending: set[bytes] = set()
+        for seq in self.running:
+            pending.update(seq.block_hashes[seq.num_cached_blocks:])
+        return pending
 
     def _grow_or_preempt(self, seq: Sequence, num_tokens: int, out: SchedulerOutput) -> bool:
         need = self._blocks_for(num_tokens) - len(seq.block_ids)
@@ -191,8 +213,11 @@ class Scheduler:
         if num_full <= seq.num_cached_blocks:
             return
         tokens = seq.all_token_ids
-        seq.block_hashes = hash_full_blocks(tokens[:num_full * self.block_size], self.block_size,
-                                            self.extra_key, seq.block_hashes[:num_full])
+        if len(seq.block_hashes) < num_full:
+            # Hashes of blocks beyond the computed ones stay: tokens are only appended, and
+            # _blocks_being_computed reads them.
+            seq.block_hashes = hash_full_blocks(tokens[:num_full * self.block_size], self.block_size,
+                                                self.extra_key, seq.block_hashes)
         for b in range(seq.num_cached_blocks, num_full):
             parent = seq.block_hashes[b - 1] if b else None
             self.pool.cache_block(seq.block_ids[b], seq.block_hashes[b], parent,

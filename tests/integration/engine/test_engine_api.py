@@ -183,3 +183,13 @@ def test_unknown_architecture_is_a_clear_error(llama_dir, tmp_path):
     (broken / "config.json").write_text(json.dumps(config))
     with pytest.raises(UnsupportedModelError, match="GPTNeoXForCausalLM"):
         LLMEngine(EngineConfig(model=str(broken)))
+
+
+def test_requests_sharing_a_new_prefix_compute_it_once(engine):
+    shared = list(range(1000, 1064))                   # 4 blocks of 16 that no request cached yet
+    prompts = [shared + [5, 6], shared + [7, 8], shared + [9]]
+    together = engine.stats.num_prompt_tokens_computed
+    outputs = sampled(engine, prompts, temperature=0)   # together: one step's budget fits all three
+    together = engine.stats.num_prompt_tokens_computed - together
+    assert together == 64 + 2 + 2 + 1                  # the prefix once, then each request's own tail
+    assert outputs == [sampled(engine, [p], temperature=0)[0] for p in prompts]
