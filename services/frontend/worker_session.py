@@ -210,6 +210,7 @@ class StreamLink(asyncio.Protocol):
         self._requests = requests
         self._frames = FrameBuffer()
         self._transport: asyncio.Transport | None = None
+        self._writable: asyncio.Future | None = None     # set while the transport's buffer is over its limit
 
     @classmethod
     async def open(cls, host: str, port: int, ssl_context: ssl.SSLContext | None, server_hostname: str | None,
@@ -234,6 +235,12 @@ class StreamLink(asyncio.Protocol):
             raise self._requests.failure or WorkerCallError(
                 grpc.StatusCode.UNAVAILABLE, f"the session stream to {self._requests.name} is closed")
         transport.write(frame(request.SerializeToString()))
+        if self._writable is not None and request.HasField("generate"):
+            # A worker that stops reading holds up new requests, not the frontend's memory;
+            # aborts are small and never wait (they run while a request is being closed).
+            await asyncio.shield(self._writable)
+            if self._requests.failure is not None:
+                raise self._requests.failure
 
     async def close(self) -> None:
         if self._transport is not None:
@@ -255,6 +262,17 @@ class StreamLink(asyncio.Protocol):
     def eof_received(self) -> bool:
         return False                 # close our side too; connection_lost reports it
 
+    def pause_writing(self) -> None:
+        self._writable = asyncio.get_running_loop().create_future()
+
+    def resume_writing(self) -> None:
+        self._release_writers()
+
+    def _release_writers(self) -> None:
+        writable, self._writable = self._writable, None
+        if writable is not None and not writable.done():
+            writable.set_result(None)
+
     def connection_lost(self, exc: Exception | None) -> None:
         name = self._requests.name
         if exc is None and self._frames.empty:
@@ -263,3 +281,4 @@ class StreamLink(asyncio.Protocol):
             failure = WorkerCallError(grpc.StatusCode.UNAVAILABLE, f"the session stream to {name} broke: "
                                                                    f"{exc or 'closed mid-message'}")
         self._requests.fail(failure)
+        self._release_writers()
