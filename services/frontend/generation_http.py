@@ -21,13 +21,14 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 import orjson
 from pydantic import BaseModel, ValidationError
 
 from . import metrics as m
+from .asgi import DONE, Receive, Scope, Send, event, send_json
 from .errors import APIError, from_validation_error, invalid
 from .lifecycle import Delta, Frontend, GenerationRequest, SamplingRequest, new_request_id
 from .limits import PromptBound, check_prompt_tokens
@@ -36,11 +37,6 @@ from .responses import ChatFormatter, CompletionFormatter
 
 log = logging.getLogger(__name__)
 
-Scope = dict
-Receive = Callable[[], Awaitable[dict]]
-Send = Callable[[dict], Awaitable[None]]
-
-DONE = b"data: [DONE]\n\n"
 _SSE_HEADERS = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache")]
 
 
@@ -230,15 +226,6 @@ async def read_body(receive: Receive) -> bytes | None:
             return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
 
-async def send_json(send: Send, status: int, payload: dict,
-                    headers: list[tuple[bytes, bytes]] | None = None) -> None:
-    body = orjson.dumps(payload)
-    await send({"type": "http.response.start", "status": status,
-                "headers": [(b"content-type", b"application/json"), (b"content-length", b"%d" % len(body)),
-                            *(headers or ())]})
-    await send({"type": "http.response.body", "body": body, "more_body": False})
-
-
 def parse_body(raw: bytes, model: type[BaseModel]):
     try:
         data = loads_body(raw)
@@ -319,14 +306,3 @@ async def sse(fmt, first: Delta, deltas: AsyncIterator[Delta]) -> AsyncIterator[
         pending += event(APIError(502, "the worker ended the stream early", type="server_error").body())
     yield pending + DONE
 
-
-# Characters JSON may leave raw that line splitters such as str.splitlines (httpx's
-# aiter_lines) take for line breaks, cutting an event in two; escaped, the text is the same.
-_LINE_BREAKS = ((b"\xe2\x80\xa8", b"\\u2028"), (b"\xe2\x80\xa9", b"\\u2029"), (b"\xc2\x85", b"\\u0085"))
-
-
-def event(payload: dict) -> bytes:
-    data = orjson.dumps(payload)
-    for raw, escaped in _LINE_BREAKS:
-        data = data.replace(raw, escaped)
-    return b"data: " + data + b"\n\n"

@@ -20,11 +20,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
-import orjson
-
+from .asgi import DONE, Receive, Scope, Send, event, send_json
 from .auth import ApiKeys
 from .errors import APIError
 from .limits import KeyLimiter, LimitsConfig, Rejection
@@ -34,9 +32,6 @@ log = logging.getLogger(__name__)
 DRAIN_FACTOR = 16          # an over-limit body this many times the limit is still read (and dropped)
 OPEN_PATHS = frozenset({"/health", "/ready", "/metrics", "/openapi.json"})
 
-Scope = dict
-Receive = Callable[[], Awaitable[dict]]
-Send = Callable[[dict], Awaitable[None]]
 
 
 @dataclass(slots=True)
@@ -154,16 +149,16 @@ class GuardMiddleware:
 
     async def _refuse(self, send: Send, reason: Rejection, error: APIError, extra: dict | None = None) -> None:
         self.guard.count("http", reason)
-        await _send_json(send, error.status, error.body(), extra)
+        await send_json(send, error.status, error.body(),
+                        [(k.encode(), v.encode()) for k, v in (extra or {}).items()])
 
     async def _timed_out(self, send: Send, state: "_ResponseState", timeout: float) -> None:
         error = APIError(504, f"the request did not finish within the server's {timeout:g} s request timeout "
                               "and was cancelled", type="timeout", code="request_timeout")
         if not state.started:
-            await _send_json(send, error.status, error.body())
+            await send_json(send, error.status, error.body())
         elif state.streaming:
-            event = b"data: " + orjson.dumps(error.body()) + b"\n\ndata: [DONE]\n\n"
-            await send({"type": "http.response.body", "body": event, "more_body": False})
+            await send({"type": "http.response.body", "body": event(error.body()) + DONE, "more_body": False})
         else:
             await send({"type": "http.response.body", "body": b"", "more_body": False})
 
@@ -203,10 +198,3 @@ def _replay(body: bytes, receive: Receive) -> Receive:
 
     return replay
 
-
-async def _send_json(send: Send, status: int, payload: dict, extra: dict | None = None) -> None:
-    body = orjson.dumps(payload)
-    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
-    headers += [(k.encode(), v.encode()) for k, v in (extra or {}).items()]
-    await send({"type": "http.response.start", "status": status, "headers": headers})
-    await send({"type": "http.response.body", "body": body, "more_body": False})

@@ -24,7 +24,7 @@ import contextlib
 import logging
 from dataclasses import dataclass
 
-from splitserve.proto.v1 import worker_pb2, worker_pb2_grpc
+from splitserve.proto.v1 import worker_pb2
 from splitserve.router.core import RouteDecision, RouterCore, WorkerSpec
 from splitserve.router.discovery import WorkerRecord
 from splitserve.router.policies import DEFAULT_PREFILL_WEIGHT
@@ -110,9 +110,7 @@ class PolicyRouter:
         known = {w.address for w in self.pool.workers}
         for address, r in wanted.items():
             if address not in known:
-                channel = self.pool.tls.aio_channel(address)
-                handle = WorkerHandle(r.worker_id, r.role, address, channel, worker_pb2_grpc.WorkerStub(channel),
-                                      tls=self.pool.tls)
+                handle = WorkerHandle.connect(r.worker_id, r.role, address, self.pool.tls)
                 self.pool.workers.append(handle)
                 task = asyncio.create_task(self.pool._watch(handle), name=f"watch {address}")
                 self._watch_tasks[address] = task

@@ -59,6 +59,12 @@ class WorkerHandle:
     session: WorkerSession | None = None     # opened by the first request
     tls: TlsConfig = PLAINTEXT               # the session stream's, as the channel's
 
+    @classmethod
+    def connect(cls, worker_id: str, role: str, address: str, tls: TlsConfig) -> "WorkerHandle":
+        """A handle with its own channel (opened lazily by grpc) to `address`."""
+        channel = tls.aio_channel(address)
+        return cls(worker_id, role, address, channel, worker_pb2_grpc.WorkerStub(channel), tls=tls)
+
     @property
     def decodes(self) -> bool:
         return self.role in ("both", "decode")
@@ -95,9 +101,7 @@ class WorkerPool:
     def connect(cls, addresses: list[WorkerAddress], tls: TlsConfig = PLAINTEXT) -> "WorkerPool":
         pool = cls(tls=tls)
         for a in addresses:
-            channel = tls.aio_channel(a.address)
-            pool.workers.append(WorkerHandle(a.address, a.role, a.address, channel,
-                                             worker_pb2_grpc.WorkerStub(channel), tls=tls))
+            pool.workers.append(WorkerHandle.connect(a.address, a.role, a.address, tls))
         return pool
 
     def start(self) -> None:
