@@ -292,7 +292,7 @@ class LLMEngine:
             if params.seed is not None:
                 skip_draws(generator, params.num_prior_draws, self.model_config.vocab_size)
         self._arrivals += 1
-        self._stop_checkers[request_id] = StopChecker(self.tokenizer, params, self.eos_token_ids)
+        self._stop_checkers[request_id] = StopChecker(self.tokenizer, params, self.eos_token_ids, ids)
         return Sequence(request_id, ids, params, self._arrivals, prefill_only=prefill_only,
                         on_layer_done=on_layer_done, generator=generator)
 

@@ -7,7 +7,8 @@ held back, so a client never sees part of a stop string that is later cut.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from collections.abc import Sequence
+from dataclasses import InitVar, dataclass, field
 
 from .sampling_params import SamplingParams
 from .sequence import FinishReason
@@ -19,12 +20,13 @@ class StopChecker:
     tokenizer: Tokenizer
     params: SamplingParams
     eos_token_ids: set[int]
+    prompt_ids: InitVar[Sequence[int]] = ()    # the text continues the prompt's (detokenizer context)
     detok: IncrementalDetokenizer = field(init=False)
     emitted: int = 0                  # characters of detok.text already handed out
     final_text: str | None = None     # set when a stop string cut the text
 
-    def __post_init__(self) -> None:
-        self.detok = IncrementalDetokenizer(self.tokenizer)
+    def __post_init__(self, prompt_ids: Sequence[int]) -> None:
+        self.detok = IncrementalDetokenizer.after(self.tokenizer, prompt_ids)
 
     def add(self, token_id: int, num_output_tokens: int) -> FinishReason | None:
         prev_len = len(self.detok.text)

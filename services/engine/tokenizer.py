@@ -9,6 +9,7 @@ the special tokens, so it is encoded without adding more.
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 
@@ -92,6 +93,9 @@ def _jinja_env() -> jinja2.Environment:
     return env
 
 
+CONTEXT_TOKENS = 4      # tokens decoded before a new one, so it reads as it does in the text
+
+
 @dataclass(slots=True)
 class IncrementalDetokenizer:
     """Streams text for a growing token list without splitting multi-byte characters.
@@ -105,6 +109,13 @@ class IncrementalDetokenizer:
     prefix_offset: int = 0
     read_offset: int = 0
     text: str = ""
+
+    @classmethod
+    def after(cls, tokenizer: Tokenizer, prompt_ids: Sequence[int]) -> "IncrementalDetokenizer":
+        """For the tokens that follow `prompt_ids`: decoded after the prompt's last tokens, the
+        first one keeps the space it loses at the start of a text (SentencePiece "▁word")."""
+        tail = list(prompt_ids[-CONTEXT_TOKENS:])
+        return cls(tokenizer, tail, 0, len(tail))
 
     def add(self, token_id: int) -> str:
         self.token_ids.append(token_id)

@@ -80,7 +80,7 @@ class GenerationEndpoints:
                                    logprobs=body.logprobs, **_sampling_fields(body))
         gen = self._prepare("completions", "cmpl", prompt_ids, sampling, "prompt")
         return Prepared(gen, CompletionFormatter(gen.request_id, self.frontend.model_name,
-                                                 self.frontend.tokenizer, body), body.stream)
+                                                 self.frontend.tokenizer, body, prompt_ids), body.stream)
 
     def prepare_chat(self, raw: bytes) -> Prepared:
         body = self._parse(raw, ChatCompletionRequest, "chat")
@@ -94,7 +94,7 @@ class GenerationEndpoints:
             logprobs=body.num_logprobs(), **_sampling_fields(body))
         gen = self._prepare("chat", "chatcmpl", prompt_ids, sampling, "messages")
         return Prepared(gen, ChatFormatter(gen.request_id, self.frontend.model_name, self.frontend.tokenizer,
-                                           body), body.stream)
+                                           body, prompt_ids), body.stream)
 
     def _parse(self, raw: bytes, model: type[BaseModel], api: str):
         def parse():

@@ -179,7 +179,7 @@ class Frontend:
         """Stream the request's deltas; when a worker's stream breaks, continue on another
         decode worker (migration.py) so the caller sees one uninterrupted stream."""
         progress = Progress(req.request_id, req.prompt_ids, req.params)
-        run = _Run(StopChecker(self.tokenizer, req.params, set()))
+        run = _Run(StopChecker(self.tokenizer, req.params, set(), req.prompt_ids))
         faults = self.metrics.faults
         status, failure = m.STATUS_ERROR, "error"
         self.metrics.in_flight.inc()

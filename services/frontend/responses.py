@@ -15,6 +15,7 @@ from splitserve.services.engine.tokenizer import Tokenizer
 
 from .lifecycle import Delta
 from .protocol import ChatCompletionRequest, CompletionRequest
+from .token_text import TokenTexts
 
 
 def _usage(delta: Delta) -> dict:
@@ -27,17 +28,20 @@ class _Formatter:
     object_stream = ""
     object_full = ""
 
-    def __init__(self, request_id: str, model: str, tokenizer: Tokenizer, body):
+    def __init__(self, request_id: str, model: str, tokenizer: Tokenizer, body, prompt_ids: list[int]):
         self.request_id = request_id
         self.model = model
         self.tokenizer = tokenizer
+        self.token_texts = TokenTexts(tokenizer, prompt_ids)
         self.created = int(time.time())
         self.include_usage = bool(body.stream_options and body.stream_options.include_usage)
         self.return_token_ids = body.return_token_ids
         self.last: Delta | None = None
 
-    def _token_text(self, token_id: int) -> str:
-        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+    def _token_texts(self, lp: common_pb2.TokenLogprob) -> tuple[str, list[str]]:
+        """The chosen token's text and its alternatives', in the text before it."""
+        top = [self.token_texts.text(t.token_id) for t in lp.top]
+        return self.token_texts.advance(lp.token_id), top
 
     def _envelope(self, obj: str, choices: list) -> dict:
         out = {"id": self.request_id, "object": obj, "created": self.created, "model": self.model,
@@ -64,8 +68,8 @@ class ChatFormatter(_Formatter):
     object_stream = "chat.completion.chunk"
     object_full = "chat.completion"
 
-    def __init__(self, request_id, model, tokenizer, body: ChatCompletionRequest):
-        super().__init__(request_id, model, tokenizer, body)
+    def __init__(self, request_id, model, tokenizer, body: ChatCompletionRequest, prompt_ids: list[int]):
+        super().__init__(request_id, model, tokenizer, body, prompt_ids)
         self.logprobs = body.logprobs
 
     def _logprobs(self, logprobs: list[common_pb2.TokenLogprob]) -> dict | None:
@@ -73,11 +77,10 @@ class ChatFormatter(_Formatter):
             return None
         content = []
         for lp in logprobs:
-            text = self._token_text(lp.token_id)
+            text, top_texts = self._token_texts(lp)
             content.append({"token": text, "logprob": lp.logprob, "bytes": list(text.encode()),
-                            "top_logprobs": [{"token": (t := self._token_text(top.token_id)),
-                                              "logprob": top.logprob, "bytes": list(t.encode())}
-                                             for top in lp.top]})
+                            "top_logprobs": [{"token": t, "logprob": top.logprob, "bytes": list(t.encode())}
+                                             for t, top in zip(top_texts, lp.top)]})
         return {"content": content}
 
     def opening(self) -> list[dict]:
@@ -110,21 +113,22 @@ class CompletionFormatter(_Formatter):
     object_stream = "text_completion"
     object_full = "text_completion"
 
-    def __init__(self, request_id, model, tokenizer, body: CompletionRequest):
-        super().__init__(request_id, model, tokenizer, body)
+    def __init__(self, request_id, model, tokenizer, body: CompletionRequest, prompt_ids: list[int]):
+        super().__init__(request_id, model, tokenizer, body, prompt_ids)
         self.logprobs = body.logprobs
         self.offset = 0
 
-    def _logprobs(self, text: str, logprobs: list[common_pb2.TokenLogprob]) -> dict | None:
+    def _logprobs(self, logprobs: list[common_pb2.TokenLogprob]) -> dict | None:
         if self.logprobs is None:
             return None
-        tokens = [self._token_text(lp.token_id) for lp in logprobs]
-        offsets = []
-        for token in tokens:
+        tokens, tops, offsets = [], [], []
+        for lp in logprobs:
+            text, top_texts = self._token_texts(lp)
+            tokens.append(text)
+            tops.append({t: top.logprob for t, top in zip(top_texts, lp.top)})
             offsets.append(self.offset)
-            self.offset += len(token)
-        return {"tokens": tokens, "token_logprobs": [lp.logprob for lp in logprobs],
-                "top_logprobs": [{self._token_text(t.token_id): t.logprob for t in lp.top} for lp in logprobs],
+            self.offset += len(text)
+        return {"tokens": tokens, "token_logprobs": [lp.logprob for lp in logprobs], "top_logprobs": tops,
                 "text_offset": offsets}
 
     def opening(self) -> list[dict]:
@@ -134,7 +138,7 @@ class CompletionFormatter(_Formatter):
         self.last = delta
         if not delta.text and not delta.token_ids and delta.finish_reason is None:
             return []
-        choice = {"index": 0, "text": delta.text, "logprobs": self._logprobs(delta.text, delta.logprobs),
+        choice = {"index": 0, "text": delta.text, "logprobs": self._logprobs(delta.logprobs),
                   "finish_reason": delta.finish_reason}
         if self.return_token_ids:
             choice["token_ids"] = delta.token_ids
@@ -142,7 +146,7 @@ class CompletionFormatter(_Formatter):
 
     def full(self, deltas: list[Delta]) -> dict:
         text, token_ids, logprobs, last = self._finish(deltas)
-        choice = {"index": 0, "text": text, "logprobs": self._logprobs(text, logprobs),
+        choice = {"index": 0, "text": text, "logprobs": self._logprobs(logprobs),
                   "finish_reason": last.finish_reason}
         if self.return_token_ids:
             choice["token_ids"] = token_ids

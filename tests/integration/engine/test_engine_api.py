@@ -83,8 +83,13 @@ def test_stop_string_cuts_text(engine):
 
 
 def test_streamed_text_equals_decoded_tokens(engine):
-    [result] = engine.generate([PROMPTS[2]], SamplingParams(max_tokens=20, ignore_eos=True))
-    assert result.text == engine.tokenizer.decode(result.token_ids)
+    """The output text is what the tokens add to the prompt's text (with the leading space a
+    SentencePiece token decoded alone loses)."""
+    prompt_ids = PROMPTS[2]
+    [result] = engine.generate([prompt_ids], SamplingParams(max_tokens=20, ignore_eos=True))
+    prompt_text = engine.tokenizer.decode(prompt_ids)
+    whole = engine.tokenizer.decode(prompt_ids + result.token_ids)
+    assert whole.startswith(prompt_text) and result.text == whole[len(prompt_text):]
 
 
 def test_abort_frees_blocks_of_running_and_waiting_requests(engine):

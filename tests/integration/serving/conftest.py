@@ -91,17 +91,20 @@ class Server:
         return [a for name, a in sorted(self.workers.items()) if name.startswith(prefix)]
 
 
-def start_serve(model: str, *extra: str, env: dict | None = None, num_workers: int = 1,
+def start_serve(model: str | None, *extra: str, env: dict | None = None, num_workers: int = 1,
                 aggregated: bool = True) -> Server:
-    """`splitserve serve` on free ports; `num_workers` is how many workers it must report
-    (with `aggregated=False` pass --prefill-workers/--decode-workers in `extra`)."""
+    """`splitserve serve` on free ports (host left to its default); `num_workers` is how many
+    workers it must report (with `aggregated=False` pass --prefill-workers/--decode-workers in
+    `extra`); `model` None leaves --model to its default."""
     port, grpc_port = free_port(), free_port()
     mode = ["--aggregated", "--workers", str(num_workers)] if aggregated else []
-    proc = Proc.start(["splitserve", "serve", *mode, "--model", model, "--port", str(port),
+    mode += [] if model is None else ["--model", model]
+    proc = Proc.start(["splitserve", "serve", *mode, "--port", str(port),
                        "--grpc-port", str(grpc_port), "--threads", "1", "--kv-cache-gib", "0.05", *extra], env=env)
     base = f"http://127.0.0.1:{port}"
-    try:
-        proc.wait_for_line(r"splitserve is ready", READY_TIMEOUT_S)
+    try:          # the URL it prints is the one we use
+        proc.wait_for_line(rf"splitserve is ready: {re.escape(base)}/v1 .*gRPC 127\.0\.0\.1:{grpc_port}\b",
+                           READY_TIMEOUT_S)
         assert http_ok(f"{base}/ready"), proc.output
         workers = {m.group(1): m.group(2) for line in proc.lines
                    if (m := re.search(r"((?:worker|prefill|decode)-\d+) ready .* at (\S+)$", line))}

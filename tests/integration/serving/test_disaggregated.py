@@ -148,9 +148,9 @@ def test_conditional_disaggregation_from_counters(deployment):
     assert_all_idle(server)
 
 
-def _open_stream(server: Server, prompt: list[int], max_tokens: int) -> socket.socket:
-    """A raw streaming HTTP request: closing the socket is a client disconnect, at any moment."""
-    body = json.dumps({"model": _model(server), "prompt": prompt, "max_tokens": max_tokens, "stream": True,
+def _open_request(server: Server, prompt: list[int], max_tokens: int, stream: bool = True) -> socket.socket:
+    """A raw HTTP request: closing the socket is a client disconnect, at any moment."""
+    body = json.dumps({"model": _model(server), "prompt": prompt, "max_tokens": max_tokens, "stream": stream,
                        "temperature": 0, "ignore_eos": True}).encode()
     host, port = server.base_url.removeprefix("http://").split(":")
     sock = socket.create_connection((host, int(port)), timeout=30)
@@ -170,12 +170,13 @@ def _wait_for(predicate, limit_s: float = 10.0, what: str = ""):
 
 
 @pytest.mark.parametrize("deployment", DEFAULT, ids=_id, indirect=True)
-def test_cancel_mid_prefill_frees_both_workers(deployment):
+@pytest.mark.parametrize("stream", [True, False], ids=["streamed", "whole"])
+def test_cancel_mid_prefill_frees_both_workers(deployment, stream):
     _, server = deployment
     [prefill], [decode] = server.role("prefill"), server.role("decode")
-    prompt = _prompt(20, 3000)              # about a second of prefill in 256-token chunks
+    prompt = _prompt(20 + stream, 3000)     # about a second of prefill in 256-token chunks
     before_p = worker_stats(prefill)
-    sock = _open_stream(server, prompt, 50)
+    sock = _open_request(server, prompt, 50, stream)
     _wait_for(lambda: worker_stats(prefill).num_running == 1, what="the prefill to start")
     d = worker_stats(decode)
     assert d.num_remote_prefill == 1 and d.num_transfer_reservations == 1
@@ -191,14 +192,18 @@ def test_cancel_mid_prefill_frees_both_workers(deployment):
 
 
 @pytest.mark.parametrize("deployment", DEFAULT, ids=_id, indirect=True)
-def test_cancel_mid_stream_frees_both_workers(deployment):
+@pytest.mark.parametrize("stream", [True, False], ids=["streamed", "whole"])
+def test_cancel_mid_decode_frees_both_workers(deployment, stream):
     _, server = deployment
-    [prefill], [decode] = server.role("prefill"), server.role("decode")
+    [decode] = server.role("decode")
     before_d = worker_stats(decode)
-    sock = _open_stream(server, _prompt(21, 200), 3000)
-    received = b""
-    while received.count(b"data:") < 5:
-        received += sock.recv(65536)
+    sock = _open_request(server, _prompt(22 + stream, 200), 3000, stream)
+    _wait_for(lambda: worker_stats(decode).num_generated_tokens - before_d.num_generated_tokens >= 5,
+              what="the decode to start")
+    if stream:
+        received = b""
+        while received.count(b"data:") < 5:
+            received += sock.recv(65536)
     busy = worker_stats(decode)
     assert busy.num_running == 1 and busy.num_remote_prefills == before_d.num_remote_prefills + 1
     sock.close()

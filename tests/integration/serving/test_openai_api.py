@@ -2,8 +2,10 @@
 
 One server per module on the random-weight Llama checkpoint: greedy output
 equals the engine's and transformers' token for token, usage figures are
-right, every bad input gets its 4xx and the server keeps serving, and a client
-that goes away mid-request leaves the worker's KV pool idle within a second.
+right, sampling parameters and logprobs do what they say, /metrics counts what
+happened, every bad input gets its 4xx and the server keeps serving, and a client
+that goes away mid-request (HTTP or the public gRPC call) leaves the worker's KV
+pool idle within a second.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import time
 import httpx
 import openai
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from splitserve.services.engine.config import EngineConfig
 from splitserve.services.engine.engine import LLMEngine
@@ -130,6 +133,32 @@ def test_logprobs_and_seeded_sampling(client, model_name):
                                       top_p=0.9, seed=1234, extra_body={"ignore_eos": True}).choices[0].text
             for _ in range(2)]
     assert runs[0] == runs[1]
+    other = client.completions.create(model=model_name, prompt="Once upon", max_tokens=8, temperature=1.0,
+                                      top_p=0.9, seed=4321, extra_body={"ignore_eos": True}).choices[0].text
+    assert other != runs[0]           # the seed is what made the two runs agree
+    greedy = client.completions.create(model=model_name, prompt="Once upon", max_tokens=8, temperature=0,
+                                       extra_body=GREEDY).choices[0]
+    nucleus = client.completions.create(model=model_name, prompt="Once upon", max_tokens=8, temperature=1.0,
+                                        top_p=1e-6, seed=99, extra_body=GREEDY).choices[0]
+    assert nucleus.token_ids == greedy.token_ids     # a tiny top_p keeps only the most likely token
+
+
+def test_completion_logprobs_whole_and_streamed(client, model_name):
+    kwargs = dict(model=model_name, prompt=PROMPT_IDS, max_tokens=5, temperature=0, logprobs=2,
+                  extra_body=GREEDY)
+    whole = client.completions.create(**kwargs)
+    lp = whole.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == 5
+    assert "".join(lp.tokens) == whole.choices[0].text
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(5)]
+    assert all(len(top) <= 2 and max(top.values()) == pytest.approx(chosen)       # greedy = top-1
+               for top, chosen in zip(lp.top_logprobs, lp.token_logprobs))
+    assert all(x <= 0 for x in lp.token_logprobs)
+    chunks = [c for c in client.completions.create(stream=True, **kwargs) if c.choices]
+    streamed = [c.choices[0].logprobs for c in chunks if c.choices[0].logprobs and c.choices[0].logprobs.tokens]
+    assert [t for x in streamed for t in x.tokens] == lp.tokens
+    assert [v for x in streamed for v in x.token_logprobs] == pytest.approx(lp.token_logprobs)
+    assert [o for x in streamed for o in x.text_offset] == lp.text_offset
 
 
 LONG = {"ignore_eos": True, "max_tokens": 3000}
@@ -245,13 +274,41 @@ def test_disconnect_while_waiting_for_a_whole_response(server, model_name):
     assert stats.num_aborted == aborted_before + 1, stats
 
 
-def test_metrics(server):
-    text = httpx.get(f"{server.base_url}/metrics").text
-    for name in ("splitserve_time_to_first_token_seconds_count", "splitserve_inter_token_latency_seconds_count",
-                 "splitserve_e2e_request_latency_seconds_count", "splitserve_requests_in_flight"):
-        assert name in text
-    assert 'splitserve_requests_total{api="completions",status="ok"}' in text
-    assert 'status="invalid"' in text
+def _scrape(base_url: str) -> dict[tuple, float]:
+    text = httpx.get(f"{base_url}/metrics").text
+    return {(sample.name, tuple(sorted(sample.labels.items()))): sample.value
+            for family in text_string_to_metric_families(text) for sample in family.samples}
+
+
+def test_metrics(server, model_name):
+    before = _scrape(server.base_url)
+    body = {"model": model_name, "prompt": PROMPT_IDS, "max_tokens": 300, "stream": True, "temperature": 0,
+            **GREEDY}           # long enough to be in flight while /metrics is read
+    with httpx.Client(timeout=30) as http:
+        with http.stream("POST", f"{server.openai_url}/completions", json=body) as reply:
+            lines = reply.iter_lines()
+            assert next(line for line in lines if line.startswith("data:"))
+            during = _scrape(server.base_url)
+            rest = [line for line in lines if line.startswith("data:")]
+    assert rest[-1] == "data: [DONE]"
+    after = _scrape(server.base_url)
+
+    def grew(name: str, labels: tuple = ()) -> float:
+        return after.get((name, labels), 0.0) - before.get((name, labels), 0.0)
+
+    assert during[("splitserve_requests_in_flight", ())] == 1
+    assert after[("splitserve_requests_in_flight", ())] == 0
+    assert grew("splitserve_time_to_first_token_seconds_count") == 1
+    assert grew("splitserve_e2e_request_latency_seconds_count") == 1
+    assert 1 <= grew("splitserve_inter_token_latency_seconds_count") <= 299     # a gap per later delta
+    assert grew("splitserve_prompt_tokens_total") == len(PROMPT_IDS)
+    assert grew("splitserve_generation_tokens_total") == 300
+    assert grew("splitserve_requests_total", (("api", "completions"), ("status", "ok"))) == 1
+    refused = httpx.post(f"{server.openai_url}/completions",
+                         json={"model": model_name, "prompt": "hi", "max_tokens": -1})
+    assert refused.status_code == 400
+    invalid = ("splitserve_requests_total", (("api", "completions"), ("status", "invalid")))
+    assert _scrape(server.base_url).get(invalid, 0.0) - before.get(invalid, 0.0) == 1
 
 
 def test_public_grpc_generate(server, model_name, engine):
@@ -275,3 +332,47 @@ def test_public_grpc_generate(server, model_name, engine):
         with pytest.raises(grpc.RpcError) as info:
             list(stub.Generate(inference_pb2.GenerateRequest(text="hi", max_tokens=10**6), timeout=10))
         assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+def test_public_grpc_chat_stop_and_logprobs(server, model_name, engine):
+    import grpc
+
+    from splitserve.proto.v1 import common_pb2, inference_pb2, inference_pb2_grpc
+
+    prompt_ids = engine.tokenizer.apply_chat_template(CHAT)
+    [free] = engine.generate([prompt_ids], SamplingParams(max_tokens=16, ignore_eos=True))
+    stop = free.text[len(free.text) // 2:][:3]
+    assert stop.strip(), free.text
+    chat = inference_pb2.ChatMessages(messages=[inference_pb2.ChatMessage(**m) for m in CHAT])
+    with grpc.insecure_channel(server.grpc_address) as channel:
+        stub = inference_pb2_grpc.InferenceStub(channel)
+        replies = list(stub.Generate(inference_pb2.GenerateRequest(
+            chat=chat, max_tokens=16, temperature=0, ignore_eos=True, stop=[stop], logprobs=2,
+            include_usage=True), timeout=60))
+        assert "".join(r.text for r in replies) == free.text[:free.text.index(stop)]
+        assert replies[-1].finish_reason == common_pb2.FINISH_REASON_STOP
+        logprobs = [lp for r in replies for lp in r.logprobs]
+        assert [lp.token_id for lp in logprobs] == [t for r in replies for t in r.token_ids]
+        assert all(len(lp.top) == 2 and lp.top[0].logprob == pytest.approx(lp.logprob) for lp in logprobs)
+        assert replies[-1].usage.prompt_tokens == len(prompt_ids)
+
+
+def test_cancelling_the_public_grpc_call_frees_the_worker(server, model_name):
+    import grpc
+
+    from splitserve.proto.v1 import inference_pb2, inference_pb2_grpc
+
+    [worker] = server.worker_addresses
+    idle = worker_stats(worker)
+    with grpc.insecure_channel(server.grpc_address) as channel:
+        stub = inference_pb2_grpc.InferenceStub(channel)
+        call = stub.Generate(inference_pb2.GenerateRequest(
+            token_ids=inference_pb2.TokenIds(ids=PROMPT_IDS), max_tokens=3000, temperature=0, ignore_eos=True),
+            timeout=60)
+        assert [next(call) for _ in range(3)]
+        assert worker_stats(worker).num_running == 1
+        call.cancel()
+        gone = time.monotonic()
+    stats, _ = _wait_idle(worker, gone)
+    assert stats.num_aborted == idle.num_aborted + 1, stats
+    assert stats.num_generated_tokens - idle.num_generated_tokens < 3000

@@ -17,10 +17,10 @@ EXPECTED_BACKEND = "nixl"        # the NIXL wheel is a test dependency (pip inst
 
 @pytest.fixture(scope="module")
 def smollm2_server(smollm2_dir):
-    """The default deployment: `splitserve serve` = 1 prefill + 1 decode worker, NIXL when importable,
-    serving the model under the name given to --model ("smollm2")."""
+    """The default deployment: `splitserve serve` with no --model = the shipped SmolLM2, served as
+    "smollm2", 1 prefill + 1 decode worker, NIXL when importable, on 127.0.0.1."""
     cache = smollm2_dir.parent.parent            # SPLITSERVE_CACHE_DIR layout: <cache>/models/<name>
-    server = start_serve("smollm2", "--kv-cache-gib", "0.1",
+    server = start_serve(None, "--kv-cache-gib", "0.1",
                          "--remote-prefill-threshold", "16", env={"SPLITSERVE_CACHE_DIR": str(cache)},
                          num_workers=2, aggregated=False)
     try:

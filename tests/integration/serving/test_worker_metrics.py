@@ -4,7 +4,8 @@ Real `splitserve worker` processes (one prefill, one decode, TCP transfer) and o
 disaggregated Generate over the worker gRPC API; everything asserted is read from
 the real /metrics text: the per-worker `splitserve_worker_*` families (taken from
 the Stats data), the kvtransfer counters on both sides (send on the prefill worker,
-recv on the decode worker, the write latency histogram), the token counters, 404
+recv on the decode worker, the write latency histogram), the token counters, the
+layer-by-layer push (writes reach the decode worker before the prefill ends), 404
 for other paths. The metrics server's contract without Stats (a worker still
 loading) is checked in-process on loopback, and a taken port fails the worker clearly.
 """
@@ -12,6 +13,7 @@ loading) is checked in-process on loopback, and a taken port fails the worker cl
 from __future__ import annotations
 
 import asyncio
+import json
 import socket
 import subprocess
 import urllib.error
@@ -28,6 +30,8 @@ from .conftest import Proc, free_port, worker_stats
 
 PROMPT = [(13 * i + 7) % 31000 + 5 for i in range(90)]    # over the threshold: prefilled remotely
 MAX_TOKENS = 4
+CHUNK = 256                                                # the prefill worker's per-step token budget
+LONG_PROMPT = [(17 * i + 3) % 31000 + 5 for i in range(8 * CHUNK)]
 
 Samples = dict[tuple[str, frozenset], float]
 
@@ -67,7 +71,7 @@ def workers(llama_dir):
     procs = {}
     try:
         procs["d0"] = _worker(llama_dir, "decode", "d0", "--remote-prefill-threshold", "32")
-        procs["p0"] = _worker(llama_dir, "prefill", "p0")
+        procs["p0"] = _worker(llama_dir, "prefill", "p0", "--max-num-batched-tokens", str(CHUNK))
         for name, (proc, _, base) in procs.items():
             proc.wait_for_line(rf"worker {name} metrics on {base}/metrics", 60)
             # Served from the start, while the model may still be loading: 200 either way.
@@ -80,9 +84,10 @@ def workers(llama_dir):
             assert proc.stop() == 0, proc.output
 
 
-async def _generate(decode: str, prefill: str) -> worker_pb2.TokenGenerateResponse:
+async def _generate(decode: str, prefill: str, prompt: list[int] = PROMPT,
+                    request_id: str = "metrics-1") -> worker_pb2.TokenGenerateResponse:
     request = worker_pb2.TokenGenerateRequest(
-        request_id="metrics-1", token_ids=PROMPT,
+        request_id=request_id, token_ids=prompt,
         params=common_pb2.SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True),
         prefill_peer=worker_pb2.PrefillPeer(worker_id="p0", address=prefill))
     async with grpc.aio.insecure_channel(decode) as channel:
@@ -126,6 +131,34 @@ def test_disaggregated_request_shows_in_both_workers_metrics(workers):
     assert grew("d0", "splitserve_worker_remote_prefills_total") == 1
     assert grew("d0", "splitserve_worker_generated_tokens_total") >= MAX_TOKENS - 1
     assert grew("d0", "splitserve_worker_requests_finished_total") == 1
+
+
+def test_layers_reach_the_decode_worker_while_the_prefill_still_computes(workers, llama_dir):
+    """The push is layer by layer: the decode worker receives one write per layer per chunk,
+    and receives the first ones before the prefill worker has computed the whole prompt."""
+    (d0, d0_http), (p0, _) = workers["d0"], workers["p0"]
+    num_layers = json.loads((llama_dir / "config.json").read_text())["num_hidden_layers"]
+
+    def writes() -> float:
+        return _value(_scrape(f"{d0_http}/metrics"), "splitserve_kv_transfers_total", direction="recv",
+                      kind="write")
+
+    async def main() -> list[tuple[float, int]]:
+        writes_before, computed_before = writes(), worker_stats(p0).num_prompt_tokens_computed
+        generate = asyncio.create_task(_generate(d0, p0, LONG_PROMPT, "metrics-long"))
+        samples = []            # (writes received so far, prompt tokens computed so far), read in that order
+        while not generate.done():
+            written = await asyncio.to_thread(writes)
+            computed = (await asyncio.to_thread(worker_stats, p0)).num_prompt_tokens_computed
+            samples.append((written - writes_before, computed - computed_before))
+        assert (await generate).prefilled_remotely
+        samples.append((writes() - writes_before, worker_stats(p0).num_prompt_tokens_computed - computed_before))
+        return samples
+
+    samples = asyncio.run(main())
+    assert samples[-1][1] == len(LONG_PROMPT)
+    assert samples[-1][0] >= num_layers * len(LONG_PROMPT) // CHUNK, samples[-1]
+    assert any(written > 0 and computed < len(LONG_PROMPT) for written, computed in samples), samples
 
 
 def test_other_paths_and_methods_are_refused(workers):

@@ -4,6 +4,7 @@ sends, the first-token payload, the backend choice, and the leak-free end of a r
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 
 import pytest
 
@@ -113,8 +114,14 @@ def test_a_missing_layer_fails_finish():
         transfer.close()
 
 
-def test_resolve_backend():
+def test_resolve_backend(monkeypatch):
     assert resolve_backend("tcp") == "tcp"
-    assert resolve_backend("auto") in ("nixl", "tcp")
+    assert resolve_backend("nixl") == "nixl"
+    assert resolve_backend("auto") == "nixl"        # the nixl wheel is a dependency
     with pytest.raises(ValueError):
         resolve_backend("rdma")
+    # A machine without the wheel (stood in for by hiding it from find_spec) falls back to TCP.
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name.startswith("nixl") else real_find_spec(name, *a))
+    assert resolve_backend("auto") == "tcp"
