@@ -161,6 +161,18 @@ class AbortResponse(_message.Message):
     found: bool
     def __init__(self, found: _Optional[bool] = ...) -> None: ...
 
+class FenceTransferRequest(_message.Message):
+    __slots__ = ("request_id",)
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    def __init__(self, request_id: _Optional[str] = ...) -> None: ...
+
+class FenceTransferResponse(_message.Message):
+    __slots__ = ("drained",)
+    DRAINED_FIELD_NUMBER: _ClassVar[int]
+    drained: bool
+    def __init__(self, drained: _Optional[bool] = ...) -> None: ...
+
 class BlockStored(_message.Message):
     __slots__ = ("block_hashes", "parent_hash", "token_ids", "tier")
     BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
@@ -224,7 +236,7 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class StatsResponse(_message.Message):
-    __slots__ = ("worker_id", "role", "draining", "num_kv_blocks", "num_used_kv_blocks", "num_cached_kv_blocks", "kv_usage", "num_running", "num_waiting", "num_remote_prefill", "num_in_flight", "num_steps", "num_computed_tokens", "num_prompt_tokens_computed", "num_prefix_hit_tokens", "num_generated_tokens", "num_preemptions", "num_finished", "num_aborted", "num_requests", "num_local_prefills", "num_remote_prefills", "num_prefills_served", "num_errors", "last_kv_event_seq", "num_prefill_retries", "num_prefill_fallbacks", "num_transfer_reservations", "num_held_prefills")
+    __slots__ = ("worker_id", "role", "draining", "num_kv_blocks", "num_used_kv_blocks", "num_cached_kv_blocks", "kv_usage", "num_running", "num_waiting", "num_remote_prefill", "num_in_flight", "num_steps", "num_computed_tokens", "num_prompt_tokens_computed", "num_prefix_hit_tokens", "num_generated_tokens", "num_preemptions", "num_finished", "num_aborted", "num_requests", "num_local_prefills", "num_remote_prefills", "num_prefills_served", "num_errors", "last_kv_event_seq", "num_prefill_retries", "num_prefill_fallbacks", "num_transfer_reservations", "num_held_prefills", "num_fenced_kv_blocks", "num_fences_confirmed", "num_fences_waited_out", "num_fences_served")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     DRAINING_FIELD_NUMBER: _ClassVar[int]
@@ -254,6 +266,10 @@ class StatsResponse(_message.Message):
     NUM_PREFILL_FALLBACKS_FIELD_NUMBER: _ClassVar[int]
     NUM_TRANSFER_RESERVATIONS_FIELD_NUMBER: _ClassVar[int]
     NUM_HELD_PREFILLS_FIELD_NUMBER: _ClassVar[int]
+    NUM_FENCED_KV_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    NUM_FENCES_CONFIRMED_FIELD_NUMBER: _ClassVar[int]
+    NUM_FENCES_WAITED_OUT_FIELD_NUMBER: _ClassVar[int]
+    NUM_FENCES_SERVED_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     role: WorkerRole
     draining: bool
@@ -283,7 +299,11 @@ class StatsResponse(_message.Message):
     num_prefill_fallbacks: int
     num_transfer_reservations: int
     num_held_prefills: int
-    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[_Union[WorkerRole, str]] = ..., draining: _Optional[bool] = ..., num_kv_blocks: _Optional[int] = ..., num_used_kv_blocks: _Optional[int] = ..., num_cached_kv_blocks: _Optional[int] = ..., kv_usage: _Optional[float] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_remote_prefill: _Optional[int] = ..., num_in_flight: _Optional[int] = ..., num_steps: _Optional[int] = ..., num_computed_tokens: _Optional[int] = ..., num_prompt_tokens_computed: _Optional[int] = ..., num_prefix_hit_tokens: _Optional[int] = ..., num_generated_tokens: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., num_finished: _Optional[int] = ..., num_aborted: _Optional[int] = ..., num_requests: _Optional[int] = ..., num_local_prefills: _Optional[int] = ..., num_remote_prefills: _Optional[int] = ..., num_prefills_served: _Optional[int] = ..., num_errors: _Optional[int] = ..., last_kv_event_seq: _Optional[int] = ..., num_prefill_retries: _Optional[int] = ..., num_prefill_fallbacks: _Optional[int] = ..., num_transfer_reservations: _Optional[int] = ..., num_held_prefills: _Optional[int] = ...) -> None: ...
+    num_fenced_kv_blocks: int
+    num_fences_confirmed: int
+    num_fences_waited_out: int
+    num_fences_served: int
+    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[_Union[WorkerRole, str]] = ..., draining: _Optional[bool] = ..., num_kv_blocks: _Optional[int] = ..., num_used_kv_blocks: _Optional[int] = ..., num_cached_kv_blocks: _Optional[int] = ..., kv_usage: _Optional[float] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_remote_prefill: _Optional[int] = ..., num_in_flight: _Optional[int] = ..., num_steps: _Optional[int] = ..., num_computed_tokens: _Optional[int] = ..., num_prompt_tokens_computed: _Optional[int] = ..., num_prefix_hit_tokens: _Optional[int] = ..., num_generated_tokens: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., num_finished: _Optional[int] = ..., num_aborted: _Optional[int] = ..., num_requests: _Optional[int] = ..., num_local_prefills: _Optional[int] = ..., num_remote_prefills: _Optional[int] = ..., num_prefills_served: _Optional[int] = ..., num_errors: _Optional[int] = ..., last_kv_event_seq: _Optional[int] = ..., num_prefill_retries: _Optional[int] = ..., num_prefill_fallbacks: _Optional[int] = ..., num_transfer_reservations: _Optional[int] = ..., num_held_prefills: _Optional[int] = ..., num_fenced_kv_blocks: _Optional[int] = ..., num_fences_confirmed: _Optional[int] = ..., num_fences_waited_out: _Optional[int] = ..., num_fences_served: _Optional[int] = ...) -> None: ...
 
 class DescribeRequest(_message.Message):
     __slots__ = ()

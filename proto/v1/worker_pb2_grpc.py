@@ -54,6 +54,11 @@ class WorkerStub:
                 request_serializer=splitserve_dot_v1_dot_worker__pb2.AbortRequest.SerializeToString,
                 response_deserializer=splitserve_dot_v1_dot_worker__pb2.AbortResponse.FromString,
                 _registered_method=True)
+        self.FenceTransfer = channel.unary_unary(
+                '/splitserve.v1.Worker/FenceTransfer',
+                request_serializer=splitserve_dot_v1_dot_worker__pb2.FenceTransferRequest.SerializeToString,
+                response_deserializer=splitserve_dot_v1_dot_worker__pb2.FenceTransferResponse.FromString,
+                _registered_method=True)
         self.KvEvents = channel.unary_stream(
                 '/splitserve.v1.Worker/KvEvents',
                 request_serializer=splitserve_dot_v1_dot_worker__pb2.KvEventsRequest.SerializeToString,
@@ -113,6 +118,16 @@ class WorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def FenceTransfer(self, request, context):
+        """Decode worker -> a prefill worker it sent a Prefill that did not complete (cancelled,
+        failed, timed out): post nothing more for that request (a Prefill for it that arrives
+        later is refused) and answer once none of its writes is in flight. Only then does the
+        decode worker reuse the blocks it granted; without that answer it waits out the grant.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def KvEvents(self, request, context):
         """KV cache events: replay after `since_seq`, or a snapshot when those are gone
         (or asked for), then live events until the caller cancels.
@@ -163,6 +178,11 @@ def add_WorkerServicer_to_server(servicer, server):
                     servicer.Abort,
                     request_deserializer=splitserve_dot_v1_dot_worker__pb2.AbortRequest.FromString,
                     response_serializer=splitserve_dot_v1_dot_worker__pb2.AbortResponse.SerializeToString,
+            ),
+            'FenceTransfer': grpc.unary_unary_rpc_method_handler(
+                    servicer.FenceTransfer,
+                    request_deserializer=splitserve_dot_v1_dot_worker__pb2.FenceTransferRequest.FromString,
+                    response_serializer=splitserve_dot_v1_dot_worker__pb2.FenceTransferResponse.SerializeToString,
             ),
             'KvEvents': grpc.unary_stream_rpc_method_handler(
                     servicer.KvEvents,
@@ -293,6 +313,33 @@ class Worker:
             '/splitserve.v1.Worker/Abort',
             splitserve_dot_v1_dot_worker__pb2.AbortRequest.SerializeToString,
             splitserve_dot_v1_dot_worker__pb2.AbortResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def FenceTransfer(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/splitserve.v1.Worker/FenceTransfer',
+            splitserve_dot_v1_dot_worker__pb2.FenceTransferRequest.SerializeToString,
+            splitserve_dot_v1_dot_worker__pb2.FenceTransferResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -159,10 +159,15 @@ class LLMEngine:
         return self.scheduler.has_work() or bool(self.scheduler.remote)
 
     # -- disaggregated decode side ----------------------------------------------
-    def reserve_remote_prefill(self, request_id: str, prompt: list[int], params: SamplingParams
-                               ) -> Reservation | None:
-        """Hold KV blocks for a prompt another worker will fill; None when the pool is full."""
+    def reserve_remote_prefill(self, request_id: str, prompt: list[int], params: SamplingParams,
+                               fence_writes: bool = False) -> Reservation | None:
+        """Hold KV blocks for a prompt another worker will fill; None when the pool is full.
+
+        `fence_writes`: when the reservation is cancelled or aborted, the blocks granted to
+        the writer stay out of the pool until `release_fence(request_id)` (the caller
+        knows when no write can land any more)."""
         seq = self._new_sequence(request_id, prompt, params, False, None)
+        seq.fence_writes = fence_writes
         if seq.generator is not None and params.seed is not None:
             # The prefill worker samples the first token with the draw after the prior ones.
             skip_draws(seq.generator, 1, self.model_config.vocab_size)
@@ -192,6 +197,14 @@ class LLMEngine:
         self.scheduler.finish(seq, FinishReason.ABORT)
         self._stop_checkers.pop(request_id, None)
         return True
+
+    def release_fence(self, request_id: str) -> bool:
+        """No write into the cancelled reservation's blocks can land any more: free them."""
+        return self.scheduler.release_fence(request_id)
+
+    @property
+    def num_fenced_blocks(self) -> int:
+        return sum(len(b) for b in self.scheduler.fenced.values())
 
     # -- disaggregated prefill side --------------------------------------------
     def release_prefill(self, request_id: str) -> bool:

@@ -66,6 +66,9 @@ class Scheduler:
         self.running: list[Sequence] = []          # in arrival order
         self.remote: dict[str, Sequence] = {}      # reserved for a remote prefill
         self.held: dict[str, Sequence] = {}        # finished, blocks still held for a reader
+        # Aborted remote prefills' granted blocks, which a prefill worker may still be writing
+        # (one-sided writes): free only at release_fence, once it stopped or its grant ran out.
+        self.fenced: dict[str, list[int]] = {}
         self.num_preemptions = 0
         self.num_prefix_hit_tokens = 0
 
@@ -86,7 +89,8 @@ class Scheduler:
         self._enqueue_waiting(seq)
 
     def reserve_remote(self, seq: Sequence) -> Reservation | None:
-        """Reserve blocks for the whole prompt (reusing cached prefix blocks); None if full."""
+        """Reserve blocks for the whole prompt (reusing cached prefix blocks); None if full.
+        With `seq.fence_writes`, aborting it fences the blocks it granted (see `fenced`)."""
         hits = self._prefix_hits(seq, allow_full=True)
         num_new = self._blocks_for(len(seq.prompt_token_ids)) - len(hits)
         self.pool.take_refs(hits)
@@ -230,13 +234,18 @@ class Scheduler:
         With `hold_blocks` the blocks stay referenced (e.g. while a connector still
         reads them) until `release_held(request_id)`.
         """
+        fence = seq.status is SequenceStatus.REMOTE_PREFILL and seq.fence_writes and not hold_blocks
         if seq.status is SequenceStatus.RUNNING:
             self.running.remove(seq)
         elif seq.status is SequenceStatus.WAITING:
             self.waiting.remove(seq)
         elif seq.status is SequenceStatus.REMOTE_PREFILL:
             self.remote.pop(seq.request_id, None)
-        if hold_blocks:
+        if fence:
+            self.pool.release(seq.block_ids[:seq.num_cached_blocks])     # the cached prefix was not granted
+            self.fenced.setdefault(seq.request_id, []).extend(seq.block_ids[seq.num_cached_blocks:])
+            seq.block_ids = []
+        elif hold_blocks:
             self.held[seq.request_id] = seq
         else:
             self.held.pop(seq.request_id, None)
@@ -244,6 +253,14 @@ class Scheduler:
             seq.block_ids = []
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
+
+    def release_fence(self, request_id: str) -> bool:
+        """The fenced blocks of `request_id` can no longer be written: free them."""
+        block_ids = self.fenced.pop(request_id, None)
+        if block_ids is None:
+            return False
+        self.pool.release(block_ids)
+        return True
 
     def release_held(self, request_id: str) -> bool:
         seq = self.held.pop(request_id, None)

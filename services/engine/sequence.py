@@ -63,6 +63,7 @@ class Sequence:
     finish_reason: FinishReason | None = None
     generator: torch.Generator | None = None
     num_preemptions: int = 0
+    fence_writes: bool = False                     # remote prefill: aborted, its granted blocks wait
 
     @property
     def num_tokens(self) -> int:

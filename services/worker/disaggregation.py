@@ -40,6 +40,7 @@ from splitserve.services.tls import PLAINTEXT, TlsConfig
 from .convert import logprob_to_proto, params_to_proto
 from .engine_loop import EngineLoop
 from .transfer import KVReceiver, KVSender, TransferError, TransferTarget
+from .write_fence import WriteFences
 
 log = logging.getLogger(__name__)
 
@@ -110,6 +111,7 @@ class RemotePrefill:
     peers: PeerChannels
     threshold_tokens: int          # minimum uncached prompt tokens worth sending away
     timeout_s: float               # the whole remote prefill, every attempt included
+    fences: WriteFences
 
     async def worth_it(self, token_ids: list[int]) -> bool:
         num_cached = await self.loop.call(lambda e: num_cached_prompt_tokens(e, token_ids))
@@ -124,16 +126,21 @@ class RemotePrefill:
         or None with the reservation given back (prefill locally). Cancellation
         gives the reservation back too.
         """
-        reservation = await self.loop.call(lambda e: e.reserve_remote_prefill(request_id, token_ids, params))
+        reservation = await self.loop.call(
+            lambda e: e.reserve_remote_prefill(request_id, token_ids, params, fence_writes=True))
         if reservation is None:
             log.info("request %s: no free blocks for a remote prefill; prefilling locally", request_id)
             return PrefillOutcome(None, 0)
         deadline = time.monotonic() + self.timeout_s
+        grants_end = deadline + GRANT_GRACE_S       # no sender writes past a grant of this request
+        fences: list[asyncio.Task] = []             # FenceTransfer asked of each failed prefill worker
         failures = 0
+        address = None
         try:
             for attempt, address in enumerate(addresses):
                 left = deadline - time.monotonic()
                 if left <= 0:
+                    address = None
                     break
                 if attempt:
                     on_retry()
@@ -142,14 +149,24 @@ class RemotePrefill:
                     return PrefillOutcome(token, failures)
                 except (grpc.aio.AioRpcError, TransferError, asyncio.TimeoutError) as exc:
                     failures += 1
+                    fences.append(self.fences.ask(address, request_id))
                     log.warning("request %s: remote prefill on %s failed (%s); %s", request_id, address,
                                 _describe(exc), "trying the next prefill worker"
                                 if attempt + 1 < len(addresses) else "prefilling locally")
+                    address = None
         except BaseException:
-            self.loop.post(lambda e: e.cancel_remote_prefill(request_id))
+            if address is not None:                 # cancelled while this worker was prefilling
+                fences.append(self.fences.ask(address, request_id))
+            self._give_up(request_id, fences, grants_end)
             raise
-        self.loop.post(lambda e: e.cancel_remote_prefill(request_id))
+        self._give_up(request_id, fences, grants_end)
         return PrefillOutcome(None, failures)
+
+    def _give_up(self, request_id: str, fences: list[asyncio.Task], grants_end: float) -> None:
+        """Cancel the reservation: the engine fences its granted blocks, freed once every
+        prefill worker asked confirms it stopped writing (write_fence.py)."""
+        self.loop.post(lambda e: e.cancel_remote_prefill(request_id))
+        self.fences.release_when_stopped(request_id, fences, grants_end)
 
     async def _attempt(self, request_id: str, token_ids: list[int], params: SamplingParams,
                        reservation: Reservation, address: str, timeout_s: float) -> SampledToken:
@@ -178,6 +195,7 @@ class RemotePrefill:
         def start(engine: LLMEngine) -> list[RequestOutput]:
             out = engine.complete_remote_prefill(request_id, first_token)
             if out is None:
+                engine.release_fence(request_id)    # aborted meanwhile; every write has landed
                 raise TransferError(f"request {request_id!r} lost its reservation (aborted?)")
             return [out]
         return start

@@ -35,7 +35,7 @@ import threading
 from splitserve.kvtransfer import AgentMetadata, Connector, KVLayout, make_connector
 from splitserve.kvtransfer.errors import TransferError
 from splitserve.services.engine.engine import LLMEngine
-from splitserve.services.engine.rank_control import RankControl
+from splitserve.services.engine.rank_control import RankControl, RankControlError
 from splitserve.services.engine.sequence import LayerReady
 
 from . import tp_transfer
@@ -208,6 +208,27 @@ class ConnectorTransfer:
             with self._lock:
                 self._sending.pop(request_id, None)
             self._control.post_all(tp_transfer.abandon, request_id)
+
+    async def fence(self, request_id: str, timeout_s: float) -> bool:
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+        self.local.fence(request_id, lambda _, error: settle((loop, future), None, error))
+        children = None
+        if self._control is not None:
+            with self._lock:
+                self._sending.pop(request_id, None)
+            children = asyncio.ensure_future(asyncio.to_thread(
+                self._control.call_all, tp_transfer.fence, request_id, timeout_s, timeout_s=timeout_s + 1.0))
+            children.add_done_callback(lambda task: task.cancelled() or task.exception())
+        try:
+            async with asyncio.timeout(timeout_s + 1.0):
+                await future
+                drained = all(await children) if children is not None else True
+        except (TimeoutError, TransferError, RankControlError) as error:
+            log.warning("KV transfer: request %s: cannot confirm its writes stopped: %s", request_id,
+                        str(error) or "timed out")
+            return False
+        return drained
 
     def close(self) -> None:
         """Close rank 0's connector; the other ranks close theirs when the engine stops them."""

@@ -49,6 +49,8 @@ GAUGES = (
      "Requests waiting for their prompt's KV from a prefill worker"),
     ("splitserve_worker_calls_in_flight", "num_in_flight", "Generate and Prefill calls being served"),
     ("splitserve_worker_draining", "draining", "1 once the worker refuses new work (drain)"),
+    ("splitserve_worker_kv_blocks_fenced", "num_fenced_kv_blocks",
+     "KV blocks of given-up remote prefills kept until their prefill worker stopped writing"),
 )
 COUNTERS = (    # names without `_total`: the exposition appends it
     ("splitserve_worker_prompt_tokens_computed", "num_prompt_tokens_computed",
@@ -65,6 +67,11 @@ COUNTERS = (    # names without `_total`: the exposition appends it
     ("splitserve_worker_remote_prefills", "num_remote_prefills",
      "Prompts prefilled by a prefill worker (decode role)"),
     ("splitserve_worker_local_prefills", "num_local_prefills", "Prompts this worker prefilled itself"),
+    ("splitserve_worker_fences_confirmed", "num_fences_confirmed",
+     "Given-up remote prefills whose prefill workers confirmed they stopped writing (decode role)"),
+    ("splitserve_worker_fences_waited_out", "num_fences_waited_out",
+     "Given-up remote prefills whose blocks waited for the grant's end, unconfirmed (decode role)"),
+    ("splitserve_worker_fences_served", "num_fences_served", "FenceTransfer calls answered (prefill role)"),
 )
 
 _ROLE_NAMES = {worker_pb2.WORKER_ROLE_PREFILL: "prefill", worker_pb2.WORKER_ROLE_DECODE: "decode",

@@ -23,6 +23,12 @@ with one sender per rank whatever the prefill worker's TP degree (it need not kn
 it), and each notification still arrives after every byte into that rank landed: a
 write is DONE only once remotely complete, on both backends.
 
+Fence (prefill). `fence` answers a decode worker that gave a request up: the send
+is dropped, a later `begin` for the request is refused (the fence may overtake its
+Prefill call), and the callback runs once none of the writes already posted is in
+flight (write_fence.py says why the decode worker waits for that). Posting and
+fencing take the driver's lock, so no write is posted after a fence returned.
+
 Receiver (decode). `expect` reserves blocks on this rank's connector; `watch`
 registers a callback for the notification's payload or the failure.
 
@@ -41,7 +47,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from splitserve.kvtransfer import AgentMetadata, Connector, Reservation, TransferHandle
-from splitserve.kvtransfer.errors import ReservationExpiredError, TransferError
+from splitserve.kvtransfer.errors import ReservationExpiredError, TransferError, TransferTimeoutError
 from splitserve.kvtransfer.tp_slicing import head_slice
 from splitserve.services.engine.sequence import LayerReady
 
@@ -50,6 +56,7 @@ from .transfer import TransferEndpoint, TransferTarget
 log = logging.getLogger(__name__)
 
 POLL_INTERVAL_S = 5e-4
+FENCE_MEMORY_S = 600.0        # longer than any grant: a Prefill arriving after its fence is refused
 
 Done = Callable[[bytes | None, TransferError | None], None]   # (payload, None) or (None, error)
 
@@ -76,6 +83,15 @@ class _Send:
         return all(n == len(self.dst_block_ids) for n in self.next_block)
 
 
+@dataclass(slots=True)
+class _Drain:
+    """A fenced send: `done` once none of its posted writes is in flight."""
+
+    request_id: str
+    handles: list[TransferHandle]
+    done: Done
+
+
 class _Driver(threading.Thread):
     """Polls the connector while transfers are pending; tells each one's `Done` callback."""
 
@@ -85,6 +101,7 @@ class _Driver(threading.Thread):
         self.lock = threading.Lock()
         self.sends: dict[str, _Send] = {}
         self.expected: dict[str, Done | None] = {}
+        self.draining: list[_Drain] = []         # fenced sends whose posted writes may be in flight
         self._wake = threading.Event()
         self._stopping = False
 
@@ -100,7 +117,7 @@ class _Driver(threading.Thread):
     def run(self) -> None:
         while not self._stopping:
             with self.lock:
-                busy = bool(self.expected) or bool(self.sends)
+                busy = bool(self.expected) or bool(self.sends) or bool(self.draining)
             if not busy:
                 self._wake.wait(0.5)
                 self._wake.clear()
@@ -123,6 +140,9 @@ class _Driver(threading.Thread):
                     send.closed = send.on_done is not None
             sends = [(rid, s) for rid, s in self.sends.items() if s.closed]
             expected = [(rid, w) for rid, w in self.expected.items() if w is not None]
+            draining = list(self.draining)
+        for drain in draining:
+            self._drive_drain(drain)
         for rid, send in sends:
             self._drive_send(rid, send)
         for rid, done in expected:
@@ -159,6 +179,22 @@ class _Driver(threading.Thread):
             return
         self._resolve_send(rid, send, None)
 
+    def _drive_drain(self, drain: "_Drain") -> None:
+        for handle in drain.handles:
+            if not handle.finished:
+                try:
+                    self.connector.poll(handle)
+                except TransferError:
+                    pass                        # ended: not in flight any more (a timeout says so below)
+        if not all(h.finished for h in drain.handles):
+            return
+        with self.lock:
+            self.draining.remove(drain)
+        self.connector.forget_request(drain.request_id)
+        timed_out = [h for h in drain.handles if isinstance(h.error, TransferTimeoutError)]
+        drain.done(None, TransferTimeoutError(f"request {drain.request_id}: {len(timed_out)} write(s) did not "
+                                              "complete; whether they still land is unknown") if timed_out else None)
+
     def _resolve_send(self, rid: str, send: _Send, error: TransferError | None) -> None:
         with self.lock:
             if self.sends.get(rid) is not send:
@@ -194,6 +230,7 @@ class RankTransfer:
         self.metadata: AgentMetadata = connector.metadata()
         self._driver = _Driver(connector)
         self._driver.start()
+        self._fenced: dict[str, float] = {}     # request id -> until when a late Prefill for it is refused
         self._close_lock = threading.Lock()
         self._closed = False
 
@@ -233,6 +270,9 @@ class RankTransfer:
                      [skipped] * self.connector.layout.num_layers, grant.deadline_unix,
                      set(pending_ranks or ()), on_done=on_done)
         with self._driver.lock:
+            if self._fenced.get(request_id, 0.0) > time.monotonic():
+                raise TransferError(f"request {request_id}: its receiver fenced it (cancelled); "
+                                    "nothing is sent for it")
             if request_id in self._driver.sends:
                 raise TransferError(f"request {request_id} is already being sent")
             self._driver.sends[request_id] = send
@@ -240,13 +280,16 @@ class RankTransfer:
 
     def on_layer_ready(self, ready: LayerReady) -> None:
         """Post this rank's writes of the blocks `ready` completed; never raises."""
-        send = self._driver.sends.get(ready.request_id)
-        if send is None or send.closed:
-            return
-        if send.error is None:
-            self._post_layer(send, ready)
-        if send.on_done is not None and (send.error is not None or send.all_posted()):
-            send.closed = True                   # a child rank's last layer: finish on the driver
+        with self._driver.lock:              # a fence either sees these writes or stops them
+            send = self._driver.sends.get(ready.request_id)
+            if send is None or send.closed:
+                return
+            if send.error is None:
+                self._post_layer(send, ready)
+            close = send.on_done is not None and (send.error is not None or send.all_posted())
+            if close:
+                send.closed = True               # a child rank's last layer: finish on the driver
+        if close:
             self._driver.wake()
 
     def _post_layer(self, send: _Send, ready: LayerReady) -> None:
@@ -299,6 +342,24 @@ class RankTransfer:
         with self._driver.lock:
             self._driver.sends.pop(request_id, None)
         self.connector.forget_request(request_id)
+
+    def fence(self, request_id: str, done: Done) -> None:
+        """The receiver gave `request_id`'s blocks up: post nothing more for it (a Prefill that
+        arrives later is refused too) and call `done` (driver thread) once none of its posted
+        writes is in flight; with an error when some timed out (they may still land)."""
+        now = time.monotonic()
+        with self._driver.lock:
+            self._fenced = {rid: until for rid, until in self._fenced.items() if until > now}
+            self._fenced[request_id] = now + FENCE_MEMORY_S
+            send = self._driver.sends.pop(request_id, None)
+            handles = [] if send is None else [h for h in (*send.writes, *(send.notifies or ())) if not h.finished]
+            if handles:
+                self._driver.draining.append(_Drain(request_id, handles, done))
+        if handles:
+            self._driver.wake()
+            return
+        self.connector.forget_request(request_id)
+        done(None, None)
 
     # -- receiver (decode) ----------------------------------------------------------------
     def expect(self, request_id: str, block_ids: list[int], ttl_s: float) -> Reservation:

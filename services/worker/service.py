@@ -31,10 +31,12 @@ from .kv_event_hub import KvEventHub
 from .session import GenerateSession
 from .transfer import (KVReceiver, KVSender, TransferEndpoint, TransferError, TransferGrant, TransferNotWiredError,
                        TransferTarget)
+from .write_fence import WriteFences
 
 log = logging.getLogger(__name__)
 
 SERVICE_NAME = "splitserve.v1.Worker"
+FENCE_DRAIN_TIMEOUT_S = 1.5     # a prefill worker's wait for its posted writes (under write_fence's ask)
 
 
 class Role(enum.Enum):
@@ -69,6 +71,7 @@ class WorkerCounters:
     num_prefills_served: int = 0
     num_prefill_retries: int = 0
     num_prefill_fallbacks: int = 0
+    num_fences_served: int = 0
     num_errors: int = 0
     num_in_flight: int = 0
 
@@ -96,6 +99,7 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         self.loop: EngineLoop | None = None
         self.hub = KvEventHub(options.kv_event_buffer)
         self.remote: RemotePrefill | None = None
+        self.fences: WriteFences | None = None
         self.sessions: set[GenerateSession] = set()   # gRPC calls and session streams
         self.session_port = 0                  # the session stream's, once it listens (server.py)
 
@@ -107,12 +111,16 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         engine.subscribe_events(self.hub.publish)
         self.loop = EngineLoop(engine)
         self.loop.start()
+        self.fences = WriteFences(self.loop, self.peers)
         self.remote = RemotePrefill(self.loop, self.receiver, self.peers,
-                                    self.options.remote_prefill_threshold, self.options.prefill_timeout_s)
+                                    self.options.remote_prefill_threshold, self.options.prefill_timeout_s,
+                                    self.fences)
         await self._set_health(health_pb2.HealthCheckResponse.SERVING)
 
     async def close(self) -> None:
         await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
+        if self.fences is not None:
+            await self.fences.close()
         if self.loop is not None:
             self.loop.stop()
         await self.peers.close()
@@ -248,6 +256,17 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
             await self._fail(context, "Abort", request.request_id, exc)
         return worker_pb2.AbortResponse(found=found)
 
+    async def FenceTransfer(self, request, context):
+        try:
+            if not request.request_id:
+                raise InvalidRequestError("FenceTransfer needs a request_id")
+            drained = await self.sender.fence(request.request_id, FENCE_DRAIN_TIMEOUT_S) \
+                if self.sender is not None else True
+        except Exception as exc:
+            await self._fail(context, "FenceTransfer", request.request_id, exc)
+        self.counters.num_fences_served += 1
+        return worker_pb2.FenceTransferResponse(drained=drained)
+
     async def Stats(self, request, context):
         try:
             return await self._engine_loop(admit=False).call(self._stats)
@@ -282,7 +301,10 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
             num_errors=c.num_errors, last_kv_event_seq=self.hub.last_seq,
             num_prefill_retries=c.num_prefill_retries, num_prefill_fallbacks=c.num_prefill_fallbacks,
             num_transfer_reservations=self.receiver.num_open() if self.receiver is not None else 0,
-            num_held_prefills=engine.num_held_requests)
+            num_held_prefills=engine.num_held_requests, num_fenced_kv_blocks=engine.num_fenced_blocks,
+            num_fences_confirmed=self.fences.num_confirmed if self.fences is not None else 0,
+            num_fences_waited_out=self.fences.num_waited_out if self.fences is not None else 0,
+            num_fences_served=c.num_fences_served)
 
     async def Describe(self, request, context):
         try:

@@ -21,7 +21,8 @@ What runs where (a worker with --tp N, one process per rank):
 - `abandon` / `release` end a request on the child whatever its state (posted,
   so they stay in order with the next `begin`/`expect` on the same pipe); a
   child's open send also fails at its grant's deadline, so nothing outlives its
-  request.
+  request. `fence` is a call: it answers once the child's writes for the request
+  are no longer in flight (a decode worker waits for that before reusing blocks).
 """
 
 from __future__ import annotations
@@ -97,6 +98,20 @@ def begin(ctx: RankContext, request_id: str, target: TransferTarget, num_prompt_
 
 def abandon(ctx: RankContext, request_id: str) -> None:
     _transfer(ctx).abandon(request_id)
+
+
+def fence(ctx: RankContext, request_id: str, timeout_s: float) -> bool:
+    """Stop sending `request_id` from this rank; True once none of its writes is in flight."""
+    drained = threading.Event()
+    errors: list[TransferError] = []
+
+    def done(_, error: TransferError | None) -> None:
+        if error is not None:
+            errors.append(error)
+        drained.set()
+
+    _transfer(ctx).fence(request_id, done)
+    return drained.wait(timeout_s) and not errors
 
 
 def expect(ctx: RankContext, request_id: str, block_ids: list[int], ttl_s: float, serial: int) -> float:

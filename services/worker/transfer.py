@@ -117,6 +117,12 @@ class KVSender(Protocol):
     def abandon(self, request_id: str) -> None:
         """The request was cancelled or failed: drop what is pending. Idempotent."""
 
+    async def fence(self, request_id: str, timeout_s: float) -> bool:
+        """The receiver gave the request's blocks up: post nothing more for it, on every
+        rank, refuse a later `begin` for it, and return once none of its writes is in
+        flight: True, or False when that is not known within `timeout_s` (a write timed
+        out, a rank did not answer)."""
+
     def close(self) -> None:
         """Stop background work and release the connector."""
 
@@ -156,6 +162,9 @@ class UnwiredTransfer:
 
     def abandon(self, request_id: str) -> None:
         pass
+
+    async def fence(self, request_id: str, timeout_s: float) -> bool:
+        return True                     # it never sends
 
     def close(self) -> None:
         pass

@@ -92,7 +92,7 @@ def _stats(server: Server) -> dict:
 def _idle(stats) -> bool:
     return (stats.num_used_kv_blocks == 0 and stats.num_running == 0 and stats.num_waiting == 0
             and stats.num_remote_prefill == 0 and stats.num_transfer_reservations == 0
-            and stats.num_held_prefills == 0)
+            and stats.num_held_prefills == 0 and stats.num_fenced_kv_blocks == 0)
 
 
 def assert_all_idle(server: Server, since: float | None = None, limit_s: float = 1.0) -> dict:
@@ -182,10 +182,14 @@ def test_cancel_mid_prefill_frees_both_workers(deployment, stream):
     assert d.num_remote_prefill == 1 and d.num_transfer_reservations == 1
     sock.close()
     gone = time.monotonic()
-    after = assert_all_idle(server, since=gone)
+    after = assert_all_idle(server, since=gone)        # fenced blocks included (num_used_kv_blocks)
     p = after["prefill-0"]
     assert p.num_aborted == before_p.num_aborted + 1
     assert p.num_prefills_served == before_p.num_prefills_served
+    # The decode worker reused its granted blocks only once the prefill worker confirmed that
+    # none of its writes was in flight any more.
+    assert p.num_fences_served == before_p.num_fences_served + 1
+    assert after["decode-0"].num_fences_confirmed == d.num_fences_confirmed + 1
     # The prefill engine stopped computing: the prompt was never finished.
     time.sleep(0.2)
     assert worker_stats(prefill).num_prompt_tokens_computed - before_p.num_prompt_tokens_computed < len(prompt)

@@ -13,6 +13,8 @@ prefill worker:
   already (only the uncached blocks move);
 - after the requests every worker is idle: no KV block used, no reservation open on
   any rank, no finished prefill still holding blocks;
+- a client gone mid-prefill (TP=2 → TP=2): the prefill worker fences the request on
+  both ranks and the decode worker frees its granted blocks on that answer;
 - the TP=2 prefill worker's rank 0 killed mid-prefill: the TP=2 decode worker
   prefills locally with the same output and keeps no reservation on either rank, and
   the dead group's other rank exits by itself.
@@ -23,6 +25,7 @@ One deployment per backend: TCP, and NIXL where its wheel is installed.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import random
 import signal
 import subprocess
@@ -61,6 +64,7 @@ def _prompts(k: int) -> dict[str, list[int]]:
 
 PROMPTS = {(k, name): prompt for k in range(len(PAIRS)) for name, prompt in _prompts(k).items()}
 PROMPTS["killed"] = _prompt(900, 2500)        # long enough to be mid-prefill when its worker dies
+PROMPTS["cancelled"] = _prompt(901, 2500)     # likewise, when its client goes away
 
 
 # NIXL is installed by the test command; a missing NIXL fails the nixl cases (no skip).
@@ -125,7 +129,7 @@ async def _generate(decode: str, prefill: str, request_id: str, prompt: list[int
 
 def _idle(s) -> bool:
     return (s.num_used_kv_blocks == 0 and s.num_running == 0 and s.num_waiting == 0 and s.num_remote_prefill == 0
-            and s.num_transfer_reservations == 0 and s.num_held_prefills == 0)
+            and s.num_transfer_reservations == 0 and s.num_held_prefills == 0 and s.num_fenced_kv_blocks == 0)
 
 
 def _assert_all_idle(addresses: dict[str, str], limit_s: float = 2.0) -> None:
@@ -158,6 +162,38 @@ def test_greedy_output_equals_aggregated_tp1(workers, expected, pair):
     _assert_all_idle(workers.addresses)
 
 
+async def _mid_prefill(decode: str, prefill: str, name: str) -> asyncio.Task:
+    """Start request `name` (its prompt from PROMPTS); return once `prefill` computes it."""
+    task = asyncio.create_task(_generate(decode, prefill, name, PROMPTS[name]))
+    deadline = time.monotonic() + 30
+    while worker_stats(prefill).num_running == 0:
+        assert time.monotonic() < deadline and not task.done()
+        await asyncio.sleep(0.01)
+    return task
+
+
+def test_cancel_mid_prefill_fences_every_prefill_rank(workers):
+    """The client of a TP=2 → TP=2 request goes away mid-prefill: the decode worker reuses
+    its granted blocks (on both ranks) once the prefill worker answered that neither of
+    its ranks has a write in flight."""
+    p2, d2 = workers.addresses["p2"], workers.addresses["d2"]
+    before_p, before_d = worker_stats(p2), worker_stats(d2)
+
+    async def cancelled_mid_prefill():
+        task = await _mid_prefill(d2, p2, "cancelled")
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+    asyncio.run(cancelled_mid_prefill())
+    _assert_all_idle(workers.addresses)
+    after_p, after_d = worker_stats(p2), worker_stats(d2)
+    assert after_p.num_fences_served == before_p.num_fences_served + 1
+    assert after_d.num_fences_confirmed == before_d.num_fences_confirmed + 1
+    assert after_d.num_fences_waited_out == before_d.num_fences_waited_out
+    assert after_p.num_prefills_served == before_p.num_prefills_served
+
+
 def test_prefill_group_killed_mid_prefill_falls_back_locally_and_leaks_nothing(workers, expected):
     """Rank 0 of the TP=2 prefill worker dies mid-prefill: the TP=2 decode worker prefills
     locally with the same output, no decode rank keeps a reservation, and the dead
@@ -167,18 +203,20 @@ def test_prefill_group_killed_mid_prefill_falls_back_locally_and_leaks_nothing(w
     assert ranks, "the TP=2 prefill worker has no rank process"
 
     async def killed_mid_prefill():
-        task = asyncio.create_task(_generate(d2, p2, "killed", PROMPTS["killed"]))
-        deadline = time.monotonic() + 30
-        while worker_stats(p2).num_running == 0:          # p2 is computing the prompt now
-            assert time.monotonic() < deadline and not task.done()
-            await asyncio.sleep(0.01)
+        task = await _mid_prefill(d2, p2, "killed")
         assert worker_stats(d2).num_transfer_reservations == 2     # one per decode rank
         workers.procs["p2"].process.send_signal(signal.SIGKILL)
         return await task
 
+    before_d = worker_stats(d2)
     tokens, remote = asyncio.run(killed_mid_prefill())
     assert tokens == expected["killed"] and not remote
+    # Its granted blocks came back at once: the fence found nothing listening where p2 was
+    # (its in-flight Prefill call's connection is reset first; a retry is refused).
     _assert_all_idle({"d2": d2})
+    after_d = worker_stats(d2)
+    assert after_d.num_fences_confirmed == before_d.num_fences_confirmed + 1
+    assert after_d.num_fences_waited_out == before_d.num_fences_waited_out
     deadline = time.monotonic() + 30
     while any(alive(pid) for pid in ranks):
         assert time.monotonic() < deadline, "the dead prefill worker's TP rank is still running"

@@ -1,5 +1,7 @@
 """A prefill worker that dies, hangs or is gone: the decode worker retries another prefill
-worker, then prefills locally, within its deadline, and keeps no reservation.
+worker, then prefills locally, within its deadline, and keeps no reservation; the blocks
+it granted to a worker that cannot confirm it stopped writing (hung) stay fenced until
+the grant is over.
 
 Real `splitserve worker` processes (one decode, two prefill, TCP transfer) driven over
 the worker gRPC API, so each test names exactly which prefill workers the decode worker
@@ -21,6 +23,7 @@ from splitserve.proto.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from splitserve.services.engine.config import EngineConfig
 from splitserve.services.engine.engine import LLMEngine
 from splitserve.services.engine.sampling_params import SamplingParams
+from splitserve.services.worker.disaggregation import GRANT_GRACE_S
 
 from .conftest import Proc, free_port, worker_stats
 
@@ -77,11 +80,19 @@ async def _generate(decode: str, request_id: str, prompt: list[int], peers: list
     return [t for r in replies for t in r.token_ids], replies[0].prefilled_remotely
 
 
-def _assert_no_leak(addresses: dict[str, str]) -> None:
+def _assert_no_leak(addresses: dict[str, str], limit_s: float = 1.0) -> None:
+    """Every worker idle within `limit_s` (a given-up reservation's blocks are freed once
+    its fence is answered, in the background)."""
+    deadline = time.monotonic() + limit_s
     for name, address in addresses.items():
-        s = worker_stats(address)
-        assert s.num_used_kv_blocks == 0 and s.num_remote_prefill == 0, (name, s)
-        assert s.num_transfer_reservations == 0 and s.num_held_prefills == 0, (name, s)
+        while True:
+            s = worker_stats(address)
+            idle = (s.num_used_kv_blocks == 0 and s.num_remote_prefill == 0 and s.num_transfer_reservations == 0
+                    and s.num_held_prefills == 0 and s.num_fenced_kv_blocks == 0)
+            if idle:
+                break
+            assert time.monotonic() < deadline, (name, s)
+            time.sleep(0.02)
 
 
 def test_sigkill_mid_prefill_retries_the_other_prefill_worker(workers, expected):
@@ -122,7 +133,9 @@ def test_dead_prefill_workers_fall_back_to_local_prefill(workers, expected):
     after = worker_stats(d0)
     assert after.num_prefill_fallbacks == before.num_prefill_fallbacks + 1
     assert after.num_local_prefills == before.num_local_prefills + 1
+    # Nothing listens at p0's address: no process can still write, so the blocks are freed at once.
     _assert_no_leak({"d0": d0})
+    assert worker_stats(d0).num_fences_confirmed == before.num_fences_confirmed + 1
 
 
 def test_hung_prefill_worker_is_given_up_at_the_deadline(workers, expected):
@@ -135,7 +148,14 @@ def test_hung_prefill_worker_is_given_up_at_the_deadline(workers, expected):
         start = time.monotonic()
         tokens, remote = asyncio.run(_generate(d0, "hung", PROMPTS["hung"], [_peer("hung", address)]))
         took = time.monotonic() - start
+        # The hung peer cannot confirm it stopped writing: the granted blocks stay fenced until
+        # the grant is over (the deadline, plus the sender's grace), then go back.
+        fenced = worker_stats(d0)
+        assert fenced.num_fenced_kv_blocks == -(-len(PROMPTS["hung"]) // 16), fenced
+        _assert_no_leak({"d0": d0}, limit_s=GRANT_GRACE_S + 4.0)     # the peer still hangs meanwhile
     assert tokens == expected["hung"] and not remote
     assert PREFILL_TIMEOUT_S - 0.5 < took < PREFILL_TIMEOUT_S + 5
-    assert worker_stats(d0).num_prefill_fallbacks == before.num_prefill_fallbacks + 1
-    _assert_no_leak({"d0": d0})
+    after = worker_stats(d0)
+    assert after.num_prefill_fallbacks == before.num_prefill_fallbacks + 1
+    assert after.num_fences_waited_out == before.num_fences_waited_out + 1
+    assert after.num_fences_confirmed == before.num_fences_confirmed

@@ -166,3 +166,31 @@ def test_a_held_sequence_waits_for_a_chunked_prefill_to_pass_the_shared_blocks()
     assert admitted_at == 3 and b.num_prefix_hit_tokens == 24
     drain(s)
     assert_idle(s)
+
+
+def test_an_aborted_fenced_reservation_keeps_its_granted_blocks_until_released():
+    s = make()
+    a = seq("a", 12, 1, max_tokens=1)
+    s.add(a)
+    drain(s)                                           # caches a's two full blocks
+    remote = Sequence("x", a.prompt_token_ids[:8] + [1, 2, 3, 4, 5], SamplingParams(max_tokens=2), 2,
+                      fence_writes=True)
+    reservation = s.reserve_remote(remote)
+    assert reservation is not None and reservation.num_cached_tokens == 8
+    granted = reservation.block_ids[2:]                # what a prefill worker may be writing
+    s.finish(remote, FinishReason.ABORT)
+    assert remote.status is SequenceStatus.FINISHED and s.find("x") is None
+    assert s.fenced == {"x": granted}
+    assert s.pool.num_used_blocks == len(granted)      # the cached prefix went back, the grant did not
+    assert s.release_fence("x") and not s.release_fence("x")
+    assert_idle(s)
+
+
+def test_a_completed_fenced_reservation_is_an_ordinary_sequence():
+    s = make()
+    remote = Sequence("x", list(range(10)), SamplingParams(max_tokens=1), 1, fence_writes=True)
+    assert s.reserve_remote(remote) is not None
+    assert s.complete_remote("x") is remote
+    s.finish(remote, FinishReason.LENGTH)              # every write landed before completion
+    assert s.fenced == {}
+    assert_idle(s)

@@ -3,7 +3,8 @@
 A prefill group of two ranks (one KV head each) writes into a TP=1 decode pool:
 rank 0 notifies only after the other rank reported its writes done, each rank's head
 lands at its offset, a failure reported by the other rank fails the request, an
-open send fails at its grant's deadline, and nothing stays open afterwards.
+open send fails at its grant's deadline, a fence stops a send and answers once its
+posted writes are no longer in flight, and nothing stays open afterwards.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import pytest
 import torch
 
 from splitserve.kvtransfer import KVLayout, make_connector
-from splitserve.kvtransfer.errors import PeerLostError, ReservationExpiredError
+from splitserve.kvtransfer.errors import PeerLostError, ReservationExpiredError, TransferError, TransferTimeoutError
 from splitserve.services.engine.sequence import LayerReady
 from splitserve.services.worker.rank_transfer import RankTransfer
 from splitserve.services.worker.transfer import TransferEndpoint, TransferGrant, TransferTarget
@@ -118,3 +119,65 @@ def test_an_open_send_fails_at_its_grant_deadline(group):
     rank1.abandon("late")                          # idempotent after the failure
     decode.release("late")
     assert decode.num_open() == 0
+
+
+class _InFlight:
+    """A posted write the test completes by hand (stands in for a slow RDMA write)."""
+
+    def __init__(self):
+        self.done = False
+        self.error = None
+
+    @property
+    def finished(self) -> bool:
+        return self.done or self.error is not None
+
+
+def test_a_fence_stops_the_send_and_answers_once_its_writes_landed(group, monkeypatch):
+    decode, (rank0, _) = group
+    grant = decode.expect("f", [3, 4], ttl_s=10)
+    target = _target(decode, [3, 4], grant.deadline_unix)
+    rank0.begin("f", target, 8, notify=True)
+    in_flight = []
+
+    def slow_write(grant, layer, src, dst):
+        in_flight.append(_InFlight())
+        return in_flight[-1]
+
+    monkeypatch.setattr(rank0.connector, "write_layer", slow_write)
+    monkeypatch.setattr(rank0.connector, "poll", lambda handle: handle.done)
+    rank0.on_layer_ready(LayerReady("f", 0, 0, [5, 6], 8))
+    assert len(in_flight) == 1
+    fenced = Outcome()
+    rank0.fence("f", fenced)
+    time.sleep(0.05)
+    assert not fenced.event.is_set()                   # a write is still in flight
+    rank0.on_layer_ready(LayerReady("f", 1, 0, [5, 6], 8))
+    assert len(in_flight) == 1                         # nothing posted after the fence
+    in_flight[0].done = True
+    assert fenced.wait() == (None, None)
+    with pytest.raises(TransferError, match="fenced"):
+        rank0.begin("f", target, 8, notify=True)       # a Prefill arriving after the fence
+    unknown = Outcome()
+    rank0.fence("never-sent", unknown)                 # e.g. the fence overtook its Prefill
+    assert unknown.wait() == (None, None)
+    with pytest.raises(TransferError, match="fenced"):
+        rank0.begin("never-sent", target, 8, notify=True)
+    decode.release("f")
+    assert decode.num_open() == 0
+
+
+def test_a_fence_over_a_timed_out_write_is_not_drained(group, monkeypatch):
+    decode, (rank0, _) = group
+    grant = decode.expect("t", [1], ttl_s=10)
+    rank0.begin("t", _target(decode, [1], grant.deadline_unix), 3, notify=True)
+    stuck = _InFlight()
+    monkeypatch.setattr(rank0.connector, "write_layer", lambda *a: stuck)
+    monkeypatch.setattr(rank0.connector, "poll", lambda handle: handle.done)
+    rank0.on_layer_ready(LayerReady("t", 0, 0, [2], 3))
+    fenced = Outcome()
+    rank0.fence("t", fenced)
+    stuck.error = TransferTimeoutError("t: write did not complete")   # what poll sets past the timeout
+    _, error = fenced.wait()
+    assert isinstance(error, TransferTimeoutError)     # it may still land: not drained
+    decode.release("t")
