@@ -1,5 +1,5 @@
 """Against a test server with known injected delays: measured TTFT and ITL are
-within 5% of them; errors (4xx, 5xx, dropped or refused connections) are counted,
+never below them and their medians within 5% of them; errors (4xx, 5xx, dropped or refused connections) are counted,
 not crashes; a run bounded by a duration stops by itself."""
 
 from __future__ import annotations
@@ -23,7 +23,9 @@ def workload(prompts: list[str], max_tokens: int = 8) -> Workload:
 
 
 def test_measured_ttft_and_itl_match_the_injected_delays(fake_server, llama_vocab):
-    # Delays large enough that scheduling noise on a busy 2-core machine stays well inside 5%.
+    # Delays large enough that scheduling noise on a busy 2-core machine stays well inside 5% of
+    # the medians. A single request can still be stalled by the machine (once in CI: a 0.5 s
+    # TTFT measured 0.98 s), so each request is held to exact lower bounds and loose upper ones.
     ttft, itl, n = 0.500, 0.080, 10
     records = run_workload(Target(fake_server.url, "fake"), llama_vocab,
                            workload([f"delay-{int(ttft * 1000)}-{int(itl * 1000)}-{n} go"] * 6),
@@ -31,12 +33,12 @@ def test_measured_ttft_and_itl_match_the_injected_delays(fake_server, llama_voca
     assert len(records) == 6 and all(r.ok for r in records), [r.error for r in records]
     for r in records:
         assert r.output_tokens == n and r.output_tokens_source == "usage"
-        assert r.ttft_s == pytest.approx(ttft, rel=0.10)
-        assert r.itl_s == pytest.approx(itl, rel=0.10)
+        # Never earlier than the server sent (it schedules every token on absolute times).
+        assert ttft <= r.ttft_s < 2 * ttft
+        assert ttft + (n - 1) * itl <= r.e2e_s < 2 * (ttft + (n - 1) * itl)
     summary = metrics.summarize(records)
     for key, injected in (("ttft_s", ttft), ("itl_s", itl), ("chunk_gap_s", itl)):
         assert summary[key]["p50"] == pytest.approx(injected, rel=0.05), key
-        assert summary[key]["mean"] == pytest.approx(injected, rel=0.05), key
     assert summary["chunk_gap_s"]["count"] == 6 * (n - 1)
 
 
