@@ -17,13 +17,15 @@ class TokenTexts:
     def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int]):
         self.tokenizer = tokenizer
         self.context = list(prompt_ids[-CONTEXT_TOKENS:])
-        self.context_text = self._decode(self.context)
+        self.context_text: str | None = None     # decoded on first use: most requests want no logprobs
 
     def _decode(self, token_ids: list[int]) -> str:
         return self.tokenizer.decode(token_ids, skip_special_tokens=False)
 
     def text(self, token_id: int) -> str:
         """What `token_id` would add after the tokens so far."""
+        if self.context_text is None:
+            self.context_text = self._decode(self.context)
         full = self._decode([*self.context, token_id])
         if full.startswith(self.context_text):
             return full[len(self.context_text):]
@@ -33,5 +35,5 @@ class TokenTexts:
         """`token_id` was chosen: its text, and it becomes context for the next one."""
         piece = self.text(token_id)
         self.context = [*self.context, token_id][-CONTEXT_TOKENS:]
-        self.context_text = self._decode(self.context)
+        self.context_text = None
         return piece

@@ -133,30 +133,24 @@ class RemotePrefill:
             return PrefillOutcome(None, 0)
         deadline = time.monotonic() + self.timeout_s
         grants_end = deadline + GRANT_GRACE_S       # no sender writes past a grant of this request
-        fences: list[asyncio.Task] = []             # FenceTransfer asked of each failed prefill worker
+        fences: list[asyncio.Task] = []             # FenceTransfer asked of each prefill worker given up
         failures = 0
-        address = None
         try:
             for attempt, address in enumerate(addresses):
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    address = None
                     break
                 if attempt:
                     on_retry()
                 try:
-                    token = await self._attempt(request_id, token_ids, params, reservation, address, left)
+                    token = await self._attempt(request_id, token_ids, params, reservation, address, left, fences)
                     return PrefillOutcome(token, failures)
                 except (grpc.aio.AioRpcError, TransferError, asyncio.TimeoutError) as exc:
                     failures += 1
-                    fences.append(self.fences.ask(address, request_id))
                     log.warning("request %s: remote prefill on %s failed (%s); %s", request_id, address,
                                 _describe(exc), "trying the next prefill worker"
                                 if attempt + 1 < len(addresses) else "prefilling locally")
-                    address = None
         except BaseException:
-            if address is not None:                 # cancelled while this worker was prefilling
-                fences.append(self.fences.ask(address, request_id))
             self._give_up(request_id, fences, grants_end)
             raise
         self._give_up(request_id, fences, grants_end)
@@ -169,7 +163,8 @@ class RemotePrefill:
         self.fences.release_when_stopped(request_id, fences, grants_end)
 
     async def _attempt(self, request_id: str, token_ids: list[int], params: SamplingParams,
-                       reservation: Reservation, address: str, timeout_s: float) -> SampledToken:
+                       reservation: Reservation, address: str, timeout_s: float,
+                       fences: list[asyncio.Task]) -> SampledToken:
         bs = self.loop.engine.config.block_size
         num_cached_blocks = reservation.num_cached_tokens // bs
         try:
@@ -187,6 +182,9 @@ class RemotePrefill:
                 await self.peers.stub(address).Prefill(request)
                 payload = await self.receiver.wait_complete(request_id)
             return decode_first_token(payload)
+        except BaseException:           # failed or cancelled: the worker may still be writing
+            fences.append(self.fences.ask(address, request_id))
+            raise
         finally:
             self.receiver.release(request_id)
 

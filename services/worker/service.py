@@ -260,8 +260,9 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         try:
             if not request.request_id:
                 raise InvalidRequestError("FenceTransfer needs a request_id")
-            drained = await self.sender.fence(request.request_id, FENCE_DRAIN_TIMEOUT_S) \
-                if self.sender is not None else True
+            drained = True                   # a worker still loading has sent nothing
+            if self.sender is not None:
+                drained = await self.sender.fence(request.request_id, FENCE_DRAIN_TIMEOUT_S)
         except Exception as exc:
             await self._fail(context, "FenceTransfer", request.request_id, exc)
         self.counters.num_fences_served += 1
