@@ -34,12 +34,12 @@ the frontend alone on core 1. The same request (16 prompt token ids, 4 greedy
 output tokens, EOS ignored; the script checks both paths return the same ids) is
 sent sequentially four ways, in rotating order: straight to the worker's gRPC
 Generate, straight to the worker's session stream (the frontend's own link code,
-services/frontend/worker_session.py, in this process), through the HTTP frontend
+services/frontend/workers/session.py, in this process), through the HTTP frontend
 streamed (SSE), and through it not streamed. Overhead = p50(HTTP) - p50(gRPC
 direct), the issue's definition; the target is on the streamed path, the
 whole-response path is reported beside it. The frontend reaches the worker over
 the session stream, which skips grpc's thread hops on both sides, so the HTTP
-path can come out as fast as the direct gRPC call; p50(HTTP) - p50(stream
+path can come out as the direct gRPC call; p50(HTTP) - p50(stream
 direct) is therefore reported too: what the frontend's own work (HTTP, parsing,
 routing, relaying) adds over the same worker transport. Also reported: the paired median of
 (HTTP - gRPC) and the frontend process's CPU time per HTTP request (all its
@@ -79,7 +79,7 @@ import httpx
 
 from splitserve.net import free_port
 from splitserve.proto.v1 import common_pb2, worker_pb2, worker_pb2_grpc
-from splitserve.services.frontend.worker_session import WorkerSession
+from splitserve.services.frontend.workers.session import WorkerSession
 
 ROOT = Path(__file__).resolve().parent
 
@@ -410,7 +410,7 @@ def main() -> int:
         if model is None:
             from splitserve.testing.models import build_random_model
             model = str(build_random_model("llama", tmp / "llama-h256", seed=0))
-        from splitserve.services.worker.kv_connector import resolve_backend
+        from splitserve.services.worker.kv.connector_transfer import resolve_backend
         transfer = resolve_backend(args.transfer)
         results = {"model": "random h256 Llama (4 layers)" if args.model is None else model,
                    "transfer": transfer, "workload": asdict(w), "cpus": os.cpu_count(),

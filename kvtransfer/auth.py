@@ -27,7 +27,7 @@ import hashlib
 import hmac
 import os
 
-from .errors import PeerAuthError
+from splitserve.kvtransfer.errors import PeerAuthError
 
 __all__ = ["NONCE_BYTES", "PeerAuthError", "TAG_BYTES", "TOKEN_ENV", "new_nonce", "tag", "token_from", "verify"]
 

@@ -49,14 +49,14 @@ from typing import ClassVar
 import numpy as np
 import torch
 
-from . import auth
-from .errors import (BlockOutOfRangeError, LayoutMismatchError, NotReservedError, PeerAuthError,
+from splitserve.kvtransfer import auth
+from splitserve.kvtransfer.errors import (BlockOutOfRangeError, LayoutMismatchError, NotReservedError, PeerAuthError,
                      ReservationExpiredError, StalePeerError, TransferError, TransferTimeoutError)
-from .layout import KVLayout
-from .memory import advise_huge_pages
-from .metrics import transfer_metrics
-from .reservations import ReservationTable
-from .tp_slicing import HeadSlice, head_slice
+from splitserve.kvtransfer.layout import KVLayout
+from splitserve.kvtransfer.memory import advise_huge_pages
+from splitserve.kvtransfer.metrics import transfer_metrics
+from splitserve.kvtransfer.reservations import ReservationTable
+from splitserve.kvtransfer.tp_slicing import HeadSlice, head_slice
 
 MAX_NOTIFY_PAYLOAD = 64 * 1024
 _GRANT_CACHE_SIZE = 64           # reservations whose destination-block masks a sender keeps

@@ -50,11 +50,11 @@ import time
 import numpy as np
 import torch
 
-from .connector import AgentMetadata, Connector, Reservation, TransferHandle
-from . import auth
-from .errors import PeerAuthError, PeerLostError, TransferError
-from .tp_slicing import HeadSlice, row_descriptors
-from .wire import Notification
+from splitserve.kvtransfer.connector import AgentMetadata, Connector, Reservation, TransferHandle
+from splitserve.kvtransfer import auth
+from splitserve.kvtransfer.errors import PeerAuthError, PeerLostError, TransferError
+from splitserve.kvtransfer.tp_slicing import HeadSlice, row_descriptors
+from splitserve.kvtransfer.wire import Notification
 
 logger = logging.getLogger(__name__)
 

@@ -19,19 +19,19 @@ from dataclasses import asdict
 
 import torch
 
-from .connector import Connector, Reservation
-from .layout import KVLayout
-from .memory import empty_pool
+from splitserve.kvtransfer.connector import Connector, Reservation
+from splitserve.kvtransfer.layout import KVLayout
+from splitserve.kvtransfer.memory import empty_pool
 
 _PROGRESS = "progress"
 
 
 def make_connector(backend: str, name: str, layout: KVLayout, **kwargs) -> Connector:
     if backend == "tcp":
-        from .tcp import TcpConnector
+        from splitserve.kvtransfer.tcp import TcpConnector
         return TcpConnector(name, layout, **kwargs)
     if backend == "nixl":
-        from .nixl_backend import NixlConnector
+        from splitserve.kvtransfer.nixl_backend import NixlConnector
         return NixlConnector(name, layout, **kwargs)
     raise ValueError(f"unknown backend {backend!r}")
 

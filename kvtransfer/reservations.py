@@ -17,7 +17,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from .errors import (BlockOutOfRangeError, NotReservedError, ReservationExpiredError, StalePeerError,
+from splitserve.kvtransfer.errors import (BlockOutOfRangeError, NotReservedError, ReservationExpiredError, StalePeerError,
                      TransferError, TransferTimeoutError)
 
 

@@ -13,7 +13,7 @@ names the reason, so nothing is written. One reply per frame, matched by seq.
 
 Sending is non-blocking and starts in the caller's thread: `write_layer`
 queues the frame on the peer's connection and, if nothing is queued ahead of
-it, pushes as much as the socket buffer takes right away with `sendmsg` (the
+it, pushes as the socket buffer takes right away with `sendmsg` (the
 kernel copies straight out of the pool); only the rest is left to the I/O
 thread, which resumes when the socket is writable. So a layer that fits the
 socket buffer is on its way when `write_layer` returns and the compute loop is
@@ -42,12 +42,12 @@ from collections import deque
 import numpy as np
 import torch
 
-from .connector import AgentMetadata, Connector, Reservation, TransferHandle
-from . import auth
-from .errors import (CODE_BY_ERROR, ERRORS_BY_CODE, LayoutMismatchError, PeerAuthError, PeerLostError, StalePeerError,
+from splitserve.kvtransfer.connector import AgentMetadata, Connector, Reservation, TransferHandle
+from splitserve.kvtransfer import auth
+from splitserve.kvtransfer.errors import (CODE_BY_ERROR, ERRORS_BY_CODE, LayoutMismatchError, PeerAuthError, PeerLostError, StalePeerError,
                      TransferError)
-from .tp_slicing import HeadSlice, block_run_arrays, gather_slice, scatter_slice
-from .wire import (CHALLENGE, CHALLENGE_MAGIC, FRAME_HEADER, HELLO, HELLO_MAGIC, KIND_NOTIFY, KIND_WRITE, REPLY_HEADER,
+from splitserve.kvtransfer.tp_slicing import HeadSlice, block_run_arrays, gather_slice, scatter_slice
+from splitserve.kvtransfer.wire import (CHALLENGE, CHALLENGE_MAGIC, FRAME_HEADER, HELLO, HELLO_MAGIC, KIND_NOTIFY, KIND_WRITE, REPLY_HEADER,
                    FrameHeader, encode_reply)
 
 logger = logging.getLogger(__name__)

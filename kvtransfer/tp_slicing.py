@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from .layout import KVLayout
+from splitserve.kvtransfer.layout import KVLayout
 
 
 def joint_runs(src_block_ids: list[int], dst_block_ids: list[int]) -> list[tuple[int, int, int]]:

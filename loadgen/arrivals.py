@@ -5,7 +5,7 @@ times fixed in advance, whatever the server's speed, which is how real users
 arrive and what exposes queueing. `start_times(conversations)` yields the start
 offset in seconds of each conversation in order, and `schedule` pairs them
 up. Closed loop (fixed concurrency): N clients each start the next
-conversation as soon as their previous one ends; there is no schedule
+conversation as their previous one ends; there is no schedule
 (`schedule` returns None) and the runner keeps N in flight.
 
 Rates count conversations (each turn of a multi-turn session is sent after the
@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 from splitserve.errors import SplitserveError
 
-from .workloads import Conversation
+from splitserve.loadgen.workloads import Conversation
 
 
 class _OpenLoop:

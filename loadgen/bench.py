@@ -19,13 +19,13 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from splitserve.errors import SplitserveError
 
-from . import metrics, plots, report
-from .arrivals import Arrivals, Concurrency, TraceSchedule
-from .client import Target
-from .recorder import Recorder, RequestRecord, records_from_json
-from .runner import Limits, Runner
-from .tokens import PromptVocab
-from .workloads import Workload
+from splitserve.loadgen import metrics, plots, report
+from splitserve.loadgen.arrivals import Arrivals, Concurrency, TraceSchedule
+from splitserve.loadgen.client import Target
+from splitserve.loadgen.recorder import Recorder, RequestRecord, records_from_json
+from splitserve.loadgen.runner import Limits, Runner
+from splitserve.loadgen.tokens import PromptVocab
+from splitserve.loadgen.workloads import Workload
 
 
 @dataclass(slots=True)

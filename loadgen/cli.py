@@ -111,7 +111,7 @@ def build_compare_parser(prog: str = "splitserve bench compare") -> argparse.Arg
 
 
 def parse_slo(text: str | None):
-    from .metrics import SLO
+    from splitserve.loadgen.metrics import SLO
 
     if not text:
         return SLO()
@@ -152,7 +152,7 @@ def main(argv: list[str] | None = None) -> int:
 def _compare(args: argparse.Namespace) -> int:
     from rich.console import Console
 
-    from .compare import compare_files
+    from splitserve.loadgen.compare import compare_files
 
     _, table = compare_files(args.a, args.b)
     Console().print(table)
@@ -162,9 +162,9 @@ def _compare(args: argparse.Namespace) -> int:
 def _run(args: argparse.Namespace) -> int:
     from rich.console import Console
 
-    from .bench import run_once, run_sweep, write_outputs
-    from .report import print_run, print_sweep
-    from .options import build_spec
+    from splitserve.loadgen.bench import run_once, run_sweep, write_outputs
+    from splitserve.loadgen.report import print_run, print_sweep
+    from splitserve.loadgen.options import build_spec
 
     spec = build_spec(args)
     console, err = Console(), Console(stderr=True)

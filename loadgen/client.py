@@ -23,9 +23,9 @@ from dataclasses import dataclass, field
 
 import httpx
 
-from . import metrics
-from .recorder import CANCELLED, RequestRecord
-from .tokens import PromptVocab
+from splitserve.loadgen import metrics
+from splitserve.loadgen.recorder import CANCELLED, RequestRecord
+from splitserve.loadgen.tokens import PromptVocab
 
 MAX_ERROR_BODY = 2000
 

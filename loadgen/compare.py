@@ -15,7 +15,7 @@ from rich.table import Table
 
 from splitserve.errors import SplitserveError
 
-from .report import RUN_SCHEMA, load_document
+from splitserve.loadgen.report import RUN_SCHEMA, load_document
 
 _SKIP = {"slo"}       # settings echoed in the summary, not measurements
 

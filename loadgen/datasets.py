@@ -26,8 +26,8 @@ from pathlib import Path
 
 from splitserve.errors import SplitserveError
 
-from .tokens import PromptVocab
-from .workloads import Conversation, Turn, Workload
+from splitserve.loadgen.tokens import PromptVocab
+from splitserve.loadgen.workloads import Conversation, Turn, Workload
 
 MOONCAKE_BLOCK_TOKENS = 512
 TRACE_ENV = "SPLITSERVE_MOONCAKE_TRACE"

@@ -25,7 +25,7 @@ import math
 from collections import Counter
 from dataclasses import dataclass
 
-from .recorder import CANCELLED, RequestRecord
+from splitserve.loadgen.recorder import CANCELLED, RequestRecord
 
 DIST_FIELDS = ("mean", "p50", "p90", "p99", "min", "max")
 

@@ -14,13 +14,13 @@ import httpx
 
 from splitserve.errors import SplitserveError
 
-from . import datasets, workloads
-from .arrivals import make_arrivals
-from .bench import BenchSpec
-from .client import Target
-from .runner import Limits
-from .tokens import PromptVocab, load_tokenizer
-from .workloads import LengthDist, Workload
+from splitserve.loadgen import datasets, workloads
+from splitserve.loadgen.arrivals import make_arrivals
+from splitserve.loadgen.bench import BenchSpec
+from splitserve.loadgen.client import Target
+from splitserve.loadgen.runner import Limits
+from splitserve.loadgen.tokens import PromptVocab, load_tokenizer
+from splitserve.loadgen.workloads import LengthDist, Workload
 
 DEFAULT_NUM_REQUESTS = 100
 
@@ -98,7 +98,7 @@ def _arrival_kind(args: argparse.Namespace) -> str:
 
 
 def build_spec(args: argparse.Namespace) -> BenchSpec:
-    from .cli import parse_slo
+    from splitserve.loadgen.cli import parse_slo
 
     if args.api == "chat" and args.prompt_format == "ids":
         raise SplitserveError("--prompt-format ids works with --api completions only")

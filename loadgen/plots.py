@@ -20,8 +20,8 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402  (the backend must be chosen first)
 
-from . import metrics  # noqa: E402
-from .recorder import RequestRecord  # noqa: E402
+from splitserve.loadgen import metrics  # noqa: E402
+from splitserve.loadgen.recorder import RequestRecord  # noqa: E402
 
 Series = list[tuple[str, list[RequestRecord]]]
 

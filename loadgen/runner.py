@@ -23,11 +23,11 @@ import httpx
 
 from splitserve.errors import SplitserveError
 
-from .arrivals import Arrivals, Concurrency
-from .client import Target, build_request, make_http_client, monotonic_clock, stream_request, warm_up
-from .recorder import Recorder, RequestRecord
-from .tokens import PromptVocab
-from .workloads import Conversation, Workload
+from splitserve.loadgen.arrivals import Arrivals, Concurrency
+from splitserve.loadgen.client import Target, build_request, make_http_client, monotonic_clock, stream_request, warm_up
+from splitserve.loadgen.recorder import Recorder, RequestRecord
+from splitserve.loadgen.tokens import PromptVocab
+from splitserve.loadgen.workloads import Conversation, Workload
 
 log = logging.getLogger(__name__)
 

@@ -34,8 +34,8 @@ class Word:
 
 def load_tokenizer(spec: str):
     """The tokenizer of a splitserve model spec: 'smollm2', a Hugging Face folder or a .gguf file."""
-    from splitserve.services.engine.model_source import open_checkpoint
-    from splitserve.services.engine.tokenizer import Tokenizer
+    from splitserve.services.engine.loading.model_source import open_checkpoint
+    from splitserve.services.text.tokenizer import Tokenizer
 
     return Tokenizer(open_checkpoint(spec))
 

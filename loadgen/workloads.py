@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 from splitserve.errors import SplitserveError
 
-from .tokens import PromptVocab
+from splitserve.loadgen.tokens import PromptVocab
 
 
 @dataclass(slots=True)

@@ -26,11 +26,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from itertools import repeat
 
-from .index import KvIndex
-from .load import LoadTracker
-from .metrics import RouterMetrics
-from .hashing import ChainHasher
-from .policies import CandidateTable, Decision, Policy
+from splitserve.router.index import KvIndex
+from splitserve.router.load import LoadTracker
+from splitserve.router.metrics import RouterMetrics
+from splitserve.router.hashing import ChainHasher
+from splitserve.router.policies import CandidateTable, Decision, Policy
 
 log = logging.getLogger(__name__)
 

@@ -16,7 +16,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from .policies import Decision
+from splitserve.router.policies import Decision
 
 
 class LastDecisions(Collector):

@@ -20,7 +20,7 @@ import grpc
 
 from splitserve.proto.v1 import worker_pb2
 
-from .index import CLEARED, REMOVED, STORED, KvIndex
+from splitserve.router.index import CLEARED, REMOVED, STORED, KvIndex
 
 log = logging.getLogger(__name__)
 

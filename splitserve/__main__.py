@@ -1,3 +1,3 @@
-from splitserve.services.cli import main
+from splitserve.services.cli.main import main
 
 raise SystemExit(main())

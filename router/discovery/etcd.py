@@ -25,7 +25,7 @@ from etcd3aio import Etcd3Client, EtcdError, prefix_range_end
 # etcd3aio's generated stubs (it has no public streaming helpers that fit: see _watch).
 from etcd3aio._protobuf import rpc_pb2, rpc_pb2_grpc
 
-from . import WorkerRecord
+from splitserve.router.discovery import WorkerRecord
 
 log = logging.getLogger(__name__)
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
-from . import WorkerRecord
+from splitserve.router.discovery import WorkerRecord
 
 
 class StaticRegistry:

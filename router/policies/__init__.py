@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from .base import Candidate, CandidateTable, Decision, Policy, Scored
-from .kv import DEFAULT_PREFILL_WEIGHT, KvPolicy, kv_cost
-from .least_loaded import LeastLoadedPolicy
-from .power_of_two import PowerOfTwoPolicy
-from .random_choice import RandomPolicy
-from .round_robin import RoundRobinPolicy
+from splitserve.router.policies.base import Candidate, CandidateTable, Decision, Policy, Scored
+from splitserve.router.policies.kv import DEFAULT_PREFILL_WEIGHT, KvPolicy, kv_cost
+from splitserve.router.policies.least_loaded import LeastLoadedPolicy
+from splitserve.router.policies.power_of_two import PowerOfTwoPolicy
+from splitserve.router.policies.random_choice import RandomPolicy
+from splitserve.router.policies.round_robin import RoundRobinPolicy
 
 POLICIES = {p.name: p for p in (KvPolicy, RoundRobinPolicy, RandomPolicy, LeastLoadedPolicy, PowerOfTwoPolicy)}
 

@@ -60,7 +60,7 @@ import random
 from collections.abc import Sequence
 from itertools import repeat
 
-from .base import Candidate, CandidateTable, Decision, Scored, sample
+from splitserve.router.policies.base import Candidate, CandidateTable, Decision, Scored, sample
 
 DEFAULT_PREFILL_WEIGHT = 2.0
 _LAST = (float("inf"),)          # sorts after every (cost, load, cached, worker id) key

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from .base import Candidate, Decision, Scored, lowest
+from splitserve.router.policies.base import Candidate, Decision, Scored, lowest
 
 
 class LeastLoadedPolicy:

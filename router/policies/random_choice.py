@@ -9,7 +9,7 @@ from __future__ import annotations
 import random
 from collections.abc import Sequence
 
-from .base import Candidate, Decision, Scored, lowest
+from splitserve.router.policies.base import Candidate, Decision, Scored, lowest
 
 
 class RandomPolicy:

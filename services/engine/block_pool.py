@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
-from .kv_events import KVEvent, KVEventLog
+from splitserve.services.engine.kv_events import KVEvent, KVEventLog
 
 
 class BlockPool:

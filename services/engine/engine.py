@@ -19,23 +19,23 @@ import torch
 
 from splitserve.errors import InvalidRequestError
 
-from .block_pool import BlockPool
-from .checkpoint import Checkpoint
-from .config import EngineConfig, ModelConfig
-from .forward_batch import LayerReport
-from .kv_cache import KVCache
-from .kv_events import KVEvent
-from .model import CausalLM
-from .model_runner import ModelRunner
-from .model_source import open_checkpoint
-from .sampler import SampledToken, sample, skip_draws
-from .sampling_params import SamplingParams
-from .scheduler import Reservation, ScheduledChunk, Scheduler
-from .sequence import FinishReason, LayerCallback, LayerReady, Sequence
-from .stop_checker import StopChecker
-from .tensor_parallel import TensorParallelGroup, all_reduce
-from .tokenizer import Tokenizer
-from .weights import ShardSpec, load_weights
+from splitserve.services.engine.block_pool import BlockPool
+from splitserve.services.engine.loading.checkpoint import Checkpoint
+from splitserve.services.engine.config import EngineConfig, ModelConfig
+from splitserve.services.engine.model.forward_batch import LayerReport
+from splitserve.services.engine.kv_cache import KVCache
+from splitserve.services.engine.kv_events import KVEvent
+from splitserve.services.engine.model.causal_lm import CausalLM
+from splitserve.services.engine.model_runner import ModelRunner
+from splitserve.services.engine.loading.model_source import open_checkpoint
+from splitserve.services.engine.sampler import SampledToken, sample, skip_draws
+from splitserve.services.wire.sampling_params import SamplingParams
+from splitserve.services.engine.scheduler import Reservation, ScheduledChunk, Scheduler
+from splitserve.services.engine.sequence import FinishReason, LayerCallback, LayerReady, Sequence
+from splitserve.services.text.stop_checker import StopChecker
+from splitserve.services.engine.parallel.tensor_parallel import TensorParallelGroup, all_reduce
+from splitserve.services.text.tokenizer import Tokenizer
+from splitserve.services.engine.loading.weights import ShardSpec, load_weights
 
 log = logging.getLogger(__name__)
 

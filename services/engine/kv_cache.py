@@ -2,7 +2,7 @@
 
 Layout is layer-major, `[layers][2][blocks][block_size][kv_heads][head_dim]`, so
 one layer's K (or V) blocks form one contiguous region that a KV connector can
-register and send as soon as that layer is computed. Which block belongs to
+register and send as that layer is computed. Which block belongs to
 whom is `block_pool.BlockPool`'s business; this class only moves tensors.
 """
 

@@ -11,10 +11,10 @@ from collections.abc import Callable
 
 import torch
 
-from .forward_batch import ForwardBatch, LayerReport, PrefillSegment
-from .kv_cache import KVCache
-from .model import CausalLM
-from .scheduler import ScheduledChunk
+from splitserve.services.engine.model.forward_batch import ForwardBatch, LayerReport, PrefillSegment
+from splitserve.services.engine.kv_cache import KVCache
+from splitserve.services.engine.model.causal_lm import CausalLM
+from splitserve.services.engine.scheduler import ScheduledChunk
 
 
 def build_forward_batch(chunks: list[ScheduledChunk], block_size: int,

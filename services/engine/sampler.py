@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .sampling_params import SamplingParams
+from splitserve.services.wire.sampling_params import SamplingParams
 
 MIN_TEMPERATURE = 1e-4
 

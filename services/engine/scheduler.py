@@ -18,9 +18,9 @@ import bisect
 from collections import deque
 from dataclasses import dataclass, field
 
-from .block_hash import hash_full_blocks
-from .block_pool import BlockPool
-from .sequence import FinishReason, Sequence, SequenceStatus
+from splitserve.services.engine.block_hash import hash_full_blocks
+from splitserve.services.engine.block_pool import BlockPool
+from splitserve.services.engine.sequence import FinishReason, Sequence, SequenceStatus
 
 
 @dataclass(slots=True)

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .sampling_params import SamplingParams
+from splitserve.services.wire.sampling_params import SamplingParams
 
 
 class SequenceStatus(enum.Enum):

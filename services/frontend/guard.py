@@ -22,10 +22,10 @@ import asyncio
 import logging
 from dataclasses import dataclass, field
 
-from .asgi import DONE, Receive, Scope, Send, event, send_json
-from .auth import ApiKeys
-from .errors import APIError
-from .limits import KeyLimiter, LimitsConfig, Rejection
+from splitserve.services.frontend.http.asgi import DONE, Receive, Scope, Send, event, send_json
+from splitserve.services.frontend.auth import ApiKeys
+from splitserve.services.frontend.errors import APIError
+from splitserve.services.frontend.limits import KeyLimiter, LimitsConfig, Rejection
 
 log = logging.getLogger(__name__)
 

@@ -30,8 +30,8 @@ from splitserve.router.discovery import WorkerRecord
 from splitserve.router.policies import DEFAULT_PREFILL_WEIGHT
 from splitserve.router.subscriber import EventSubscriber
 
-from .routing import Route, RouteRequest
-from .workers import WorkerHandle, WorkerPool
+from splitserve.services.frontend.routing import Route, RouteRequest
+from splitserve.services.frontend.workers.pool import WorkerHandle, WorkerPool
 
 log = logging.getLogger(__name__)
 

@@ -128,7 +128,7 @@ class KeyLimiter:
 def check_prompt_tokens(num_prompt_tokens: int, limit: int, param: str) -> None:
     """Raise the 400 for a prompt over --max-prompt-tokens (0: no limit beyond the context length)."""
     if limit and num_prompt_tokens > limit:
-        from .errors import invalid
+        from splitserve.services.frontend.errors import invalid
 
         raise invalid(f"the prompt has {num_prompt_tokens} tokens; this server accepts at most {limit} "
                       "(--max-prompt-tokens)", param, "context_length_exceeded")
@@ -153,7 +153,7 @@ class PromptBound:
 
     def check(self, num_chars: int, limit_tokens: int | None, param: str) -> None:
         if limit_tokens and num_chars > limit_tokens * self.max_token_chars:
-            from .errors import invalid
+            from splitserve.services.frontend.errors import invalid
 
             raise invalid(f"the prompt has {num_chars} characters, more than the {limit_tokens} tokens this "
                           "server accepts can spell", param, "context_length_exceeded")

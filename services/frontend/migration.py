@@ -38,7 +38,7 @@ from dataclasses import dataclass, field, replace
 import grpc
 
 from splitserve.proto.v1 import worker_pb2
-from splitserve.services.engine.sampling_params import SamplingParams
+from splitserve.services.wire.sampling_params import SamplingParams
 from splitserve.services.worker.convert import params_to_proto
 
 DEFAULT_LIMIT = 2

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol
 
-from .workers import WorkerHandle, WorkerPool
+from splitserve.services.frontend.workers.pool import WorkerHandle, WorkerPool
 
 
 @dataclass(slots=True, frozen=True)

@@ -22,21 +22,21 @@ import uvicorn
 from splitserve.errors import SplitserveError
 from splitserve.proto.v1 import inference_pb2_grpc
 from splitserve.router.policies.kv import DEFAULT_PREFILL_WEIGHT
-from splitserve.services.engine.model_source import open_checkpoint
-from splitserve.services.engine.tokenizer import Tokenizer
-from splitserve.services.tls import PLAINTEXT, TlsConfig
+from splitserve.services.engine.loading.model_source import open_checkpoint
+from splitserve.services.text.tokenizer import Tokenizer
+from splitserve.tls import PLAINTEXT, TlsConfig
 
-from .auth import ApiKeys
-from .grpc_api import InferenceService
-from .grpc_guard import GuardInterceptor
-from .guard import Guard
-from .lifecycle import Frontend
-from .migration import DEFAULT_LIMIT as DEFAULT_MIGRATION_LIMIT, MigrationPolicy
-from .metrics import FrontendMetrics
-from .openai_api import build_app
-from .kv_routing import build_router
-from .limits import LimitsConfig
-from .workers import WorkerAddress, WorkerPool
+from splitserve.services.frontend.auth import ApiKeys
+from splitserve.services.frontend.grpc.inference import InferenceService
+from splitserve.services.frontend.grpc.guard import GuardInterceptor
+from splitserve.services.frontend.guard import Guard
+from splitserve.services.frontend.core import Frontend
+from splitserve.services.frontend.migration import DEFAULT_LIMIT as DEFAULT_MIGRATION_LIMIT, MigrationPolicy
+from splitserve.services.frontend.metrics import FrontendMetrics
+from splitserve.services.frontend.http.app import build_app
+from splitserve.services.frontend.kv_routing import build_router
+from splitserve.services.frontend.limits import LimitsConfig
+from splitserve.services.frontend.workers.pool import WorkerAddress, WorkerPool
 
 log = logging.getLogger(__name__)
 

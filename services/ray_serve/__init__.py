@@ -16,9 +16,9 @@ Modules: settings (typed config), config (spec/flags -> config), app
 
 from __future__ import annotations
 
-from .app import build_application, deployment_options
-from .config import config_from_spec, read_spec
-from .settings import EngineSettings, RayServeConfig
+from splitserve.services.ray_serve.app import build_application, deployment_options
+from splitserve.services.ray_serve.config import config_from_spec, read_spec
+from splitserve.services.ray_serve.settings import EngineSettings, RayServeConfig
 
 __all__ = ["app_builder", "build_application", "config_from_spec", "deployment_options", "read_spec",
            "EngineSettings", "RayServeConfig"]

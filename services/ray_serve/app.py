@@ -26,13 +26,13 @@ import logging
 import pickle
 from typing import Any
 
-from .settings import PoolPlan, RayServeConfig
+from splitserve.services.ray_serve.settings import PoolPlan, RayServeConfig
 
 log = logging.getLogger(__name__)
 
 DIRECTORY_NAME = "WorkerDirectory"
 INGRESS_NAME = "Frontend"
-# Streams last as long as their generation; the frontend has its own timeouts.
+# Streams last as their generation; the frontend has its own timeouts.
 MAX_ONGOING_REQUESTS = 1000
 # No Serve access log line per call: leases renew every second, and the frontend logs its requests.
 LOGGING = {"enable_access_log": False}
@@ -83,9 +83,9 @@ def build_application(config: RayServeConfig):
     """The Serve application (`serve.run(build_application(config), name=config.app_name)`)."""
     from ray import serve
 
-    from .directory import WorkerDirectory
-    from .ingress import Ingress
-    from .worker import WorkerReplica
+    from splitserve.services.ray_serve.directory import WorkerDirectory
+    from splitserve.services.ray_serve.ingress import Ingress
+    from splitserve.services.ray_serve.worker import WorkerReplica
 
     # A stable version for the directory and the ingress too: restarting either on a
     # scale-only redeploy would empty the routers' worker lists for a moment.

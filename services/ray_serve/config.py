@@ -32,7 +32,7 @@ from pathlib import Path
 
 from splitserve.errors import SplitserveError
 
-from .settings import (Autoscaling, EngineSettings, IngressSettings, PoolPlan, RayServeConfig, RouterSettings,
+from splitserve.services.ray_serve.settings import (Autoscaling, EngineSettings, IngressSettings, PoolPlan, RayServeConfig, RouterSettings,
                        WorkerSettings)
 
 _MEMORY_UNITS = {"Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "K": 10**3, "M": 10**6, "G": 10**9,
@@ -117,7 +117,7 @@ def config_from_spec(spec, engine: EngineSettings | None = None, transfer: str =
 
 
 def default_served_name(model: str) -> str | None:
-    from splitserve.services.frontend.launcher import _default_served_name
+    from splitserve.services.launch.local import _default_served_name
 
     return _default_served_name(model)
 
@@ -128,7 +128,7 @@ UNSUPPORTED_FLAGS = ("api_key", "api_keys_file", "tls_cert", "tls_key", "tls_ca"
 
 def config_from_args(args: argparse.Namespace) -> RayServeConfig:
     """`splitserve serve --on-ray`: the same flags `serve` takes, or --config FILE."""
-    from splitserve.services.frontend.launcher import _plan
+    from splitserve.services.launch.local import _plan
 
     given = [f"--{name.replace('_', '-')}" for name in UNSUPPORTED_FLAGS if getattr(args, name, None)]
     if given:

@@ -20,8 +20,8 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
-from .directory import DirectoryRegistry
-from .settings import IngressSettings
+from splitserve.services.ray_serve.directory import DirectoryRegistry
+from splitserve.services.ray_serve.settings import IngressSettings
 
 log = logging.getLogger(__name__)
 
@@ -41,7 +41,7 @@ def build_frontend(settings: IngressSettings, registry):
     """(Frontend, Guard) from services/frontend/server.py's factory, over an empty pool
     that `registry` (the worker directory) fills; no server is started here."""
     from splitserve.services.frontend.server import FrontendConfig, build_frontend as build
-    from splitserve.services.frontend.workers import WorkerPool
+    from splitserve.services.frontend.workers.pool import WorkerPool
 
     r = settings.router
     config = FrontendConfig(model=settings.model, served_model_name=settings.served_model_name, router=r.policy,
@@ -67,7 +67,7 @@ class Ingress:
         log.info("ingress ready; %d workers in the directory", len(self.registry.members()))
 
     def __serve_build_asgi_app__(self):
-        from splitserve.services.frontend.openai_api import build_app
+        from splitserve.services.frontend.http.app import build_app
 
         return build_app(self.frontend, self.guard)
 

@@ -19,10 +19,10 @@ import time
 
 from splitserve.errors import SplitserveError
 
-from .app import build_application
-from .config import config_from_args
-from .ingress import PoolView
-from .settings import RayServeConfig
+from splitserve.services.ray_serve.app import build_application
+from splitserve.services.ray_serve.config import config_from_args
+from splitserve.services.ray_serve.ingress import PoolView
+from splitserve.services.ray_serve.settings import RayServeConfig
 
 POLL_S = 0.25
 

@@ -71,7 +71,7 @@ class Autoscaling:
     target_ongoing_requests: float = 2.0
 
     def to_ray(self) -> dict:
-        from .autoscaling import POLICY_PATH
+        from splitserve.services.ray_serve.autoscaling import POLICY_PATH
 
         return {"min_replicas": self.min_replicas, "max_replicas": self.max_replicas,
                 "target_ongoing_requests": self.target_ongoing_requests,

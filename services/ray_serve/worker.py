@@ -14,7 +14,7 @@ worker refuses new work, its running calls finish (up to the spec's drain
 timeout), then it gives its lease back and stops.
 
 A tensor-parallel worker's extra ranks are the engine's own spawned processes
-(services/engine/tensor_parallel.py); the replica's placement group (one
+(services/engine/parallel/tensor_parallel.py); the replica's placement group (one
 bundle per rank, STRICT_PACK: app.py) reserves their CPUs and GPUs on the
 same node.
 """
@@ -31,11 +31,11 @@ import grpc
 
 from splitserve.errors import SplitserveError
 from splitserve.net import free_port
-from splitserve.services.frontend.launcher import worker_serving
+from splitserve.services.launch.local import worker_serving
 
-from .autoscaling import IN_FLIGHT_METRIC
-from .directory import LEASE_RENEW_S, DirectoryEntry
-from .settings import WorkerSettings
+from splitserve.services.ray_serve.autoscaling import IN_FLIGHT_METRIC
+from splitserve.services.ray_serve.directory import LEASE_RENEW_S, DirectoryEntry
+from splitserve.services.ray_serve.settings import WorkerSettings
 
 log = logging.getLogger(__name__)
 

@@ -11,7 +11,7 @@ from splitserve.proto.v1 import common_pb2, worker_pb2
 from splitserve.services.engine.engine import RequestOutput
 from splitserve.services.engine.kv_events import AllCleared, BlockRemoved, BlockStored, KVEvent
 from splitserve.services.engine.sampler import SampledToken
-from splitserve.services.engine.sampling_params import SamplingParams
+from splitserve.services.wire.sampling_params import SamplingParams
 from splitserve.services.engine.sequence import FinishReason
 
 _FINISH_TO_PROTO = {

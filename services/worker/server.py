@@ -28,13 +28,13 @@ from splitserve.proto.v1 import worker_pb2_grpc
 from splitserve.services.engine.config import EngineConfig
 from splitserve.services.engine.engine import LLMEngine
 
-from .service import Role, WorkerOptions, WorkerService
-from .session_stream import SessionStreamServer
-from .shutdown import drain
-from .transfer import KVReceiver, KVSender, UnwiredTransfer
+from splitserve.services.worker.service import Role, WorkerOptions, WorkerService
+from splitserve.services.worker.session_stream import SessionStreamServer
+from splitserve.services.worker.shutdown import drain
+from splitserve.services.worker.kv.transfer import KVReceiver, KVSender, UnwiredTransfer
 
 if TYPE_CHECKING:
-    from .metrics_http import MetricsServer
+    from splitserve.services.worker.metrics_http import MetricsServer
 
 log = logging.getLogger(__name__)
 
@@ -67,13 +67,13 @@ def build_transfer(role: Role, engine: LLMEngine, backend: str = "auto", name: s
     connector registers `engine.runner.kv.tensor` before any peer can fetch its metadata).
 
     Prefill and decode workers get one kvtransfer connector per TP rank, each on its own
-    rank's KV pool (both halves; kv_connector.py); an aggregated
+    rank's KV pool (both halves; connector_transfer.py); an aggregated
     worker (role both) gets `UnwiredTransfer`, which refuses transfers clearly.
     """
     if role is Role.BOTH:
         unwired = UnwiredTransfer()
         return unwired, unwired
-    from .kv_connector import build_connector_transfer, resolve_backend
+    from splitserve.services.worker.kv.connector_transfer import build_connector_transfer, resolve_backend
 
     transfer = build_connector_transfer(resolve_backend(backend), name, engine, host, token)
     return transfer, transfer
@@ -156,7 +156,7 @@ async def _serve_metrics(config: WorkerServerConfig, service: WorkerService) -> 
     """Start the metrics HTTP server (metrics_http.py); None without --metrics-port."""
     if config.metrics_port is None:
         return None
-    from .metrics_http import MetricsApp, MetricsServer
+    from splitserve.services.worker.metrics_http import MetricsApp, MetricsServer
 
     metrics = await MetricsServer.start(MetricsApp(lambda: service.read_stats(STATS_TIMEOUT_S)), config.host,
                                         config.metrics_port)

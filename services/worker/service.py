@@ -22,16 +22,16 @@ from grpc_health.v1._async import HealthServicer
 from splitserve.errors import FatalError, InvalidRequestError, RecoverableError
 from splitserve.proto.v1 import worker_pb2, worker_pb2_grpc
 from splitserve.services.engine.engine import LLMEngine
-from splitserve.services.tls import PLAINTEXT, TlsConfig
+from splitserve.tls import PLAINTEXT, TlsConfig
 
-from .convert import event_to_proto, logprob_to_proto, output_to_proto, params_from_proto
-from .disaggregation import PeerChannels, RemotePrefill, serve_prefill
-from .engine_loop import EngineLoop, EngineStoppedError
-from .kv_event_hub import KvEventHub
-from .session import GenerateSession
-from .transfer import (KVReceiver, KVSender, TransferEndpoint, TransferError, TransferGrant, TransferNotWiredError,
+from splitserve.services.worker.convert import event_to_proto, logprob_to_proto, output_to_proto, params_from_proto
+from splitserve.services.worker.kv.remote_prefill import PeerChannels, RemotePrefill, serve_prefill
+from splitserve.services.worker.engine_loop import EngineLoop, EngineStoppedError
+from splitserve.services.worker.kv_event_hub import KvEventHub
+from splitserve.services.worker.session import GenerateSession
+from splitserve.services.worker.kv.transfer import (KVReceiver, KVSender, TransferEndpoint, TransferError, TransferGrant, TransferNotWiredError,
                        TransferTarget)
-from .write_fence import WriteFences
+from splitserve.services.worker.kv.write_fences import WriteFences
 
 log = logging.getLogger(__name__)
 
@@ -60,7 +60,7 @@ class WorkerOptions:
     remote_prefill_threshold: int = 64     # uncached prompt tokens below this prefill locally
     prefill_timeout_s: float = 30.0        # a remote prefill, retries included; then prefill locally
     kv_event_buffer: int = 10_000
-    tls: TlsConfig = PLAINTEXT             # this worker's certificate and CA (mutual TLS; services/tls.py)
+    tls: TlsConfig = PLAINTEXT             # this worker's certificate and CA (mutual TLS; splitserve/tls.py)
 
 
 @dataclass(slots=True)

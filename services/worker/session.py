@@ -25,7 +25,7 @@ import grpc
 from splitserve.proto.v1 import worker_pb2
 
 if TYPE_CHECKING:
-    from .service import WorkerService
+    from splitserve.services.worker.service import WorkerService
 
 log = logging.getLogger(__name__)
 

@@ -2,7 +2,7 @@
 
 A frontend keeps one connection per worker and sends every request over it, as
 it would over a GenerateSession call: the same SessionRequest and
-SessionResponse messages (framed by session_wire.py), served by the same
+SessionResponse messages (framed by wire/framing.py), served by the same
 `GenerateSession` (session.py). The difference is on the frontend's side:
 grpc.aio hands each message from its event-engine thread to a poller thread
 to the event loop, three thread wake-ups per message, where a connection the
@@ -28,11 +28,11 @@ from google.protobuf.message import DecodeError
 from splitserve.errors import SplitserveError
 from splitserve.proto.v1 import worker_pb2
 
-from .session import GenerateSession
-from .session_wire import HEADER_BYTES, FrameError, frame, frame_length
+from splitserve.services.worker.session import GenerateSession
+from splitserve.services.wire.framing import HEADER_BYTES, FrameError, frame, frame_length
 
 if TYPE_CHECKING:
-    from .service import WorkerService
+    from splitserve.services.worker.service import WorkerService
 
 log = logging.getLogger(__name__)
 

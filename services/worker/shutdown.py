@@ -19,7 +19,7 @@ import logging
 import time
 from dataclasses import dataclass
 
-from .service import WorkerService
+from splitserve.services.worker.service import WorkerService
 
 log = logging.getLogger(__name__)
 

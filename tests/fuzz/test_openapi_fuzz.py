@@ -1,7 +1,7 @@
 """Schema-driven fuzzing (schemathesis) of the HTTP API against real processes.
 
 The schema is the frontend's own /openapi.json, which describes the request
-models the app parses (services/frontend/openapi.py). Positive cases (valid by
+models the app parses (services/frontend/http/openapi.py). Positive cases (valid by
 the schema) must be served or refused with a 4xx; negative cases (schema
 violations) must be refused with a 4xx; never a 5xx, and every refusal is an
 OpenAI-style error. schemathesis' own checks run too: no server error, status

@@ -67,6 +67,24 @@ def test_operator_is_the_standard_library_module(tmp_path):
     assert operator_file.parent == Path(sysconfig.get_paths()["stdlib"]).resolve(), operator_file
 
 
+def test_operator_is_the_standard_library_module_from_the_repository_root():
+    # `python -m` and `python -c` put the current folder first on sys.path; the top-level
+    # operator/ folder has no __init__.py (the package is operator/controller/), so it can
+    # only be a namespace portion, which the standard library's operator.py wins over.
+    # -S: no site-packages, so nothing (pip, an editable finder) imported `operator` earlier.
+    result = subprocess.run([sys.executable, "-S", "-c", "import collections, operator; operator.eq"],
+                            cwd=REPO_ROOT, capture_output=True, text=True, timeout=60, check=False)
+    assert result.returncode == 0, result.stderr
+
+
+def test_python_m_pytest_works_from_the_repository_root():
+    result = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "--collect-only", "-q",
+                             "tests/unit/test_layout.py"],
+                            cwd=REPO_ROOT, capture_output=True, text=True, timeout=120, check=False)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "test_python_m_pytest_works_from_the_repository_root" in result.stdout
+
+
 def test_every_package_folder_is_listed_in_pyproject():
     setuptools_table = _pyproject()["tool"]["setuptools"]
     package_dir: dict[str, str] = setuptools_table["package-dir"]

@@ -11,7 +11,7 @@ import pytest
 
 from splitserve.services.engine.config import EngineConfig
 from splitserve.services.engine.engine import LLMEngine
-from splitserve.services.engine.sampling_params import SamplingParams
+from splitserve.services.wire.sampling_params import SamplingParams
 
 
 def splitserve(*args: str, env: dict | None = None, timeout: float = 180) -> subprocess.CompletedProcess:

@@ -12,7 +12,7 @@ import pytest
 
 from splitserve.services.engine.config import EngineConfig
 from splitserve.services.engine.engine import LLMEngine
-from splitserve.services.engine.sampling_params import SamplingParams
+from splitserve.services.wire.sampling_params import SamplingParams
 from splitserve.services.engine.sequence import FinishReason, LayerReady
 
 PROMPT = list(range(100, 170))            # 70 tokens: 4 full blocks and a partial one

@@ -12,7 +12,7 @@ from splitserve.errors import InvalidRequestError, ModelLoadError, UnsupportedMo
 from splitserve.services.engine.config import EngineConfig
 from splitserve.services.engine.engine import LLMEngine
 from splitserve.services.engine.kv_events import AllCleared, BlockRemoved, BlockStored
-from splitserve.services.engine.sampling_params import SamplingParams
+from splitserve.services.wire.sampling_params import SamplingParams
 from splitserve.services.engine.sequence import FinishReason
 
 

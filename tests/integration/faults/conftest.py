@@ -21,7 +21,7 @@ from splitserve.proto.v1 import common_pb2, inference_pb2, inference_pb2_grpc
 
 from splitserve.services.engine.config import EngineConfig
 from splitserve.services.engine.engine import LLMEngine
-from splitserve.services.engine.sampling_params import SamplingParams
+from splitserve.services.wire.sampling_params import SamplingParams
 from splitserve.testing.cluster import Cluster
 
 MODEL_NAME = "llama"      # the served name: the checkpoint folder's name

@@ -10,7 +10,7 @@ import torch
 from splitserve.services.engine.config import EngineConfig
 from splitserve.services.engine.engine import LLMEngine
 from splitserve.services.engine.sampler import skip_draws
-from splitserve.services.engine.sampling_params import SamplingParams
+from splitserve.services.wire.sampling_params import SamplingParams
 
 PROMPT = [1, 415, 2936, 9060, 285, 1142, 28705]
 

@@ -1,7 +1,7 @@
 """Against a real `splitserve serve --aggregated` on the random Llama test model:
 every workload runs, the JSON has the documented fields, and the token counts the
 load generator reports are the server's own (prompt lengths built from the
-tokenizer match the server's usage exactly; outputs are as long as asked)."""
+tokenizer match the server's usage exactly; outputs are as asked)."""
 
 from __future__ import annotations
 

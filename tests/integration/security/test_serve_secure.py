@@ -21,7 +21,7 @@ import pytest
 
 from splitserve.net import free_port
 from splitserve.proto.v1 import worker_pb2, worker_pb2_grpc
-from splitserve.services.tls import TlsConfig
+from splitserve.tls import TlsConfig
 from splitserve.testing.stack import Proc
 
 API_KEY = "sk-serve-5e7a9c1b3d"

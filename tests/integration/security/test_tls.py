@@ -26,8 +26,8 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from splitserve.proto.v1 import common_pb2, worker_pb2, worker_pb2_grpc
-from splitserve.services.frontend.worker_session import WorkerCallError, WorkerSession
-from splitserve.services.tls import TlsConfig
+from splitserve.services.frontend.workers.session import WorkerCallError, WorkerSession
+from splitserve.tls import TlsConfig
 from splitserve.testing.certs import TestCA
 from splitserve.testing.stack import Stack
 

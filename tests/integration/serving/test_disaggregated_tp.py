@@ -38,7 +38,7 @@ import pytest
 from splitserve.proto.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from splitserve.services.engine.config import EngineConfig
 from splitserve.services.engine.engine import LLMEngine
-from splitserve.services.engine.sampling_params import SamplingParams
+from splitserve.services.wire.sampling_params import SamplingParams
 
 from .conftest import Proc, alive, free_port, worker_stats
 

@@ -16,8 +16,8 @@ import pytest
 
 from splitserve.proto.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from splitserve.services.frontend.migration import breaks_stream
-from splitserve.services.frontend.worker_session import GrpcLink, StreamLink, WorkerCallError, WorkerSession
-from splitserve.services.frontend.workers import WorkerAddress, WorkerPool
+from splitserve.services.frontend.workers.session import GrpcLink, StreamLink, WorkerCallError, WorkerSession
+from splitserve.services.frontend.workers.pool import WorkerAddress, WorkerPool
 
 from .conftest import Proc, free_port, worker_stats
 

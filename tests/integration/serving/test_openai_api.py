@@ -20,7 +20,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from splitserve.services.engine.config import EngineConfig
 from splitserve.services.engine.engine import LLMEngine
-from splitserve.services.engine.sampling_params import SamplingParams
+from splitserve.services.wire.sampling_params import SamplingParams
 from splitserve.testing.oracle import assert_greedy_match, hf_greedy
 
 from .conftest import worker_stats

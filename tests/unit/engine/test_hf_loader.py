@@ -11,8 +11,8 @@ from safetensors.torch import save_file
 from tokenizers import Tokenizer, models, pre_tokenizers
 
 from splitserve.errors import ModelLoadError
-from splitserve.services.engine.checkpoint import Checkpoint
-from splitserve.services.engine.hf_loader import load_hf_folder
+from splitserve.services.engine.loading.checkpoint import Checkpoint
+from splitserve.services.engine.loading.hf_loader import load_hf_folder
 
 CONFIG = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 8,
           "num_hidden_layers": 2, "num_attention_heads": 2, "vocab_size": 4}

@@ -15,10 +15,10 @@ import pytest
 import torch
 
 from splitserve.errors import ModelLoadError
-from splitserve.services.engine import model_source
-from splitserve.services.engine.checkpoint import Checkpoint
-from splitserve.services.engine.hf_loader import load_hf_folder
-from splitserve.services.engine.model_source import (default_cache_dir, find_packaged_gguf, open_checkpoint,
+from splitserve.services.engine.loading import model_source
+from splitserve.services.engine.loading.checkpoint import Checkpoint
+from splitserve.services.engine.loading.hf_loader import load_hf_folder
+from splitserve.services.engine.loading.model_source import (default_cache_dir, find_packaged_gguf, open_checkpoint,
                                                      resolve_smollm2)
 
 

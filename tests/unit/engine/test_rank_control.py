@@ -15,7 +15,7 @@ import torch
 
 from splitserve.services.engine.config import EngineConfig
 from splitserve.services.engine.kv_cache import KVCache
-from splitserve.services.engine.rank_control import RankContext, RankControl, RankControlError, serve_control
+from splitserve.services.engine.parallel.rank_control import RankContext, RankControl, RankControlError, serve_control
 
 
 def _child(conn) -> None:

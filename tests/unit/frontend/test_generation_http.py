@@ -11,7 +11,7 @@ import asyncio
 import orjson
 
 from splitserve.services.frontend.errors import APIError
-from splitserve.services.frontend.generation_http import DONE, DisconnectWatcher, Response, read_body
+from splitserve.services.frontend.http.generation import DONE, DisconnectWatcher, Response, read_body
 
 
 class Channel:

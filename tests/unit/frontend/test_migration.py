@@ -6,15 +6,15 @@ from __future__ import annotations
 import pytest
 
 from splitserve.proto.v1 import worker_pb2
-from splitserve.services.engine.model_source import open_checkpoint
-from splitserve.services.engine.sampling_params import SamplingParams
-from splitserve.services.engine.stop_checker import StopChecker
-from splitserve.services.engine.tokenizer import Tokenizer
-from splitserve.services.frontend.lifecycle import Frontend, GenerationRequest, _Refused, _Run
+from splitserve.services.engine.loading.model_source import open_checkpoint
+from splitserve.services.wire.sampling_params import SamplingParams
+from splitserve.services.text.stop_checker import StopChecker
+from splitserve.services.text.tokenizer import Tokenizer
+from splitserve.services.frontend.core import Frontend, GenerationRequest, _Refused, _Run
 from splitserve.services.frontend.metrics import FrontendMetrics
 from splitserve.services.frontend.migration import MigrationPolicy, Progress, Refusal
 from splitserve.services.frontend.routing import RoundRobinRouter
-from splitserve.services.frontend.workers import WorkerPool
+from splitserve.services.frontend.workers.pool import WorkerPool
 from splitserve.services.worker.convert import params_from_proto
 
 PROMPT = [1, 415, 2936, 9060]

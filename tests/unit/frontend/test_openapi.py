@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import schemathesis
 
-from splitserve.services.frontend.openapi import build_openapi
-from splitserve.services.frontend.protocol import ChatCompletionRequest, CompletionRequest
+from splitserve.services.frontend.http.openapi import build_openapi
+from splitserve.services.frontend.http.protocol import ChatCompletionRequest, CompletionRequest
 
 
 def test_document_loads_and_lists_every_operation():

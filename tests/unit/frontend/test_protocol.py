@@ -8,9 +8,9 @@ from pydantic import ValidationError
 from splitserve.errors import InvalidRequestError
 from splitserve.proto.v1 import worker_pb2
 from splitserve.services.frontend.errors import from_validation_error
-from splitserve.services.frontend.protocol import ChatCompletionRequest, CompletionRequest
+from splitserve.services.frontend.http.protocol import ChatCompletionRequest, CompletionRequest
 from splitserve.services.frontend.routing import RoundRobinRouter, RouteRequest
-from splitserve.services.frontend.workers import WorkerAddress, WorkerHandle, WorkerPool
+from splitserve.services.frontend.workers.pool import WorkerAddress, WorkerHandle, WorkerPool
 
 
 def error_for(model, data):

@@ -6,9 +6,9 @@ import asyncio
 import json
 
 from splitserve.services.frontend.errors import APIError
-from splitserve.services.frontend.lifecycle import Delta
-from splitserve.services.frontend.generation_http import event as _event, sse as _sse
-from splitserve.services.frontend.openai_api import _JSONResponse
+from splitserve.services.frontend.core import Delta
+from splitserve.services.frontend.http.generation import event as _event, sse as _sse
+from splitserve.services.frontend.http.app import _JSONResponse
 
 
 class _Fmt:

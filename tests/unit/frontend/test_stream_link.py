@@ -8,7 +8,7 @@ import grpc
 import pytest
 
 from splitserve.proto.v1 import worker_pb2
-from splitserve.services.frontend.worker_session import StreamLink, WorkerCallError, _Requests
+from splitserve.services.frontend.workers.session import StreamLink, WorkerCallError, _Requests
 
 BIG = worker_pb2.SessionRequest(generate=worker_pb2.TokenGenerateRequest(request_id="big",
                                                                           token_ids=list(range(50_000, 150_000))))

@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import pytest
 
-from splitserve.services.engine.model_source import open_checkpoint
-from splitserve.services.engine.tokenizer import IncrementalDetokenizer, Tokenizer
-from splitserve.services.frontend.token_text import TokenTexts
+from splitserve.services.engine.loading.model_source import open_checkpoint
+from splitserve.services.text.tokenizer import IncrementalDetokenizer, Tokenizer
+from splitserve.services.text.token_text import TokenTexts
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,7 @@ from splitserve.loadgen.cli import parse_rates, parse_slo
 from splitserve.loadgen.compare import compare, compare_files, flatten
 from splitserve.loadgen.metrics import SLO
 from splitserve.loadgen.recorder import RequestRecord, records_from_json
-from splitserve.services import cli as splitserve_cli
+from splitserve.services.cli import main as splitserve_cli
 
 RUN_FIELDS = {"schema", "created", "config", "notes", "summary", "requests"}
 SUMMARY_FIELDS = {"num_requests", "num_ok", "num_errors", "num_cancelled", "errors_by_kind", "duration_s",

@@ -178,7 +178,7 @@ def test_removed_and_cleared_drop_predictions_and_held_blocks_are_not_predicted(
     index.stored("w0", [a])
     index.predict("w0", [a, b, c], deadline=5.0)           # a is held already: only b and c are predicted
     assert index.num_predicted("w0") == 2
-    index.removed("w0", [b])                               # evicted as soon as it was stored, say
+    index.removed("w0", [b])                               # evicted as it was stored, say
     assert index.overlaps([a, b, c]) == {"w0": 1} and index.num_predicted("w0") == 1
     index.apply("w0", [(CLEARED, ())])                     # AllCleared: predictions go too
     assert index.overlaps([a, b, c]) == {} and index.num_predicted("w0") == 0

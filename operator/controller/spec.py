@@ -1,0 +1,332 @@
+"""The `ServingDeployment` spec as typed dataclasses (the CRD's contract in Python).
+
+The same document drives Kubernetes (the operator reads `.spec` of the custom
+resource) and Ray (a Ray Serve application reads the same YAML file), so parsing
+lives here, free of kopf and the kubernetes client. `from_dict` takes the
+camelCase mapping exactly as it appears under `spec:`, fills defaults, and raises
+`ValueError` naming the offending field (`spec.prefill.replicas: ...`) for
+anything the CRD's openAPIV3Schema would also reject; `to_dict` writes it back
+in the same shape, defaults included, so `from_dict(to_dict(s)) == s`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+from splitserve.router.policies.kv import DEFAULT_PREFILL_WEIGHT
+
+API_GROUP = "splitserve.io"
+API_VERSION = "v1alpha1"
+KIND = "ServingDeployment"
+PLURAL = "servingdeployments"
+
+DEFAULT_IMAGE = "ghcr.io/splitserve/splitserve:0.1.0"
+DTYPES = ("float32", "bfloat16", "float16")
+ROUTER_POLICIES = ("kv", "round-robin", "random", "least-loaded", "power-of-two")
+SERVICE_TYPES = ("ClusterIP", "NodePort", "LoadBalancer")
+TOPOLOGY_MODES = ("same-node", "same-label", "none")
+POOL_NAMES = ("prefill", "decode")
+
+
+# --- field readers: each names the field path in its error ---------------------------------
+
+def _mapping(d: Any, path: str) -> Mapping[str, Any]:
+    if d is None:
+        return {}
+    if not isinstance(d, Mapping):
+        raise ValueError(f"{path}: expected an object, got {type(d).__name__}")
+    return d
+
+
+def _reject_unknown(d: Mapping[str, Any], known: tuple[str, ...], path: str) -> None:
+    unknown = sorted(set(d) - set(known))
+    if unknown:
+        raise ValueError(f"{path}: unknown field(s) {', '.join(unknown)}; known: {', '.join(known)}")
+
+
+def _int(d: Mapping[str, Any], key: str, default: int, path: str, minimum: int | None = None) -> int:
+    value = d.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{path}.{key}: expected an integer, got {value!r}")
+    if minimum is not None and value < minimum:
+        raise ValueError(f"{path}.{key}: must be >= {minimum}, got {value}")
+    return value
+
+
+def _float(d: Mapping[str, Any], key: str, default: float, path: str, minimum: float | None = None) -> float:
+    value = d.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"{path}.{key}: expected a number, got {value!r}")
+    if minimum is not None and value < minimum:
+        raise ValueError(f"{path}.{key}: must be >= {minimum}, got {value}")
+    return float(value)
+
+
+def _str(d: Mapping[str, Any], key: str, default: str | None, path: str,
+         choices: tuple[str, ...] | None = None) -> str:
+    value = d.get(key, default)
+    if value is None:
+        raise ValueError(f"{path}.{key}: required")
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and choices is None:
+        value = str(value)  # cpu: 4 is as cpu: "4"
+    if not isinstance(value, str) or not value:
+        raise ValueError(f"{path}.{key}: expected a non-empty string, got {value!r}")
+    if choices is not None and value not in choices:
+        raise ValueError(f"{path}.{key}: {value!r} is not one of {', '.join(choices)}")
+    return value
+
+
+# --- the spec ------------------------------------------------------------------------------
+
+@dataclass(frozen=True, slots=True)
+class ModelSpec:
+    source: str                      # `smollm2`, a Hugging Face folder, or a .gguf path
+    dtype: str = "bfloat16"
+
+    @classmethod
+    def from_dict(cls, d: Any, path: str = "spec.model") -> ModelSpec:
+        if d is None:
+            raise ValueError(f"{path}: required (at least model.source)")
+        d = _mapping(d, path)
+        _reject_unknown(d, ("source", "dtype"), path)
+        return cls(source=_str(d, "source", None, path), dtype=_str(d, "dtype", "bfloat16", path, DTYPES))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"source": self.source, "dtype": self.dtype}
+
+
+@dataclass(frozen=True, slots=True)
+class FrontendSpec:
+    replicas: int = 1
+    service_type: str = "ClusterIP"
+    port: int = 8000
+
+    @classmethod
+    def from_dict(cls, d: Any, path: str = "spec.frontend") -> FrontendSpec:
+        d = _mapping(d, path)
+        _reject_unknown(d, ("replicas", "serviceType", "port"), path)
+        port = _int(d, "port", 8000, path, minimum=1)
+        if port > 65535:
+            raise ValueError(f"{path}.port: must be <= 65535, got {port}")
+        return cls(replicas=_int(d, "replicas", 1, path, minimum=0),
+                   service_type=_str(d, "serviceType", "ClusterIP", path, SERVICE_TYPES), port=port)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"replicas": self.replicas, "serviceType": self.service_type, "port": self.port}
+
+
+@dataclass(frozen=True, slots=True)
+class RouterSpec:
+    policy: str = "kv"
+    prefill_weight: float = DEFAULT_PREFILL_WEIGHT
+    temperature: float = 0.0
+
+    @classmethod
+    def from_dict(cls, d: Any, path: str = "spec.router") -> RouterSpec:
+        d = _mapping(d, path)
+        _reject_unknown(d, ("policy", "prefillWeight", "temperature"), path)
+        return cls(policy=_str(d, "policy", "kv", path, ROUTER_POLICIES),
+                   prefill_weight=_float(d, "prefillWeight", DEFAULT_PREFILL_WEIGHT, path, minimum=0.0),
+                   temperature=_float(d, "temperature", 0.0, path, minimum=0.0))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"policy": self.policy, "prefillWeight": self.prefill_weight, "temperature": self.temperature}
+
+
+@dataclass(frozen=True, slots=True)
+class ResourcesSpec:
+    cpu: str = "4"
+    memory: str = "16Gi"
+
+    @classmethod
+    def from_dict(cls, d: Any, path: str) -> ResourcesSpec:
+        d = _mapping(d, path)
+        _reject_unknown(d, ("cpu", "memory"), path)
+        return cls(cpu=_str(d, "cpu", "4", path), memory=_str(d, "memory", "16Gi", path))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"cpu": self.cpu, "memory": self.memory}
+
+
+@dataclass(frozen=True, slots=True)
+class TopologySpec:
+    """Where a group's pods may go: all on one node, all on nodes sharing one value
+    of `label_key`, or anywhere."""
+
+    mode: str = "same-node"
+    label_key: str | None = None
+
+    @classmethod
+    def from_dict(cls, d: Any, path: str) -> TopologySpec:
+        d = _mapping(d, path)
+        _reject_unknown(d, ("mode", "labelKey"), path)
+        mode = _str(d, "mode", "same-node", path, TOPOLOGY_MODES)
+        label_key = d.get("labelKey")
+        if mode == "same-label":
+            label_key = _str(d, "labelKey", None, path)
+        elif label_key is not None:
+            raise ValueError(f"{path}.labelKey: only allowed with mode same-label, not {mode}")
+        return cls(mode=mode, label_key=label_key)
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"mode": self.mode}
+        if self.label_key is not None:
+            out["labelKey"] = self.label_key
+        return out
+
+
+@dataclass(frozen=True, slots=True)
+class AutoscalingSpec:
+    """Used by Ray Serve; the operator leaves replicas to `kubectl scale` / an HPA."""
+
+    min_replicas: int = 1
+    max_replicas: int = 1
+    target_ongoing_requests: float = 8.0
+
+    @classmethod
+    def from_dict(cls, d: Any, path: str) -> AutoscalingSpec:
+        d = _mapping(d, path)
+        _reject_unknown(d, ("minReplicas", "maxReplicas", "targetOngoingRequests"), path)
+        low = _int(d, "minReplicas", 1, path, minimum=0)
+        high = _int(d, "maxReplicas", max(low, 1), path, minimum=1)
+        if high < low:
+            raise ValueError(f"{path}: maxReplicas ({high}) must be >= minReplicas ({low})")
+        target = _float(d, "targetOngoingRequests", 8.0, path)
+        if target <= 0:
+            raise ValueError(f"{path}.targetOngoingRequests: must be > 0, got {target}")
+        return cls(min_replicas=low, max_replicas=high, target_ongoing_requests=target)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"minReplicas": self.min_replicas, "maxReplicas": self.max_replicas,
+                "targetOngoingRequests": self.target_ongoing_requests}
+
+
+@dataclass(frozen=True, slots=True)
+class PoolSpec:
+    """One worker pool: `replicas` worker groups of `group_size` ranks (pods) each."""
+
+    replicas: int = 1
+    tensor_parallel: int = 1
+    pipeline_parallel: int = 1
+    gpus_per_rank: int = 1
+    resources: ResourcesSpec = field(default_factory=ResourcesSpec)
+    topology: TopologySpec = field(default_factory=TopologySpec)
+    autoscaling: AutoscalingSpec | None = None
+
+    @property
+    def group_size(self) -> int:
+        return self.tensor_parallel * self.pipeline_parallel
+
+    @property
+    def gpus_per_group(self) -> int:
+        return self.group_size * self.gpus_per_rank
+
+    @classmethod
+    def from_dict(cls, d: Any, path: str) -> PoolSpec:
+        d = _mapping(d, path)
+        _reject_unknown(d, ("replicas", "tensorParallel", "pipelineParallel", "gpusPerRank", "resources",
+                            "topology", "autoscaling"), path)
+        auto = d.get("autoscaling")
+        return cls(replicas=_int(d, "replicas", 1, path, minimum=0),
+                   tensor_parallel=_int(d, "tensorParallel", 1, path, minimum=1),
+                   pipeline_parallel=_int(d, "pipelineParallel", 1, path, minimum=1),
+                   gpus_per_rank=_int(d, "gpusPerRank", 1, path, minimum=0),
+                   resources=ResourcesSpec.from_dict(d.get("resources"), f"{path}.resources"),
+                   topology=TopologySpec.from_dict(d.get("topology"), f"{path}.topology"),
+                   autoscaling=None if auto is None else AutoscalingSpec.from_dict(auto, f"{path}.autoscaling"))
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"replicas": self.replicas, "tensorParallel": self.tensor_parallel,
+                               "pipelineParallel": self.pipeline_parallel, "gpusPerRank": self.gpus_per_rank,
+                               "resources": self.resources.to_dict(), "topology": self.topology.to_dict()}
+        if self.autoscaling is not None:
+            out["autoscaling"] = self.autoscaling.to_dict()
+        return out
+
+
+@dataclass(frozen=True, slots=True)
+class ServingDeploymentSpec:
+    model: ModelSpec
+    image: str = DEFAULT_IMAGE
+    frontend: FrontendSpec = field(default_factory=FrontendSpec)
+    router: RouterSpec = field(default_factory=RouterSpec)
+    prefill: PoolSpec = field(default_factory=PoolSpec)
+    decode: PoolSpec = field(default_factory=PoolSpec)
+    disaggregation_threshold: int = 0
+    migration_limit: int = 2
+    drain_timeout_seconds: int = 300
+
+    _FIELDS = ("image", "model", "frontend", "router", "prefill", "decode", "disaggregationThreshold",
+               "migrationLimit", "drainTimeoutSeconds")
+
+    def pool(self, name: str) -> PoolSpec:
+        if name == "prefill":
+            return self.prefill
+        if name == "decode":
+            return self.decode
+        raise ValueError(f"unknown pool {name!r}; pools: {', '.join(POOL_NAMES)}")
+
+    @classmethod
+    def from_dict(cls, d: Any, path: str = "spec") -> ServingDeploymentSpec:
+        """Parse the mapping under `spec:`; raises ValueError naming the bad field."""
+        d = _mapping(d, path)
+        _reject_unknown(d, cls._FIELDS, path)
+        return cls(model=ModelSpec.from_dict(d.get("model"), f"{path}.model"),
+                   image=_str(d, "image", DEFAULT_IMAGE, path),
+                   frontend=FrontendSpec.from_dict(d.get("frontend"), f"{path}.frontend"),
+                   router=RouterSpec.from_dict(d.get("router"), f"{path}.router"),
+                   prefill=PoolSpec.from_dict(d.get("prefill"), f"{path}.prefill"),
+                   decode=PoolSpec.from_dict(d.get("decode"), f"{path}.decode"),
+                   disaggregation_threshold=_int(d, "disaggregationThreshold", 0, path, minimum=0),
+                   migration_limit=_int(d, "migrationLimit", 2, path, minimum=0),
+                   drain_timeout_seconds=_int(d, "drainTimeoutSeconds", 300, path, minimum=0))
+
+    @classmethod
+    def from_resource(cls, body: Mapping[str, Any]) -> ServingDeploymentSpec:
+        """Parse a whole ServingDeployment document (as `kubectl get -o yaml` prints it)."""
+        kind = body.get("kind", KIND)
+        if kind != KIND:
+            raise ValueError(f"kind: expected {KIND}, got {kind!r}")
+        return cls.from_dict(body.get("spec"))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"image": self.image, "model": self.model.to_dict(), "frontend": self.frontend.to_dict(),
+                "router": self.router.to_dict(), "prefill": self.prefill.to_dict(),
+                "decode": self.decode.to_dict(), "disaggregationThreshold": self.disaggregation_threshold,
+                "migrationLimit": self.migration_limit, "drainTimeoutSeconds": self.drain_timeout_seconds}
+
+
+# --- status --------------------------------------------------------------------------------
+
+@dataclass(frozen=True, slots=True)
+class Condition:
+    type: str                        # Ready | Progressing | Degraded
+    status: str                      # "True" | "False" | "Unknown"
+    reason: str
+    message: str = ""
+    last_transition_time: str = ""
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"type": self.type, "status": self.status, "reason": self.reason, "message": self.message,
+                "lastTransitionTime": self.last_transition_time}
+
+
+@dataclass(frozen=True, slots=True)
+class GroupStatus:
+    name: str
+    phase: str                       # Pending | Bound | Ready | Draining | Drained | Failed
+    reason: str = ""
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"name": self.name, "phase": self.phase, "reason": self.reason}
+
+
+@dataclass(frozen=True, slots=True)
+class PoolStatus:
+    ready: int = 0
+    desired: int = 0
+    groups: tuple[GroupStatus, ...] = ()
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"ready": self.ready, "desired": self.desired, "groups": [g.to_dict() for g in self.groups]}

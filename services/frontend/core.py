@@ -1,0 +1,342 @@
+"""One request's life in the frontend, shared by the HTTP and the gRPC APIs.
+
+prepare: check the model, tokenize (chat template or plain text), check the
+context length and build the engine's SamplingParams — every refusal here is
+an APIError with a 4xx. generate: route, call the worker's Generate stream,
+turn its tokens into text incrementally (the same StopChecker the engine
+uses, so stop strings are cut exactly as the engine cuts them and no partial
+stop string is ever shown), and record the latency metrics. Leaving the
+iteration early (the client went away) cancels the worker call, which aborts
+the request on the worker and frees its blocks. A worker stream that breaks is
+continued on another decode worker (migration.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from splitserve.errors import InvalidRequestError
+from splitserve.proto.v1 import common_pb2, worker_pb2
+from splitserve.services.wire.sampling_params import SamplingParams
+from splitserve.services.text.stop_checker import StopChecker
+from splitserve.services.text.tokenizer import Tokenizer
+from splitserve.services.worker.convert import finish_reason_from_proto
+
+from splitserve.services.frontend import metrics as m
+from splitserve.services.frontend.errors import APIError, from_grpc, invalid
+from splitserve.services.frontend.fault_metrics import OUTCOME_MIGRATED, OUTCOME_RETRIED, PHASE_BEFORE_FIRST_TOKEN, PHASE_STREAMING
+from splitserve.services.frontend.metrics import FrontendMetrics
+from splitserve.services.frontend.migration import MigrationPolicy, Progress, Refusal, breaks_stream
+from splitserve.services.frontend.routing import Route, RouteRequest, Router
+from splitserve.services.frontend.workers.session import WorkerCallError
+from splitserve.services.frontend.workers.pool import WorkerPool
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class GenerationRequest:
+    request_id: str
+    api: str                        # chat | completions | grpc (metrics label)
+    prompt_ids: list[int]
+    params: SamplingParams
+    arrival: float = field(default_factory=time.monotonic)
+
+
+@dataclass(slots=True)
+class Delta:
+    """What one worker message adds: new text and tokens; the last has finish_reason."""
+
+    text: str
+    token_ids: list[int]
+    logprobs: list[common_pb2.TokenLogprob]
+    finish_reason: str | None
+    num_prompt_tokens: int
+    num_cached_tokens: int
+    num_output_tokens: int
+
+
+@dataclass(slots=True)
+class SamplingRequest:
+    """The sampling fields common to every API, as the client sent them."""
+
+    max_tokens: int | None
+    default_max_tokens: int | None  # None: the rest of the context
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    max_tokens_param: str = "max_tokens"
+
+
+def new_request_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+class Frontend:
+    def __init__(self, tokenizer: Tokenizer, pool: WorkerPool, router: Router, metrics: FrontendMetrics,
+                 served_model_name: str | None = None, migration: MigrationPolicy | None = None):
+        self.tokenizer = tokenizer
+        self.pool = pool
+        self.router = router
+        self.metrics = metrics
+        self.served_model_name = served_model_name
+        self.migration = migration or MigrationPolicy()
+        self.draining = False          # shutting down: refuse new requests, finish running ones
+        self.num_in_flight = 0
+
+    # -- what the workers serve ----------------------------------------------------
+    @property
+    def model_name(self) -> str | None:
+        if self.served_model_name:
+            return self.served_model_name
+        infos = [w.info for w in self.pool.workers if w.info is not None]
+        return infos[0].model_name if infos else None
+
+    @property
+    def max_model_len(self) -> int | None:
+        lens = [w.info.max_model_len for w in self.pool.ready("decode")]
+        return min(lens) if lens else None
+
+    def is_ready(self) -> bool:
+        return not self.draining and bool(self.pool.ready("decode"))
+
+    async def drain(self, timeout_s: float) -> int:
+        """Stop admitting requests (/ready fails, new ones get 503) and wait up to `timeout_s`
+        for the running ones to end; returns how many are still running."""
+        self.draining = True
+        deadline = time.monotonic() + timeout_s
+        while self.num_in_flight and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        return self.num_in_flight
+
+    # -- prepare -------------------------------------------------------------------
+    def check_model(self, name: str) -> None:
+        served = self.model_name
+        if self.draining:
+            raise APIError(503, "this frontend is shutting down; retry on another one", type="service_unavailable")
+        if served is None or not self.is_ready():
+            raise APIError(503, "no worker is ready yet; retry shortly", type="service_unavailable")
+        if name != served:
+            raise APIError(404, f"the model {name!r} does not exist; this server serves {served!r}",
+                           param="model", code="model_not_found")
+
+    def chat_prompt(self, messages: list[dict]) -> list[int]:
+        try:
+            return self.tokenizer.apply_chat_template(messages)
+        except InvalidRequestError as exc:
+            raise invalid(str(exc), "messages") from exc
+
+    def text_prompt(self, prompt: str | list[int]) -> list[int]:
+        if not prompt:      # before encoding: "" would still become [BOS]
+            raise invalid("the prompt is empty", "prompt")
+        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        if not ids:
+            raise invalid("the prompt is empty", "prompt")
+        return ids
+
+    def sampling_params(self, s: SamplingRequest, num_prompt_tokens: int) -> SamplingParams:
+        context = self.max_model_len
+        if context is None:
+            raise APIError(503, "no worker is ready yet; retry shortly", type="service_unavailable")
+        room = context - num_prompt_tokens
+        if room < 1:
+            raise invalid(f"this model's maximum context length is {context} tokens, but the prompt has "
+                          f"{num_prompt_tokens} tokens (at least one must be left to generate)",
+                          "messages" if s.max_tokens_param == "max_completion_tokens" else "prompt",
+                          "context_length_exceeded")
+        max_tokens = s.max_tokens if s.max_tokens is not None else (s.default_max_tokens or room)
+        if max_tokens < 1:
+            raise invalid(f"{s.max_tokens_param} must be at least 1, got {max_tokens}",
+                          s.max_tokens_param, "invalid_value")
+        if max_tokens > room:
+            raise invalid(f"{s.max_tokens_param} is too large: this model's maximum context length is "
+                          f"{context} tokens and the prompt has {num_prompt_tokens}, so at most {room} "
+                          f"can be generated; you asked for {max_tokens}", s.max_tokens_param,
+                          "context_length_exceeded")
+        params = SamplingParams(
+            max_tokens=max_tokens, temperature=1.0 if s.temperature is None else s.temperature,
+            top_p=1.0 if s.top_p is None else s.top_p, top_k=s.top_k or 0, min_p=s.min_p or 0.0,
+            seed=s.seed, stop=list(s.stop), ignore_eos=s.ignore_eos, logprobs=s.logprobs)
+        try:
+            params.validate()
+        except InvalidRequestError as exc:
+            raise invalid(str(exc)) from exc
+        return params
+
+    # -- generate ------------------------------------------------------------------
+    async def generate(self, req: GenerationRequest) -> AsyncIterator[Delta]:
+        """Stream the request's deltas; when a worker's stream breaks, continue on another
+        decode worker (migration.py) so the caller sees one uninterrupted stream."""
+        progress = Progress(req.request_id, req.prompt_ids, req.params)
+        run = _Run(StopChecker(self.tokenizer, req.params, set(), req.prompt_ids))
+        faults = self.metrics.faults
+        status, failure = m.STATUS_ERROR, "error"
+        self.metrics.in_flight.inc()
+        self.num_in_flight += 1
+        try:
+            while True:
+                route = self._route(req, progress)
+                async with contextlib.aclosing(self._attempt(req, route, progress, run)) as deltas:
+                    async for delta in deltas:
+                        yield delta
+                if run.finished:
+                    return
+                self._migrate(req, progress, run.broken, route.decode.worker_id)
+        except _Refused as refused:
+            status, failure = m.STATUS_UNAVAILABLE, refused.reason
+            raise refused.error from None
+        except APIError as error:
+            status = m.STATUS_INVALID if error.status < 500 else m.STATUS_UNAVAILABLE
+            failure = run.failure or "error"
+            raise
+        except (asyncio.CancelledError, GeneratorExit):
+            if run.finished:       # closed after its last delta: not a cancellation
+                raise
+            status = m.STATUS_CANCELLED
+            phase = PHASE_STREAMING if progress.token_ids else PHASE_BEFORE_FIRST_TOKEN
+            faults.cancellations.labels(req.api, phase).inc()
+            log.info("request %s: cancelled by the client after %d tokens", req.request_id,
+                     progress.num_output_tokens)
+            raise
+        finally:
+            if run.finished:
+                status = m.STATUS_OK
+                self.metrics.prompt_tokens.inc(len(req.prompt_ids))
+                self.metrics.e2e.observe(time.monotonic() - req.arrival)
+            self.metrics.in_flight.dec()
+            self.num_in_flight -= 1
+            self.metrics.generation_tokens.inc(progress.num_output_tokens)
+            self.metrics.requests.labels(req.api, status).inc()
+            if status in (m.STATUS_UNAVAILABLE, m.STATUS_ERROR):
+                faults.failures.labels(req.api, failure).inc()
+
+    def _route(self, req: GenerationRequest, progress: Progress) -> Route:
+        route = self.router.route(RouteRequest(progress.attempt_id(), progress.prompt_ids + progress.token_ids),
+                                  exclude=frozenset(progress.failed_worker_ids))
+        if route is None and not progress.num_migrations:
+            raise _Refused("no_worker", APIError(503, "no worker is ready to serve this request; retry shortly",
+                                                 type="service_unavailable"))
+        if route is None:
+            raise self._refuse(req, progress, Refusal.NO_WORKER)
+        if progress.num_migrations:
+            outcome = OUTCOME_MIGRATED if progress.token_ids else OUTCOME_RETRIED
+            self.metrics.faults.migrations.labels(outcome).inc()
+            log.warning("request %s: %s to %s after %d tokens (attempt %d)", req.request_id, outcome,
+                        route.decode.worker_id, progress.num_output_tokens, progress.num_migrations + 1)
+        return route
+
+    def _migrate(self, req: GenerationRequest, progress: Progress, broken: str, worker_id: str) -> None:
+        """The stream from `worker_id` broke: exclude it and allow one more attempt, or raise."""
+        log.warning("request %s: the stream from %s broke after %d tokens: %s", req.request_id, worker_id,
+                    progress.num_output_tokens, broken)
+        progress.failed_worker_ids.add(worker_id)
+        refusal = self.migration.refusal(progress, self.max_model_len)
+        if refusal is not None:
+            raise self._refuse(req, progress, refusal, broken)
+        progress.num_migrations += 1
+
+    def _refuse(self, req: GenerationRequest, progress: Progress, refusal: Refusal,
+                broken: str = "") -> "_Refused":
+        self.metrics.faults.migrations.labels(f"refused_{refusal.value}").inc()
+        log.warning("request %s: not migrated after %d tokens: %s", req.request_id, progress.num_output_tokens,
+                    refusal.message)
+        cause = f" ({broken})" if broken else ""
+        return _Refused(refusal.value, APIError(
+            503, f"the worker serving this request failed{cause} and the request could not be moved to "
+                 f"another worker: {refusal.message}", type="service_unavailable"))
+
+    async def _attempt(self, req: GenerationRequest, route: Route, progress: Progress,
+                       run: "_Run") -> AsyncIterator[Delta]:
+        """One worker call. Ends with run.finished, or run.broken set (migrate), or raises the
+        worker's refusal of the request as an APIError."""
+        message = progress.worker_request()
+        if route.prefill is not None:
+            message.prefill_peer.CopyFrom(worker_pb2.PrefillPeer(worker_id=route.prefill.worker_id,
+                                                                 address=route.prefill.address))
+            # The decode worker tries these when the chosen one fails, then prefills locally.
+            message.alternate_prefill_peers.extend(
+                worker_pb2.PrefillPeer(worker_id=w.worker_id, address=w.address)
+                for w in self.pool.ready("prefill") if w is not route.prefill)
+        log.info("request %s: %d prompt tokens -> %s (%s)", message.request_id, len(message.token_ids),
+                 route.decode.worker_id, route.reason)
+        run.broken, run.first_of_attempt = "", True
+        try:
+            async with contextlib.aclosing(route.decode.generate(message)) as responses:
+                async for resp in responses:
+                    delta = self._delta(req, progress, run, resp, message.request_id)
+                    run.finished = delta.finish_reason is not None
+                    yield delta
+                    if run.finished:
+                        return
+            run.broken = "the worker ended the stream without finishing the request"
+        except WorkerCallError as exc:
+            if not breaks_stream(exc):
+                run.failure = exc.code().name.lower()
+                raise from_grpc(exc) from None
+            run.broken = f"{exc.code().name}: {exc.details()}"
+        finally:
+            self.router.on_finished(message.request_id)
+
+    def _delta(self, req: GenerationRequest, progress: Progress, run: "_Run",
+               resp: worker_pb2.TokenGenerateResponse, attempt_id: str) -> Delta:
+        """Account one worker message and turn it into the client's delta. The frontend's own
+        StopChecker decides stop strings and max_tokens (after a migration the worker only sees
+        part of the output), the worker decides EOS and the context limit."""
+        token_ids, logprobs = list(resp.token_ids), list(resp.logprobs)
+        if token_ids:
+            now = time.monotonic()
+            if run.last_token_at is None:
+                self.metrics.ttft.observe(now - req.arrival)
+            else:
+                self.metrics.itl.observe((now - run.last_token_at) / len(token_ids))
+            if run.first_of_attempt:
+                self.router.on_first_token(attempt_id)
+                run.first_of_attempt = False
+            run.last_token_at = now
+        reason = None
+        for i, token_id in enumerate(token_ids):
+            progress.token_ids.append(token_id)
+            reason = run.checker.add(token_id, progress.num_output_tokens)
+            if reason is not None:
+                token_ids, logprobs = token_ids[:i + 1], logprobs[:i + 1]
+                break
+        if reason is None and resp.finished:
+            reason = finish_reason_from_proto(resp.finish_reason)
+        if progress.num_cached_tokens is None:
+            progress.num_cached_tokens = min(resp.num_cached_tokens, len(progress.prompt_ids))
+        if reason is not None:
+            run.checker.finish()
+        return Delta(run.checker.take_text(), token_ids, logprobs, reason.value if reason is not None else None,
+                     len(progress.prompt_ids), progress.num_cached_tokens, progress.num_output_tokens)
+
+
+@dataclass(slots=True)
+class _Run:
+    """Per-request streaming state shared by its attempts."""
+
+    checker: StopChecker
+    last_token_at: float | None = None
+    first_of_attempt: bool = True
+    finished: bool = False
+    broken: str = ""              # why the last attempt's stream broke
+    failure: str = ""             # the worker's refusal (gRPC status, lower case)
+
+
+class _Refused(Exception):
+    """A request that cannot be served or continued; `reason` labels the failure metric."""
+
+    def __init__(self, reason: str, error: APIError):
+        super().__init__(error.message)
+        self.reason = reason
+        self.error = error

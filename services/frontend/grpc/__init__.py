@@ -1,0 +1,1 @@
+"""The public gRPC Inference API and its gatekeeper."""

@@ -1,0 +1,89 @@
+"""The public gRPC Inference service: Generate with the HTTP API's parameters.
+
+Same lifecycle as HTTP (Frontend.prepare + generate); a refusal becomes a gRPC
+status (INVALID_ARGUMENT for what HTTP answers with 400, NOT_FOUND for an
+unknown model, UNAVAILABLE when no worker is ready). Cancelling the call
+cancels the worker call, as a disconnect does for HTTP.
+"""
+
+from __future__ import annotations
+
+import grpc
+
+from splitserve.proto.v1 import inference_pb2, inference_pb2_grpc
+from splitserve.services.worker.convert import finish_reason_to_proto
+from splitserve.services.engine.sequence import FinishReason
+
+from splitserve.services.frontend.errors import APIError, invalid
+from splitserve.services.frontend.core import Frontend, GenerationRequest, SamplingRequest, new_request_id
+from splitserve.services.frontend.limits import check_prompt_tokens
+
+_HTTP_TO_GRPC = {400: grpc.StatusCode.INVALID_ARGUMENT, 404: grpc.StatusCode.NOT_FOUND,
+                 429: grpc.StatusCode.RESOURCE_EXHAUSTED, 501: grpc.StatusCode.UNIMPLEMENTED,
+                 503: grpc.StatusCode.UNAVAILABLE, 504: grpc.StatusCode.DEADLINE_EXCEEDED}
+
+_ROLES = ("system", "developer", "user", "assistant")
+
+
+class InferenceService(inference_pb2_grpc.InferenceServicer):
+    def __init__(self, frontend: Frontend, max_prompt_tokens: int = 0):
+        self.frontend = frontend
+        self.max_prompt_tokens = max_prompt_tokens      # --max-prompt-tokens (0: the context length)
+
+    async def Generate(self, request, context):
+        failure = None
+        try:
+            gen = self._prepare(request)
+            async for delta in self.frontend.generate(gen):
+                reason = FinishReason(delta.finish_reason) if delta.finish_reason else None
+                response = inference_pb2.GenerateResponse(
+                    request_id=gen.request_id, text=delta.text, token_ids=delta.token_ids,
+                    logprobs=delta.logprobs, finish_reason=finish_reason_to_proto(reason))
+                if reason is not None and request.include_usage:
+                    response.usage.CopyFrom(inference_pb2.Usage(
+                        prompt_tokens=delta.num_prompt_tokens, completion_tokens=delta.num_output_tokens,
+                        total_tokens=delta.num_prompt_tokens + delta.num_output_tokens,
+                        cached_tokens=delta.num_cached_tokens))
+                yield response
+        except APIError as exc:
+            failure = exc
+        if failure is not None:
+            await context.abort(_HTTP_TO_GRPC.get(failure.status, grpc.StatusCode.INTERNAL), failure.message)
+
+    def _prepare(self, request: inference_pb2.GenerateRequest) -> GenerationRequest:
+        fe = self.frontend
+        fe.check_model(request.model or fe.model_name or "")
+        kind = request.WhichOneof("prompt")
+        if kind == "chat":
+            messages = []
+            for msg in request.chat.messages:
+                if msg.role not in _ROLES:
+                    raise invalid(f"unknown chat role {msg.role!r}; use one of {', '.join(_ROLES)}", "chat")
+                messages.append({"role": "system" if msg.role == "developer" else msg.role,
+                                 "content": msg.content})
+            if not messages:
+                raise invalid("chat needs at least one message", "chat")
+            prompt_ids = fe.chat_prompt(messages)
+        elif kind == "text":
+            prompt_ids = fe.text_prompt(request.text)
+        elif kind == "token_ids":
+            prompt_ids = fe.text_prompt(list(request.token_ids.ids))
+        else:
+            raise invalid("set one of text, token_ids or chat", "prompt")
+        check_prompt_tokens(len(prompt_ids), self.max_prompt_tokens, "prompt")
+        if any(not s for s in request.stop):
+            raise invalid("stop strings must not be empty", "stop")
+        sampling = SamplingRequest(
+            max_tokens=request.max_tokens if request.HasField("max_tokens") else None,
+            default_max_tokens=None if kind == "chat" else 16,
+            temperature=request.temperature if request.HasField("temperature") else None,
+            top_p=request.top_p if request.HasField("top_p") else None,
+            top_k=request.top_k, min_p=request.min_p,
+            seed=request.seed if request.HasField("seed") else None,
+            stop=list(request.stop), ignore_eos=request.ignore_eos,
+            logprobs=request.logprobs if request.HasField("logprobs") else None)
+        params = fe.sampling_params(sampling, len(prompt_ids))
+        return GenerationRequest(request.request_id or new_request_id("grpc"), "grpc", prompt_ids, params)
+
+
+

@@ -1,0 +1,1 @@
+"""The OpenAI-compatible HTTP API: the app, the generation routes, request schema and response bodies."""

@@ -1,0 +1,67 @@
+"""The OpenAI-compatible HTTP API: chat and text completions, models, health, metrics.
+
+The app is FastAPI with two pure-ASGI layers in front, outermost first: the
+guard (guard.py: API keys, limits, body size, request timeout) and the
+generation endpoints (http/generation.py: POST /v1/completions and
+/v1/chat/completions, served without FastAPI's routing for the sake of
+latency). Everything else — /v1/models, /health, /ready, /metrics,
+/openapi.json, and the OpenAI-style errors for unknown routes — is FastAPI.
+"""
+
+from __future__ import annotations
+
+import orjson
+from fastapi import FastAPI
+from fastapi.responses import JSONResponse, Response
+
+from splitserve import __version__
+
+from splitserve.services.frontend.errors import install_handlers
+from splitserve.services.frontend.http.generation import GenerationEndpoints
+from splitserve.services.frontend.guard import Guard, GuardMiddleware
+from splitserve.services.frontend.core import Frontend
+from splitserve.services.frontend.http.openapi import build_openapi
+
+
+def build_app(frontend: Frontend, guard: Guard | None = None) -> GuardMiddleware:
+    """The app; `guard` (keys, limits, rejected-requests counter) defaults to no keys and
+    the default limits."""
+    guard = guard or Guard()
+    app = FastAPI(title="splitserve", docs_url=None, redoc_url=None, openapi_url=None)
+    install_handlers(app)
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok"}
+
+    @app.get("/ready")
+    async def ready():
+        if frontend.is_ready():
+            return {"status": "ready", "model": frontend.model_name,
+                    "all_workers_ready": frontend.pool.all_ready()}
+        return JSONResponse({"status": "not ready"}, status_code=503)
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(frontend.metrics.exposition(), media_type="text/plain; version=0.0.4")
+
+    @app.get("/openapi.json", include_in_schema=False)
+    async def openapi():
+        return _JSONResponse(build_openapi(frontend.model_name, __version__, frontend.tokenizer.vocab_size))
+
+    @app.get("/v1/models")
+    async def models():
+        name = frontend.model_name
+        data = [] if name is None else [{"id": name, "object": "model", "created": 0,
+                                         "owned_by": "splitserve", "max_model_len": frontend.max_model_len}]
+        return {"object": "list", "data": data}
+
+    return GuardMiddleware(GenerationEndpoints(app, frontend, guard.limits.max_prompt_tokens), guard)
+
+
+class _JSONResponse(JSONResponse):
+    """Starlette's JSONResponse encoded by orjson: the same compact UTF-8 bytes for these
+    bodies, several times faster (a NaN or infinity becomes null instead of an error)."""
+
+    def render(self, content) -> bytes:
+        return orjson.dumps(content)

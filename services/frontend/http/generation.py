@@ -1,0 +1,308 @@
+"""POST /v1/completions and /v1/chat/completions as plain ASGI, in front of the FastAPI app.
+
+These two endpoints are the request path; everything else (models, health,
+metrics, the OpenAPI document, error handlers for unknown routes) stays in
+FastAPI. Going through FastAPI's router, dependency solver, exception
+middlewares and Starlette's StreamingResponse (a task group per response)
+cost about a millisecond of the frontend's added latency per request
+(bench/serving.py); here a request is: read the body, parse and validate it,
+prime the worker stream, then one `send` per worker message.
+
+Priming: the worker's first message (or its refusal) arrives before any byte
+of the response is sent, so a streamed request that the worker rejects still
+gets a proper 4xx instead of a 200 that breaks off. From the end of the body
+to the end of the response one watcher task reads the connection: when the
+client disconnects it cancels the request, which cancels the worker call
+(core.py), streaming or not.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+
+import orjson
+from pydantic import BaseModel, ValidationError
+
+from splitserve.services.frontend import metrics as m
+from splitserve.services.frontend.http.asgi import DONE, Receive, Scope, Send, event, send_json
+from splitserve.services.frontend.errors import APIError, from_validation_error, invalid
+from splitserve.services.frontend.core import Delta, Frontend, GenerationRequest, SamplingRequest, new_request_id
+from splitserve.services.frontend.limits import PromptBound, check_prompt_tokens
+from splitserve.services.frontend.http.protocol import ChatCompletionRequest, CompletionRequest
+from splitserve.services.frontend.http.responses import ChatFormatter, CompletionFormatter
+
+log = logging.getLogger(__name__)
+
+_SSE_HEADERS = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache")]
+
+
+@dataclass(slots=True)
+class Prepared:
+    """A parsed, validated request, ready to generate."""
+
+    gen: GenerationRequest
+    formatter: ChatFormatter | CompletionFormatter
+    stream: bool
+
+
+class GenerationEndpoints:
+    """ASGI middleware: serves the generation routes itself, passes everything else on."""
+
+    def __init__(self, app, frontend: Frontend, max_prompt_tokens: int = 0):
+        self.app = app
+        self.frontend = frontend
+        self.max_prompt_tokens = max_prompt_tokens
+        self.bound = PromptBound.of(frontend.tokenizer)
+        self.routes: dict[str, Callable[[bytes], Prepared]] = {
+            "/v1/completions": self.prepare_completion, "/v1/chat/completions": self.prepare_chat}
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        prepare = self.routes.get(scope["path"]) if scope["type"] == "http" else None
+        if prepare is None:
+            await self.app(scope, receive, send)
+        elif scope["method"] != "POST":
+            await send_json(send, 405, APIError(405, "Method Not Allowed").body(), [(b"allow", b"POST")])
+        else:
+            await self._serve(prepare, receive, send)
+
+    # -- parsing ---------------------------------------------------------------------
+    def prepare_completion(self, raw: bytes) -> Prepared:
+        body = self._parse(raw, CompletionRequest, "completions")
+        prompt = body.single_prompt()
+        if isinstance(prompt, str):
+            self._check_length("completions", len(prompt), "prompt")
+        prompt_ids = self._refusing("completions", lambda: self.frontend.text_prompt(prompt))
+        sampling = SamplingRequest(max_tokens=body.max_tokens, default_max_tokens=16,
+                                   logprobs=body.logprobs, **_sampling_fields(body))
+        gen = self._prepare("completions", "cmpl", prompt_ids, sampling, "prompt")
+        return Prepared(gen, CompletionFormatter(gen.request_id, self.frontend.model_name,
+                                                 self.frontend.tokenizer, body, prompt_ids), body.stream)
+
+    def prepare_chat(self, raw: bytes) -> Prepared:
+        body = self._parse(raw, ChatCompletionRequest, "chat")
+        messages = [{"role": "system" if msg.role == "developer" else msg.role, "content": msg.text()}
+                    for msg in body.messages]
+        self._check_length("chat", sum(len(msg["content"]) for msg in messages), "messages")
+        prompt_ids = self._refusing("chat", lambda: self.frontend.chat_prompt(messages))
+        sampling = SamplingRequest(
+            max_tokens=body.requested_max_tokens(), default_max_tokens=None,
+            max_tokens_param="max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens",
+            logprobs=body.num_logprobs(), **_sampling_fields(body))
+        gen = self._prepare("chat", "chatcmpl", prompt_ids, sampling, "messages")
+        return Prepared(gen, ChatFormatter(gen.request_id, self.frontend.model_name, self.frontend.tokenizer,
+                                           body, prompt_ids), body.stream)
+
+    def _parse(self, raw: bytes, model: type[BaseModel], api: str):
+        def parse():
+            body = parse_body(raw, model)
+            self.frontend.check_model(body.model)
+            return body
+        return self._refusing(api, parse)
+
+    def _check_length(self, api: str, num_chars: int, param: str) -> None:
+        """Before tokenizing: a text that cannot fit is refused without spending CPU on it."""
+        limit = self.max_prompt_tokens or self.frontend.max_model_len
+        self._refusing(api, lambda: self.bound.check(num_chars, limit, param))
+
+    def _prepare(self, api: str, prefix: str, prompt_ids: list[int], sampling: SamplingRequest,
+                 param: str) -> GenerationRequest:
+        self._refusing(api, lambda: check_prompt_tokens(len(prompt_ids), self.max_prompt_tokens, param))
+        params = self._refusing(api, lambda: self.frontend.sampling_params(sampling, len(prompt_ids)))
+        return GenerationRequest(new_request_id(prefix), api, prompt_ids, params)
+
+    def _refusing(self, api: str, fn):
+        """fn(); a refusal is counted in the requests metric (the lifecycle counts the rest)."""
+        try:
+            return fn()
+        except APIError as exc:
+            self.frontend.metrics.requests.labels(
+                api, m.STATUS_INVALID if exc.status < 500 else m.STATUS_UNAVAILABLE).inc()
+            raise
+
+    # -- serving ---------------------------------------------------------------------
+    async def _serve(self, prepare: Callable[[bytes], Prepared], receive: Receive, send: Send) -> None:
+        raw = await read_body(receive)
+        if raw is None:
+            return                      # the client left before the body was complete
+        try:
+            req = prepare(raw)
+        except APIError as error:
+            await send_json(send, error.status, error.body())
+            return
+        watcher = DisconnectWatcher(receive)
+        response = Response(send, req.gen.request_id)
+        try:
+            await self._generate(req, response)
+        except asyncio.CancelledError:
+            if not watcher.disconnected:
+                raise                   # the request timeout or shutdown: the guard answers
+            asyncio.current_task().uncancel()
+        except Exception:
+            log.exception("request %s: unhandled error", req.gen.request_id)
+            await response.fail(APIError(500, "internal error while generating", type="server_error"))
+        finally:
+            watcher.stop()
+
+    async def _generate(self, req: Prepared, response: "Response") -> None:
+        deltas = self.frontend.generate(req.gen)
+        try:
+            try:
+                first = await anext(deltas)
+            except APIError as error:
+                await response.fail(error)
+                return
+            except StopAsyncIteration:
+                await response.fail(APIError(502, "the worker ended the stream early", type="server_error"))
+                return
+            if req.stream:
+                await response.start(200, _SSE_HEADERS)
+                async for chunk in sse(req.formatter, first, deltas):
+                    await response.body(chunk, last=chunk.endswith(DONE))
+            else:
+                payload = orjson.dumps(await collect(req.formatter, first, deltas))
+                await response.start(200, [(b"content-type", b"application/json"),
+                                           (b"content-length", b"%d" % len(payload))])
+                await response.body(payload, last=True)
+        finally:
+            await deltas.aclose()
+
+
+class Response:
+    """The ASGI send side of one generation response, with the request id header."""
+
+    def __init__(self, send: Send, request_id: str):
+        self._send = send
+        self._request_id = request_id.encode()
+        self.started = False
+
+    async def start(self, status: int, headers: list[tuple[bytes, bytes]]) -> None:
+        self.started = True
+        await self._send({"type": "http.response.start", "status": status,
+                          "headers": [*headers, (b"x-request-id", self._request_id)]})
+
+    async def body(self, data: bytes, last: bool) -> None:
+        await self._send({"type": "http.response.body", "body": data, "more_body": not last})
+
+    async def fail(self, error: APIError) -> None:
+        """The error as a JSON response, or in-band when the stream has begun (as OpenAI does)."""
+        if not self.started:
+            await send_json(self._send, error.status, error.body(), [(b"x-request-id", self._request_id)])
+        else:
+            await self.body(event(error.body()) + DONE, last=True)
+
+
+class DisconnectWatcher:
+    """Reads the connection until the client disconnects, then cancels the request's task."""
+
+    def __init__(self, receive: Receive):
+        self.disconnected = False
+        self._request = asyncio.current_task()
+        self._task = asyncio.get_running_loop().create_task(self._watch(receive))
+
+    async def _watch(self, receive: Receive) -> None:
+        while (await receive())["type"] != "http.disconnect":
+            pass
+        self.disconnected = True
+        self._request.cancel()
+
+    def stop(self) -> None:
+        # Runs before the watcher can see the disconnect that the server reports once the
+        # response is complete: the request's task does not yield between its last send and here.
+        self._task.cancel()
+
+
+async def read_body(receive: Receive) -> bytes | None:
+    chunks = []
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            return None
+        chunks.append(message.get("body", b""))
+        if not message.get("more_body", False):
+            return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+
+
+def parse_body(raw: bytes, model: type[BaseModel]):
+    try:
+        data = loads_body(raw)
+    except ValueError as exc:
+        raise invalid(f"malformed JSON body: {str(exc)[:200]}", None, "invalid_json") from None
+    if not isinstance(data, dict):
+        raise invalid("the request body must be a JSON object", None, "invalid_json")
+    try:
+        body = model.model_validate(data)
+    except ValidationError as exc:
+        raise from_validation_error(exc) from None
+    for param, message in body.unsupported_values():
+        raise invalid(message, param, "unsupported_parameter")
+    return body
+
+
+def loads_body(raw: bytes):
+    """Parse a JSON body; ValueError for anything that is not JSON or holds text no tokenizer takes.
+
+    orjson first: it refuses invalid UTF-8, lone surrogates and nesting beyond 1024 levels
+    outright. What it refuses but Python's json reads — NaN, Infinity, integers beyond 64
+    bits — is parsed again so that the schema check names the offending field (a NaN
+    temperature is an invalid temperature), as no string holds a lone surrogate.
+    """
+    try:
+        return orjson.loads(raw)
+    except orjson.JSONDecodeError as strict_error:
+        try:
+            data = json.loads(raw)
+        except (ValueError, RecursionError):
+            raise strict_error from None
+    pending = [data]
+    while pending:
+        item = pending.pop()
+        if isinstance(item, dict):
+            pending.extend(item.keys())
+            pending.extend(item.values())
+        elif isinstance(item, list):
+            pending.extend(item)
+        elif isinstance(item, str):
+            item.encode("utf-8")          # UnicodeEncodeError (a ValueError) on a lone surrogate
+    return data
+
+
+def _sampling_fields(body) -> dict:
+    return dict(temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, min_p=body.min_p,
+                seed=body.seed, stop=body.stop_list(), ignore_eos=body.ignore_eos)
+
+
+async def collect(fmt, first: Delta, deltas: AsyncIterator[Delta]) -> dict:
+    collected = [first]
+    if first.finish_reason is None:
+        async for delta in deltas:
+            collected.append(delta)
+    return fmt.full(collected)
+
+
+async def sse(fmt, first: Delta, deltas: AsyncIterator[Delta]) -> AsyncIterator[bytes]:
+    """The stream's writes: one per worker message (its events together); the last also
+    carries the usage chunk and [DONE], so the end of a stream is one send, not three."""
+    pending = b""
+    try:
+        pending = b"".join(event(chunk) for chunk in fmt.opening())
+        delta = first
+        while True:
+            pending += b"".join(event(chunk) for chunk in fmt.chunks(delta))
+            if delta.finish_reason is not None:
+                break
+            if pending:
+                yield pending
+                pending = b""
+            delta = await anext(deltas)
+        pending += b"".join(event(chunk) for chunk in fmt.closing())
+    except APIError as exc:
+        # Headers are gone already: report in-band, as OpenAI does, and end the stream.
+        pending += event(exc.body())
+    except StopAsyncIteration:
+        pending += event(APIError(502, "the worker ended the stream early", type="server_error").body())
+    yield pending + DONE
+

@@ -1,0 +1,155 @@
+"""OpenAI response bodies, streamed (chunks) and whole, for chat and text completions.
+
+A formatter turns the lifecycle's `Delta`s into the JSON objects the OpenAI API
+returns. Streams: `opening()` (chat's role chunk), `chunks(delta)` per worker
+message, `closing()` (the usage chunk when stream_options.include_usage).
+Whole: `full(deltas)`.
+"""
+
+from __future__ import annotations
+
+import time
+
+from splitserve.proto.v1 import common_pb2
+from splitserve.services.text.tokenizer import Tokenizer
+
+from splitserve.services.frontend.core import Delta
+from splitserve.services.frontend.http.protocol import ChatCompletionRequest, CompletionRequest
+from splitserve.services.text.token_text import TokenTexts
+
+
+def _usage(delta: Delta) -> dict:
+    return {"prompt_tokens": delta.num_prompt_tokens, "completion_tokens": delta.num_output_tokens,
+            "total_tokens": delta.num_prompt_tokens + delta.num_output_tokens,
+            "prompt_tokens_details": {"cached_tokens": delta.num_cached_tokens}}
+
+
+class _Formatter:
+    object_stream = ""
+    object_full = ""
+
+    def __init__(self, request_id: str, model: str, tokenizer: Tokenizer, body, prompt_ids: list[int]):
+        self.request_id = request_id
+        self.model = model
+        self.tokenizer = tokenizer
+        self.token_texts = TokenTexts(tokenizer, prompt_ids)
+        self.created = int(time.time())
+        self.include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        self.return_token_ids = body.return_token_ids
+        self.last: Delta | None = None
+
+    def _token_texts(self, lp: common_pb2.TokenLogprob) -> tuple[str, list[str]]:
+        """The chosen token's text and its alternatives', in the text before it."""
+        top = [self.token_texts.text(t.token_id) for t in lp.top]
+        return self.token_texts.advance(lp.token_id), top
+
+    def _envelope(self, obj: str, choices: list) -> dict:
+        out = {"id": self.request_id, "object": obj, "created": self.created, "model": self.model,
+               "choices": choices}
+        if obj == self.object_stream and self.include_usage:
+            out["usage"] = None
+        return out
+
+    def closing(self) -> list[dict]:
+        if not self.include_usage or self.last is None:
+            return []
+        final = self._envelope(self.object_stream, [])
+        final["usage"] = _usage(self.last)
+        return [final]
+
+    def _finish(self, deltas: list[Delta]) -> tuple[str, list[int], list[common_pb2.TokenLogprob], Delta]:
+        text = "".join(d.text for d in deltas)
+        token_ids = [t for d in deltas for t in d.token_ids]
+        logprobs = [lp for d in deltas for lp in d.logprobs]
+        return text, token_ids, logprobs, deltas[-1]
+
+
+class ChatFormatter(_Formatter):
+    object_stream = "chat.completion.chunk"
+    object_full = "chat.completion"
+
+    def __init__(self, request_id, model, tokenizer, body: ChatCompletionRequest, prompt_ids: list[int]):
+        super().__init__(request_id, model, tokenizer, body, prompt_ids)
+        self.logprobs = body.logprobs
+
+    def _logprobs(self, logprobs: list[common_pb2.TokenLogprob]) -> dict | None:
+        if not self.logprobs:
+            return None
+        content = []
+        for lp in logprobs:
+            text, top_texts = self._token_texts(lp)
+            content.append({"token": text, "logprob": lp.logprob, "bytes": list(text.encode()),
+                            "top_logprobs": [{"token": t, "logprob": top.logprob, "bytes": list(t.encode())}
+                                             for t, top in zip(top_texts, lp.top)]})
+        return {"content": content}
+
+    def opening(self) -> list[dict]:
+        choice = {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                  "finish_reason": None}
+        return [self._envelope(self.object_stream, [choice])]
+
+    def chunks(self, delta: Delta) -> list[dict]:
+        self.last = delta
+        if not delta.text and not delta.token_ids and delta.finish_reason is None:
+            return []
+        choice = {"index": 0, "delta": {"content": delta.text} if delta.text else {},
+                  "logprobs": self._logprobs(delta.logprobs), "finish_reason": delta.finish_reason}
+        if self.return_token_ids:
+            choice["token_ids"] = delta.token_ids
+        return [self._envelope(self.object_stream, [choice])]
+
+    def full(self, deltas: list[Delta]) -> dict:
+        text, token_ids, logprobs, last = self._finish(deltas)
+        choice = {"index": 0, "message": {"role": "assistant", "content": text},
+                  "logprobs": self._logprobs(logprobs), "finish_reason": last.finish_reason}
+        if self.return_token_ids:
+            choice["token_ids"] = token_ids
+        out = self._envelope(self.object_full, [choice])
+        out["usage"] = _usage(last)
+        return out
+
+
+class CompletionFormatter(_Formatter):
+    object_stream = "text_completion"
+    object_full = "text_completion"
+
+    def __init__(self, request_id, model, tokenizer, body: CompletionRequest, prompt_ids: list[int]):
+        super().__init__(request_id, model, tokenizer, body, prompt_ids)
+        self.logprobs = body.logprobs
+        self.offset = 0
+
+    def _logprobs(self, logprobs: list[common_pb2.TokenLogprob]) -> dict | None:
+        if self.logprobs is None:
+            return None
+        tokens, tops, offsets = [], [], []
+        for lp in logprobs:
+            text, top_texts = self._token_texts(lp)
+            tokens.append(text)
+            tops.append({t: top.logprob for t, top in zip(top_texts, lp.top)})
+            offsets.append(self.offset)
+            self.offset += len(text)
+        return {"tokens": tokens, "token_logprobs": [lp.logprob for lp in logprobs], "top_logprobs": tops,
+                "text_offset": offsets}
+
+    def opening(self) -> list[dict]:
+        return []
+
+    def chunks(self, delta: Delta) -> list[dict]:
+        self.last = delta
+        if not delta.text and not delta.token_ids and delta.finish_reason is None:
+            return []
+        choice = {"index": 0, "text": delta.text, "logprobs": self._logprobs(delta.logprobs),
+                  "finish_reason": delta.finish_reason}
+        if self.return_token_ids:
+            choice["token_ids"] = delta.token_ids
+        return [self._envelope(self.object_stream, [choice])]
+
+    def full(self, deltas: list[Delta]) -> dict:
+        text, token_ids, logprobs, last = self._finish(deltas)
+        choice = {"index": 0, "text": text, "logprobs": self._logprobs(logprobs),
+                  "finish_reason": last.finish_reason}
+        if self.return_token_ids:
+            choice["token_ids"] = token_ids
+        out = self._envelope(self.object_full, [choice])
+        out["usage"] = _usage(last)
+        return out

@@ -1,0 +1,1 @@
+"""Text work, torch-free: tokenizer and chat template, incremental detokenization, stop strings, logprob text."""

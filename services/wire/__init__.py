@@ -1,0 +1,1 @@
+"""The worker<->frontend contract, torch-free: sampling parameters, outputs, proto conversion, session framing."""

@@ -1,0 +1,252 @@
+"""KVSender and KVReceiver over kvtransfer's Connector (TCP or NIXL), for any TP degree.
+
+Each tensor-parallel rank of a worker has its own connector, registered on its own
+KV pool (its share of the KV heads) right after the model is loaded, before anyone
+can ask for its metadata: rank 0's here, the others in their own processes over the
+engine's control pipe (tp_fanout.py). Each rank's transfer logic is
+`RankTransfer` (rank_transfer.py); `ConnectorTransfer` is rank 0's facade that the
+worker calls, and a TP=1 worker is exactly rank 0's `RankTransfer` with nothing
+around it.
+
+Prefill side. The decode worker's Prefill call carries the metadata of all its
+ranks and their grant; `begin` handshakes on every rank (each keeps a grant for the
+decode ranks whose heads overlap its own); each step's layer reports reach rank
+0's `on_layer_ready` on the engine thread and the other ranks with the broadcast
+batch, and every rank posts the WRITEs of its own heads after each layer (head
+slicing to each overlapping decode rank). `finish` waits until rank 0's writes are
+done and every other rank reported its writes done, then rank 0 notifies every
+decode rank with the first token.
+
+Decode side. `expect` reserves the same block ids on every rank (rank 0 schedules,
+so they are identical), each with one sender (the prefill worker's rank 0 notifies
+every decode rank, whatever its own TP degree); `wait_complete` resolves once every
+rank's notification is in, with rank 0's payload. A failure on any rank fails the
+request; `release` and `abandon` end it on every rank.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import itertools
+import logging
+import threading
+
+from splitserve.kvtransfer import AgentMetadata, Connector, KVLayout, make_connector
+from splitserve.kvtransfer.errors import TransferError
+from splitserve.services.engine.engine import LLMEngine
+from splitserve.services.engine.parallel.rank_control import RankControl, RankControlError
+from splitserve.services.engine.sequence import LayerReady
+
+from splitserve.services.worker.kv import tp_fanout as tp_transfer
+from splitserve.services.worker.kv.rank_transfer import RankTransfer
+from splitserve.services.worker.kv.tp_fanout import Gathered, RankReceived, RankSent, settle
+from splitserve.services.worker.kv.transfer import TransferEndpoint, TransferGrant, TransferTarget
+
+log = logging.getLogger(__name__)
+
+BACKENDS = ("nixl", "tcp")
+SETUP_TIMEOUT_S = 300.0     # a rank's connector setup imports its backend: start-up time, not request time
+
+
+def resolve_backend(name: str) -> str:
+    """`auto` → nixl when its wheel is importable, else tcp."""
+    if name != "auto":
+        if name not in BACKENDS:
+            raise ValueError(f"unknown KV transfer backend {name!r}; expected auto, nixl or tcp")
+        return name
+    for module in ("nixl_cu13", "nixl_cu12", "nixl"):
+        if importlib.util.find_spec(module) is not None:
+            return "nixl"
+    return "tcp"
+
+
+def engine_layout(engine: LLMEngine) -> KVLayout:
+    mc, cfg = engine.model_config, engine.config
+    model = f"{cfg.model_name}|{cfg.extra_cache_key}"
+    return KVLayout(model=model, dtype=str(cfg.torch_dtype()).removeprefix("torch."),
+                    num_layers=mc.num_layers, num_kv_heads=mc.num_kv_heads, head_dim=mc.head_dim,
+                    block_size=cfg.block_size)
+
+
+def _connector_kwargs(backend: str, host: str, token: bytes) -> dict:
+    return {"token": token, **({"host": host} if backend == "tcp" else {})}
+
+
+def build_connector(backend: str, name: str, engine: LLMEngine, host: str, token: bytes = b"") -> Connector:
+    """Rank 0's connector with rank 0's KV tensor registered (TCP listens on `host`); peers must
+    prove `token` (kvtransfer/auth.py)."""
+    layout = engine_layout(engine).with_tp(0, engine.config.tensor_parallel_size)
+    connector = make_connector(backend, tp_transfer.rank_agent_name(name, 0), layout,
+                               **_connector_kwargs(backend, host, token))
+    try:
+        connector.register(engine.runner.kv.tensor)
+    except BaseException:
+        connector.close()
+        raise
+    return connector
+
+
+def build_connector_transfer(backend: str, name: str, engine: LLMEngine, host: str,
+                             token: bytes = b"") -> ConnectorTransfer:
+    """Both halves for this worker: a connector per TP rank, each on its own KV pool."""
+    bs = engine.config.block_size
+    connector = build_connector(backend, name, engine, host, token)
+    if engine.tp is None:
+        return ConnectorTransfer(connector, bs)
+    control = engine.tp.control
+    try:
+        metas = control.call_all(tp_transfer.setup, backend, name, engine_layout(engine),
+                                 _connector_kwargs(backend, host, token), bs, timeout_s=SETUP_TIMEOUT_S)
+    except BaseException:
+        control.post_all(tp_transfer.close)
+        connector.close()
+        raise
+    return ConnectorTransfer(connector, bs, control, [AgentMetadata.from_bytes(m) for m in metas])
+
+
+class ConnectorTransfer:
+    """Both halves, on rank 0, over every rank's connector; a worker uses the half its role needs."""
+
+    def __init__(self, connector: Connector, block_size: int, control: RankControl | None = None,
+                 rank_metadata: list[AgentMetadata] | None = None):
+        self.local = RankTransfer(connector, block_size)
+        self.connector = connector
+        self.backend = connector.backend
+        self.block_size = block_size
+        self._control = control if rank_metadata else None
+        m = self.local.metadata
+        others = tuple(TransferEndpoint(r.name, r.to_bytes(), r.layout_hash.encode(), r.incarnation)
+                       for r in rank_metadata or ())
+        self._endpoint = TransferEndpoint(m.name, m.to_bytes(), m.layout_hash.encode(), m.incarnation, others)
+        self._lock = threading.Lock()
+        self._serials = itertools.count(1)          # tells a request's attempts apart in child events
+        self._gathered: dict[str, tuple[int, Gathered]] = {}    # receiving: request → (serial, wait)
+        self._sending: dict[str, int] = {}                      # sending: request → serial
+        if self._control is not None:
+            self._control.set_event_handler(self._on_rank_event)
+
+    # -- receiver (decode) ------------------------------------------------------------
+    def endpoint(self) -> TransferEndpoint:
+        return self._endpoint
+
+    def expect(self, request_id: str, block_ids: list[int], ttl_s: float) -> TransferGrant:
+        grant = self.local.expect(request_id, block_ids, ttl_s)
+        deadline = grant.deadline_unix
+        if self._control is not None:
+            serial = next(self._serials)
+            try:
+                deadlines = self._control.call_all(tp_transfer.expect, request_id, list(block_ids), ttl_s, serial)
+            except Exception as error:
+                self.release(request_id)
+                raise TransferError(f"request {request_id}: a tensor-parallel rank cannot reserve its "
+                                    f"blocks: {error}") from None
+            deadline = min(deadline, *deadlines)
+            with self._lock:
+                self._gathered[request_id] = (serial, Gathered(set(self._control.ranks)))
+        return TransferGrant(grant.incarnation, deadline)
+
+    async def wait_complete(self, request_id: str) -> bytes:
+        if self._control is None:
+            loop = asyncio.get_running_loop()
+            future = loop.create_future()
+            self.local.watch(request_id, lambda payload, error: settle((loop, future), payload, error))
+            return await future
+        with self._lock:
+            entry = self._gathered.get(request_id)
+        if entry is None:
+            raise TransferError(f"request {request_id}: no transfer is expected for it")
+        self.local.watch(request_id, entry[1].own)
+        return await entry[1].wait()
+
+    def release(self, request_id: str) -> None:
+        self.local.release(request_id)
+        if self._control is not None:
+            with self._lock:
+                self._gathered.pop(request_id, None)
+            self._control.post_all(tp_transfer.release, request_id)
+
+    def num_open(self) -> int:
+        num = self.local.num_open()
+        if self._control is not None:
+            num += sum(self._control.call_all(tp_transfer.num_open, timeout_s=5.0))
+        return num
+
+    # -- sender (prefill) ---------------------------------------------------------------
+    def begin(self, request_id: str, target: TransferTarget, num_prompt_tokens: int) -> None:
+        if self._control is None:
+            self.local.begin(request_id, target, num_prompt_tokens, notify=True)
+            return
+        serial = next(self._serials)
+        self.local.begin(request_id, target, num_prompt_tokens, notify=True, pending_ranks=set(self._control.ranks))
+        with self._lock:
+            self._sending[request_id] = serial
+        try:
+            self._control.call_all(tp_transfer.begin, request_id, target, num_prompt_tokens, serial)
+        except Exception as error:
+            self.abandon(request_id)
+            if isinstance(error, TransferError):
+                raise
+            raise TransferError(f"request {request_id}: a tensor-parallel rank cannot send: {error}") from None
+
+    def on_layer_ready(self, ready: LayerReady) -> None:
+        self.local.on_layer_ready(ready)
+
+    async def finish(self, request_id: str, payload: bytes) -> None:
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+        self.local.close_send(request_id, payload, lambda _, error: settle((loop, future), None, error))
+        try:
+            await future
+        finally:
+            with self._lock:
+                self._sending.pop(request_id, None)
+
+    def abandon(self, request_id: str) -> None:
+        self.local.abandon(request_id)
+        if self._control is not None:
+            with self._lock:
+                self._sending.pop(request_id, None)
+            self._control.post_all(tp_transfer.abandon, request_id)
+
+    async def fence(self, request_id: str, timeout_s: float) -> bool:
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+        self.local.fence(request_id, lambda _, error: settle((loop, future), None, error))
+        children = None
+        if self._control is not None:
+            with self._lock:
+                self._sending.pop(request_id, None)
+            children = asyncio.ensure_future(asyncio.to_thread(
+                self._control.call_all, tp_transfer.fence, request_id, timeout_s, timeout_s=timeout_s + 1.0))
+            children.add_done_callback(lambda task: task.cancelled() or task.exception())
+        try:
+            async with asyncio.timeout(timeout_s + 1.0):
+                await future
+                drained = all(await children) if children is not None else True
+        except (TimeoutError, TransferError, RankControlError) as error:
+            log.warning("KV transfer: request %s: cannot confirm its writes stopped: %s", request_id,
+                        str(error) or "timed out")
+            return False
+        return drained
+
+    def close(self) -> None:
+        """Close rank 0's connector; the other ranks close theirs when the engine stops them."""
+        self.local.close()
+        if self._control is not None:
+            self._control.set_event_handler(None)
+
+    # -- events from the other ranks (a control reader thread; never calls them) --------
+    def _on_rank_event(self, rank: int, event: object) -> None:
+        if isinstance(event, RankSent):
+            with self._lock:
+                current = self._sending.get(event.request_id) == event.serial
+            if current:
+                self.local.rank_reported(event.request_id, rank, event.error)
+        elif isinstance(event, RankReceived):
+            with self._lock:
+                entry = self._gathered.get(event.request_id)
+            if entry is not None and entry[0] == event.serial:
+                entry[1].rank(rank, event.error)
+        else:
+            log.warning("KV transfer: unexpected event %r from tensor-parallel rank %d", event, rank)
