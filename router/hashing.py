@@ -1,10 +1,12 @@
-"""The prompt's chained block hashes, computed exactly as the engine computes them.
+"""Chained block hashes: the one function the engine's prefix cache and the router's KV index share.
 
 hash(block i) = SHA-256(hash(block i-1) or 32 zero bytes || len(extra key) as
-u32 LE || extra key || token ids as i64 LE). A copy of the engine's
-`block_hash.py` so that the router does not import services (DESIGN section 1);
-a unit test checks both give the same digests. The worker reports its block
-size and extra key through Describe.
+u32 LE || extra key || token ids as i64 LE). The chain makes a hash identify the
+whole prefix, not just one block; the extra key carries anything else that
+changes the KV (model, dtype, LoRA). SHA-256 rather than Python's `hash()`, which
+differs between processes. The engine imports this module (the router imports
+nothing of services, DESIGN section 1); a worker reports its block size and extra
+key through Describe.
 
 Speed (the router hashes every prompt on the request path): the full blocks'
 token ids are packed to bytes by one struct call, then each block is one
@@ -22,20 +24,29 @@ from itertools import islice
 ROOT_HASH = b"\x00" * 32
 
 
-def block_hashes(token_ids: list[int], block_size: int, extra_key: bytes = b"") -> list[bytes]:
-    """Hashes of every *full* block of `token_ids`."""
+def hash_block(parent: bytes | None, token_ids: list[int] | tuple[int, ...], extra_key: bytes = b"") -> bytes:
+    """The hash of one block whose parent block hashed to `parent` (None: the first block)."""
+    packed = struct.pack("<I", len(extra_key)) + extra_key + struct.pack(f"<{len(token_ids)}q", *token_ids)
+    return hashlib.sha256((parent or ROOT_HASH) + packed).digest()
+
+
+def block_hashes(token_ids: list[int], block_size: int, extra_key: bytes = b"",
+                 start: list[bytes] | None = None) -> list[bytes]:
+    """Hashes of every *full* block of `token_ids`; `start` (the hashes of its first blocks,
+    as a sequence that grows keeps them) continues that chain instead of hashing them again."""
     num_blocks = len(token_ids) // block_size
-    if num_blocks == 0:
-        return []
+    first = len(start) if start else 0
+    out = list(start) if start else []
+    if num_blocks <= first:
+        return out
     num_tokens = num_blocks * block_size
-    raw = struct.pack(f"<{num_tokens}q", *token_ids[:num_tokens])
+    raw = struct.pack(f"<{num_tokens - first * block_size}q", *token_ids[first * block_size:num_tokens])
     prefix = struct.pack("<I", len(extra_key)) + extra_key
     step = block_size * 8
     sha256 = hashlib.sha256
-    parent = ROOT_HASH
-    out = []
+    parent = out[-1] if out else ROOT_HASH
     append = out.append
-    for off in range(0, num_tokens * 8, step):
+    for off in range(0, len(raw), step):
         parent = sha256(parent + prefix + raw[off:off + step]).digest()
         append(parent)
     return out

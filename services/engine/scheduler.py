@@ -18,7 +18,7 @@ import bisect
 from collections import deque
 from dataclasses import dataclass, field
 
-from splitserve.services.engine.block_hash import hash_full_blocks
+from splitserve.router.hashing import block_hashes
 from splitserve.services.engine.block_pool import BlockPool
 from splitserve.services.engine.sequence import FinishReason, Sequence, SequenceStatus
 
@@ -220,7 +220,7 @@ class Scheduler:
         if len(seq.block_hashes) < num_full:
             # Hashes of blocks beyond the computed ones stay: tokens are only appended, and
             # _blocks_being_computed reads them.
-            seq.block_hashes = hash_full_blocks(tokens[:num_full * self.block_size], self.block_size,
+            seq.block_hashes = block_hashes(tokens[:num_full * self.block_size], self.block_size,
                                                 self.extra_key, seq.block_hashes)
         for b in range(seq.num_cached_blocks, num_full):
             parent = seq.block_hashes[b - 1] if b else None
@@ -276,7 +276,7 @@ class Scheduler:
 
     def _prefix_hits(self, seq: Sequence, allow_full: bool) -> list[int]:
         tokens = seq.all_token_ids
-        seq.block_hashes = hash_full_blocks(tokens, self.block_size, self.extra_key,
+        seq.block_hashes = block_hashes(tokens, self.block_size, self.extra_key,
                                             seq.block_hashes)
         hits = self.pool.cached_prefix(seq.block_hashes)
         if not allow_full:

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import grpc
 
 from splitserve.proto.v1 import worker_pb2, worker_pb2_grpc
-from splitserve.services.engine.block_hash import hash_full_blocks
+from splitserve.router.hashing import block_hashes
 from splitserve.services.engine.engine import LLMEngine, RequestOutput
 from splitserve.services.engine.sampler import SampledToken
 from splitserve.services.wire.sampling_params import SamplingParams
@@ -53,7 +53,7 @@ GRPC_OPTIONS = [("grpc.max_receive_message_length", 64 * 2**20),
 def num_cached_prompt_tokens(engine: LLMEngine, token_ids: list[int]) -> int:
     """Leading prompt tokens this engine's prefix cache holds now (engine thread only)."""
     bs = engine.config.block_size
-    hashes = hash_full_blocks(token_ids, bs, engine.scheduler.extra_key)
+    hashes = block_hashes(token_ids, bs, engine.scheduler.extra_key)
     return len(engine.pool.cached_prefix(hashes)) * bs
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from splitserve.services.engine.block_hash import hash_block, hash_full_blocks
+from splitserve.router.hashing import block_hashes, hash_block
 from splitserve.services.engine.block_pool import BlockPool
 from splitserve.services.engine.kv_events import AllCleared, BlockRemoved, BlockStored
 
@@ -51,11 +51,11 @@ def test_take_refs_protects_cached_blocks_from_eviction():
 
 def test_chained_hashes_identify_the_prefix():
     tokens = list(range(40))
-    hashes = hash_full_blocks(tokens, 16)
+    hashes = block_hashes(tokens, 16)
     assert len(hashes) == 2
-    assert hash_full_blocks([99] + tokens[1:], 16)[1] != hashes[1]   # block 1 depends on block 0
-    assert hash_full_blocks(tokens, 16, extra_key=b"lora") != hashes
-    assert hash_full_blocks(tokens, 16, start=hashes[:1]) == hashes
+    assert block_hashes([99] + tokens[1:], 16)[1] != hashes[1]   # block 1 depends on block 0
+    assert block_hashes(tokens, 16, extra_key=b"lora") != hashes
+    assert block_hashes(tokens, 16, start=hashes[:1]) == hashes
 
 
 ops = st.lists(st.tuples(st.sampled_from(["alloc", "cache", "release", "hit", "clear"]),
@@ -83,7 +83,7 @@ def test_events_and_counts_agree_with_a_reference(operations):
         elif op == "release" and held:
             pool.release(held.pop(r % len(held)))
         elif op == "hit":
-            chain = hash_full_blocks([r % 5, 0, r % 5, 1], 2)
+            chain = block_hashes([r % 5, 0, r % 5, 1], 2)
             hits = pool.cached_prefix(chain)
             pool.take_refs(hits)
             if hits:

@@ -5,9 +5,8 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from splitserve.router.hashing import ChainHasher, block_hashes
+from splitserve.router.hashing import ChainHasher, block_hashes, hash_block
 from splitserve.router.index import CLEARED, REMOVED, STORED, KvIndex
-from splitserve.services.engine.block_hash import hash_full_blocks
 
 WORKERS = ["w0", "w1", "w2"]
 HASHES = [bytes([i]) * 4 for i in range(12)]
@@ -132,8 +131,16 @@ def test_worked_example_longest_prefix():
 
 
 @given(st.lists(st.integers(0, 31999), max_size=80), st.sampled_from([1, 4, 16]), st.binary(max_size=20))
-def test_router_hashes_equal_the_engine_hashes(token_ids, block_size, extra_key):
-    assert block_hashes(token_ids, block_size, extra_key) == hash_full_blocks(token_ids, block_size, extra_key)
+def test_block_hashes_are_the_chain_of_block_hashes_and_continue_from_any_start(token_ids, block_size, extra_key):
+    """The engine and the router both call block_hashes: it must be the chain that hash_block
+    defines, whether it hashes from the first block or continues a sequence's known hashes."""
+    chain: list[bytes] = []
+    for b in range(len(token_ids) // block_size):
+        chain.append(hash_block(chain[-1] if chain else None, token_ids[b * block_size:(b + 1) * block_size],
+                                extra_key))
+    assert block_hashes(token_ids, block_size, extra_key) == chain
+    for known in range(len(chain) + 1):
+        assert block_hashes(token_ids, block_size, extra_key, chain[:known]) == chain
 
 
 def test_predicted_blocks_count_until_confirmed_by_stored_events():
