@@ -20,12 +20,10 @@ import torch
 from splitserve.errors import InvalidRequestError
 
 from splitserve.services.engine.block_pool import BlockPool
-from splitserve.services.engine.loading.checkpoint import Checkpoint
 from splitserve.services.engine.config import EngineConfig, ModelConfig
 from splitserve.services.engine.model.forward_batch import LayerReport
 from splitserve.services.engine.kv_cache import KVCache
 from splitserve.services.engine.kv_events import KVEvent
-from splitserve.services.engine.model.causal_lm import CausalLM
 from splitserve.services.engine.model_runner import ModelRunner
 from splitserve.services.engine.loading.model_source import open_checkpoint
 from splitserve.services.engine.sampler import SampledToken, sample, skip_draws
@@ -33,9 +31,10 @@ from splitserve.services.wire.sampling_params import SamplingParams
 from splitserve.services.engine.scheduler import Reservation, ScheduledChunk, Scheduler
 from splitserve.services.engine.sequence import FinishReason, LayerCallback, LayerReady, Sequence
 from splitserve.services.text.stop_checker import StopChecker
-from splitserve.services.engine.parallel.tensor_parallel import TensorParallelGroup, all_reduce
+from splitserve.services.engine.parallel.tensor_parallel import TensorParallelGroup
+from splitserve.services.engine.rank import build_rank
 from splitserve.services.text.tokenizer import Tokenizer
-from splitserve.services.engine.loading.weights import ShardSpec, load_weights
+from splitserve.services.engine.loading.weights import ShardSpec
 
 log = logging.getLogger(__name__)
 
@@ -74,22 +73,6 @@ class EngineStats:
     num_preemptions: int = 0
     num_finished: int = 0
     num_aborted: int = 0
-
-
-def build_rank(config: EngineConfig, rank: int, ckpt: Checkpoint | None = None
-               ) -> tuple[CausalLM, KVCache]:
-    """Load this rank's shard and allocate its KV tensor (config.num_kv_blocks must be set)."""
-    ckpt = ckpt or open_checkpoint(config.model)
-    model_cfg = ModelConfig.from_hf(ckpt.config, ckpt.generation_config)
-    world = config.tensor_parallel_size
-    device, dtype = torch.device(config.device), config.torch_dtype()
-    weights = load_weights(ckpt, model_cfg, ShardSpec(rank, world), dtype, device)
-    max_positions = max(model_cfg.max_position_embeddings, config.max_model_len or 0)
-    model = CausalLM(model_cfg, weights, world, device, dtype, max_positions,
-                     all_reduce=all_reduce if world > 1 else None)
-    kv = KVCache(model_cfg.num_layers, config.num_kv_blocks, config.block_size,
-                 model_cfg.num_kv_heads // world, model_cfg.head_dim, dtype, device)
-    return model, kv
 
 
 class LLMEngine:

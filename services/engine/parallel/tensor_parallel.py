@@ -30,6 +30,7 @@ from splitserve.net import free_port
 
 from splitserve.services.engine.config import EngineConfig
 from splitserve.services.engine.model.forward_batch import ForwardBatch
+from splitserve.services.engine.rank import build_rank
 from splitserve.services.engine.parallel.rank_control import RankContext, RankControl, serve_control
 
 log = logging.getLogger(__name__)
@@ -54,10 +55,6 @@ def _join_group(device: str, init_method: str, rank: int, world_size: int) -> No
     host, port = init_method.removeprefix("tcp://").rsplit(":", 1)
     store = dist.TCPStore(host, int(port), world_size, is_master=rank == 0, timeout=RENDEZVOUS_TIMEOUT)
     dist.init_process_group(_backend(device), store=store, rank=rank, world_size=world_size, timeout=GROUP_TIMEOUT)
-
-
-def all_reduce(t: torch.Tensor) -> None:
-    dist.all_reduce(t)
 
 
 class TensorParallelGroup:
@@ -105,8 +102,6 @@ class TensorParallelGroup:
 
 
 def _worker_main(config: EngineConfig, rank: int, conn) -> None:
-    from splitserve.services.engine.engine import build_rank   # late import: runs in a fresh spawned process
-
     # Rank 0 stops this rank (a None broadcast) once it has drained; a signal to the whole
     # process group (Ctrl-C, `splitserve serve` stopping) must not kill it first. Should
     # rank 0 die instead, the next collective fails and this rank exits.
