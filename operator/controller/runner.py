@@ -14,6 +14,7 @@ import asyncio
 import logging
 import os
 import socket
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -41,6 +42,31 @@ class OperatorOptions:
     leader_election_namespace: str | None = None   # None: no election (a single replica)
     health_port: int | None = None                 # kopf's liveness endpoint on 0.0.0.0 (in a pod)
     node_grace_s: float = 10.0    # how long a node may be NotReady before its groups are replaced
+
+    @classmethod
+    def from_flags(cls, *, kubeconfig: str | None, namespaces: list[str] | None, all_namespaces: bool,
+                   etcd_endpoint: str | None, interval_s: float, worker_address: str, node_grace_s: float,
+                   leader_election_namespace: str | None, health_port: int | None,
+                   environ: Mapping[str, str] = os.environ) -> "OperatorOptions":
+        """`splitserve operator`'s flags, with the chart's SPLITSERVE_* environment variables
+        (deploy/helm/README.md) standing in for the flags not given; flags win."""
+        env_namespaces = environ.get("SPLITSERVE_WATCH_NAMESPACES")
+        if all_namespaces:
+            watched: list[str] = []
+        elif namespaces:
+            watched = namespaces
+        elif env_namespaces is not None:
+            watched = [n for n in env_namespaces.split(",") if n]
+        else:
+            raise SplitserveError("give --namespace NS (repeatable) or --all-namespaces")
+        etcd = etcd_endpoint or environ.get("SPLITSERVE_ETCD") or "splitserve-etcd:2379"
+        return cls(kubeconfig=Path(kubeconfig) if kubeconfig else None, namespaces=watched,
+                   etcd_endpoint=etcd.split(",")[0].split("://")[-1], interval_s=interval_s,
+                   use_pod_ip=worker_address == "auto",
+                   health_port=health_port or int(environ.get("SPLITSERVE_HEALTH_PORT") or 0) or None,
+                   node_grace_s=node_grace_s,
+                   leader_election_namespace=leader_election_namespace
+                   or environ.get("SPLITSERVE_LEADER_ELECTION_NAMESPACE") or None)
 
 
 def connection_info(configuration: kubernetes.client.Configuration) -> kopf.ConnectionInfo:

@@ -160,6 +160,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise SplitserveError("--config and --ray-address are for --on-ray")
     from splitserve.services.launch.local import run_serve
 
+    _security_args.check_serve_args(args)
     return run_serve(args)
 
 
@@ -171,31 +172,17 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 def cmd_operator(args: argparse.Namespace) -> int:
     import os
-    from pathlib import Path
 
     from splitserve.operator.runner import OperatorOptions, run_operator
 
-    # The chart configures the operator through environment variables (deploy/helm/README.md);
-    # flags win over them.
-    env_namespaces = os.environ.get("SPLITSERVE_WATCH_NAMESPACES")
-    if args.all_namespaces:
-        namespaces = []
-    elif args.namespace:
-        namespaces = args.namespace
-    elif env_namespaces is not None:
-        namespaces = [n for n in env_namespaces.split(",") if n]
-    else:
-        raise SplitserveError("give --namespace NS (repeatable) or --all-namespaces")
-    if os.environ.get("SPLITSERVE_LOG_LEVEL") and args.log_level == "WARNING":
+    options = OperatorOptions.from_flags(
+        kubeconfig=args.kubeconfig, namespaces=args.namespace, all_namespaces=args.all_namespaces,
+        etcd_endpoint=args.etcd_endpoint, interval_s=args.interval, worker_address=args.worker_address,
+        node_grace_s=args.node_grace, leader_election_namespace=args.leader_election_namespace,
+        health_port=args.health_port)
+    if os.environ.get("SPLITSERVE_LOG_LEVEL") and args.log_level == "WARNING":   # the chart's, unless a flag
         logging.getLogger().setLevel(os.environ["SPLITSERVE_LOG_LEVEL"].upper())
-    etcd = args.etcd_endpoint or os.environ.get("SPLITSERVE_ETCD") or "splitserve-etcd:2379"
-    health = args.health_port or int(os.environ.get("SPLITSERVE_HEALTH_PORT") or 0) or None
-    return run_operator(OperatorOptions(
-        kubeconfig=Path(args.kubeconfig) if args.kubeconfig else None, namespaces=namespaces,
-        etcd_endpoint=etcd.split(",")[0].split("://")[-1], interval_s=args.interval,
-        use_pod_ip=args.worker_address == "auto", health_port=health, node_grace_s=args.node_grace,
-        leader_election_namespace=args.leader_election_namespace
-        or os.environ.get("SPLITSERVE_LEADER_ELECTION_NAMESPACE") or None))
+    return run_operator(options)
 
 
 def _add_operator_parser(sub) -> None:

@@ -123,25 +123,6 @@ def worker_tls(args: argparse.Namespace) -> TlsConfig:
     return tls
 
 
-def serve_child_argv(args: argparse.Namespace, child: str) -> list[str]:
-    """The flags `serve` forwards to one child: "worker" or "frontend" (secrets go by environment)."""
-    internal = ["--tls-ca", args.tls_ca] if args.tls_ca else []
-    if child == "worker":
-        if args.tls_internal_cert:
-            internal += ["--tls-cert", args.tls_internal_cert, "--tls-key", args.tls_internal_key]
-        return internal
-    argv = ["--max-body-bytes", str(args.max_body_bytes), "--max-prompt-tokens", str(args.max_prompt_tokens),
-            "--max-concurrent-per-key", str(args.max_concurrent_per_key), "--rate-limit", str(args.rate_limit),
-            "--rate-limit-burst", str(args.rate_limit_burst), "--request-timeout", str(args.request_timeout)]
-    if args.api_keys_file:
-        argv += ["--api-keys-file", args.api_keys_file]
-    if args.tls_cert:
-        argv += ["--tls-cert", args.tls_cert, "--tls-key", args.tls_key]
-    if args.tls_internal_cert:
-        internal += ["--tls-client-cert", args.tls_internal_cert, "--tls-client-key", args.tls_internal_key]
-    return argv + internal
-
-
 def check_serve_args(args: argparse.Namespace) -> None:
     """Contradictions `serve` refuses before starting anything."""
     TlsConfig(cert=args.tls_cert, key=args.tls_key).validate()
@@ -149,15 +130,3 @@ def check_serve_args(args: argparse.Namespace) -> None:
     if bool(args.tls_ca) != bool(args.tls_internal_cert):
         raise SplitserveError("--tls-ca and --tls-internal-cert/--tls-internal-key go together")
     limits_config(args)
-
-
-def export_serve_secrets(args: argparse.Namespace, environ) -> None:
-    """Put `serve`'s --api-key and --transfer-token values into the environment its children inherit."""
-    from splitserve.kvtransfer.auth import TOKEN_ENV
-
-    from splitserve.services.frontend.auth import ENV_VAR
-
-    if args.api_key:
-        environ[ENV_VAR] = " ".join([*args.api_key, *environ.get(ENV_VAR, "").replace(",", " ").split()])
-    if args.transfer_token:
-        environ[TOKEN_ENV] = args.transfer_token

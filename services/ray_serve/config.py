@@ -31,6 +31,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from splitserve.errors import SplitserveError
+from splitserve.services.launch.plan import default_served_name, plan_workers
 
 from splitserve.services.ray_serve.settings import (Autoscaling, EngineSettings, IngressSettings, PoolPlan, RayServeConfig, RouterSettings,
                        WorkerSettings)
@@ -116,20 +117,12 @@ def config_from_spec(spec, engine: EngineSettings | None = None, transfer: str =
                           ingress_replicas=max(1, spec.frontend.replicas), http_port=spec.frontend.port)
 
 
-def default_served_name(model: str) -> str | None:
-    from splitserve.services.launch.local import _default_served_name
-
-    return _default_served_name(model)
-
-
 # `serve` flags the Ray target does not apply yet: refused rather than silently ignored.
 UNSUPPORTED_FLAGS = ("api_key", "api_keys_file", "tls_cert", "tls_key", "tls_ca", "transfer_token")
 
 
 def config_from_args(args: argparse.Namespace) -> RayServeConfig:
     """`splitserve serve --on-ray`: the same flags `serve` takes, or --config FILE."""
-    from splitserve.services.launch.local import _plan
-
     given = [f"--{name.replace('_', '-')}" for name in UNSUPPORTED_FLAGS if getattr(args, name, None)]
     if given:
         raise SplitserveError(f"{', '.join(given)}: not supported with --on-ray yet (API keys, TLS and "
@@ -138,8 +131,7 @@ def config_from_args(args: argparse.Namespace) -> RayServeConfig:
         spec = read_spec(args.config)
         engine = _engine_from_args(args, spec.model.source)
         return config_from_spec(spec, engine, args.transfer, args.served_model_name)
-    plan = _plan(args)
-    roles = [role for _, role in plan]
+    roles = [w.role for w in plan_workers(args)]
     engine = _engine_from_args(args, args.model)
     threshold = args.remote_prefill_threshold
 

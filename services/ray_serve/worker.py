@@ -31,7 +31,7 @@ import grpc
 
 from splitserve.errors import SplitserveError
 from splitserve.net import free_port
-from splitserve.services.launch.local import worker_serving
+from splitserve.services.launch.probes import worker_serving
 
 from splitserve.services.ray_serve.autoscaling import IN_FLIGHT_METRIC
 from splitserve.services.ray_serve.directory import LEASE_RENEW_S, DirectoryEntry

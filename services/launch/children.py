@@ -1,0 +1,81 @@
+"""The command lines and environment `splitserve serve` gives its children.
+
+Each worker and frontend is started as `python -m splitserve worker|frontend ...`
+with the flags that `serve` forwards to it; secrets (API keys, the KV transfer
+token) go by environment, never on a command line that `ps` shows.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from splitserve.services.launch.plan import PlannedWorker, default_served_name
+
+GRACE_S = 10.0
+DRAIN_S = GRACE_S - 3.0      # children drain (finish running requests) within the grace period
+
+
+def engine_argv(args: argparse.Namespace, model: str) -> list[str]:
+    argv = ["--model", model, "--device", args.device, "--dtype", args.dtype, "--tp", str(args.tp),
+            "--block-size", str(args.block_size), "--kv-cache-gib", str(args.kv_cache_gib),
+            "--max-num-batched-tokens", str(args.max_num_batched_tokens),
+            "--max-num-seqs", str(args.max_num_seqs)]
+    if args.threads is not None:
+        argv += ["--threads", str(args.threads)]
+    return argv
+
+
+def worker_argv(args: argparse.Namespace, name: str, role: str, port: int, model: str) -> list[str]:
+    argv = ["worker", "--role", role, "--port", str(port), "--worker-id", name, "--drain-timeout", str(DRAIN_S),
+            *engine_argv(args, model)]
+    if role != "both":
+        argv += ["--transfer", args.transfer, "--remote-prefill-threshold", str(args.remote_prefill_threshold),
+                 "--prefill-timeout", str(args.prefill_timeout)]
+    return argv + serve_child_argv(args, "worker")
+
+
+def frontend_argv(args: argparse.Namespace, model: str, host: str, port: int, grpc_port: int,
+                   worker_addresses: list[str], plan: list[PlannedWorker]) -> list[str]:
+    """One frontend (router replica): every replica gets every worker and builds its own index."""
+    argv = ["--model", model, "--host", host, "--port", str(port), "--grpc-port", str(grpc_port),
+            "--router", args.router, "--prefill-weight", str(args.prefill_weight),
+            "--router-temperature", str(args.router_temperature),
+            "--remote-prefill-threshold", str(args.remote_prefill_threshold),
+            "--migration-limit", str(args.migration_limit), "--drain-timeout", str(DRAIN_S)]
+    for address, worker in zip(worker_addresses, plan):
+        argv += ["--worker", f"{worker.role}={address}"]
+    served_name = args.served_model_name or default_served_name(args.model)
+    if served_name:
+        argv += ["--served-model-name", served_name]
+    return argv + serve_child_argv(args, "frontend")
+
+
+def serve_child_argv(args: argparse.Namespace, child: str) -> list[str]:
+    """The flags `serve` forwards to one child: "worker" or "frontend" (secrets go by environment)."""
+    internal = ["--tls-ca", args.tls_ca] if args.tls_ca else []
+    if child == "worker":
+        if args.tls_internal_cert:
+            internal += ["--tls-cert", args.tls_internal_cert, "--tls-key", args.tls_internal_key]
+        return internal
+    argv = ["--max-body-bytes", str(args.max_body_bytes), "--max-prompt-tokens", str(args.max_prompt_tokens),
+            "--max-concurrent-per-key", str(args.max_concurrent_per_key), "--rate-limit", str(args.rate_limit),
+            "--rate-limit-burst", str(args.rate_limit_burst), "--request-timeout", str(args.request_timeout)]
+    if args.api_keys_file:
+        argv += ["--api-keys-file", args.api_keys_file]
+    if args.tls_cert:
+        argv += ["--tls-cert", args.tls_cert, "--tls-key", args.tls_key]
+    if args.tls_internal_cert:
+        internal += ["--tls-client-cert", args.tls_internal_cert, "--tls-client-key", args.tls_internal_key]
+    return argv + internal
+
+
+def export_serve_secrets(args: argparse.Namespace, environ) -> None:
+    """Put `serve`'s --api-key and --transfer-token values into the environment its children inherit."""
+    from splitserve.kvtransfer.auth import TOKEN_ENV
+
+    from splitserve.services.frontend.auth import ENV_VAR
+
+    if args.api_key:
+        environ[ENV_VAR] = " ".join([*args.api_key, *environ.get(ENV_VAR, "").replace(",", " ").split()])
+    if args.transfer_token:
+        environ[TOKEN_ENV] = args.transfer_token

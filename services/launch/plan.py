@@ -1,0 +1,62 @@
+"""What `splitserve serve` starts: the workers of each role, the model they load, its served name.
+
+Pure functions of `serve`'s flags, shared by the local launcher (local.py) and the
+Ray Serve target (services/ray_serve/config.py), so that both deploy the same pools.
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+
+from splitserve.errors import SplitserveError
+
+
+@dataclass(slots=True, frozen=True)
+class PlannedWorker:
+    name: str          # e.g. prefill-0: the worker id in logs, stats and KV events
+    role: str          # prefill | decode | both
+
+
+def plan_workers(args: argparse.Namespace) -> list[PlannedWorker]:
+    """Every worker to start, from `serve`'s flags; raises SplitserveError for contradictory flags."""
+    if args.aggregated:
+        if args.prefill_workers is not None or args.decode_workers is not None:
+            raise SplitserveError("--prefill-workers and --decode-workers are for disaggregated serving; "
+                                  "with --aggregated use --workers N")
+        workers = 1 if args.workers is None else args.workers
+        if workers < 1:
+            raise SplitserveError("--workers must be at least 1")
+        return [PlannedWorker(f"worker-{i}", "both") for i in range(workers)]
+    if args.workers is not None:
+        raise SplitserveError("--workers is for --aggregated serving; disaggregated serving takes "
+                              "--prefill-workers N --decode-workers M")
+    num_prefill = 1 if args.prefill_workers is None else args.prefill_workers
+    num_decode = 1 if args.decode_workers is None else args.decode_workers
+    if num_prefill < 1 or num_decode < 1:
+        raise SplitserveError("--prefill-workers and --decode-workers must be at least 1 "
+                              "(or use --aggregated)")
+    return ([PlannedWorker(f"prefill-{i}", "prefill") for i in range(num_prefill)]
+            + [PlannedWorker(f"decode-{i}", "decode") for i in range(num_decode)])
+
+
+def default_served_name(model: str) -> str | None:
+    """Clients ask for the model by the name the operator typed: `--model smollm2` serves "smollm2"."""
+    if not model.strip().lower().startswith("smollm2"):
+        return None          # a folder or file: the workers report its name
+    from splitserve.services.engine.loading.model_source import SMOLLM2_NAMES
+
+    return model.strip() if model.strip().lower() in SMOLLM2_NAMES else None
+
+
+def resolve_model(name: str, say=lambda line: None) -> str:
+    """The folder the workers load: the shipped SmolLM2 is converted once into the cache here, so
+    that the workers do not each convert it; anything else is passed on as typed."""
+    if not name.strip().lower().startswith("smollm2"):
+        return name          # a folder or a file: the workers open it (no torch import here)
+    from splitserve.services.engine.loading.model_source import SMOLLM2_NAMES, resolve_smollm2
+
+    if name.strip().lower() in SMOLLM2_NAMES:
+        say("preparing the shipped SmolLM2-135M-Instruct (converted once into the cache)...")
+        return str(resolve_smollm2())
+    return name
