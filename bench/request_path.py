@@ -1,0 +1,163 @@
+"""Which files one disaggregated chat request runs through, per process, and where it crosses packages.
+
+Starts `splitserve serve` (1 prefill + 1 decode worker, the frontend) on a random-weight
+Llama with every process loading bench/request_path/sitecustomize.py, a profile hook
+that records the repository's files and caller -> callee file pairs between SIGUSR1 and
+SIGUSR2. After one warm-up request it records exactly one streamed chat request whose
+prompt is long enough to be prefilled remotely, then prints, per process, the files it
+ran and the package crossings (a call from one package's file into another package's).
+A package is a top-level folder, or services/<part> (services/frontend/http counts as
+services/frontend). This is a reading aid, not a speed benchmark: the hook slows
+everything down, and no baseline applies; run it on two commits to compare layouts.
+
+    python bench/request_path.py --out bench/results/request_path.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import httpx
+import psutil
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def package_of(path: str) -> str:
+    parts = Path(path).resolve().relative_to(REPO).parts
+    if parts[0] == "services" and len(parts) > 2:
+        return f"services/{parts[1]}"
+    return parts[0] if len(parts) > 1 else "."
+
+
+def role_of(argv: list[str]) -> str:
+    if "frontend" in argv:
+        return "frontend"
+    if "--role" in argv:
+        return f"{argv[argv.index('--role') + 1]} worker"
+    return " ".join(argv[-2:])
+
+
+def _wait_ready(url: str, proc: subprocess.Popen, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise SystemExit(f"splitserve serve exited with {proc.returncode}")
+        try:
+            if httpx.get(url, timeout=1).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise SystemExit("not ready in time")
+
+
+def _chat(base: str, content: str) -> str:
+    body = {"model": "m", "stream": True, "max_tokens": 8,
+            "messages": [{"role": "user", "content": content}]}
+    models = httpx.get(f"{base}/v1/models", timeout=10).json()
+    body["model"] = models["data"][0]["id"]
+    text = []
+    with httpx.stream("POST", f"{base}/v1/chat/completions", json=body, timeout=120) as r:
+        r.raise_for_status()
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                text.append(line)
+    return "".join(text)
+
+
+def trace(model: Path, port: int, trace_dir: Path) -> list[dict]:
+    env = dict(os.environ, PYTHONPATH=str(REPO / "bench" / "request_path"), SPLITSERVE_TRACE_ROOT=str(REPO),
+               SPLITSERVE_TRACE_OUT=str(trace_dir), OMP_NUM_THREADS="1")
+    proc = subprocess.Popen([sys.executable, "-m", "splitserve", "serve", "--model", str(model), "--transfer",
+                             "tcp", "--port", str(port), "--threads", "1", "--kv-cache-gib", "0.05"],
+                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            start_new_session=True)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        _wait_ready(f"{base}/ready", proc, 300)
+        prompt = " ".join(f"word{i}" for i in range(150))          # > the 64-token remote-prefill threshold
+        _chat(base, "warm up " + prompt)
+        children = psutil.Process(proc.pid).children(recursive=True)
+        for c in children:
+            os.kill(c.pid, signal.SIGUSR1)
+        time.sleep(1.0)
+        _chat(base, "traced " + prompt)
+        time.sleep(1.0)
+        for c in children:
+            os.kill(c.pid, signal.SIGUSR2)
+        time.sleep(2.0)
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(30)
+    return [json.loads(p.read_text()) for p in trace_dir.glob("*.json")]
+
+
+def summarize(dumps: list[dict]) -> dict:
+    out = {}
+    for d in dumps:
+        if not d["files"]:
+            continue
+        role = role_of(d["argv"])
+        crossings = defaultdict(int)
+        for caller, callee in d["edges"]:
+            a, b = package_of(caller), package_of(callee)
+            if a != b:
+                crossings[f"{a} -> {b}"] += 1
+        out[role] = {"files": [str(Path(f).resolve().relative_to(REPO)) for f in d["files"]],
+                     "loaded": [str(Path(f).resolve().relative_to(REPO)) for f in d.get("loaded", [])],
+                     "torch": d.get("torch"),
+                     "packages": sorted({package_of(f) for f in d["files"]}),
+                     "crossings": dict(sorted(crossings.items()))}
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--port", type=int, default=18080)
+    parser.add_argument("--out", default=None, help="write the JSON report here")
+    args = parser.parse_args()
+    from splitserve.testing.models import build_random_model
+
+    with tempfile.TemporaryDirectory() as tmp:
+        model = build_random_model("llama", Path(tmp) / "model")
+        trace_dir = Path(tmp) / "trace"
+        trace_dir.mkdir()
+        report = summarize(trace(model, args.port, trace_dir))
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True,
+                            text=True).stdout.strip()
+    print(f"{'process':<16} {'files':>5} {'packages':>8} {'crossing pairs':>14} {'crossing calls':>14} "
+          f"{'modules loaded':>14} {'torch':>5}")
+    total_files = set()
+    for role, r in sorted(report.items()):
+        total_files.update(r["files"])
+        print(f"{role:<16} {len(r['files']):>5} {len(r['packages']):>8} {len(r['crossings']):>14} "
+              f"{sum(r['crossings'].values()):>14} {len(r['loaded']):>14} {str(r['torch']):>5}")
+    print(f"{'all processes':<16} {len(total_files):>5}")
+    for role, r in sorted(report.items()):
+        print(f"\n{role}: " + ", ".join(r["crossings"]))
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps({"commit": commit, "cpu": platform.processor() or _cpu(),
+                                              "processes": report, "num_files": len(total_files)}, indent=2))
+
+
+def _cpu() -> str:
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("model name"):
+            return line.split(":", 1)[1].strip()
+    return platform.machine()
+
+
+if __name__ == "__main__":
+    main()
