@@ -1,9 +1,9 @@
 # Developer and CI entry points. `make test` is what .ci/run runs.
 #
-# pytest runs as the `pytest` command, not `python -m pytest`: the latter puts the
-# repository root on sys.path, where `router/`, `services/` ... would shadow the
-# installed layout that tests/unit/test_layout.py checks. Exit code 5 (no tests
-# collected) fails the target like any other failure.
+# `pytest` and `python -m pytest` both work from the repository root: the tests import
+# only `splitserve.*` (importlib mode), and no top-level folder shadows a module they
+# use (operator/ has no __init__.py; tests/unit/test_layout.py checks). Exit code 5
+# (no tests collected) fails the target like any other failure.
 
 PYTHON ?= python3
 PYTEST_ARGS ?=
