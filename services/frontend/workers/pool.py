@@ -122,6 +122,8 @@ class MembershipListener(Protocol):
 
 
 class WorkerPool:
+    """The members (by address), their health watches, and who is told of changes (module docstring)."""
+
     def __init__(self, workers: Iterable[WorkerHandle] = (), tls: TlsConfig = PLAINTEXT,
                  registry: Registry | None = None, max_backoff_s: float = MAX_BACKOFF_S,
                  close_timeout_s: float = CLOSE_TIMEOUT_S):
@@ -194,7 +196,10 @@ class WorkerPool:
         while True:
             await self.registry.changed.wait()
             self.registry.changed.clear()       # before reading: a change meanwhile sets it again
-            self.reconcile()
+            try:
+                self.reconcile()
+            except Exception:  # noqa: BLE001 - following must outlive a bad record or a bug
+                log.exception("pool: reconciling against the registry failed; keeping the members")
 
     def reconcile(self) -> None:
         """Add the registry's workers the pool lacks and remove those it no longer lists (by address)."""
