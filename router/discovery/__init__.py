@@ -1,8 +1,8 @@
 """Where the workers are: a static in-process registry or etcd leases (DESIGN section 4).
 
 A registry exposes `members()` (worker id -> WorkerRecord) and `changed` (an
-asyncio.Event set on every change); the frontend reconciles its worker pool
-against it. Workers register themselves with a lease (`EtcdRegistration`); a
+asyncio.Event set on every change); the frontend's worker pool reconciles
+its members against it (services/frontend/workers/pool.py). Workers register themselves with a lease (`EtcdRegistration`); a
 lost lease removes them.
 """
 

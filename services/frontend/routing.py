@@ -1,10 +1,16 @@
-"""Which workers serve a request: the `Router` interface and round-robin.
+"""Which workers serve a request: the `Router` interface, and `RouterCore` decisions as worker handles.
 
 A router picks a decode-capable worker (role decode or both) and, when the
 deployment has a prefill pool, a prefill worker; the decode worker decides by
 itself whether the prompt is worth sending there (conditional disaggregation).
-The KV-aware router (splitserve.router, a later issue) implements the same
-interface and also uses the lifecycle hooks; round-robin ignores them.
+
+`PoolRouter` is the frontend's only router. It only decides: it hands the
+pool's ready workers' ids to a `RouterCore` (splitserve.router: index, load,
+one policy per leg) and maps the decision back onto the pool's handles. The
+pool owns membership (workers/pool.py); the KV events and Stats that keep
+the core's view current are `RouterFeeds` (router_feeds.py), which
+`start()`/`close()` run. `build_router` makes one from the CLI's policy
+names; the server and the tests both build routers with it.
 """
 
 from __future__ import annotations
@@ -12,6 +18,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol
 
+from splitserve.router.core import RouteDecision, RouterCore
+from splitserve.router.policies import DEFAULT_PREFILL_WEIGHT
+
+from splitserve.services.frontend.router_feeds import RouterFeeds
 from splitserve.services.frontend.workers.pool import WorkerHandle, WorkerPool
 
 
@@ -40,29 +50,63 @@ class Router(Protocol):
         """The request ended, however it ended."""
 
 
-class RoundRobinRouter:
-    """Each leg cycles through its ready workers in order."""
+class PoolRouter:
+    """A `RouterCore` over a `WorkerPool`'s ready workers."""
 
-    def __init__(self, pool: WorkerPool):
+    def __init__(self, pool: WorkerPool, core: RouterCore, feeds: RouterFeeds | None = None):
         self.pool = pool
-        self._next_decode = 0
-        self._next_prefill = 0
+        self.core = core
+        self.feeds = feeds if feeds is not None else RouterFeeds(pool, core)
 
     def route(self, request: RouteRequest, exclude: frozenset[str] = frozenset()) -> Route | None:
-        decoders = [w for w in self.pool.ready("decode") if w.worker_id not in exclude]
-        if not decoders:
+        decoders = {w.worker_id: w for w in self.pool.ready("decode") if w.worker_id not in exclude}
+        prefillers = {w.worker_id: w for w in self.pool.ready("prefill") if w.worker_id not in exclude}
+        decision = self.core.route(request.request_id, request.token_ids, list(decoders), list(prefillers))
+        if decision is None:
             return None
-        decode = decoders[self._next_decode % len(decoders)]
-        self._next_decode += 1
-        prefillers = [w for w in self.pool.ready("prefill") if w.worker_id not in exclude]
-        prefill = None
-        if prefillers:
-            prefill = prefillers[self._next_prefill % len(prefillers)]
-            self._next_prefill += 1
-        return Route(decode, prefill, "round-robin")
+        prefill = prefillers[decision.prefill.winner.worker_id] if decision.prefill else None
+        return Route(decoders[decision.decode.winner.worker_id], prefill, _Explanation(decision))
 
     def on_first_token(self, request_id: str) -> None:
-        pass
+        self.core.on_first_token(request_id)
 
     def on_finished(self, request_id: str) -> None:
-        pass
+        self.core.on_finished(request_id)
+
+    def start(self) -> None:
+        """Start the feeds (needs a running loop; routing works without them, on load alone)."""
+        self.feeds.start()
+
+    async def close(self) -> None:
+        await self.feeds.close()
+
+
+def build_router(pool: WorkerPool, policy: str = "kv", prefill_policy: str | None = None, seed: int | None = None,
+                 prefill_weight: float = DEFAULT_PREFILL_WEIGHT, temperature: float = 0.0,
+                 remote_prefill_threshold: int = 64, metrics_registry=None) -> PoolRouter:
+    """A PoolRouter for the CLI names (kv, round-robin, random, least-loaded, power-of-two);
+    ValueError for an unknown one.
+
+    KV events are subscribed to, and routed prompts predicted in the index, only when a leg
+    uses `kv` (the other policies never read the index).
+    """
+    from splitserve.router.metrics import RouterMetrics
+    from splitserve.router.policies import make_policy
+
+    prefill_policy = prefill_policy or policy
+    uses_index = "kv" in (policy, prefill_policy)
+    core = RouterCore(make_policy(policy, seed, prefill_weight, temperature),
+                      make_policy(prefill_policy, None if seed is None else seed + 1, prefill_weight, temperature),
+                      remote_prefill_threshold=remote_prefill_threshold,
+                      metrics=RouterMetrics(metrics_registry), predict=uses_index)
+    return PoolRouter(pool, core, RouterFeeds(pool, core, subscribe=uses_index))
+
+
+@dataclass(slots=True, frozen=True)
+class _Explanation:
+    """A decision's reason for the request log, formatted only if the line is written."""
+
+    decision: RouteDecision
+
+    def __str__(self) -> str:
+        return f"{self.decision.decode.explain()}; {self.decision.reason}"

@@ -34,8 +34,8 @@ from splitserve.services.frontend.core import Frontend
 from splitserve.services.frontend.migration import DEFAULT_LIMIT as DEFAULT_MIGRATION_LIMIT, MigrationPolicy
 from splitserve.services.frontend.metrics import FrontendMetrics
 from splitserve.services.frontend.http.app import build_app
-from splitserve.services.frontend.kv_routing import build_router
 from splitserve.services.frontend.limits import LimitsConfig
+from splitserve.services.frontend.routing import build_router
 from splitserve.services.frontend.workers.pool import WorkerAddress, WorkerPool
 
 log = logging.getLogger(__name__)
@@ -65,23 +65,23 @@ class FrontendConfig:
     limits: LimitsConfig = field(default_factory=LimitsConfig)
 
 
-def build_frontend(config: FrontendConfig, pool: WorkerPool, registry=None) -> tuple[Frontend, Guard]:
+def build_frontend(config: FrontendConfig, pool: WorkerPool) -> tuple[Frontend, Guard]:
     """The request path (tokenizer, router, migration, limits) over `pool`; starts nothing.
 
-    `registry` (etcd, or Ray's worker directory) adds and removes pool members.
-    `run_frontend` and the Ray Serve ingress both build their frontend here.
+    The pool keeps its own members (a static list, or its registry: etcd, or Ray's worker
+    directory). `run_frontend` and the Ray Serve ingress both build their frontend here.
     """
     tokenizer = Tokenizer(open_checkpoint(config.model))
     metrics = FrontendMetrics()
     try:
         router = build_router(pool, config.router, config.prefill_router, config.router_seed,
                               config.prefill_weight, config.router_temperature, config.remote_prefill_threshold,
-                              registry, metrics.registry)
+                              metrics_registry=metrics.registry)
     except ValueError as exc:
         raise SplitserveError(str(exc)) from None
     frontend = Frontend(tokenizer, pool, router, metrics, config.served_model_name,
                         MigrationPolicy(config.migration_limit))
-    router.stats_listeners.append(metrics.faults.workers.update)
+    router.feeds.stats_listeners.append(metrics.faults.workers.update)
     return frontend, Guard(config.api_keys, config.limits, metrics.rejected)
 
 
@@ -89,14 +89,14 @@ async def run_frontend(config: FrontendConfig) -> int:
     addresses = [WorkerAddress.parse(w) for w in config.workers]
     if not config.etcd and not any(a.role in ("both", "decode") for a in addresses):
         raise SplitserveError("the frontend needs at least one worker with role both or decode (or --etcd)")
-    pool = WorkerPool.connect(addresses, config.worker_tls)
     registry = None
     if config.etcd:
         from splitserve.router.discovery.etcd import EtcdRegistry
 
         registry = EtcdRegistry(config.etcd, config.etcd_prefix)
         await registry.start()
-    frontend, guard = build_frontend(config, pool, registry)
+    pool = WorkerPool.connect(addresses, config.worker_tls, registry)
+    frontend, guard = build_frontend(config, pool)
     router = frontend.router
     app = build_app(frontend, guard)
     uv = uvicorn.Server(uvicorn.Config(app, host=config.host, port=config.port, log_level="warning",

@@ -9,8 +9,8 @@ was killed leaves routing within seconds, and one shut down gracefully
 releases its lease at once. The directory restarts empty if its replica dies;
 the workers' next renewals refill it within a second.
 
-`DirectoryRegistry` is the registry interface the frontend's router already
-reconciles its worker pool against (`members()`, `changed`, `start()`,
+`DirectoryRegistry` is the registry interface the frontend's worker pool
+already reconciles its members against (`members()`, `changed`, `start()`,
 `close()`, as router/discovery/static.py and etcd.py): it polls the directory
 every `POLL_S` from the ingress replica's event loop.
 """
@@ -69,7 +69,7 @@ class WorkerDirectory:
 
 
 class DirectoryRegistry:
-    """The router's registry, fed from a `WorkerDirectory` deployment handle."""
+    """The worker pool's registry, fed from a `WorkerDirectory` deployment handle."""
 
     def __init__(self, directory, poll_s: float = POLL_S) -> None:
         self.directory = directory

@@ -1,10 +1,10 @@
 """The ingress replica: the existing frontend (HTTP API, router, dispatch) inside Ray Serve.
 
 It builds exactly what `splitserve frontend` builds — tokenizer, worker pool,
-the policy router with its KV-event subscribers and stats poller, the
-`Frontend` request lifecycle (routing, prefill peers, migration) and the
-FastAPI app from `build_app` — except that the router's registry is the
-Ray directory (directory.py) instead of a static list or etcd. The app is
+the router with its KV-event subscribers and stats poller, the `Frontend`
+request lifecycle (routing, prefill peers, migration) and the FastAPI app
+from `build_app` — except that the pool's registry is the Ray directory
+(directory.py) instead of a static list or etcd. The app is
 handed to Serve late (`__serve_build_asgi_app__`), because its routes close
 over this replica's `Frontend`. Serve's HTTP proxy forwards each request to
 this replica's event loop, where the frontend's gRPC channels live too.
@@ -38,8 +38,8 @@ class PoolView:
 
 
 def build_frontend(settings: IngressSettings, registry):
-    """(Frontend, Guard) from services/frontend/server.py's factory, over an empty pool
-    that `registry` (the worker directory) fills; no server is started here."""
+    """(Frontend, Guard) from services/frontend/server.py's factory, over a pool that follows
+    `registry` (the worker directory) once started; no server is started here."""
     from splitserve.services.frontend.server import FrontendConfig, build_frontend as build
     from splitserve.services.frontend.workers.pool import WorkerPool
 
@@ -49,7 +49,7 @@ def build_frontend(settings: IngressSettings, registry):
                             router_temperature=r.temperature, remote_prefill_threshold=r.remote_prefill_threshold)
     if settings.migration_limit is not None:
         config.migration_limit = settings.migration_limit
-    return build(config, WorkerPool(tls=config.worker_tls), registry)
+    return build(config, WorkerPool(tls=config.worker_tls, registry=registry))
 
 
 class Ingress:

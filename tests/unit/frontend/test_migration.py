@@ -13,7 +13,7 @@ from splitserve.services.text.tokenizer import Tokenizer
 from splitserve.services.frontend.core import Frontend, GenerationRequest, _Refused, _Run
 from splitserve.services.frontend.metrics import FrontendMetrics
 from splitserve.services.frontend.migration import MigrationPolicy, Progress, Refusal
-from splitserve.services.frontend.routing import RoundRobinRouter
+from splitserve.services.frontend.routing import build_router
 from splitserve.services.frontend.workers.pool import WorkerPool
 from splitserve.services.worker.convert import params_from_proto
 
@@ -47,7 +47,7 @@ def test_refusals():
 @pytest.fixture(scope="module")
 def frontend(llama_dir):
     pool = WorkerPool()
-    return Frontend(Tokenizer(open_checkpoint(str(llama_dir))), pool, RoundRobinRouter(pool), FrontendMetrics())
+    return Frontend(Tokenizer(open_checkpoint(str(llama_dir))), pool, build_router(pool, "round-robin"), FrontendMetrics())
 
 
 def _resp(token_ids, finished=False):
@@ -79,7 +79,7 @@ def test_a_stop_string_spanning_the_migration_point_is_cut(frontend):
 
 def test_a_refused_migration_is_a_503_and_is_counted(llama_dir):
     pool = WorkerPool()
-    fe = Frontend(Tokenizer(open_checkpoint(str(llama_dir))), pool, RoundRobinRouter(pool), FrontendMetrics(),
+    fe = Frontend(Tokenizer(open_checkpoint(str(llama_dir))), pool, build_router(pool, "round-robin"), FrontendMetrics(),
                   migration=MigrationPolicy(0))
     req = GenerationRequest("r", "chat", PROMPT, SamplingParams(max_tokens=10))
     progress = Progress("r", PROMPT, req.params, token_ids=[5, 6])

@@ -1,4 +1,4 @@
-"""The HTTP schema, its OpenAI-style errors, worker addresses and round-robin routing."""
+"""The HTTP schema, its OpenAI-style errors, worker addresses and round-robin routing (the product's router)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from splitserve.errors import InvalidRequestError
 from splitserve.proto.v1 import worker_pb2
 from splitserve.services.frontend.errors import from_validation_error
 from splitserve.services.frontend.http.protocol import ChatCompletionRequest, CompletionRequest
-from splitserve.services.frontend.routing import RoundRobinRouter, RouteRequest
+from splitserve.services.frontend.routing import RouteRequest, build_router
 from splitserve.services.frontend.workers.pool import WorkerAddress, WorkerHandle, WorkerPool
 
 
@@ -67,11 +67,12 @@ def _handle(name: str, role: str, ready: bool = True) -> WorkerHandle:
 def test_round_robin_over_each_leg():
     pool = WorkerPool([_handle("d0", "decode"), _handle("d1", "decode"), _handle("d2", "decode", ready=False),
                        _handle("p0", "prefill"), _handle("p1", "prefill")])
-    router = RoundRobinRouter(pool)
+    # Threshold 0: a one-token prompt is worth a remote prefill, so both legs rotate.
+    router = build_router(pool, "round-robin", remote_prefill_threshold=0)
     routes = [router.route(RouteRequest("r", [1])) for _ in range(4)]
     assert [r.decode.worker_id for r in routes] == ["d0", "d1", "d0", "d1"]
     assert [r.prefill.worker_id for r in routes] == ["p0", "p1", "p0", "p1"]
     assert router.route(RouteRequest("r", [1]), exclude=frozenset({"d0", "d1"})) is None
-    aggregated = RoundRobinRouter(WorkerPool([_handle("a0", "both")]))
+    aggregated = build_router(WorkerPool([_handle("a0", "both")]), "round-robin")
     route = aggregated.route(RouteRequest("r", [1]))
     assert route.decode.worker_id == "a0" and route.prefill is None

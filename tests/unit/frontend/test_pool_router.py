@@ -1,0 +1,72 @@
+"""The router adapter: RouterCore decisions come back as the pool's own handles, `exclude` honoured.
+
+Routers are built as the frontend server builds them (`build_router`); the
+workers are handles that have described themselves, no sockets.
+"""
+
+from __future__ import annotations
+
+from splitserve.proto.v1 import worker_pb2
+from splitserve.router.hashing import block_hashes
+from splitserve.services.frontend.routing import RouteRequest, build_router
+from splitserve.services.frontend.workers.pool import WorkerHandle, WorkerPool
+
+PROMPT = list(range(100, 164))          # 4 blocks of 16
+
+
+def _handle(name: str, role: str, ready: bool = True) -> WorkerHandle:
+    info = worker_pb2.DescribeResponse(worker_id=name, max_model_len=1000, block_size=16)
+    return WorkerHandle(name, role, f"{name}:1", channel=None, stub=None, ready=ready, info=info)
+
+
+def _pool() -> tuple[WorkerPool, dict[str, WorkerHandle]]:
+    handles = {n: _handle(n, r) for n, r in [("d0", "decode"), ("d1", "decode"), ("p0", "prefill"),
+                                             ("p1", "prefill")]}
+    handles["d2"] = _handle("d2", "decode", ready=False)
+    return WorkerPool(handles.values()), handles
+
+
+def test_kv_decisions_map_onto_the_pools_handles():
+    pool, h = _pool()
+    router = build_router(pool, "kv", remote_prefill_threshold=16)
+    router.core.index.stored("d1", block_hashes(PROMPT, 16))
+    router.core.index.stored("p1", block_hashes(PROMPT[:32], 16))
+    route = router.route(RouteRequest("r1", PROMPT + [7] * 40))     # 40 tokens uncached on d1: remote
+    assert route.decode is h["d1"] and route.prefill is h["p1"]
+    assert "remote prefill" in str(route.reason) and "kv" in str(route.reason)
+    short = router.route(RouteRequest("r2", PROMPT + [8]))           # 1 token uncached: local prefill
+    assert short.decode is h["d1"] and short.prefill is None
+    assert "local prefill" in str(short.reason)
+
+
+def test_exclude_is_honoured_on_each_leg():
+    pool, h = _pool()
+    prompt = PROMPT + [9] * 40
+
+    def route(exclude: set[str]):
+        # A fresh router each time: a decision predicts the prompt on its winners.
+        router = build_router(pool, "kv", remote_prefill_threshold=16)
+        router.core.index.stored("d1", block_hashes(PROMPT, 16))
+        router.core.index.stored("p1", block_hashes(PROMPT, 16))
+        return router.route(RouteRequest("r", prompt), exclude=frozenset(exclude))
+
+    assert (route(set()).decode, route(set()).prefill) == (h["d1"], h["p1"])
+    r = route({"d1"})
+    assert r.decode is h["d0"] and r.prefill is h["p1"]
+    r = route({"p1"})
+    assert r.decode is h["d1"] and r.prefill is h["p0"]
+    r = route({"p0", "p1"})
+    assert r.decode is h["d1"] and r.prefill is None and str(r.reason).endswith("aggregated")
+    # d2 is not ready: with d0 and d1 excluded no decode worker is left.
+    assert route({"d0", "d1"}) is None
+
+
+def test_the_load_hooks_reach_the_core():
+    pool, h = _pool()
+    router = build_router(pool, "least-loaded")
+    route = router.route(RouteRequest("r1", PROMPT))
+    assert router.core.load.num_requests() == 1
+    router.on_first_token("r1")
+    assert router.core.load.decode_blocks(route.decode.worker_id) == 4
+    router.on_finished("r1")
+    assert router.core.load.num_requests() == 0 and router.core.load.decode_blocks(route.decode.worker_id) == 0
