@@ -1,7 +1,7 @@
 """The worker pool owns its membership; the router's feeds follow it.
 
 Registries are real (router/discovery/static.py stepped by the test, and
-EtcdRegistry against a small in-process etcd fake that is stopped for the
+EtcdRegistry against a real etcd (tests/conftest.py) that is stopped for the
 outage); workers are small in-process gRPC servers answering Health,
 Describe and Stats. Nothing sleeps: each step awaits the listener event it
 causes (with a timeout that only a failure reaches).
@@ -13,7 +13,6 @@ import asyncio
 import logging
 
 import grpc
-from etcd3aio._protobuf import kv_pb2, rpc_pb2, rpc_pb2_grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from prometheus_client import CollectorRegistry
 
@@ -21,7 +20,7 @@ from splitserve.net import free_port
 from splitserve.proto.v1 import worker_pb2, worker_pb2_grpc
 from splitserve.router.core import WorkerSpec
 from splitserve.router.discovery import WorkerRecord
-from splitserve.router.discovery.etcd import DEFAULT_PREFIX, EtcdRegistry
+from splitserve.router.discovery.etcd import EtcdRegistration, EtcdRegistry
 from splitserve.router.discovery.static import StaticRegistry
 from splitserve.services.frontend.router_feeds import RouterFeeds
 from splitserve.services.frontend.routing import PoolRouter, RouteRequest, build_router
@@ -159,25 +158,6 @@ def test_a_worker_that_turns_serving_is_described_once():
     asyncio.run(go())
 
 
-class FakeEtcd(rpc_pb2_grpc.KVServicer, rpc_pb2_grpc.WatchServicer):
-    """The two etcd calls EtcdRegistry makes: list the prefix, then watch it (no events)."""
-
-    def __init__(self, records: list[WorkerRecord]) -> None:
-        self.records = records
-        self.server = grpc.aio.server()
-        rpc_pb2_grpc.add_KVServicer_to_server(self, self.server)
-        rpc_pb2_grpc.add_WatchServicer_to_server(self, self.server)
-        self.endpoint = f"127.0.0.1:{self.server.add_insecure_port('127.0.0.1:0')}"
-
-    async def Range(self, request, context):
-        return rpc_pb2.RangeResponse(header=rpc_pb2.ResponseHeader(revision=1), kvs=[
-            kv_pb2.KeyValue(key=(DEFAULT_PREFIX + r.worker_id).encode(), value=r.to_json()) for r in self.records])
-
-    async def Watch(self, request_iterator, context):
-        async for _ in request_iterator:
-            yield rpc_pb2.WatchResponse(header=rpc_pb2.ResponseHeader(revision=1), created=True)
-
-
 class _Flag(logging.Handler):
     """Sets an asyncio.Event when a record's message starts with `prefix`."""
 
@@ -191,24 +171,27 @@ class _Flag(logging.Handler):
             self.event.set()
 
 
-def test_the_pool_keeps_its_members_while_etcd_is_unreachable():
+def test_the_pool_keeps_its_members_while_etcd_is_unreachable(etcd):
+    """A real etcd (tests/conftest.py): two workers register, then etcd stops."""
     async def go():
         records = _records(2)
-        etcd = FakeEtcd(records)
-        await etcd.server.start()
+        registrations = [EtcdRegistration([etcd.endpoint], r, ttl_s=30) for r in records]
         unreachable = _Flag("etcd unreachable")
         etcd_log = logging.getLogger("splitserve.router.discovery.etcd")
         etcd_log.addHandler(unreachable)
         registry = EtcdRegistry([etcd.endpoint])
         try:
+            for registration in registrations:
+                await registration.start()
             await registry.start()
-            await asyncio.wait_for(registry.changed.wait(), TIMEOUT_S)      # listed
             pool = WorkerPool(registry=registry)
             recorder = Recorder()
             pool.subscribe(recorder)
             pool.start()
             assert {await recorder.next(), await recorder.next()} == {("added", r.address) for r in records}
-            await etcd.server.stop(0)
+            for registration in registrations:
+                registration.pause()             # no lease refresh against a stopped etcd
+            await asyncio.to_thread(etcd.stop)
             await asyncio.wait_for(unreachable.event.wait(), TIMEOUT_S)
             pool.reconcile()                     # what the pool's next pass sees while etcd is away
             assert [w.address for w in pool.workers] == [r.address for r in records]
@@ -217,6 +200,8 @@ def test_the_pool_keeps_its_members_while_etcd_is_unreachable():
         finally:
             etcd_log.removeHandler(unreachable)
             await registry.close()
+            for registration in registrations:
+                await registration.close(revoke=False)
 
     asyncio.run(go())
 
