@@ -14,6 +14,7 @@ import subprocess
 import sys
 
 FRONTEND_MODULES = [
+    "splitserve.services.cli.main",          # `splitserve frontend` starts here
     "splitserve.services.frontend.server",
     "splitserve.services.frontend.http.app",
     "splitserve.services.frontend.grpc.inference",
