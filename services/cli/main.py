@@ -58,6 +58,7 @@ def _parse_ids(text: str) -> list[int]:
 
 def cmd_generate(args: argparse.Namespace) -> int:
     from splitserve.services.engine.engine import LLMEngine
+    from splitserve.services.text.generate import generate_text
     from splitserve.services.wire.sampling_params import SamplingParams
 
     if not args.prompt and not args.prompt_ids:
@@ -74,7 +75,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
                                 top_p=args.top_p, top_k=args.top_k, seed=args.seed,
                                 ignore_eos=args.ignore_eos)
-        for result in engine.generate(prompts, params):
+        for result in generate_text(engine, prompts, params):    # the text as the frontend makes it
             if args.json:
                 print(json.dumps({"token_ids": result.token_ids, "text": result.text,
                                   "finish_reason": result.finish_reason.value,

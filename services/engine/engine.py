@@ -6,6 +6,8 @@ The disaggregated path adds two modes (DESIGN section 2): a prefill-only request
 calls back after each layer with the blocks it wrote (so a connector can push
 them while the next layer computes), and a decode worker reserves blocks for a
 prompt that another worker fills, then joins it to the batch with its first token.
+Outputs are token ids: a request stops on token ids, max_tokens or the context
+limit (stopping.py); text and stop strings are the frontend's (services/text/).
 """
 
 from __future__ import annotations
@@ -30,33 +32,22 @@ from splitserve.services.engine.sampler import SampledToken, sample, skip_draws
 from splitserve.services.wire.sampling_params import SamplingParams
 from splitserve.services.engine.scheduler import Reservation, ScheduledChunk, Scheduler
 from splitserve.services.engine.sequence import FinishReason, LayerCallback, LayerReady, Sequence
-from splitserve.services.text.stop_checker import StopChecker
+from splitserve.services.engine.stopping import token_stop_reason
 from splitserve.services.engine.parallel.tensor_parallel import TensorParallelGroup
 from splitserve.services.engine.rank import build_rank
 from splitserve.services.text.tokenizer import Tokenizer
+from splitserve.services.wire.outputs import RequestOutput
 from splitserve.services.engine.loading.weights import ShardSpec
 
 log = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
-class RequestOutput:
-    request_id: str
-    new_token_ids: list[int]
-    new_text: str
-    finished: bool
-    finish_reason: FinishReason | None
-    num_prompt_tokens: int
-    num_cached_tokens: int
-    num_output_tokens: int
-    logprobs: list[SampledToken] = field(default_factory=list)
-
-
-@dataclass(slots=True)
 class GenerationResult:
+    """One prompt run to completion: token ids only (text: services/text/generate.py)."""
+
     request_id: str
     token_ids: list[int]
-    text: str
     finish_reason: FinishReason | None
     num_prompt_tokens: int
     num_cached_tokens: int
@@ -107,7 +98,6 @@ class LLMEngine:
         self.stats = EngineStats()
         self._rng = random.Random(config.seed)
         self._arrivals = 0
-        self._stop_checkers: dict[str, StopChecker] = {}
         self._pending_outputs: list[RequestOutput] = []
         self._event_subscribers: list[Callable[[list[KVEvent]], None]] = []
 
@@ -134,8 +124,7 @@ class LLMEngine:
             return self.scheduler.release_held(request_id)
         self.scheduler.finish(seq, FinishReason.ABORT)
         self.stats.num_aborted += 1
-        self._pending_outputs.append(self._output(seq, [], "", []))
-        self._stop_checkers.pop(request_id, None)
+        self._pending_outputs.append(self._output(seq, [], []))
         return True
 
     def has_unfinished(self) -> bool:
@@ -154,10 +143,7 @@ class LLMEngine:
         if seq.generator is not None and params.seed is not None:
             # The prefill worker samples the first token with the draw after the prior ones.
             skip_draws(seq.generator, 1, self.model_config.vocab_size)
-        reservation = self.scheduler.reserve_remote(seq)
-        if reservation is None:
-            self._stop_checkers.pop(request_id, None)
-        return reservation
+        return self.scheduler.reserve_remote(seq)
 
     def complete_remote_prefill(self, request_id: str, first_token: int | SampledToken
                                 ) -> RequestOutput | None:
@@ -178,7 +164,6 @@ class LLMEngine:
         if seq is None:
             return False
         self.scheduler.finish(seq, FinishReason.ABORT)
-        self._stop_checkers.pop(request_id, None)
         return True
 
     def release_fence(self, request_id: str) -> bool:
@@ -228,14 +213,13 @@ class LLMEngine:
         results = {}
         for rid, prompt, p in zip(ids, prompts, params_list):
             self.add_request(rid, prompt, p)
-            results[rid] = GenerationResult(rid, [], "", None, 0, 0)
+            results[rid] = GenerationResult(rid, [], None, 0, 0)
         while self.has_unfinished():
             for out in self.step():
                 r = results.get(out.request_id)
                 if r is None:
                     continue   # a request added through add_request, not ours to collect
                 r.token_ids.extend(out.new_token_ids)
-                r.text += out.new_text
                 r.logprobs.extend(out.logprobs)
                 r.num_prompt_tokens, r.num_cached_tokens = out.num_prompt_tokens, out.num_cached_tokens
                 if out.finished:
@@ -288,7 +272,6 @@ class LLMEngine:
             if params.seed is not None:
                 skip_draws(generator, params.num_prior_draws, self.model_config.vocab_size)
         self._arrivals += 1
-        self._stop_checkers[request_id] = StopChecker(self.tokenizer, params, self.eos_token_ids, ids)
         return Sequence(request_id, ids, params, self._arrivals, prefill_only=prefill_only,
                         on_layer_done=on_layer_done, generator=generator)
 
@@ -333,24 +316,19 @@ class LLMEngine:
         if token.logprob is not None:
             seq.output_logprobs.append(token.top_logprobs or {})
         self.stats.num_generated_tokens += 1
-        checker = self._stop_checkers[seq.request_id]
-        reason = checker.add(token.token_id, len(seq.output_token_ids))
+        reason = token_stop_reason(seq.params, self.eos_token_ids, token.token_id, len(seq.output_token_ids))
         if seq.prefill_only:
             reason = FinishReason.PREFILL_DONE   # the decode worker judges the first token
         if reason is None and seq.num_tokens >= self.max_model_len:
             reason = FinishReason.LENGTH
         if reason is not None:
-            checker.finish()
             self.scheduler.finish(seq, reason, hold_blocks=seq.prefill_only)
             self.stats.num_finished += 1
-            del self._stop_checkers[seq.request_id]
-        text = checker.take_text()
-        return self._output(seq, [token.token_id], text, [token] if token.logprob is not None else [])
+        return self._output(seq, [token.token_id], [token] if token.logprob is not None else [])
 
-    def _output(self, seq: Sequence, new_ids: list[int], text: str,
-                logprobs: list[SampledToken]) -> RequestOutput:
+    def _output(self, seq: Sequence, new_ids: list[int], logprobs: list[SampledToken]) -> RequestOutput:
         return RequestOutput(
-            request_id=seq.request_id, new_token_ids=new_ids, new_text=text,
+            request_id=seq.request_id, new_token_ids=new_ids,
             finished=seq.is_finished, finish_reason=seq.finish_reason,
             num_prompt_tokens=len(seq.prompt_token_ids), num_cached_tokens=seq.num_prefix_hit_tokens,
             num_output_tokens=len(seq.output_token_ids), logprobs=logprobs)

@@ -10,20 +10,12 @@ any filtering, like OpenAI's `logprobs`.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
+from splitserve.services.wire.outputs import SampledToken
 from splitserve.services.wire.sampling_params import SamplingParams
 
 MIN_TEMPERATURE = 1e-4
-
-
-@dataclass(slots=True)
-class SampledToken:
-    token_id: int
-    logprob: float | None = None
-    top_logprobs: dict[int, float] | None = None
 
 
 def sample(logits: torch.Tensor, params: list[SamplingParams],

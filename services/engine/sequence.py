@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from splitserve.services.wire.outputs import FinishReason
 from splitserve.services.wire.sampling_params import SamplingParams
 
 
@@ -16,13 +17,6 @@ class SequenceStatus(enum.Enum):
     RUNNING = "running"
     REMOTE_PREFILL = "remote_prefill"   # blocks reserved, another worker is filling them
     FINISHED = "finished"
-
-
-class FinishReason(enum.Enum):
-    STOP = "stop"              # EOS, stop token or stop string
-    LENGTH = "length"          # max_tokens or the context limit
-    ABORT = "abort"
-    PREFILL_DONE = "prefill_done"   # prefill-only request handed its KV over
 
 
 @dataclass(slots=True, frozen=True)

@@ -3,12 +3,13 @@
 prepare: check the model, tokenize (chat template or plain text), check the
 context length and build the engine's SamplingParams — every refusal here is
 an APIError with a 4xx. generate: route, call the worker's Generate stream,
-turn its tokens into text incrementally (the same StopChecker the engine
-uses, so stop strings are cut exactly as the engine cuts them and no partial
-stop string is ever shown), and record the latency metrics. Leaving the
-iteration early (the client went away) cancels the worker call, which aborts
-the request on the worker and frees its blocks. A worker stream that breaks is
-continued on another decode worker (migration.py).
+turn its tokens into text incrementally (text/stop_checker.py: text is the
+frontend's work, workers stop on token ids only; stop strings are judged here
+and no partial stop string is ever shown), and record the latency metrics.
+Leaving the iteration early (the client went away, or a stop string ended the
+request) cancels the worker call, which aborts the request on the worker and
+frees its blocks. A worker stream that breaks is continued on another decode
+worker (migration.py).
 """
 
 from __future__ import annotations
@@ -23,10 +24,11 @@ from dataclasses import dataclass, field
 
 from splitserve.errors import InvalidRequestError
 from splitserve.proto.v1 import common_pb2, worker_pb2
-from splitserve.services.wire.sampling_params import SamplingParams
 from splitserve.services.text.stop_checker import StopChecker
 from splitserve.services.text.tokenizer import Tokenizer
-from splitserve.services.worker.convert import finish_reason_from_proto
+from splitserve.services.wire.convert import finish_reason_from_proto
+from splitserve.services.wire.outputs import FinishReason
+from splitserve.services.wire.sampling_params import SamplingParams
 
 from splitserve.services.frontend import metrics as m
 from splitserve.services.frontend.errors import APIError, from_grpc, invalid
@@ -179,7 +181,7 @@ class Frontend:
         """Stream the request's deltas; when a worker's stream breaks, continue on another
         decode worker (migration.py) so the caller sees one uninterrupted stream."""
         progress = Progress(req.request_id, req.prompt_ids, req.params)
-        run = _Run(StopChecker(self.tokenizer, req.params, set(), req.prompt_ids))
+        run = _Run(StopChecker(self.tokenizer, req.params, req.prompt_ids))
         faults = self.metrics.faults
         status, failure = m.STATUS_ERROR, "error"
         self.metrics.in_flight.inc()
@@ -277,7 +279,7 @@ class Frontend:
                     delta = self._delta(req, progress, run, resp, message.request_id)
                     run.finished = delta.finish_reason is not None
                     yield delta
-                    if run.finished:
+                    if run.finished:      # leaving aclosing aborts the worker's request if it goes on
                         return
             run.broken = "the worker ended the stream without finishing the request"
         except WorkerCallError as exc:
@@ -290,9 +292,9 @@ class Frontend:
 
     def _delta(self, req: GenerationRequest, progress: Progress, run: "_Run",
                resp: worker_pb2.TokenGenerateResponse, attempt_id: str) -> Delta:
-        """Account one worker message and turn it into the client's delta. The frontend's own
-        StopChecker decides stop strings and max_tokens (after a migration the worker only sees
-        part of the output), the worker decides EOS and the context limit."""
+        """Account one worker message and turn it into the client's delta. The frontend decides
+        stop strings (the worker never sees text) and max_tokens (after a migration the worker
+        only sees part of the output), the worker decides EOS and the context limit."""
         token_ids, logprobs = list(resp.token_ids), list(resp.logprobs)
         if token_ids:
             now = time.monotonic()
@@ -307,7 +309,10 @@ class Frontend:
         reason = None
         for i, token_id in enumerate(token_ids):
             progress.token_ids.append(token_id)
-            reason = run.checker.add(token_id, progress.num_output_tokens)
+            if run.checker.add(token_id):
+                reason = FinishReason.STOP
+            elif progress.num_output_tokens >= req.params.max_tokens:
+                reason = FinishReason.LENGTH
             if reason is not None:
                 token_ids, logprobs = token_ids[:i + 1], logprobs[:i + 1]
                 break

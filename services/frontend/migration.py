@@ -19,9 +19,9 @@ Why replay is exact:
   first worker would have sampled;
 - unseeded sampling: the continuation is a fresh sample from the same distribution,
   which is all an unseeded request promises;
-- stop strings: the frontend detokenizes the whole output with the engine's StopChecker
-  and judges stop strings itself, so a stop string that spans the migration point is
-  still found and cut (the new worker only sees its own tokens);
+- stop strings: the frontend detokenizes the whole output (text/stop_checker.py) and
+  judges stop strings itself, so a stop string that spans the migration point is still
+  found and cut (workers never see stop strings, and the new one only its own tokens);
 - usage: prompt tokens are the original prompt's, completion tokens all forwarded ones.
 
 When it is refused (and counted, `splitserve_migrations_total{outcome="refused_*"}`):
@@ -38,8 +38,8 @@ from dataclasses import dataclass, field, replace
 import grpc
 
 from splitserve.proto.v1 import worker_pb2
+from splitserve.services.wire.convert import params_to_proto
 from splitserve.services.wire.sampling_params import SamplingParams
-from splitserve.services.worker.convert import params_to_proto
 
 DEFAULT_LIMIT = 2
 
@@ -92,10 +92,15 @@ class Progress:
 
     def worker_request(self) -> worker_pb2.TokenGenerateRequest:
         """The next worker call: prompt + forwarded tokens, the remaining budget, the draws
-        a seeded generator has made so far."""
+        a seeded generator has made so far.
+
+        Without stop strings: workers stop on token ids only and ignore them (text is the
+        frontend's work), so sending them would only suggest that a worker judges them. A
+        stop string ends the request here: the frontend closes the worker stream, which
+        aborts the request on the worker."""
         n = self.num_output_tokens
-        params = self.params if not n else replace(
-            self.params, max_tokens=self.params.max_tokens - n,
+        params = replace(
+            self.params, max_tokens=self.params.max_tokens - n, stop=[], include_stop_str_in_output=False,
             num_prior_draws=self.params.num_prior_draws + (n if self.params.seed is not None else 0))
         return worker_pb2.TokenGenerateRequest(request_id=self.attempt_id(), token_ids=self.prompt_ids + self.token_ids,
                                                params=params_to_proto(params))

@@ -1,8 +1,13 @@
-"""Per-request stop conditions and the text a stream may show so far.
+"""The text a stream may show so far, and where a stop string ends it.
 
-Checks, in order: EOS (unless ignore_eos), stop token ids, stop strings,
-max_tokens. Text that could still turn out to be the start of a stop string is
-held back, so a client never sees part of a stop string that is later cut.
+Text work is the frontend's (vLLM's split): workers stop on token ids and
+counts only (EOS, stop token ids, max_tokens, the context limit:
+engine/stopping.py) and never decode. This checker turns the tokens the
+frontend forwards into text incrementally, finds the first stop string (the
+text is cut before it, or after it with `include_stop_str_in_output`), and
+holds back text that could still turn out to be the start of a stop string, so
+a client never sees part of a stop string that is later cut. Counting tokens
+against max_tokens is the caller's (frontend/core.py, text/generate.py).
 """
 
 from __future__ import annotations
@@ -10,16 +15,14 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import InitVar, dataclass, field
 
-from splitserve.services.wire.sampling_params import SamplingParams
-from splitserve.services.engine.sequence import FinishReason
 from splitserve.services.text.tokenizer import IncrementalDetokenizer, Tokenizer
+from splitserve.services.wire.sampling_params import SamplingParams
 
 
 @dataclass(slots=True)
 class StopChecker:
     tokenizer: Tokenizer
     params: SamplingParams
-    eos_token_ids: set[int]
     prompt_ids: InitVar[Sequence[int]] = ()    # the text continues the prompt's (detokenizer context)
     detok: IncrementalDetokenizer = field(init=False)
     emitted: int = 0                  # characters of detok.text already handed out
@@ -28,19 +31,12 @@ class StopChecker:
     def __post_init__(self, prompt_ids: Sequence[int]) -> None:
         self.detok = IncrementalDetokenizer.after(self.tokenizer, prompt_ids)
 
-    def add(self, token_id: int, num_output_tokens: int) -> FinishReason | None:
+    def add(self, token_id: int) -> bool:
+        """The next output token; True when it completes a stop string (the request ends
+        with FinishReason.STOP, the text where the stop string says)."""
         prev_len = len(self.detok.text)
         self.detok.add(token_id)
-        p = self.params
-        if not p.ignore_eos and token_id in self.eos_token_ids:
-            return FinishReason.STOP
-        if token_id in p.stop_token_ids:
-            return FinishReason.STOP
-        if p.stop and self._find_stop_string(prev_len):
-            return FinishReason.STOP
-        if num_output_tokens >= p.max_tokens:
-            return FinishReason.LENGTH
-        return None
+        return bool(self.params.stop) and self._find_stop_string(prev_len)
 
     def finish(self) -> None:
         """The request ended: everything left becomes showable."""

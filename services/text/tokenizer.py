@@ -12,6 +12,7 @@ import json
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
+from typing import TYPE_CHECKING
 
 import jinja2
 from jinja2.sandbox import ImmutableSandboxedEnvironment
@@ -19,7 +20,8 @@ from tokenizers import Tokenizer as HFTokenizer
 
 from splitserve.errors import InvalidRequestError, ModelLoadError
 
-from splitserve.services.engine.loading.checkpoint import Checkpoint
+if TYPE_CHECKING:       # only its tokenizer fields are read: text work needs nothing of the engine
+    from splitserve.services.engine.loading.checkpoint import Checkpoint
 
 
 def _token_text(value) -> str | None:

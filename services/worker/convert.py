@@ -1,61 +1,17 @@
-"""Conversions between the engine's dataclasses and the splitserve.v1 messages.
+"""Conversions of the engine's own types to the splitserve.v1 messages: a step's output, a
+sampled token's log-probabilities, KV events.
 
-Kept in one place so the worker and the frontend agree on every field. The
-wire's zero values mean "unset" where the engine's default differs
-(top_p 0 -> 1.0).
+The contract's conversions (sampling parameters, finish reasons) live in
+services/wire/convert.py, which the frontend imports too; these need the
+engine's types, so they stay on the worker's side.
 """
 
 from __future__ import annotations
 
 from splitserve.proto.v1 import common_pb2, worker_pb2
-from splitserve.services.engine.engine import RequestOutput
 from splitserve.services.engine.kv_events import AllCleared, BlockRemoved, BlockStored, KVEvent
-from splitserve.services.engine.sampler import SampledToken
-from splitserve.services.wire.sampling_params import SamplingParams
-from splitserve.services.engine.sequence import FinishReason
-
-_FINISH_TO_PROTO = {
-    None: common_pb2.FINISH_REASON_UNSPECIFIED,
-    FinishReason.STOP: common_pb2.FINISH_REASON_STOP,
-    FinishReason.LENGTH: common_pb2.FINISH_REASON_LENGTH,
-    FinishReason.ABORT: common_pb2.FINISH_REASON_ABORT,
-    FinishReason.PREFILL_DONE: common_pb2.FINISH_REASON_PREFILL_DONE,
-}
-_FINISH_FROM_PROTO = {v: k for k, v in _FINISH_TO_PROTO.items()}
-
-
-def finish_reason_to_proto(reason: FinishReason | None) -> int:
-    return _FINISH_TO_PROTO[reason]
-
-
-def finish_reason_from_proto(value: int) -> FinishReason | None:
-    return _FINISH_FROM_PROTO.get(value)
-
-
-def params_to_proto(p: SamplingParams) -> common_pb2.SamplingParams:
-    msg = common_pb2.SamplingParams(
-        max_tokens=p.max_tokens, temperature=p.temperature, top_k=p.top_k, top_p=p.top_p,
-        min_p=p.min_p, stop=list(p.stop), stop_token_ids=list(p.stop_token_ids),
-        ignore_eos=p.ignore_eos, include_stop_str_in_output=p.include_stop_str_in_output,
-        num_prior_draws=p.num_prior_draws)
-    if p.seed is not None:
-        msg.seed = p.seed
-    if p.logprobs is not None:
-        msg.logprobs = p.logprobs
-    return msg
-
-
-def params_from_proto(msg: common_pb2.SamplingParams) -> SamplingParams:
-    """Validated engine parameters; raises InvalidRequestError."""
-    params = SamplingParams(
-        max_tokens=msg.max_tokens, temperature=msg.temperature, top_k=msg.top_k,
-        top_p=msg.top_p or 1.0, min_p=msg.min_p,
-        seed=msg.seed if msg.HasField("seed") else None,
-        stop=list(msg.stop), stop_token_ids=list(msg.stop_token_ids), ignore_eos=msg.ignore_eos,
-        logprobs=msg.logprobs if msg.HasField("logprobs") else None,
-        include_stop_str_in_output=msg.include_stop_str_in_output, num_prior_draws=msg.num_prior_draws)
-    params.validate()
-    return params
+from splitserve.services.wire.convert import finish_reason_to_proto
+from splitserve.services.wire.outputs import RequestOutput, SampledToken
 
 
 def logprob_to_proto(token: SampledToken) -> common_pb2.TokenLogprob:

@@ -24,7 +24,8 @@ from splitserve.proto.v1 import worker_pb2, worker_pb2_grpc
 from splitserve.services.engine.engine import LLMEngine
 from splitserve.tls import PLAINTEXT, TlsConfig
 
-from splitserve.services.worker.convert import event_to_proto, logprob_to_proto, output_to_proto, params_from_proto
+from splitserve.services.wire.convert import params_from_proto
+from splitserve.services.worker.convert import event_to_proto, logprob_to_proto, output_to_proto
 from splitserve.services.worker.kv.remote_prefill import PeerChannels, RemotePrefill, serve_prefill
 from splitserve.services.worker.engine_loop import EngineLoop, EngineStoppedError
 from splitserve.services.worker.kv_event_hub import KvEventHub

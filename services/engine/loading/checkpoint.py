@@ -4,6 +4,10 @@ Both loaders (Hugging Face folder, GGUF file) produce a `Checkpoint`: the HF
 `config.json` contents, a lazy stream of tensors under Hugging Face parameter
 names, and the tokenizer in `tokenizers` JSON form. Everything downstream (model
 construction, tensor-parallel sharding, the SmolLM2 cache) reads only this.
+
+torch is imported only where tensors are made (TYPE_CHECKING for the
+annotations): the frontend opens checkpoints for their tokenizer and must start
+without torch (tests/unit/frontend/test_no_torch.py).
 """
 
 from __future__ import annotations
@@ -12,12 +16,14 @@ import json
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from splitserve.errors import ModelLoadError
 
-TensorStream = Callable[[], Iterator[tuple[str, torch.Tensor]]]
+if TYPE_CHECKING:
+    import torch
+
+TensorStream = Callable[[], Iterator[tuple[str, "torch.Tensor"]]]
 
 
 @dataclass(slots=True)
@@ -38,12 +44,15 @@ class Checkpoint:
     source: str = ""
     num_tensors: int | None = None     # for progress bars, when the format tells
 
-    def save_pretrained(self, folder: Path, dtype: torch.dtype = torch.bfloat16,
+    def save_pretrained(self, folder: Path, dtype: torch.dtype | None = None,
                         progress: bool = False) -> None:
-        """Write the checkpoint as a Hugging Face folder (one safetensors file)."""
+        """Write the checkpoint as a Hugging Face folder (one safetensors file), in `dtype`
+        (default bfloat16)."""
+        import torch
         from safetensors.torch import save_file
         from tqdm import tqdm
 
+        dtype = torch.bfloat16 if dtype is None else dtype
         folder.mkdir(parents=True, exist_ok=True)
         stream = self.tensors()
         if progress:

@@ -15,6 +15,8 @@ into what a Hugging Face folder would hold:
 The file is memory-mapped once; `tensors()` dequantizes lazily on each pass.
 Every check that needs no dequantization (names, types, truncation) runs at
 load time, so a bad file fails before the engine starts building a model.
+torch is imported by the first tensor, not here: the frontend opens a GGUF for
+its tokenizer only.
 """
 
 from __future__ import annotations
@@ -23,9 +25,9 @@ import logging
 import math
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
 from gguf import GGMLQuantizationType as QType
 from gguf import GGUFReader, ReaderField, ReaderTensor
 from gguf.quants import dequantize
@@ -33,6 +35,9 @@ from gguf.quants import dequantize
 from splitserve.errors import ModelLoadError, UnsupportedModelError
 from splitserve.services.engine.loading.checkpoint import Checkpoint
 from splitserve.services.engine.loading.gguf_tokenizer import build_tokenizer
+
+if TYPE_CHECKING:
+    import torch
 
 logger = logging.getLogger(__name__)
 
@@ -245,6 +250,8 @@ def _check_dtype(tensor: ReaderTensor, path: Path) -> None:
 
 
 def _to_torch(tensor: ReaderTensor, num_heads: int) -> torch.Tensor:
+    import torch
+
     shape = tuple(int(d) for d in reversed(tensor.shape))  # ggml lists dimensions innermost first
     if tensor.tensor_type == QType.F32:
         out = torch.from_numpy(np.array(tensor.data, dtype=np.float32))

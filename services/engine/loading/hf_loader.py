@@ -9,7 +9,8 @@ Everything that can be checked without reading the weights is checked here, up
 front, so a bad folder fails at load time with a message that names the file:
 every shard's safetensors header is opened (that catches truncated and garbage
 files); the tensors themselves are streamed lazily, shard by shard. Nothing is
-ever fetched from a hub.
+ever fetched from a hub. Opening a folder needs no torch (the headers are read
+with safetensors' numpy front end); streaming its tensors imports it.
 """
 
 from __future__ import annotations
@@ -18,12 +19,15 @@ import json
 import logging
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
 from safetensors import SafetensorError, safe_open
 
 from splitserve.errors import ModelLoadError
 from splitserve.services.engine.loading.checkpoint import Checkpoint, read_json
+
+if TYPE_CHECKING:
+    import torch
 
 logger = logging.getLogger(__name__)
 
@@ -127,7 +131,7 @@ def _read_tokenizer_json(path: Path) -> str:
 
 def _check_header(shard: Path) -> None:
     try:
-        with safe_open(str(shard), framework="pt") as f:
+        with safe_open(str(shard), framework="numpy") as f:     # "pt" would import torch
             f.keys()
     except (SafetensorError, OSError) as exc:
         raise ModelLoadError(f"corrupt weight file {shard}: {exc}; the file is truncated or not "

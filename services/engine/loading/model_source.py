@@ -22,8 +22,6 @@ import shutil
 import uuid
 from pathlib import Path
 
-import torch
-
 from splitserve.errors import ModelLoadError
 from splitserve.services.engine.loading.checkpoint import Checkpoint
 from splitserve.services.engine.loading.hf_loader import load_hf_folder
@@ -76,6 +74,8 @@ def resolve_smollm2(cache_dir: Path | None = None, progress: bool = True,
     target = models / f"SmolLM2-135M-Instruct-bf16-{version}"
     if (target / "config.json").is_file():
         return target
+    import torch    # here, not at the top: the frontend opens checkpoints without torch
+
     models.mkdir(parents=True, exist_ok=True)
     _remove_abandoned(models, target.name)
     tmp = models / f"{target.name}{_TMP_MARK}{os.getpid()}-{uuid.uuid4().hex[:8]}"

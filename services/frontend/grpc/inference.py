@@ -11,8 +11,8 @@ from __future__ import annotations
 import grpc
 
 from splitserve.proto.v1 import inference_pb2, inference_pb2_grpc
-from splitserve.services.worker.convert import finish_reason_to_proto
-from splitserve.services.engine.sequence import FinishReason
+from splitserve.services.wire.convert import finish_reason_to_proto
+from splitserve.services.wire.outputs import FinishReason
 
 from splitserve.services.frontend.errors import APIError, invalid
 from splitserve.services.frontend.core import Frontend, GenerationRequest, SamplingRequest, new_request_id

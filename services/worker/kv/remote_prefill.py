@@ -37,7 +37,8 @@ from splitserve.services.engine.scheduler import Reservation
 from splitserve.services.engine.sequence import FinishReason
 from splitserve.tls import PLAINTEXT, TlsConfig
 
-from splitserve.services.worker.convert import logprob_to_proto, params_to_proto
+from splitserve.services.wire.convert import params_to_proto
+from splitserve.services.worker.convert import logprob_to_proto
 from splitserve.services.worker.engine_loop import EngineLoop
 from splitserve.services.worker.kv.transfer import KVReceiver, KVSender, TransferError, TransferTarget
 from splitserve.services.worker.kv.write_fences import WriteFences

@@ -11,6 +11,7 @@ import pytest
 
 from splitserve.services.engine.config import EngineConfig
 from splitserve.services.engine.engine import LLMEngine
+from splitserve.services.text.generate import generate_text
 from splitserve.services.wire.sampling_params import SamplingParams
 
 
@@ -44,7 +45,7 @@ def test_generate_json_matches_the_engine(llama_dir):
     lines = [json.loads(line) for line in result.stdout.splitlines()]
     assert len(lines) == 2
     engine = LLMEngine(EngineConfig(model=str(llama_dir), num_kv_blocks=32))
-    expected = engine.generate([[1, 5, 9, 200], [3, 4]], SamplingParams(max_tokens=6, ignore_eos=True))
+    expected = generate_text(engine, [[1, 5, 9, 200], [3, 4]], SamplingParams(max_tokens=6, ignore_eos=True))
     for line, want in zip(lines, expected):
         assert line["token_ids"] == want.token_ids
         assert line["text"] == want.text

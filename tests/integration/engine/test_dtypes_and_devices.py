@@ -12,6 +12,7 @@ import torch
 
 from splitserve.services.engine.config import EngineConfig
 from splitserve.services.engine.engine import LLMEngine
+from splitserve.services.text.generate import generate_text
 from splitserve.services.wire.sampling_params import SamplingParams
 from splitserve.testing.oracle import assert_greedy_match, hf_greedy
 
@@ -52,5 +53,5 @@ def test_cuda_float32_oracle(arch, request):
 def test_cuda_bfloat16_smollm2_answers(smollm2_dir):
     engine = LLMEngine(EngineConfig(model=str(smollm2_dir), dtype="bfloat16", device="cuda", num_kv_blocks=64))
     prompt = engine.tokenizer.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}])
-    [result] = engine.generate([prompt], SamplingParams(max_tokens=24))
+    [result] = generate_text(engine, [prompt], SamplingParams(max_tokens=24))
     assert "Paris" in result.text

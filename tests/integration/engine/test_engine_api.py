@@ -1,5 +1,7 @@
 """The engine's request API on a real (random-weight) model: sampling, abort,
-KV events, stop conditions and bad input. Every test ends with the pool idle."""
+KV events, stop conditions and bad input. Every test ends with the pool idle.
+Text and stop strings are the frontend's: they are checked through the text
+module over the engine (services/text/generate.py), as `splitserve generate` runs."""
 
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ from splitserve.services.engine.engine import LLMEngine
 from splitserve.services.engine.kv_events import AllCleared, BlockRemoved, BlockStored
 from splitserve.services.wire.sampling_params import SamplingParams
 from splitserve.services.engine.sequence import FinishReason
+from splitserve.services.text.generate import generate_text
 
 
 @pytest.fixture(scope="module")
@@ -71,14 +74,14 @@ def test_stop_token_ids_and_max_tokens(engine):
 
 
 def test_stop_string_cuts_text(engine):
-    [free] = engine.generate([PROMPTS[1]], SamplingParams(max_tokens=12, ignore_eos=True))
+    [free] = generate_text(engine, [PROMPTS[1]], SamplingParams(max_tokens=12, ignore_eos=True))
     assert len(free.text) > 6
     stop = free.text[4:7]
-    [cut] = engine.generate([PROMPTS[1]], SamplingParams(max_tokens=12, stop=[stop], ignore_eos=True))
+    [cut] = generate_text(engine, [PROMPTS[1]], SamplingParams(max_tokens=12, stop=[stop], ignore_eos=True))
     assert cut.finish_reason is FinishReason.STOP
     assert cut.text == free.text[:free.text.index(stop)]
-    [kept] = engine.generate([PROMPTS[1]], SamplingParams(max_tokens=12, stop=[stop], ignore_eos=True,
-                                                          include_stop_str_in_output=True))
+    [kept] = generate_text(engine, [PROMPTS[1]], SamplingParams(max_tokens=12, stop=[stop], ignore_eos=True,
+                                                                include_stop_str_in_output=True))
     assert kept.text == free.text[:free.text.index(stop) + len(stop)]
 
 
@@ -86,7 +89,7 @@ def test_streamed_text_equals_decoded_tokens(engine):
     """The output text is what the tokens add to the prompt's text (with the leading space a
     SentencePiece token decoded alone loses)."""
     prompt_ids = PROMPTS[2]
-    [result] = engine.generate([prompt_ids], SamplingParams(max_tokens=20, ignore_eos=True))
+    [result] = generate_text(engine, [prompt_ids], SamplingParams(max_tokens=20, ignore_eos=True))
     prompt_text = engine.tokenizer.decode(prompt_ids)
     whole = engine.tokenizer.decode(prompt_ids + result.token_ids)
     assert whole.startswith(prompt_text) and result.text == whole[len(prompt_text):]

@@ -17,6 +17,7 @@ import pytest
 from splitserve.errors import UnsupportedModelError
 from splitserve.services.engine.config import EngineConfig
 from splitserve.services.engine.engine import LLMEngine
+from splitserve.services.text.generate import generate_text
 from splitserve.services.wire.sampling_params import SamplingParams
 from splitserve.testing.models import build_random_model
 from splitserve.testing.oracle import assert_greedy_match, hf_greedy
@@ -136,6 +137,6 @@ def test_smollm2_answers_capital_of_france(smollm2_dir):
     engine = LLMEngine(EngineConfig(model=str(smollm2_dir), num_kv_blocks=64))
     prompt = engine.tokenizer.apply_chat_template(
         [{"role": "user", "content": "What is the capital of France?"}])
-    [result] = engine.generate([prompt], SamplingParams(max_tokens=24))
+    [result] = generate_text(engine, [prompt], SamplingParams(max_tokens=24))
     assert result.text == "The capital of France is Paris."
     assert result.finish_reason.value == "stop"

@@ -20,6 +20,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from splitserve.services.engine.config import EngineConfig
 from splitserve.services.engine.engine import LLMEngine
+from splitserve.services.text.generate import generate_text
 from splitserve.services.wire.sampling_params import SamplingParams
 from splitserve.testing.oracle import assert_greedy_match, hf_greedy
 
@@ -63,7 +64,7 @@ def test_greedy_completion_equals_engine_and_transformers(client, model_name, en
     out = client.completions.create(model=model_name, prompt=PROMPT_IDS, max_tokens=12, temperature=0,
                                     extra_body=GREEDY)
     choice = out.choices[0]
-    [want] = engine.generate([PROMPT_IDS], SamplingParams(max_tokens=12, ignore_eos=True))
+    [want] = generate_text(engine, [PROMPT_IDS], SamplingParams(max_tokens=12, ignore_eos=True))
     assert choice.token_ids == want.token_ids
     assert choice.text == want.text
     assert choice.finish_reason == "length"
@@ -89,7 +90,7 @@ def test_text_prompt_streaming_equals_whole(client, model_name, engine):
 
 def test_chat_whole_and_streamed(client, model_name, engine):
     prompt_ids = engine.tokenizer.apply_chat_template(CHAT)
-    [want] = engine.generate([prompt_ids], SamplingParams(max_tokens=9, ignore_eos=True))
+    [want] = generate_text(engine, [prompt_ids], SamplingParams(max_tokens=9, ignore_eos=True))
     whole = client.chat.completions.create(model=model_name, messages=CHAT, max_completion_tokens=9,
                                            temperature=0, extra_body=GREEDY)
     assert whole.choices[0].message.role == "assistant"
@@ -108,7 +109,7 @@ def test_chat_whole_and_streamed(client, model_name, engine):
 
 
 def test_stop_string_cuts_the_text(client, model_name, engine):
-    [free] = engine.generate([PROMPT_IDS], SamplingParams(max_tokens=16, ignore_eos=True))
+    [free] = generate_text(engine, [PROMPT_IDS], SamplingParams(max_tokens=16, ignore_eos=True))
     stop = free.text[len(free.text) // 2:][:3]
     assert stop.strip(), free.text
     expected = free.text[:free.text.index(stop)]
@@ -121,6 +122,21 @@ def test_stop_string_cuts_the_text(client, model_name, engine):
         else:
             text, reason = out.choices[0].text, out.choices[0].finish_reason
         assert (text, reason) == (expected, "stop")
+
+
+def test_a_stop_string_ends_the_request_on_the_worker(server, client, model_name, engine):
+    """Workers never see stop strings: the frontend finds one and closes the worker stream,
+    which aborts the request there long before its token budget is spent."""
+    [free] = generate_text(engine, [PROMPT_IDS], SamplingParams(max_tokens=16, ignore_eos=True))
+    stop = free.text[len(free.text) // 2:][:3]
+    [worker] = server.worker_addresses
+    before = worker_stats(worker)
+    out = client.completions.create(model=model_name, prompt=PROMPT_IDS, max_tokens=LONG["max_tokens"],
+                                    temperature=0, stop=[stop], extra_body={"ignore_eos": True})
+    assert (out.choices[0].text, out.choices[0].finish_reason) == (free.text[:free.text.index(stop)], "stop")
+    stats, _ = _wait_idle(worker, time.monotonic())
+    assert stats.num_aborted == before.num_aborted + 1, stats
+    assert stats.num_generated_tokens - before.num_generated_tokens < LONG["max_tokens"] // 2
 
 
 def test_logprobs_and_seeded_sampling(client, model_name):
@@ -316,7 +332,7 @@ def test_public_grpc_generate(server, model_name, engine):
 
     from splitserve.proto.v1 import common_pb2, inference_pb2, inference_pb2_grpc
 
-    [want] = engine.generate([PROMPT_IDS], SamplingParams(max_tokens=7, ignore_eos=True))
+    [want] = generate_text(engine, [PROMPT_IDS], SamplingParams(max_tokens=7, ignore_eos=True))
     with grpc.insecure_channel(server.grpc_address) as channel:
         stub = inference_pb2_grpc.InferenceStub(channel)
         request = inference_pb2.GenerateRequest(token_ids=inference_pb2.TokenIds(ids=PROMPT_IDS), max_tokens=7,
@@ -340,7 +356,7 @@ def test_public_grpc_chat_stop_and_logprobs(server, model_name, engine):
     from splitserve.proto.v1 import common_pb2, inference_pb2, inference_pb2_grpc
 
     prompt_ids = engine.tokenizer.apply_chat_template(CHAT)
-    [free] = engine.generate([prompt_ids], SamplingParams(max_tokens=16, ignore_eos=True))
+    [free] = generate_text(engine, [prompt_ids], SamplingParams(max_tokens=16, ignore_eos=True))
     stop = free.text[len(free.text) // 2:][:3]
     assert stop.strip(), free.text
     chat = inference_pb2.ChatMessages(messages=[inference_pb2.ChatMessage(**m) for m in CHAT])

@@ -10,12 +10,12 @@ from splitserve.services.engine.loading.model_source import open_checkpoint
 from splitserve.services.wire.sampling_params import SamplingParams
 from splitserve.services.text.stop_checker import StopChecker
 from splitserve.services.text.tokenizer import Tokenizer
+from splitserve.services.wire.convert import params_from_proto
 from splitserve.services.frontend.core import Frontend, GenerationRequest, _Refused, _Run
 from splitserve.services.frontend.metrics import FrontendMetrics
 from splitserve.services.frontend.migration import MigrationPolicy, Progress, Refusal
 from splitserve.services.frontend.routing import build_router
 from splitserve.services.frontend.workers.pool import WorkerPool
-from splitserve.services.worker.convert import params_from_proto
 
 PROMPT = [1, 415, 2936, 9060]
 
@@ -66,7 +66,7 @@ def test_a_stop_string_spanning_the_migration_point_is_cut(frontend):
     params = SamplingParams(max_tokens=40, stop=[stop])
     req = GenerationRequest("r", "completions", PROMPT, params)
     progress = Progress("r", PROMPT, params)
-    run = _Run(StopChecker(tok, params, set()))
+    run = _Run(StopChecker(tok, params))
     shown = frontend._delta(req, progress, run, _resp(output[:cut]), "r").text
     progress.num_migrations = 1           # the first worker's stream broke here
     # The new worker does not know the stop string began earlier: it keeps going.

@@ -1,0 +1,61 @@
+"""Conversions of the contract's dataclasses to and from the splitserve.v1 messages.
+
+Both sides import these, so the worker and the frontend agree on every field.
+The wire's zero values mean "unset" where the engine's default differs
+(top_p 0 -> 1.0). Conversions of engine-only types (a step's output, KV events)
+stay with the worker (services/worker/convert.py).
+
+`stop` and `include_stop_str_in_output` still travel in both directions (old
+frontends send them, and a decode worker forwards its parameters to a prefill
+worker unchanged), but workers ignore them: stop strings are text, and text is
+the frontend's work. The frontend sends neither (migration.Progress.worker_request).
+"""
+
+from __future__ import annotations
+
+from splitserve.proto.v1 import common_pb2
+from splitserve.services.wire.outputs import FinishReason
+from splitserve.services.wire.sampling_params import SamplingParams
+
+_FINISH_TO_PROTO = {
+    None: common_pb2.FINISH_REASON_UNSPECIFIED,
+    FinishReason.STOP: common_pb2.FINISH_REASON_STOP,
+    FinishReason.LENGTH: common_pb2.FINISH_REASON_LENGTH,
+    FinishReason.ABORT: common_pb2.FINISH_REASON_ABORT,
+    FinishReason.PREFILL_DONE: common_pb2.FINISH_REASON_PREFILL_DONE,
+}
+_FINISH_FROM_PROTO = {v: k for k, v in _FINISH_TO_PROTO.items()}
+
+
+def finish_reason_to_proto(reason: FinishReason | None) -> int:
+    return _FINISH_TO_PROTO[reason]
+
+
+def finish_reason_from_proto(value: int) -> FinishReason | None:
+    return _FINISH_FROM_PROTO.get(value)
+
+
+def params_to_proto(p: SamplingParams) -> common_pb2.SamplingParams:
+    msg = common_pb2.SamplingParams(
+        max_tokens=p.max_tokens, temperature=p.temperature, top_k=p.top_k, top_p=p.top_p,
+        min_p=p.min_p, stop=list(p.stop), stop_token_ids=list(p.stop_token_ids),
+        ignore_eos=p.ignore_eos, include_stop_str_in_output=p.include_stop_str_in_output,
+        num_prior_draws=p.num_prior_draws)
+    if p.seed is not None:
+        msg.seed = p.seed
+    if p.logprobs is not None:
+        msg.logprobs = p.logprobs
+    return msg
+
+
+def params_from_proto(msg: common_pb2.SamplingParams) -> SamplingParams:
+    """Validated engine parameters; raises InvalidRequestError."""
+    params = SamplingParams(
+        max_tokens=msg.max_tokens, temperature=msg.temperature, top_k=msg.top_k,
+        top_p=msg.top_p or 1.0, min_p=msg.min_p,
+        seed=msg.seed if msg.HasField("seed") else None,
+        stop=list(msg.stop), stop_token_ids=list(msg.stop_token_ids), ignore_eos=msg.ignore_eos,
+        logprobs=msg.logprobs if msg.HasField("logprobs") else None,
+        include_stop_str_in_output=msg.include_stop_str_in_output, num_prior_draws=msg.num_prior_draws)
+    params.validate()
+    return params

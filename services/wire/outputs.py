@@ -1,0 +1,43 @@
+"""What a worker's engine produces for a request, as both sides of the wire read it.
+
+`FinishReason` names how a request ended, `SampledToken` is one chosen token with
+its log-probabilities, and `RequestOutput` is one step's output for one request.
+They live here, outside the engine, so the frontend (and anything else that only
+reads outputs) can import them without torch: the engine builds them, the
+worker converts them to proto (services/worker/convert.py), the frontend reads
+the proto back (services/wire/convert.py).
+
+Outputs carry token ids only. Text is the frontend's work (services/text/):
+the engine never detokenizes.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+
+class FinishReason(enum.Enum):
+    STOP = "stop"              # EOS or a stop token (engine), or a stop string (frontend)
+    LENGTH = "length"          # max_tokens or the context limit
+    ABORT = "abort"
+    PREFILL_DONE = "prefill_done"   # prefill-only request handed its KV over
+
+
+@dataclass(slots=True)
+class SampledToken:
+    token_id: int
+    logprob: float | None = None
+    top_logprobs: dict[int, float] | None = None
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    request_id: str
+    new_token_ids: list[int]
+    finished: bool
+    finish_reason: FinishReason | None
+    num_prompt_tokens: int
+    num_cached_tokens: int
+    num_output_tokens: int
+    logprobs: list[SampledToken] = field(default_factory=list)
