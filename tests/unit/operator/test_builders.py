@@ -64,7 +64,7 @@ def test_every_worker_rank_serves_metrics_on_a_named_port():
 
 def test_worker_args_parse_with_the_worker_cli():
     """What the operator passes is what `splitserve worker` accepts (its own parser, no process)."""
-    from splitserve.services.cli.main import build_parser
+    from splitserve.services.cli.parsers import build_parser
 
     args = builders.worker_args(SPEC, "decode")
     parsed = build_parser().parse_args(args[1:])

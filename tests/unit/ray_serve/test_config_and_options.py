@@ -128,7 +128,7 @@ def test_quantities():
 
 
 def test_serve_flags_map_like_splitserve_serve():
-    from splitserve.services.cli.main import build_parser
+    from splitserve.services.cli.parsers import build_parser
 
     args = build_parser().parse_args(["serve", "--on-ray", "--model", "/m", "--prefill-workers", "2",
                                       "--decode-workers", "3", "--router", "least-loaded", "--kv-cache-gib", "0.1"])
@@ -140,7 +140,7 @@ def test_serve_flags_map_like_splitserve_serve():
 
 
 def test_security_flags_are_refused_not_ignored():
-    from splitserve.services.cli.main import build_parser
+    from splitserve.services.cli.parsers import build_parser
 
     args = build_parser().parse_args(["serve", "--on-ray", "--model", "/m", "--api-key", "secret"])
     with pytest.raises(SplitserveError, match="--api-key"):

@@ -1,0 +1,153 @@
+"""What each `splitserve` command does with its parsed flags: build the service's typed config and
+hand it over. Every service is imported inside its command, so `splitserve frontend` never
+loads the engine and `--help` stays fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+
+from splitserve.errors import SplitserveError
+from splitserve.services.cli import security as _security_args
+
+
+def _engine_config(args: argparse.Namespace):
+    from splitserve.services.engine.config import EngineConfig
+
+    return EngineConfig(model=args.model, device=args.device, dtype=args.dtype,
+                        tensor_parallel_size=args.tp, block_size=args.block_size,
+                        kv_cache_gib=args.kv_cache_gib,
+                        max_num_batched_tokens=args.max_num_batched_tokens,
+                        max_num_seqs=args.max_num_seqs, num_threads=args.threads)
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from splitserve.services.engine.engine import LLMEngine
+    from splitserve.services.text.generate import generate_text
+    from splitserve.services.wire.sampling_params import SamplingParams
+
+    if not args.prompt and not args.prompt_ids:
+        raise SplitserveError("give at least one --prompt or --prompt-ids")
+    engine = LLMEngine(_engine_config(args))
+    try:
+        prompts: list[list[int]] = []
+        for text in args.prompt or []:
+            if args.chat:
+                prompts.append(engine.tokenizer.apply_chat_template([{"role": "user", "content": text}]))
+            else:
+                prompts.append(engine.tokenizer.encode(text))
+        prompts.extend(args.prompt_ids or [])
+        params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
+                                top_p=args.top_p, top_k=args.top_k, seed=args.seed,
+                                ignore_eos=args.ignore_eos)
+        for result in generate_text(engine, prompts, params):    # the text as the frontend makes it
+            if args.json:
+                print(json.dumps({"token_ids": result.token_ids, "text": result.text,
+                                  "finish_reason": result.finish_reason.value,
+                                  "num_prompt_tokens": result.num_prompt_tokens}), flush=True)
+            else:
+                print(result.text, flush=True)
+    finally:
+        engine.close()
+    return 0
+
+
+def cmd_worker(args: argparse.Namespace) -> int:
+    import asyncio
+
+    from splitserve.services.worker.server import WorkerServerConfig, serve
+    from splitserve.services.worker.service import Role, WorkerOptions
+
+    role = Role(args.role)
+    options = WorkerOptions(worker_id=args.worker_id or f"{role.value}-{args.port}", role=role,
+                            remote_prefill_threshold=args.remote_prefill_threshold,
+                            prefill_timeout_s=args.prefill_timeout)
+    config = WorkerServerConfig(options=options, engine=_engine_config(args), host=args.host,
+                                port=args.port, transfer=args.transfer, etcd=args.etcd or [],
+                                etcd_prefix=args.etcd_prefix, etcd_ttl_s=args.etcd_ttl,
+                                drain_timeout_s=args.drain_timeout, metrics_port=args.metrics_port,
+                                session_port=None if args.session_port < 0 else args.session_port)
+    _apply_worker_security(config, args)
+    return asyncio.run(serve(config))
+
+
+def cmd_frontend(args: argparse.Namespace) -> int:
+    from splitserve.services.frontend.server import FrontendConfig, run_frontend
+
+    if not args.worker and not args.etcd:
+        raise SplitserveError("give the workers (--worker ROLE=HOST:PORT) or an etcd to find them in (--etcd)")
+    config = FrontendConfig(model=args.model, workers=args.worker or [], host=args.host, port=args.port,
+                            grpc_port=args.grpc_port, served_model_name=args.served_model_name,
+                            router=args.router, prefill_router=args.prefill_router, router_seed=args.router_seed,
+                            prefill_weight=args.prefill_weight, router_temperature=args.router_temperature,
+                            remote_prefill_threshold=args.remote_prefill_threshold, etcd=args.etcd or [],
+                            etcd_prefix=args.etcd_prefix)
+    config.migration_limit, config.drain_timeout_s = args.migration_limit, args.drain_timeout
+    _apply_frontend_security(config, args)
+    # uvloop: about a quarter of a millisecond less added latency per request, and less CPU
+    # (bench/serving.py, frontend overhead).
+    return _run_fast(run_frontend(config))
+
+
+def _run_fast(main):
+    """asyncio.run on uvloop where it exists (it does not on Windows)."""
+    import asyncio
+
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.run(main)
+    return uvloop.run(main)
+
+
+def _apply_worker_security(config, args: argparse.Namespace) -> None:
+    from splitserve.kvtransfer.auth import token_from
+    from splitserve.services.cli import security as sec
+
+    config.options.tls = sec.worker_tls(args)
+    config.transfer_token = token_from(args.transfer_token)
+
+
+def _apply_frontend_security(config, args: argparse.Namespace) -> None:
+    from splitserve.services.cli import security as sec
+    from splitserve.services.frontend.auth import ApiKeys
+
+    config.api_keys = ApiKeys.load(args.api_key, args.api_keys_file)
+    config.limits = sec.limits_config(args)
+    config.tls, config.worker_tls = sec.public_tls(args), sec.frontend_worker_tls(args)
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    if args.on_ray:
+        from splitserve.services.ray_serve.launch import run_on_ray
+
+        return run_on_ray(args)
+    if args.config or args.ray_address:
+        raise SplitserveError("--config and --ray-address are for --on-ray")
+    from splitserve.services.launch.local import run_serve
+
+    _security_args.check_serve_args(args)
+    return run_serve(args)
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from splitserve.loadgen.cli import main as bench_main
+
+    return bench_main(args.bench_args)
+
+
+def cmd_operator(args: argparse.Namespace) -> int:
+    import os
+
+    from splitserve.operator.runner import OperatorOptions, run_operator
+
+    options = OperatorOptions.from_flags(
+        kubeconfig=args.kubeconfig, namespaces=args.namespace, all_namespaces=args.all_namespaces,
+        etcd_endpoint=args.etcd_endpoint, interval_s=args.interval, worker_address=args.worker_address,
+        node_grace_s=args.node_grace, leader_election_namespace=args.leader_election_namespace,
+        health_port=args.health_port)
+    if os.environ.get("SPLITSERVE_LOG_LEVEL") and args.log_level == "WARNING":   # the chart's, unless a flag
+        logging.getLogger().setLevel(os.environ["SPLITSERVE_LOG_LEVEL"].upper())
+    return run_operator(options)

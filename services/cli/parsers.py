@@ -1,0 +1,272 @@
+"""The `splitserve` argument parsers: one builder per command, shared groups of flags.
+
+Each command's `--help` is its documentation; defaults are shown in it. Parsing
+only: `commands.py` turns the flags into configs.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from splitserve import __version__
+from splitserve.router.policies.kv import DEFAULT_PREFILL_WEIGHT
+from splitserve.services.cli import commands
+from splitserve.services.cli import security as _security_args
+
+
+def _add_engine_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("engine")
+    g.add_argument("--model", default="smollm2",
+                   help="'smollm2' (the shipped SmolLM2-135M-Instruct), a Hugging Face model "
+                        "folder, or a .gguf file (default: %(default)s)")
+    g.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default: %(default)s)")
+    g.add_argument("--dtype", default="auto",
+                   help="auto (bf16 on CUDA, float32 on CPU), float32, bfloat16 or float16")
+    g.add_argument("--tp", type=int, default=1, metavar="N",
+                   help="tensor-parallel degree: N processes, one per rank (default: 1)")
+    g.add_argument("--block-size", type=int, default=16, help="KV block size in tokens")
+    g.add_argument("--kv-cache-gib", type=float, default=1.0, help="KV pool size per rank in GiB")
+    g.add_argument("--max-num-batched-tokens", type=int, default=2048,
+                   help="token budget per step (prefill chunk size)")
+    g.add_argument("--max-num-seqs", type=int, default=64, help="maximum running sequences")
+    g.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+
+
+def _parse_ids(text: str) -> list[int]:
+    try:
+        return [int(t) for t in text.split(",") if t.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--prompt-ids takes comma-separated integers, got {text!r}")
+
+
+def _add_operator_parser(sub) -> None:
+    p = sub.add_parser("operator", help="run the Kubernetes operator (ServingDeployment, gang scheduler)",
+                       description="Reconcile ServingDeployments into frontends and gang-scheduled worker "
+                                   "groups, heal and drain them. Runs in a pod (in-cluster service account) "
+                                   "or locally against a kubeconfig. In a pod the chart sets SPLITSERVE_* "
+                                   "environment variables that stand in for the flags.")
+    p.add_argument("--kubeconfig", default=None,
+                   help="kubeconfig file (default: in-cluster service account, else $KUBECONFIG or ~/.kube/config)")
+    scope = p.add_mutually_exclusive_group()
+    scope.add_argument("--namespace", "-n", action="append", default=None, metavar="NS",
+                       help="watch this namespace (repeatable; default: $SPLITSERVE_WATCH_NAMESPACES, "
+                            "comma-separated, empty meaning all)")
+    scope.add_argument("--all-namespaces", "-A", action="store_true", help="watch every namespace")
+    p.add_argument("--etcd-endpoint", default=None, metavar="HOST:PORT",
+                   help="etcd that workers register in and frontends read, written into each deployment's "
+                        "ConfigMap (default: $SPLITSERVE_ETCD, else splitserve-etcd:2379; the first of a "
+                        "comma-separated list, scheme dropped)")
+    p.add_argument("--interval", type=float, default=2.0, metavar="S",
+                   help="seconds between reconcile passes when no watch event arrives (default: %(default)s)")
+    p.add_argument("--worker-address", choices=["auto", "annotation"], default="auto",
+                   help="how the drain reaches a group's rank-0 worker: auto (the pod's "
+                        "splitserve.io/worker-address annotation, else podIP:50051) or annotation only "
+                        "(simulated nodes, whose pod IPs are fake; default: %(default)s)")
+    p.add_argument("--node-grace", type=float, default=10.0, metavar="S",
+                   help="replace the groups on a node once it has been NotReady this long "
+                        "(default: %(default)s)")
+    p.add_argument("--leader-election-namespace", default=None, metavar="NS",
+                   help="elect one active replica through the Lease splitserve-operator in NS "
+                        "(default: $SPLITSERVE_LEADER_ELECTION_NAMESPACE; unset: no election)")
+    p.add_argument("--health-port", type=int, default=None, metavar="PORT",
+                   help="serve kopf's liveness endpoint /healthz on 0.0.0.0:PORT (default: "
+                        "$SPLITSERVE_HEALTH_PORT; unset: none)")
+    p.set_defaults(func=commands.cmd_operator)
+
+
+def _add_bench_parser(sub) -> None:
+    # Everything after `bench` goes to the load generator's own parser (its --help,
+    # and `bench compare A.json B.json`); prefix_chars keeps argparse from reading it here.
+    p = sub.add_parser("bench", help="load-test an OpenAI-compatible endpoint (see `bench --help`)",
+                       add_help=False, prefix_chars="\0")
+    p.add_argument("bench_args", nargs=argparse.REMAINDER)
+    p.set_defaults(func=commands.cmd_bench)
+
+
+def _add_worker_parser(sub) -> None:
+    p = sub.add_parser("worker", help="run one engine behind the gRPC worker service",
+                       description="Run one engine (one tensor-parallel group) behind the gRPC "
+                                   "Worker service and the standard gRPC health service.")
+    _add_engine_args(p)
+    p.add_argument("--role", choices=["prefill", "decode", "both"], default="both",
+                   help="prefill, decode, or both (aggregated; default)")
+    p.add_argument("--host", default="127.0.0.1", help="listen address (default: %(default)s)")
+    p.add_argument("--port", type=int, default=0, help="gRPC port (default: 0, any free port)")
+    p.add_argument("--worker-id", default=None, help="name in logs, stats and KV events")
+    p.add_argument("--metrics-port", type=int, default=None, metavar="PORT",
+                   help="serve Prometheus metrics (GET /metrics, plain HTTP) on --host:PORT: KV usage, "
+                        "queue and token counters, KV transfer bytes and latency (default: off; 0: any "
+                        "free port)")
+    p.add_argument("--session-port", type=int, default=0, metavar="PORT",
+                   help="the session stream frontends send requests over (GenerateSession's messages on a "
+                        "plain TCP connection, TLS as the gRPC port), on --host:PORT; Describe tells "
+                        "frontends the port (default: 0, any free port; -1: off, frontends use the "
+                        "GenerateSession gRPC call)")
+    _add_disaggregation_args(p)
+    _add_etcd_args(p)
+    p.add_argument("--etcd-ttl", type=int, default=10, metavar="S",
+                   help="lease TTL of the etcd registration; routers drop the worker this long after it "
+                        "stops refreshing (default: %(default)s)")
+    _add_drain_arg(p, "calls")
+    _security_args.add_worker_tls_args(p)
+    _security_args.add_transfer_token_arg(p)
+    p.set_defaults(func=commands.cmd_worker)
+
+
+def _add_drain_arg(p: argparse.ArgumentParser, what: str) -> None:
+    p.add_argument("--drain-timeout", type=float, default=30.0, metavar="S",
+                   help=f"on SIGTERM: stop admitting, give running {what} this long to finish, then exit "
+                        "(default: %(default)s)")
+
+
+def _add_migration_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--migration-limit", type=int, default=2, metavar="N",
+                   help="move a request to another decode worker at most N times when the stream from "
+                        "its worker breaks (crash, lost connection, drain timeout); 0 disables "
+                        "(default: %(default)s)")
+
+
+def _add_disaggregation_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("disaggregation")
+    g.add_argument("--transfer", choices=["auto", "nixl", "tcp"], default="auto",
+                   help="KV transfer between prefill and decode workers (default: nixl when "
+                        "importable, else tcp)")
+    g.add_argument("--remote-prefill-threshold", type=int, default=64, metavar="TOKENS",
+                   help="decode role: prompts with fewer uncached tokens are prefilled locally "
+                        "(default: %(default)s)")
+    g.add_argument("--prefill-timeout", type=float, default=30.0, metavar="S",
+                   help="decode role: give up on remote prefill after this long, retries included, "
+                        "and prefill locally (default: %(default)s)")
+
+
+_ROUTERS = ["kv", "round-robin", "random", "least-loaded", "power-of-two"]
+
+
+def _add_router_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--router", default="kv", choices=_ROUTERS,
+                   help="routing policy (default: %(default)s: prefix overlap against load)")
+    p.add_argument("--prefill-weight", type=float, default=DEFAULT_PREFILL_WEIGHT,
+                   help="kv policy: cost of one uncached prompt block relative to one block of load "
+                        "(default: %(default)s: its prefill time plus the new KV memory it takes)")
+    p.add_argument("--router-temperature", type=float, default=0.0,
+                   help="kv policy: sample winners ∝ exp(-normalized cost / T); 0 picks the lowest "
+                        "(default: %(default)s)")
+
+
+def _add_etcd_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--etcd", action="append", default=None, metavar="HOST:PORT",
+                   help="etcd endpoint for worker discovery (repeatable; default: none, static)")
+    p.add_argument("--etcd-prefix", default="/splitserve/workers/",
+                   help="key prefix workers register under (default: %(default)s)")
+
+
+def _add_frontend_parser(sub) -> None:
+    p = sub.add_parser("frontend", help="run the OpenAI-compatible HTTP and gRPC frontend",
+                       description="Serve the OpenAI-compatible HTTP API and the public gRPC "
+                                   "Generate API in front of running workers.")
+    p.add_argument("--model", default="smollm2", help="the workers' model (for its tokenizer)")
+    p.add_argument("--served-model-name", default=None,
+                   help="model name clients use (default: the workers' model name)")
+    p.add_argument("--worker", action="append", default=None, metavar="ROLE=HOST:PORT",
+                   help="a worker, e.g. both=127.0.0.1:50051 (repeatable; roles: both, decode, prefill); "
+                        "or find them with --etcd")
+    _add_router_args(p)
+    p.add_argument("--prefill-router", default=None, choices=_ROUTERS,
+                   help="the prefill leg's policy (default: the same as --router)")
+    p.add_argument("--router-seed", type=int, default=None, help="seed of the random policies")
+    p.add_argument("--remote-prefill-threshold", type=int, default=64, metavar="TOKENS",
+                   help="prompts with fewer tokens uncached on the chosen decode worker are prefilled "
+                        "there (default: %(default)s; the decode worker checks again itself)")
+    _add_etcd_args(p)
+    p.add_argument("--host", default="127.0.0.1", help="listen address (default: %(default)s)")
+    p.add_argument("--port", type=int, default=8000, help="HTTP port (default: %(default)s)")
+    p.add_argument("--grpc-port", type=int, default=None,
+                   help="public gRPC port (default: none)")
+    _add_migration_arg(p)
+    _add_drain_arg(p, "requests")
+    _security_args.add_api_key_args(p)
+    _security_args.add_limit_args(p)
+    _security_args.add_public_tls_args(p)
+    _security_args.add_frontend_worker_tls_args(p)
+    p.set_defaults(func=commands.cmd_frontend)
+
+
+def _add_serve_parser(sub) -> None:
+    p = sub.add_parser("serve", help="start workers and the frontend on this machine",
+                       description="Start the workers and the OpenAI-compatible frontend as "
+                                   "processes on this machine, wait until they are ready, print "
+                                   "the URL; Ctrl-C or SIGTERM stops them all.")
+    _add_engine_args(p)
+    p.add_argument("--aggregated", action="store_true",
+                   help="no separate prefill pool: every worker prefills and decodes")
+    p.add_argument("--workers", type=int, default=None, metavar="N",
+                   help="with --aggregated: number of workers (default: 1)")
+    p.add_argument("--prefill-workers", type=int, default=None, metavar="N",
+                   help="disaggregated: prefill workers (default: 1)")
+    p.add_argument("--decode-workers", type=int, default=None, metavar="M",
+                   help="disaggregated: decode workers (default: 1)")
+    _add_disaggregation_args(p)
+    _add_router_args(p)
+    p.add_argument("--frontends", type=int, default=1, metavar="K",
+                   help="frontends (router replicas), each on its own HTTP port (--port, then free "
+                        "ports, all printed) and each building the same KV index from the workers' "
+                        "events (default: %(default)s)")
+    p.add_argument("--host", default="127.0.0.1", help="frontend listen address (default: %(default)s)")
+    p.add_argument("--port", type=int, default=8000, help="HTTP port (default: %(default)s)")
+    p.add_argument("--grpc-port", type=int, default=None,
+                   help="public gRPC port (default: HTTP port + 1; 0: any free port)")
+    p.add_argument("--served-model-name", default=None, help="model name clients use")
+    p.add_argument("--ready-timeout", type=float, default=600.0, metavar="S",
+                   help="give up when not ready after this many seconds (default: %(default)s)")
+    _add_migration_arg(p)
+    ray = p.add_argument_group("Ray Serve (splitserve.services.ray_serve)")
+    ray.add_argument("--on-ray", action="store_true",
+                     help="run as a Ray Serve application: on --ray-address, else on a local Ray")
+    ray.add_argument("--ray-address", default=None, metavar="ADDR",
+                     help="the Ray cluster to use (e.g. auto, or ray://HOST:10001; default: RAY_ADDRESS, "
+                          "else a local Ray)")
+    ray.add_argument("--config", default=None, metavar="FILE",
+                     help="a ServingDeployment manifest (or its spec) in YAML; replaces the pool, router "
+                          "and model flags (engine flags such as --kv-cache-gib still apply)")
+    ray.add_argument("--ray-cpus-per-worker", type=float, default=1.0, metavar="C",
+                     help="without --config: CPUs each worker replica reserves (default: %(default)s)")
+    _security_args.add_api_key_args(p)
+    _security_args.add_limit_args(p)
+    _security_args.add_serve_tls_args(p)
+    _security_args.add_transfer_token_arg(p)
+    p.set_defaults(func=commands.cmd_serve)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="splitserve",
+        description="Serve LLMs with disaggregated prefill and decode.")
+    parser.add_argument("--version", action="version", version=f"splitserve {__version__}")
+    parser.add_argument("--log-level", default="WARNING", help="logging level (default: %(default)s)")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    gen = sub.add_parser("generate", help="generate text for prompts with the built-in engine",
+                         description="Generate text with the built-in engine, no server involved.")
+    _add_engine_args(gen)
+    src = gen.add_argument_group("prompts")
+    src.add_argument("--prompt", action="append", metavar="TEXT", help="prompt text (repeatable)")
+    src.add_argument("--prompt-ids", action="append", type=_parse_ids, metavar="IDS",
+                     help="prompt as comma-separated token ids (repeatable)")
+    src.add_argument("--chat", action="store_true",
+                     help="wrap each --prompt as a user message in the model's chat template")
+    smp = gen.add_argument_group("sampling")
+    smp.add_argument("--max-tokens", type=int, default=64, help="tokens to generate (default: %(default)s)")
+    smp.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default)")
+    smp.add_argument("--top-p", type=float, default=1.0)
+    smp.add_argument("--top-k", type=int, default=0)
+    smp.add_argument("--seed", type=int, default=None, help="per-request seed for reproducible sampling")
+    smp.add_argument("--ignore-eos", action="store_true", help="keep generating past EOS")
+    gen.add_argument("--json", action="store_true", help="print one JSON object per prompt")
+    gen.set_defaults(func=commands.cmd_generate)
+
+    _add_worker_parser(sub)
+    _add_frontend_parser(sub)
+    _add_serve_parser(sub)
+    _add_bench_parser(sub)
+    _add_operator_parser(sub)
+    return parser
