@@ -28,8 +28,8 @@ from splitserve.services.worker.convert import event_to_proto, logprob_to_proto,
 from splitserve.services.worker.engine_loop import EngineLoop, EngineStoppedError
 from splitserve.services.worker.kv.prefill_server import serve_prefill
 from splitserve.services.worker.kv.remote_prefill import PeerChannels, RemotePrefill
-from splitserve.services.worker.kv.transfer import (KVReceiver, KVSender, TransferEndpoint, TransferError, TransferGrant,
-                                                   TransferNotWiredError, TransferTarget)
+from splitserve.services.worker.kv.transfer import (KVReceiver, KVSender, TransferEndpoint, TransferError,
+                                                   TransferGrant, TransferNotWiredError, TransferTarget)
 from splitserve.services.worker.kv.write_fences import WriteFences
 from splitserve.services.worker.kv_event_hub import KvEventHub
 from splitserve.services.worker.session import GenerateSession
