@@ -10,11 +10,11 @@
 Backends are imported lazily: the NIXL wheel is only needed when "nixl" is asked for.
 """
 
+from splitserve.kvtransfer.backends import make_connector
 from splitserve.kvtransfer.connector import AgentMetadata, Connector, Reservation, TransferHandle
 from splitserve.kvtransfer.errors import (BlockOutOfRangeError, LayoutMismatchError, NotReservedError, PeerLostError,
                      ReservationExpiredError, StalePeerError, TransferError, TransferTimeoutError)
 from splitserve.kvtransfer.layout import KVLayout
-from splitserve.kvtransfer.peer import make_connector
 
 __all__ = [
     "AgentMetadata", "BlockOutOfRangeError", "Connector", "KVLayout", "LayoutMismatchError", "NotReservedError",

@@ -19,21 +19,12 @@ from dataclasses import asdict
 
 import torch
 
+from splitserve.kvtransfer.backends import make_connector
 from splitserve.kvtransfer.connector import Connector, Reservation
 from splitserve.kvtransfer.layout import KVLayout
 from splitserve.kvtransfer.memory import empty_pool
 
 _PROGRESS = "progress"
-
-
-def make_connector(backend: str, name: str, layout: KVLayout, **kwargs) -> Connector:
-    if backend == "tcp":
-        from splitserve.kvtransfer.tcp import TcpConnector
-        return TcpConnector(name, layout, **kwargs)
-    if backend == "nixl":
-        from splitserve.kvtransfer.nixl_backend import NixlConnector
-        return NixlConnector(name, layout, **kwargs)
-    raise ValueError(f"unknown backend {backend!r}")
 
 
 def random_pool(layout: KVLayout, num_blocks: int, seed: int) -> torch.Tensor:

@@ -30,8 +30,8 @@ from splitserve.services.engine.model_runner import ModelRunner
 from splitserve.services.engine.loading.model_source import open_checkpoint
 from splitserve.services.engine.sampler import SampledToken, sample, skip_draws
 from splitserve.services.wire.sampling_params import SamplingParams
-from splitserve.services.engine.scheduler import Reservation, ScheduledChunk, Scheduler
-from splitserve.services.engine.sequence import FinishReason, LayerCallback, LayerReady, Sequence
+from splitserve.services.engine.scheduler import BlockReservation, ScheduledChunk, Scheduler
+from splitserve.services.engine.sequence import FinishReason, LayerCallback, LayerReady, Sequence, TransferUse
 from splitserve.services.engine.stopping import token_stop_reason
 from splitserve.services.engine.parallel.tensor_parallel import TensorParallelGroup
 from splitserve.services.engine.rank import build_rank
@@ -112,16 +112,23 @@ class LLMEngine:
     def add_request(self, request_id: str, prompt: list[int] | str, params: SamplingParams,
                     *, prefill_only: bool = False, on_layer_done: LayerCallback | None = None) -> None:
         seq = self._new_sequence(request_id, prompt, params, prefill_only, on_layer_done)
+        if prefill_only:
+            seq.transfer = TransferUse.SEND     # its blocks stay for the sender: release_transfer
         self.scheduler.add(seq)
 
     def abort(self, request_id: str) -> bool:
         """Drop a request now; its blocks are free before the next step. False if unknown.
 
-        A finished prefill-only request whose blocks are held is released too.
+        A finished prefill-only request's blocks are released too (this worker's own sender
+        reads them, and the abort ends its send); a given-up reservation's granted blocks
+        are not: only the write fence knows when no write can land (`release_transfer`).
         """
         seq = self.scheduler.find(request_id)
         if seq is None:
-            return self.scheduler.release_held(request_id)
+            hold = self.scheduler.transfer_owned.get(request_id)
+            if hold is None or hold.use is not TransferUse.SEND:
+                return False
+            return self.scheduler.transfer_done(request_id)
         self.scheduler.finish(seq, FinishReason.ABORT)
         self.stats.num_aborted += 1
         self._pending_outputs.append(self._output(seq, [], []))
@@ -132,14 +139,15 @@ class LLMEngine:
 
     # -- disaggregated decode side ----------------------------------------------
     def reserve_remote_prefill(self, request_id: str, prompt: list[int], params: SamplingParams,
-                               fence_writes: bool = False) -> Reservation | None:
+                               fence_writes: bool = False) -> BlockReservation | None:
         """Hold KV blocks for a prompt another worker will fill; None when the pool is full.
 
         `fence_writes`: when the reservation is cancelled or aborted, the blocks granted to
-        the writer stay out of the pool until `release_fence(request_id)` (the caller
+        the writer stay out of the pool until `release_transfer(request_id)` (the caller
         knows when no write can land any more)."""
         seq = self._new_sequence(request_id, prompt, params, False, None)
-        seq.fence_writes = fence_writes
+        if fence_writes:
+            seq.transfer = TransferUse.RECEIVE
         if seq.generator is not None and params.seed is not None:
             # The prefill worker samples the first token with the draw after the prior ones.
             skip_draws(seq.generator, 1, self.model_config.vocab_size)
@@ -166,26 +174,26 @@ class LLMEngine:
         self.scheduler.finish(seq, FinishReason.ABORT)
         return True
 
-    def release_fence(self, request_id: str) -> bool:
-        """No write into the cancelled reservation's blocks can land any more: free them."""
-        return self.scheduler.release_fence(request_id)
+    # -- blocks a transfer still uses (both sides) ---------------------------------
+    def release_transfer(self, request_id: str) -> bool:
+        """The transfer is done with `request_id`'s blocks: free them. False if it held none.
 
-    @property
-    def num_fenced_blocks(self) -> int:
-        return sum(len(b) for b in self.scheduler.fenced.values())
-
-    # -- disaggregated prefill side --------------------------------------------
-    def release_prefill(self, request_id: str) -> bool:
-        """A prefill-only request's KV has been sent: release the blocks it still holds.
-
-        Prefill-only requests finish with their blocks held (a connector may still be
-        reading them); the caller releases them here, or with `abort`.
-        """
-        return self.scheduler.release_held(request_id)
+        Prefill side: a prefill-only request finishes with its blocks held (a connector
+        reads them to send); release them once the send is over (or with `abort`).
+        Decode side: a fenced reservation given up leaves its granted blocks held; release
+        them once no write into them can land any more."""
+        return self.scheduler.transfer_done(request_id)
 
     @property
     def num_held_requests(self) -> int:
-        return len(self.scheduler.held)
+        """Finished prefill-only requests whose blocks a connector may still be reading."""
+        return sum(h.use is TransferUse.SEND for h in self.scheduler.transfer_owned.values())
+
+    @property
+    def num_fenced_blocks(self) -> int:
+        """Granted blocks of given-up reservations that a prefill worker may still write."""
+        return sum(len(h.block_ids) for h in self.scheduler.transfer_owned.values()
+                   if h.use is TransferUse.RECEIVE)
 
     # -- one step ----------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -322,7 +330,7 @@ class LLMEngine:
         if reason is None and seq.num_tokens >= self.max_model_len:
             reason = FinishReason.LENGTH
         if reason is not None:
-            self.scheduler.finish(seq, reason, hold_blocks=seq.prefill_only)
+            self.scheduler.finish(seq, reason)
             self.stats.num_finished += 1
         return self._output(seq, [token.token_id], [token] if token.logprob is not None else [])
 

@@ -10,6 +10,15 @@ released (full ones stay in the prefix cache) and it waits to be recomputed.
 
 The scheduler decides; the engine runs the model and applies results
 (`advance`, `finish`). Running out of blocks is never an exception.
+
+A KV transfer may still use a sequence's blocks after it finished: a prefill-only
+sequence's blocks are read by the connector that sends them, a given-up remote
+prefill's granted blocks may still be written by the prefill worker. `finish` asks
+the sequence's `transfer` marker (set when it was created for a transfer) which
+blocks the transfer keeps; those move to `transfer_owned` and return to the pool
+only at `transfer_done`, the transfer's word that it no longer touches them (the
+contract of vLLM's KV connector: `request_finished` delays the free, the worker's
+`finished_sending` frees).
 """
 
 from __future__ import annotations
@@ -20,7 +29,7 @@ from dataclasses import dataclass, field
 
 from splitserve.router.hashing import block_hashes
 from splitserve.services.engine.block_pool import BlockPool
-from splitserve.services.engine.sequence import FinishReason, Sequence, SequenceStatus
+from splitserve.services.engine.sequence import FinishReason, Sequence, SequenceStatus, TransferUse
 
 
 @dataclass(slots=True)
@@ -47,11 +56,19 @@ class SchedulerOutput:
 
 
 @dataclass(slots=True)
-class Reservation:
+class BlockReservation:
     """Blocks a decode worker holds for a prompt that another worker prefills."""
 
     block_ids: list[int]
     num_cached_tokens: int      # leading prompt tokens already in those blocks locally
+
+
+@dataclass(slots=True)
+class TransferHold:
+    """Blocks of a finished request that a KV transfer still uses, and what for."""
+
+    use: TransferUse
+    block_ids: list[int]
 
 
 class Scheduler:
@@ -65,10 +82,9 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []          # in arrival order
         self.remote: dict[str, Sequence] = {}      # reserved for a remote prefill
-        self.held: dict[str, Sequence] = {}        # finished, blocks still held for a reader
-        # Aborted remote prefills' granted blocks, which a prefill worker may still be writing
-        # (one-sided writes): free only at release_fence, once it stopped or its grant ran out.
-        self.fenced: dict[str, list[int]] = {}
+        # Finished requests' blocks that a transfer still reads or may still write: out of
+        # the pool until transfer_done(request_id).
+        self.transfer_owned: dict[str, TransferHold] = {}
         self.num_preemptions = 0
         self.num_prefix_hit_tokens = 0
 
@@ -88,9 +104,9 @@ class Scheduler:
         seq.status = SequenceStatus.WAITING
         self._enqueue_waiting(seq)
 
-    def reserve_remote(self, seq: Sequence) -> Reservation | None:
+    def reserve_remote(self, seq: Sequence) -> BlockReservation | None:
         """Reserve blocks for the whole prompt (reusing cached prefix blocks); None if full.
-        With `seq.fence_writes`, aborting it fences the blocks it granted (see `fenced`)."""
+        With `seq.transfer` RECEIVE, giving it up leaves the granted blocks to the transfer."""
         hits = self._prefix_hits(seq, allow_full=True)
         num_new = self._blocks_for(len(seq.prompt_token_ids)) - len(hits)
         self.pool.take_refs(hits)
@@ -104,7 +120,7 @@ class Scheduler:
         self.num_prefix_hit_tokens += seq.num_prefix_hit_tokens
         seq.status = SequenceStatus.REMOTE_PREFILL
         self.remote[seq.request_id] = seq
-        return Reservation(list(seq.block_ids), seq.num_prefix_hit_tokens)
+        return BlockReservation(list(seq.block_ids), seq.num_prefix_hit_tokens)
 
     def complete_remote(self, request_id: str) -> Sequence | None:
         """The remote prefill filled the reserved blocks: join the running batch."""
@@ -112,6 +128,7 @@ class Scheduler:
         if seq is None:
             return None
         seq.num_computed_tokens = len(seq.prompt_token_ids)
+        seq.transfer = None          # every write landed: an ordinary sequence from now on
         seq.status = SequenceStatus.RUNNING
         bisect.insort(self.running, seq, key=lambda s: s.arrival)
         return seq
@@ -228,46 +245,49 @@ class Scheduler:
                                   tokens[b * self.block_size:(b + 1) * self.block_size])
         seq.num_cached_blocks = num_full
 
-    def finish(self, seq: Sequence, reason: FinishReason, hold_blocks: bool = False) -> None:
-        """Take the sequence out of every queue and release its blocks.
-
-        With `hold_blocks` the blocks stay referenced (e.g. while a connector still
-        reads them) until `release_held(request_id)`.
-        """
-        fence = seq.status is SequenceStatus.REMOTE_PREFILL and seq.fence_writes and not hold_blocks
+    def finish(self, seq: Sequence, reason: FinishReason) -> None:
+        """Take the sequence out of every queue and release its blocks, except those its
+        transfer still uses (`transfer_owned`, until `transfer_done`)."""
+        kept = self._kept_by_transfer(seq, reason)
         if seq.status is SequenceStatus.RUNNING:
             self.running.remove(seq)
         elif seq.status is SequenceStatus.WAITING:
             self.waiting.remove(seq)
         elif seq.status is SequenceStatus.REMOTE_PREFILL:
             self.remote.pop(seq.request_id, None)
-        if fence:
-            self.pool.release(seq.block_ids[:seq.num_cached_blocks])     # the cached prefix was not granted
-            self.fenced.setdefault(seq.request_id, []).extend(seq.block_ids[seq.num_cached_blocks:])
-            seq.block_ids = []
-        elif hold_blocks:
-            self.held[seq.request_id] = seq
-        else:
-            self.held.pop(seq.request_id, None)
+        if kept is None:
             self.pool.release(seq.block_ids)
-            seq.block_ids = []
+        else:
+            self.pool.release(seq.block_ids[:len(seq.block_ids) - len(kept)])
+            hold = self.transfer_owned.setdefault(seq.request_id, TransferHold(seq.transfer, []))
+            hold.block_ids.extend(kept)   # a request id given up twice (a retry) keeps both
+        seq.block_ids = []
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
 
-    def release_fence(self, request_id: str) -> bool:
-        """The fenced blocks of `request_id` can no longer be written: free them."""
-        block_ids = self.fenced.pop(request_id, None)
-        if block_ids is None:
-            return False
-        self.pool.release(block_ids)
-        return True
+    @staticmethod
+    def _kept_by_transfer(seq: Sequence, reason: FinishReason) -> list[int] | None:
+        """The tail of the finishing sequence's blocks that its transfer still uses; None
+        when the transfer (if any) is over.
 
-    def release_held(self, request_id: str) -> bool:
-        seq = self.held.pop(request_id, None)
-        if seq is None:
+        SEND: a prefill that finished: every block, until the connector has sent them; an
+        aborted one sends nothing more. RECEIVE: a reservation given up before it was
+        filled: the blocks granted to the writer, which one-sided writes may still reach
+        (the leading cached-prefix blocks were not granted and go back).
+        """
+        if seq.transfer is TransferUse.SEND and reason is not FinishReason.ABORT:
+            return list(seq.block_ids)
+        if seq.transfer is TransferUse.RECEIVE and seq.status is SequenceStatus.REMOTE_PREFILL:
+            return seq.block_ids[seq.num_cached_blocks:]
+        return None
+
+    def transfer_done(self, request_id: str) -> bool:
+        """The transfer no longer touches `request_id`'s blocks: back to the pool. False if
+        no transfer held any."""
+        hold = self.transfer_owned.pop(request_id, None)
+        if hold is None:
             return False
-        self.pool.release(seq.block_ids)
-        seq.block_ids = []
+        self.pool.release(hold.block_ids)
         return True
 
     # -- helpers -----------------------------------------------------------------

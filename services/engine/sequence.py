@@ -19,6 +19,14 @@ class SequenceStatus(enum.Enum):
     FINISHED = "finished"
 
 
+class TransferUse(enum.Enum):
+    """How a KV transfer uses a sequence's blocks, so that finishing it leaves them to the
+    transfer (scheduler.transfer_owned) until the transfer says it is done."""
+
+    SEND = "send"          # prefill-only: a connector reads the prefilled blocks to send them
+    RECEIVE = "receive"    # fenced reservation: a prefill worker may write the granted blocks
+
+
 @dataclass(slots=True, frozen=True)
 class LayerReady:
     """A prefill-only request's KV for `layer` is written in `block_ids`.
@@ -57,7 +65,7 @@ class Sequence:
     finish_reason: FinishReason | None = None
     generator: torch.Generator | None = None
     num_preemptions: int = 0
-    fence_writes: bool = False                     # remote prefill: aborted, its granted blocks wait
+    transfer: TransferUse | None = None            # a KV transfer uses the blocks (asked at finish)
 
     @property
     def num_tokens(self) -> int:

@@ -21,6 +21,21 @@ def logprob_to_proto(token: SampledToken) -> common_pb2.TokenLogprob:
         top=[common_pb2.TopLogprob(token_id=t, logprob=lp) for t, lp in top])
 
 
+def encode_first_token(token: SampledToken) -> bytes:
+    """The payload of a transfer's completion notification: the prefill's first token."""
+    msg = worker_pb2.FirstToken(token_id=token.token_id)
+    if token.logprob is not None:
+        msg.logprob.CopyFrom(logprob_to_proto(token))
+    return msg.SerializeToString()
+
+
+def decode_first_token(payload: bytes) -> SampledToken:
+    msg = worker_pb2.FirstToken.FromString(payload)
+    if not msg.HasField("logprob"):
+        return SampledToken(msg.token_id)
+    return SampledToken(msg.token_id, msg.logprob.logprob, {t.token_id: t.logprob for t in msg.logprob.top})
+
+
 def output_to_proto(out: RequestOutput, prefilled_remotely: bool = False) -> worker_pb2.TokenGenerateResponse:
     return worker_pb2.TokenGenerateResponse(
         token_ids=out.new_token_ids, logprobs=[logprob_to_proto(t) for t in out.logprobs],

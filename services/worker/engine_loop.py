@@ -24,7 +24,8 @@ from dataclasses import dataclass
 from typing import TypeVar
 
 from splitserve.errors import FatalError
-from splitserve.services.engine.engine import LLMEngine, RequestOutput
+from splitserve.services.engine.engine import LLMEngine
+from splitserve.services.wire.outputs import RequestOutput
 
 log = logging.getLogger(__name__)
 

@@ -26,18 +26,19 @@ from splitserve.tls import PLAINTEXT, TlsConfig
 
 from splitserve.services.wire.convert import params_from_proto
 from splitserve.services.worker.convert import event_to_proto, logprob_to_proto, output_to_proto
-from splitserve.services.worker.kv.remote_prefill import PeerChannels, RemotePrefill, serve_prefill
 from splitserve.services.worker.engine_loop import EngineLoop, EngineStoppedError
+from splitserve.services.worker.kv.prefill_server import serve_prefill
+from splitserve.services.worker.kv.remote_prefill import PeerChannels, RemotePrefill
+from splitserve.services.worker.kv.transfer import (KVReceiver, KVSender, TransferEndpoint, TransferError,
+                                                   TransferGrant, TransferNotWiredError, TransferTarget)
+from splitserve.services.worker.kv.write_fences import WriteFences
 from splitserve.services.worker.kv_event_hub import KvEventHub
 from splitserve.services.worker.session import GenerateSession
-from splitserve.services.worker.kv.transfer import (KVReceiver, KVSender, TransferEndpoint, TransferError, TransferGrant, TransferNotWiredError,
-                       TransferTarget)
-from splitserve.services.worker.kv.write_fences import WriteFences
 
 log = logging.getLogger(__name__)
 
 SERVICE_NAME = "splitserve.v1.Worker"
-FENCE_DRAIN_TIMEOUT_S = 1.5     # a prefill worker's wait for its posted writes (under write_fence's ask)
+FENCE_DRAIN_TIMEOUT_S = 1.5     # a prefill worker's wait for its posted writes (under WriteFences' ask)
 
 
 class Role(enum.Enum):

@@ -1,1 +1,4 @@
-"""The worker side of KV transfer: remote prefill (decode side), the prefill server, write fences, per-rank transfer, TP fan-out."""
+"""The worker side of KV transfer: the seam (transfer), its connector implementation
+(connector_transfer, rank_transfer, tp_fanout), the two halves of a disaggregated
+request (remote_prefill on the decode worker, prefill_server on the prefill worker)
+and the decode side's write fences (write_fences)."""

@@ -38,7 +38,7 @@ from splitserve.services.engine.engine import LLMEngine
 from splitserve.services.engine.parallel.rank_control import RankControl, RankControlError
 from splitserve.services.engine.sequence import LayerReady
 
-from splitserve.services.worker.kv import tp_fanout as tp_transfer
+from splitserve.services.worker.kv import tp_fanout
 from splitserve.services.worker.kv.rank_transfer import RankTransfer
 from splitserve.services.worker.kv.tp_fanout import Gathered, RankReceived, RankSent, settle
 from splitserve.services.worker.kv.transfer import TransferEndpoint, TransferGrant, TransferTarget
@@ -77,7 +77,7 @@ def build_connector(backend: str, name: str, engine: LLMEngine, host: str, token
     """Rank 0's connector with rank 0's KV tensor registered (TCP listens on `host`); peers must
     prove `token` (kvtransfer/auth.py)."""
     layout = engine_layout(engine).with_tp(0, engine.config.tensor_parallel_size)
-    connector = make_connector(backend, tp_transfer.rank_agent_name(name, 0), layout,
+    connector = make_connector(backend, tp_fanout.rank_agent_name(name, 0), layout,
                                **_connector_kwargs(backend, host, token))
     try:
         connector.register(engine.runner.kv.tensor)
@@ -96,10 +96,10 @@ def build_connector_transfer(backend: str, name: str, engine: LLMEngine, host: s
         return ConnectorTransfer(connector, bs)
     control = engine.tp.control
     try:
-        metas = control.call_all(tp_transfer.setup, backend, name, engine_layout(engine),
+        metas = control.call_all(tp_fanout.setup, backend, name, engine_layout(engine),
                                  _connector_kwargs(backend, host, token), bs, timeout_s=SETUP_TIMEOUT_S)
     except BaseException:
-        control.post_all(tp_transfer.close)
+        control.post_all(tp_fanout.close)
         connector.close()
         raise
     return ConnectorTransfer(connector, bs, control, [AgentMetadata.from_bytes(m) for m in metas])
@@ -136,7 +136,7 @@ class ConnectorTransfer:
         if self._control is not None:
             serial = next(self._serials)
             try:
-                deadlines = self._control.call_all(tp_transfer.expect, request_id, list(block_ids), ttl_s, serial)
+                deadlines = self._control.call_all(tp_fanout.expect, request_id, list(block_ids), ttl_s, serial)
             except Exception as error:
                 self.release(request_id)
                 raise TransferError(f"request {request_id}: a tensor-parallel rank cannot reserve its "
@@ -164,12 +164,12 @@ class ConnectorTransfer:
         if self._control is not None:
             with self._lock:
                 self._gathered.pop(request_id, None)
-            self._control.post_all(tp_transfer.release, request_id)
+            self._control.post_all(tp_fanout.release, request_id)
 
     def num_open(self) -> int:
         num = self.local.num_open()
         if self._control is not None:
-            num += sum(self._control.call_all(tp_transfer.num_open, timeout_s=5.0))
+            num += sum(self._control.call_all(tp_fanout.num_open, timeout_s=5.0))
         return num
 
     # -- sender (prefill) ---------------------------------------------------------------
@@ -182,7 +182,7 @@ class ConnectorTransfer:
         with self._lock:
             self._sending[request_id] = serial
         try:
-            self._control.call_all(tp_transfer.begin, request_id, target, num_prompt_tokens, serial)
+            self._control.call_all(tp_fanout.begin, request_id, target, num_prompt_tokens, serial)
         except Exception as error:
             self.abandon(request_id)
             if isinstance(error, TransferError):
@@ -207,7 +207,7 @@ class ConnectorTransfer:
         if self._control is not None:
             with self._lock:
                 self._sending.pop(request_id, None)
-            self._control.post_all(tp_transfer.abandon, request_id)
+            self._control.post_all(tp_fanout.abandon, request_id)
 
     async def fence(self, request_id: str, timeout_s: float) -> bool:
         loop = asyncio.get_running_loop()
@@ -218,7 +218,7 @@ class ConnectorTransfer:
             with self._lock:
                 self._sending.pop(request_id, None)
             children = asyncio.ensure_future(asyncio.to_thread(
-                self._control.call_all, tp_transfer.fence, request_id, timeout_s, timeout_s=timeout_s + 1.0))
+                self._control.call_all, tp_fanout.fence, request_id, timeout_s, timeout_s=timeout_s + 1.0))
             children.add_done_callback(lambda task: task.cancelled() or task.exception())
         try:
             async with asyncio.timeout(timeout_s + 1.0):

@@ -1,28 +1,25 @@
-"""The two halves of a disaggregated request on the worker side (DESIGN section 2).
+"""Decode side of a disaggregated request: have a prefill worker fill the prompt's KV (DESIGN section 2).
 
-Decode worker (`RemotePrefill`): decide whether the prompt is worth sending
-away (conditional disaggregation: the uncached part must reach a threshold),
-reserve blocks for it, let the receiver accept writes into the blocks it does
-not hold yet, call Prefill on a prefill worker, wait for the transfer's
-completion notification (whose payload is the first token), and hand that
-token to the engine. When a prefill worker fails (refused, unreachable,
-killed, transfer error) the next one is tried, and after the last one the
-decode worker prefills locally; everything is bounded by one deadline.
+`RemotePrefill` decides whether the prompt is worth sending away (conditional
+disaggregation: the uncached part must reach a threshold), reserves blocks for
+it, lets the receiver accept writes into the blocks it does not hold yet, calls
+Prefill on a prefill worker, waits for the transfer's completion notification
+(whose payload is the first token), and hands that token to the engine. When a
+prefill worker fails (refused, unreachable, killed, transfer error) the next one
+is tried, and after the last one the decode worker prefills locally; everything
+is bounded by one deadline.
 
-Prefill worker (`serve_prefill`): run the prompt as a prefill-only request
-whose per-layer callback is the sender, flush the transfer with the first
-token as the notification payload, then release the blocks the engine held
-for the transfer.
-
-Every failure path releases the reservation and the receiver's permission,
-so a cancelled or failed request leaves no block behind on either worker.
+Every failure path releases the receiver's permission and gives the reservation
+back. Its granted blocks stay owned by the transfer (scheduler.transfer_owned)
+until `WriteFences` (write_fences.py) knows no write into them can land, so a
+cancelled or failed request leaves no block behind once its fence is released.
+The prefill half is prefill_server.py.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -30,22 +27,19 @@ import grpc
 
 from splitserve.proto.v1 import worker_pb2, worker_pb2_grpc
 from splitserve.router.hashing import block_hashes
-from splitserve.services.engine.engine import LLMEngine, RequestOutput
-from splitserve.services.engine.sampler import SampledToken
+from splitserve.services.engine.engine import LLMEngine
+from splitserve.services.engine.scheduler import BlockReservation
 from splitserve.services.wire.sampling_params import SamplingParams
-from splitserve.services.engine.scheduler import Reservation
-from splitserve.services.engine.sequence import FinishReason
 from splitserve.tls import PLAINTEXT, TlsConfig
 
 from splitserve.services.wire.convert import params_to_proto
-from splitserve.services.worker.convert import logprob_to_proto
+from splitserve.services.worker.convert import decode_first_token
 from splitserve.services.worker.engine_loop import EngineLoop
-from splitserve.services.worker.kv.transfer import KVReceiver, KVSender, TransferError, TransferTarget
+from splitserve.services.worker.kv.transfer import GRANT_GRACE_S, KVReceiver, TransferError
 from splitserve.services.worker.kv.write_fences import WriteFences
+from splitserve.services.wire.outputs import RequestOutput, SampledToken
 
 log = logging.getLogger(__name__)
-
-GRANT_GRACE_S = 1.0      # a prefill worker gives up this long after the receiver's grant expired
 
 GRPC_OPTIONS = [("grpc.max_receive_message_length", 64 * 2**20),
                 ("grpc.max_send_message_length", 64 * 2**20)]
@@ -56,20 +50,6 @@ def num_cached_prompt_tokens(engine: LLMEngine, token_ids: list[int]) -> int:
     bs = engine.config.block_size
     hashes = block_hashes(token_ids, bs, engine.scheduler.extra_key)
     return len(engine.pool.cached_prefix(hashes)) * bs
-
-
-def encode_first_token(token: SampledToken) -> bytes:
-    msg = worker_pb2.FirstToken(token_id=token.token_id)
-    if token.logprob is not None:
-        msg.logprob.CopyFrom(logprob_to_proto(token))
-    return msg.SerializeToString()
-
-
-def decode_first_token(payload: bytes) -> SampledToken:
-    msg = worker_pb2.FirstToken.FromString(payload)
-    if not msg.HasField("logprob"):
-        return SampledToken(msg.token_id)
-    return SampledToken(msg.token_id, msg.logprob.logprob, {t.token_id: t.logprob for t in msg.logprob.top})
 
 
 class PeerChannels:
@@ -112,7 +92,7 @@ class RemotePrefill:
     peers: PeerChannels
     threshold_tokens: int          # minimum uncached prompt tokens worth sending away
     timeout_s: float               # the whole remote prefill, every attempt included
-    fences: WriteFences
+    fences: WriteFences            # its clock times the deadline too (the fences' expiry)
 
     async def worth_it(self, token_ids: list[int]) -> bool:
         num_cached = await self.loop.call(lambda e: num_cached_prompt_tokens(e, token_ids))
@@ -132,13 +112,14 @@ class RemotePrefill:
         if reservation is None:
             log.info("request %s: no free blocks for a remote prefill; prefilling locally", request_id)
             return PrefillOutcome(None, 0)
-        deadline = time.monotonic() + self.timeout_s
+        clock = self.fences.clock
+        deadline = clock() + self.timeout_s
         grants_end = deadline + GRANT_GRACE_S       # no sender writes past a grant of this request
         fences: list[asyncio.Task] = []             # FenceTransfer asked of each prefill worker given up
         failures = 0
         try:
             for attempt, address in enumerate(addresses):
-                left = deadline - time.monotonic()
+                left = deadline - clock()
                 if left <= 0:
                     break
                 if attempt:
@@ -158,13 +139,13 @@ class RemotePrefill:
         return PrefillOutcome(None, failures)
 
     def _give_up(self, request_id: str, fences: list[asyncio.Task], grants_end: float) -> None:
-        """Cancel the reservation: the engine fences its granted blocks, freed once every
-        prefill worker asked confirms it stopped writing (write_fences.py)."""
+        """Cancel the reservation: its granted blocks stay owned by the transfer, freed once
+        every prefill worker asked confirms it stopped writing (write_fences.py)."""
         self.loop.post(lambda e: e.cancel_remote_prefill(request_id))
         self.fences.release_when_stopped(request_id, fences, grants_end)
 
     async def _attempt(self, request_id: str, token_ids: list[int], params: SamplingParams,
-                       reservation: Reservation, address: str, timeout_s: float,
+                       reservation: BlockReservation, address: str, timeout_s: float,
                        fences: list[asyncio.Task]) -> SampledToken:
         bs = self.loop.engine.config.block_size
         num_cached_blocks = reservation.num_cached_tokens // bs
@@ -194,7 +175,7 @@ class RemotePrefill:
         def start(engine: LLMEngine) -> list[RequestOutput]:
             out = engine.complete_remote_prefill(request_id, first_token)
             if out is None:
-                engine.release_fence(request_id)    # aborted meanwhile; every write has landed
+                engine.release_transfer(request_id)    # aborted meanwhile; every write has landed
                 raise TransferError(f"request {request_id!r} lost its reservation (aborted?)")
             return [out]
         return start
@@ -207,38 +188,3 @@ def _describe(exc: BaseException) -> str:
         return "deadline exceeded"
     return str(exc) or type(exc).__name__
 
-
-async def serve_prefill(loop: EngineLoop, sender: KVSender, request_id: str, token_ids: list[int],
-                        params: SamplingParams, target: TransferTarget) -> RequestOutput:
-    """Prefill side: compute the prompt, pushing each layer; returns the first-token output.
-
-    The engine holds the request's blocks after the prefill (the writes read them);
-    they are released once the transfer is over, whatever its outcome. The work is
-    bounded by the receiver's grant: past its deadline the receiver refuses the writes
-    anyway, so a receiver that vanished without closing the connection cannot keep
-    this worker's blocks held.
-    """
-    sender.begin(request_id, target, len(token_ids))
-    grant = target.grant
-    left = grant.deadline_unix - time.time() + GRANT_GRACE_S if grant is not None and grant.deadline_unix > 0 else None
-    try:
-        async with asyncio.timeout(left):
-            last = None
-            start = lambda e: e.add_request(request_id, token_ids, params, prefill_only=True,  # noqa: E731
-                                            on_layer_done=sender.on_layer_ready)
-            async for out in loop.stream(request_id, start):
-                last = out
-            if last is None or last.finish_reason is not FinishReason.PREFILL_DONE:
-                raise TransferError(f"prefill of {request_id!r} ended without a first token")
-            token = last.logprobs[0] if last.logprobs else SampledToken(last.new_token_ids[0])
-            await sender.finish(request_id, encode_first_token(token))
-        return last
-    except TimeoutError:
-        sender.abandon(request_id)
-        raise TransferError(f"prefill of {request_id!r}: the receiver's grant expired before the "
-                            "transfer completed") from None
-    except BaseException:
-        sender.abandon(request_id)
-        raise
-    finally:
-        loop.post(lambda e: e.release_prefill(request_id))

@@ -20,8 +20,11 @@ from typing import Protocol
 from splitserve.kvtransfer.errors import TransferError
 from splitserve.services.engine.sequence import LayerReady
 
-__all__ = ["KVReceiver", "KVSender", "TransferEndpoint", "TransferError", "TransferGrant",
+__all__ = ["GRANT_GRACE_S", "KVReceiver", "KVSender", "TransferEndpoint", "TransferError", "TransferGrant",
            "TransferNotWiredError", "TransferTarget", "UnwiredTransfer"]
+
+
+GRANT_GRACE_S = 1.0     # a sender gives a request up this long after its grant's deadline
 
 
 class TransferNotWiredError(TransferError):
@@ -48,7 +51,10 @@ class TransferEndpoint:
 
 @dataclass(slots=True, frozen=True)
 class TransferGrant:
-    """The receiver's permission for one request: which incarnation, until when."""
+    """The receiver's permission for one request: which incarnation, until when.
+
+    A sender posts no write past `deadline_unix` and gives the request up GRANT_GRACE_S
+    after it, so a receiver knows when no write for the grant can land any more."""
 
     incarnation: str
     deadline_unix: float

@@ -43,7 +43,7 @@ def disaggregated(prefill: LLMEngine, decode: LLMEngine, request_id: str, prompt
             [first] = out.new_token_ids
     # The prefill side holds its blocks until the transfer is done with them.
     assert prefill.num_held_requests == 1 and prefill.pool.num_used_blocks > 0
-    assert prefill.release_prefill(request_id) and not prefill.release_prefill(request_id)
+    assert prefill.release_transfer(request_id) and not prefill.release_transfer(request_id)
     tokens = list(decode.complete_remote_prefill(request_id, first).new_token_ids)
     while decode.has_unfinished():
         for out in decode.step():

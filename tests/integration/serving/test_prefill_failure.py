@@ -23,7 +23,7 @@ from splitserve.proto.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from splitserve.services.engine.config import EngineConfig
 from splitserve.services.engine.engine import LLMEngine
 from splitserve.services.wire.sampling_params import SamplingParams
-from splitserve.services.worker.kv.remote_prefill import GRANT_GRACE_S
+from splitserve.services.worker.kv.transfer import GRANT_GRACE_S
 
 from .conftest import Proc, free_port, worker_stats
 

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from splitserve.services.engine.block_pool import BlockPool
 from splitserve.services.wire.sampling_params import SamplingParams
-from splitserve.services.engine.scheduler import Scheduler
-from splitserve.services.engine.sequence import FinishReason, Sequence, SequenceStatus
+from splitserve.services.engine.scheduler import Scheduler, TransferHold
+from splitserve.services.engine.sequence import FinishReason, Sequence, SequenceStatus, TransferUse
 
 BS = 4
 
@@ -44,7 +44,7 @@ def drain(s: Scheduler) -> int:
 
 
 def assert_idle(s: Scheduler):
-    assert not s.has_work() and not s.remote
+    assert not s.has_work() and not s.remote and not s.transfer_owned
     assert s.pool.num_free_blocks == s.pool.num_blocks and not any(s.pool.ref_counts)
 
 
@@ -174,23 +174,103 @@ def test_an_aborted_fenced_reservation_keeps_its_granted_blocks_until_released()
     s.add(a)
     drain(s)                                           # caches a's two full blocks
     remote = Sequence("x", a.prompt_token_ids[:8] + [1, 2, 3, 4, 5], SamplingParams(max_tokens=2), 2,
-                      fence_writes=True)
+                      transfer=TransferUse.RECEIVE)
     reservation = s.reserve_remote(remote)
     assert reservation is not None and reservation.num_cached_tokens == 8
     granted = reservation.block_ids[2:]                # what a prefill worker may be writing
     s.finish(remote, FinishReason.ABORT)
     assert remote.status is SequenceStatus.FINISHED and s.find("x") is None
-    assert s.fenced == {"x": granted}
+    assert s.transfer_owned == {"x": TransferHold(TransferUse.RECEIVE, granted)}
     assert s.pool.num_used_blocks == len(granted)      # the cached prefix went back, the grant did not
-    assert s.release_fence("x") and not s.release_fence("x")
+    assert s.transfer_done("x") and not s.transfer_done("x")
     assert_idle(s)
 
 
 def test_a_completed_fenced_reservation_is_an_ordinary_sequence():
     s = make()
-    remote = Sequence("x", list(range(10)), SamplingParams(max_tokens=1), 1, fence_writes=True)
+    remote = Sequence("x", list(range(10)), SamplingParams(max_tokens=1), 1, transfer=TransferUse.RECEIVE)
     assert s.reserve_remote(remote) is not None
     assert s.complete_remote("x") is remote
     s.finish(remote, FinishReason.LENGTH)              # every write landed before completion
-    assert s.fenced == {}
+    assert s.transfer_owned == {}
+    assert_idle(s)
+
+
+# -- blocks a transfer owns after its request finished (one state, one release) -----------
+
+def prefill_only(rid: str, n: int, arrival: int) -> Sequence:
+    return Sequence(rid, list(range(100 * arrival, 100 * arrival + n)), SamplingParams(max_tokens=1), arrival,
+                    prefill_only=True, transfer=TransferUse.SEND)
+
+
+def prefill(s: Scheduler, seq: Sequence) -> None:
+    """Run `seq` through its prompt and finish it the way the engine ends a prefill-only one."""
+    s.add(seq)
+    while seq.num_pending_tokens:
+        for chunk in s.schedule().chunks:
+            s.advance(chunk)
+    s.finish(seq, FinishReason.PREFILL_DONE)
+
+
+def test_a_finished_prefill_leaves_every_block_to_its_sender_until_transfer_done():
+    s = make()
+    p = prefill_only("p", 10, 1)
+    prefill(s, p)
+    assert p.status is SequenceStatus.FINISHED and s.find("p") is None and not s.has_work()
+    assert s.transfer_owned["p"].use is TransferUse.SEND
+    assert len(s.transfer_owned["p"].block_ids) == 3 == s.pool.num_used_blocks
+    assert p.block_ids == []                           # the hold, not the sequence, has them now
+    assert s.transfer_done("p") and not s.transfer_done("p")
+    assert_idle(s)
+
+
+def test_an_aborted_prefill_sends_nothing_more_and_frees_at_once():
+    s = make(budget=4)
+    p = prefill_only("p", 10, 1)
+    s.add(p)
+    run_step(s)                                        # one chunk of the prompt computed
+    assert s.pool.num_used_blocks == 1
+    s.finish(p, FinishReason.ABORT)
+    assert not s.transfer_done("p")
+    assert_idle(s)
+
+
+def test_a_reservation_without_a_transfer_marker_frees_everything_when_given_up():
+    s = make()
+    remote = seq("x", 10, 1)
+    assert s.reserve_remote(remote) is not None
+    s.finish(remote, FinishReason.ABORT)
+    assert not s.transfer_done("x")
+    assert_idle(s)
+
+
+def test_a_request_id_given_up_twice_keeps_both_grants_until_one_transfer_done():
+    s = make()
+    granted = []
+    for arrival in (1, 2):                             # the same request retried on this worker
+        remote = Sequence("x", list(range(300, 310)), SamplingParams(max_tokens=1), arrival,
+                          transfer=TransferUse.RECEIVE)
+        reservation = s.reserve_remote(remote)
+        assert reservation is not None and reservation.num_cached_tokens == 0
+        granted += reservation.block_ids
+        s.finish(remote, FinishReason.ABORT)
+    assert s.transfer_owned == {"x": TransferHold(TransferUse.RECEIVE, granted)}
+    assert s.pool.num_used_blocks == 6
+    assert s.transfer_done("x")
+    assert_idle(s)
+
+
+def test_transfer_holds_of_both_kinds_leave_the_pool_all_free_in_any_order():
+    s = make(num_blocks=16)
+    prefill(s, prefill_only("p", 9, 1))                # 3 blocks held for a sender
+    remote = Sequence("d", list(range(700, 710)), SamplingParams(max_tokens=1), 2, transfer=TransferUse.RECEIVE)
+    assert s.reserve_remote(remote) is not None
+    s.finish(remote, FinishReason.ABORT)               # 3 granted blocks held for a writer
+    other = seq("o", 6, 3, max_tokens=2)
+    s.add(other)
+    drain(s)                                           # an ordinary request comes and goes meanwhile
+    assert set(s.transfer_owned) == {"p", "d"} and s.pool.num_used_blocks == 6
+    assert s.transfer_done("d") and s.pool.num_used_blocks == 3
+    assert not s.transfer_done("unknown") and s.pool.num_used_blocks == 3
+    assert s.transfer_done("p")
     assert_idle(s)

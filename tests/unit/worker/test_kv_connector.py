@@ -11,7 +11,7 @@ import pytest
 from splitserve.kvtransfer import AgentMetadata, KVLayout, TransferError
 from splitserve.services.engine.sampler import SampledToken
 from splitserve.services.engine.sequence import LayerReady
-from splitserve.services.worker.kv.remote_prefill import decode_first_token, encode_first_token
+from splitserve.services.worker.convert import decode_first_token, encode_first_token
 from splitserve.services.worker.kv.connector_transfer import ConnectorTransfer, resolve_backend
 from splitserve.services.worker.kv.transfer import TransferEndpoint, TransferGrant, TransferTarget
 
