@@ -39,7 +39,8 @@ from pathlib import Path
 
 import httpx
 
-from splitserve.testing.cluster import Cluster, FrontendProc, idle_problems, wait_idle
+from splitserve.testing.cluster import Cluster, Frontend
+from splitserve.testing.workers import idle_problems, wait_idle
 
 MODEL_NAME = "soak"
 
@@ -170,7 +171,7 @@ class Faults:
 
 
 # -- sampling --------------------------------------------------------------------------
-def take_sample(t: float, cluster: Cluster, front: FrontendProc, counts: Counts) -> Sample:
+def take_sample(t: float, cluster: Cluster, front: Frontend, counts: Counts) -> Sample:
     kv, running, rss = {}, {}, {}
     for w in cluster.workers.values():
         rss[w.name] = rss_mib(w.proc.pid)
@@ -198,7 +199,7 @@ def print_row(s: Sample, header: bool) -> None:
           + f" {s.ok:6d} {s.abandoned:6d} {s.errors:6d} {s.migrations:6.0f}", flush=True)
 
 
-async def sampler(start: float, deadline: float, interval: float, cluster: Cluster, front: FrontendProc,
+async def sampler(start: float, deadline: float, interval: float, cluster: Cluster, front: Frontend,
                   counts: Counts, samples: list[Sample]) -> None:
     while time.monotonic() < deadline:
         s = await asyncio.to_thread(take_sample, time.monotonic() - start, cluster, front, counts)
@@ -254,7 +255,7 @@ async def soak(args: argparse.Namespace, cluster: Cluster) -> int:
         cluster.start_worker(name, role, *worker_args[name], port=ports[name])
     cluster.wait_workers()
     front = cluster.start_frontend("--served-model-name", MODEL_NAME)
-    cluster.wait_frontend(front)
+    front.wait_ready()
     print(f"deployment ready: {front.openai_url}; soaking for {args.duration:.0f} s", flush=True)
     counts, samples, faults = Counts(), [], Faults(cluster, worker_args, ports)
     start = time.monotonic()
@@ -267,7 +268,7 @@ async def soak(args: argparse.Namespace, cluster: Cluster) -> int:
     print_row(final, header=False)
     samples.append(final)
     try:
-        idle_s = await asyncio.to_thread(wait_idle, cluster.live_workers(), 5.0)
+        idle_s = (await asyncio.to_thread(wait_idle, cluster.live_workers(), 5.0)).took_s
         leaks = {}
     except AssertionError:
         idle_s = None

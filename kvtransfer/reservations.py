@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from splitserve.kvtransfer.errors import (BlockOutOfRangeError, NotReservedError, ReservationExpiredError, StalePeerError,
@@ -25,7 +26,7 @@ from splitserve.kvtransfer.errors import (BlockOutOfRangeError, NotReservedError
 class _Entry:
     request_id: str
     block_ids: frozenset[int]
-    deadline: float                      # time.monotonic()
+    deadline: float                      # on the table's clock (time.monotonic())
     num_senders: int = 1                 # notifications needed (one per sending TP rank)
     num_notified: int = 0
     first_payload: bytes = b""           # first non-empty notification payload
@@ -36,9 +37,10 @@ class _Entry:
 
 
 class ReservationTable:
-    def __init__(self, num_blocks: int, incarnation: str):
+    def __init__(self, num_blocks: int, incarnation: str, clock: Callable[[], float] = time.monotonic):
         self.num_blocks = num_blocks
         self.incarnation = incarnation
+        self.clock = clock               # injected so that tests step past a deadline instead of waiting
         self._entries: dict[str, _Entry] = {}
         self._cond = threading.Condition()
 
@@ -59,7 +61,7 @@ class ReservationTable:
                 if other.error is None and other.payload is None and wanted & other.block_ids:
                     raise ValueError(f"blocks {sorted(wanted & other.block_ids)[:8]} are already "
                                      f"reserved for request {other.request_id}")
-            deadline = time.monotonic() + ttl_s
+            deadline = self.clock() + ttl_s
             self._entries[request_id] = _Entry(request_id, wanted, deadline, num_senders)
             return deadline
 
@@ -167,7 +169,7 @@ class ReservationTable:
         return entry
 
     def _sweep(self) -> None:
-        now = time.monotonic()
+        now = self.clock()
         expired = False
         for entry in self._entries.values():
             if entry.error is None and entry.payload is None and entry.inflight == 0 and now > entry.deadline:

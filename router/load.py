@@ -29,6 +29,7 @@ is dropped (a lost finish notification must not pin a worker as busy forever).
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 
@@ -39,8 +40,8 @@ class RequestLoad:
     num_prefill_tokens: int    # uncached prompt tokens on the prefill worker
     num_new_blocks: int        # decode blocks it adds on its decode worker (prompt minus held prefix)
     block_hashes: list[bytes]  # the prompt's full blocks, for the worker's in-use union
+    routed_at: float           # LoadTracker.clock() when routed
     prefilling: bool = True
-    routed_at: float = field(default_factory=time.monotonic)
 
 
 @dataclass(slots=True)
@@ -55,10 +56,11 @@ _IDLE = WorkerLoad()           # read-only stand-in for a worker with no load re
 
 
 class LoadTracker:
-    def __init__(self, stale_after_s: float = 5.0):
+    def __init__(self, stale_after_s: float = 5.0, clock: Callable[[], float] = time.monotonic):
         self._workers: dict[str, WorkerLoad] = {}
         self._requests: dict[str, RequestLoad] = {}
         self.stale_after_s = stale_after_s
+        self.clock = clock               # injected so that tests step it instead of sleeping
 
     def _w(self, worker_id: str) -> WorkerLoad:
         w = self._workers.get(worker_id)
@@ -72,7 +74,7 @@ class LoadTracker:
         if request_id in self._requests:       # re-routed (migration): the old route's load ends
             self.on_finished(request_id)
         req = RequestLoad(decode_id, prefill_id or decode_id, num_prefill_tokens, num_new_blocks,
-                          block_hashes if block_hashes is not None else [])
+                          block_hashes if block_hashes is not None else [], self.clock())
         self._requests[request_id] = req
         self._w(req.prefill_id).pending_prefill_tokens += num_prefill_tokens
         self._w(decode_id).request_ids.add(request_id)
@@ -99,7 +101,7 @@ class LoadTracker:
     def correct(self, worker_id: str, num_used_blocks: int, num_in_flight: int) -> None:
         w = self._w(worker_id)
         if num_in_flight == 0:
-            now = time.monotonic()
+            now = self.clock()
             for rid, req in list(self._requests.items()):
                 if worker_id in (req.decode_id, req.prefill_id) and now - req.routed_at > self.stale_after_s:
                     self.on_finished(rid)

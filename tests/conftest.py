@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from splitserve.testing.cluster import Etcd
+from splitserve.testing.etcd import Etcd
 
 
 @pytest.fixture(scope="session", autouse=True)

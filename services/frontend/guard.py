@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from splitserve.services.frontend.http.asgi import DONE, Receive, Scope, Send, event, send_json
@@ -41,10 +43,11 @@ class Guard:
     keys: ApiKeys = field(default_factory=ApiKeys)
     limits: LimitsConfig = field(default_factory=LimitsConfig)
     rejected: object = None          # Counter(protocol, reason), or None (not counted)
+    clock: Callable[[], float] = time.monotonic     # the rate limiter's (tests step it)
     limiter: KeyLimiter = field(init=False)
 
     def __post_init__(self) -> None:
-        self.limiter = KeyLimiter(self.limits)
+        self.limiter = KeyLimiter(self.limits, self.clock)
 
     def count(self, protocol: str, reason: Rejection) -> None:
         if self.rejected is not None:

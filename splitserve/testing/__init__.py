@@ -4,6 +4,11 @@
 transformers' greedy decoding as the reference and compares against it. Both
 need the `test` extra (transformers, sentencepiece, protobuf, mistral-common),
 imported only when a function runs, so importing this package is cheap.
+
+Real processes, one job per module: `processes` (a child with its output
+collected), `cluster` (workers and frontends on loopback), `etcd`, `workers`
+(a worker's Stats, the leak check, one Generate), `certs` (a throwaway CA).
+`clock` is the stepped clock unit tests inject instead of sleeping.
 """
 
 from splitserve.testing.models import ARCHS, build_random_model

@@ -1,91 +1,34 @@
-"""Real worker, frontend and etcd processes on loopback, for fault tests and the soak run.
+"""Real `splitserve worker` and `splitserve frontend` processes on loopback, for every test
+and benchmark that needs a deployment it can take apart: fault, security, fuzz and
+serving tests, and the soak run.
 
-Everything listens on free ports of 127.0.0.1, is waited for by polling (bounded), and
-is stopped by whoever started it (`Cluster.close()` stops all it started, SIGKILL after
-a grace period, so nothing outlives a test). Child processes run with one torch thread.
-
-`idle_problems()` is the leak check every fault test ends with: a worker is idle when
-its Stats say no KV block is held by a request, no transfer reservation is open, no
-finished prefill still holds blocks, and no call or remote prefill is in flight.
+A `Cluster` starts workers (any roles, restartable on the same port) and frontends in
+front of them, each on free ports of 127.0.0.1 with one torch thread and its output
+collected (processes.py). Starting does not wait: `Worker.wait_ready` /
+`Cluster.wait_workers` and `Frontend.wait_ready` do, bounded, so a test can start
+several processes and let them load side by side. `Cluster.close()` stops everything it
+started (SIGTERM, then SIGKILL after a grace period) and returns the exit codes, so a
+test can check that nothing crashed; `assert_clean_exit` is that check. Etcd lives in
+etcd.py, the worker Stats and the leak check in workers.py.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import re
-import shutil
-import signal
-import subprocess
-import threading
+import ssl
 import time
 import urllib.error
 import urllib.request
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
-import grpc
-
 from splitserve.net import free_port
-from splitserve.proto.v1 import worker_pb2, worker_pb2_grpc
+from splitserve.proto.v1 import worker_pb2
+from splitserve.testing.processes import READY_TIMEOUT_S, Proc, stop_all
+from splitserve.testing.workers import worker_stats
 
-CHILD_ENV = {"SPLITSERVE_TEST_THREADS": "1", "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-READY_TIMEOUT_S = 120.0
-
-
-@dataclass
-class Proc:
-    """A child process whose combined output is collected by a reader thread."""
-
-    process: subprocess.Popen
-    lines: list[str] = field(default_factory=list)
-
-    @classmethod
-    def start(cls, argv: list[str], env: dict | None = None) -> "Proc":
-        process = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                   stdin=subprocess.DEVNULL, env={**os.environ, **CHILD_ENV, **(env or {})})
-        proc = cls(process)
-        threading.Thread(target=proc._read, daemon=True).start()
-        return proc
-
-    def _read(self) -> None:
-        for line in self.process.stdout:
-            self.lines.append(line.rstrip("\n"))
-
-    @property
-    def pid(self) -> int:
-        return self.process.pid
-
-    @property
-    def output(self) -> str:
-        return "\n".join(self.lines)
-
-    def alive(self) -> bool:
-        return self.process.poll() is None
-
-    def tail(self, n: int = 60) -> str:
-        return "\n".join(self.lines[-n:])
-
-    def wait_for_line(self, pattern: str, timeout: float = READY_TIMEOUT_S) -> re.Match:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            for line in list(self.lines):
-                if m := re.search(pattern, line):
-                    return m
-            if self.process.poll() is not None:
-                break
-            time.sleep(0.05)
-        raise AssertionError(f"no line matching {pattern!r}:\n{self.tail()}")
-
-    def stop(self, sig: int = signal.SIGTERM, timeout: float = 30.0) -> int:
-        """Signal, wait up to `timeout`, then SIGKILL; returns the exit code."""
-        if self.process.poll() is None:
-            self.process.send_signal(sig)
-        try:
-            return self.process.wait(timeout)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            return self.process.wait()
+CLOSE_GRACE_S = 20.0
 
 
 @dataclass
@@ -94,27 +37,52 @@ class Worker:
     role: str
     address: str
     proc: Proc
+    transfer: str          # the KV transfer backend its ready line must name ("none" for role both)
 
     def stats(self) -> worker_pb2.StatsResponse:
         return worker_stats(self.address)
 
+    def wait_ready(self, timeout: float = READY_TIMEOUT_S) -> None:
+        """Until the worker serves, with the transfer backend it was started with."""
+        self.proc.wait_for_line(rf"worker {re.escape(self.name)} ready \(transfer {self.transfer}\)", timeout)
+
 
 @dataclass
-class FrontendProc:
+class Frontend:
     proc: Proc
     port: int
     grpc_port: int
+    scheme: str = "http"
+    ca: Path | None = None          # verifies an HTTPS frontend's certificate
 
     @property
     def base_url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        return f"{self.scheme}://127.0.0.1:{self.port}"
 
     @property
     def openai_url(self) -> str:
         return f"{self.base_url}/v1"
 
+    @property
+    def grpc_address(self) -> str:
+        return f"127.0.0.1:{self.grpc_port}"
+
+    def ssl_context(self) -> ssl.SSLContext | None:
+        return ssl.create_default_context(cafile=str(self.ca)) if self.scheme == "https" else None
+
+    def get(self, path: str, timeout: float = 5.0) -> tuple[int, bytes]:
+        """(status, body); (0, b"") when nothing answers."""
+        try:
+            with urllib.request.urlopen(self.base_url + path, timeout=timeout, context=self.ssl_context()) as reply:
+                return reply.status, reply.read()
+        except urllib.error.HTTPError as exc:
+            return exc.code, exc.read()
+        except (urllib.error.URLError, OSError):
+            return 0, b""
+
     def metrics(self) -> str:
-        with urllib.request.urlopen(f"{self.base_url}/metrics", timeout=5) as reply:
+        """The /metrics text (raises OSError when the frontend does not answer)."""
+        with urllib.request.urlopen(f"{self.base_url}/metrics", timeout=5, context=self.ssl_context()) as reply:
             return reply.read().decode()
 
     def metric(self, name: str, **labels: str) -> float:
@@ -127,146 +95,95 @@ class FrontendProc:
         return total
 
     def ready(self) -> dict | None:
+        """/ready's answer when it says ready (200), else None."""
+        status, body = self.get("/ready", timeout=1)
         try:
-            with urllib.request.urlopen(f"{self.base_url}/ready", timeout=1) as reply:
-                return json.loads(reply.read())
-        except (urllib.error.URLError, OSError, ValueError):
+            return json.loads(body) if status == 200 else None
+        except ValueError:
             return None
 
-
-def worker_stats(address: str, timeout: float = 5.0) -> worker_pb2.StatsResponse:
-    with grpc.insecure_channel(address) as channel:
-        return worker_pb2_grpc.WorkerStub(channel).Stats(worker_pb2.StatsRequest(), timeout=timeout)
-
-
-def idle_problems(s: worker_pb2.StatsResponse) -> list[str]:
-    """What a worker still holds (empty when idle)."""
-    held = {"used KV blocks": s.num_used_kv_blocks, "transfer reservations": s.num_transfer_reservations,
-            "held prefills": s.num_held_prefills, "remote prefills waiting": s.num_remote_prefill,
-            "running": s.num_running, "waiting": s.num_waiting, "calls in flight": s.num_in_flight,
-            "fenced KV blocks": s.num_fenced_kv_blocks}
-    return [f"{v} {k}" for k, v in held.items() if v]
-
-
-def wait_idle(workers: list[Worker], timeout: float) -> float:
-    """Seconds until every worker is idle; AssertionError naming what is held after `timeout`."""
-    start = time.monotonic()
-    while True:
-        problems = {w.name: p for w in workers if (p := idle_problems(w.stats()))}
-        if not problems:
-            return time.monotonic() - start
-        if time.monotonic() - start > timeout:
-            raise AssertionError(f"workers not idle {timeout:.1f} s later: {problems}")
-        time.sleep(0.02)
-
-
-class Etcd:
-    """A real etcd (Debian's etcd-server) on free loopback ports; restartable on the same ports."""
-
-    def __init__(self, data_dir: str):
-        if shutil.which("etcd") is None:
-            raise AssertionError("etcd is not installed: run scripts/install-test-deps.sh (package etcd-server)")
-        self.data_dir = data_dir
-        self.client_port, self.peer_port = free_port(), free_port()
-        self.proc: Proc | None = None
-
-    @property
-    def endpoint(self) -> str:
-        return f"127.0.0.1:{self.client_port}"
-
-    def start(self) -> None:
-        c, p = f"http://127.0.0.1:{self.client_port}", f"http://127.0.0.1:{self.peer_port}"
-        self.proc = Proc.start(["etcd", "--name", "test", "--data-dir", self.data_dir,
-                                "--listen-client-urls", c, "--advertise-client-urls", c,
-                                "--listen-peer-urls", p, "--initial-advertise-peer-urls", p,
-                                "--initial-cluster", f"test={p}", "--log-level", "warn"])
-        deadline = time.monotonic() + 20
+    def wait_ready(self, num_workers: int | None = None, timeout: float = READY_TIMEOUT_S) -> None:
+        """Ready, and every worker ready (or `num_workers` workers known through etcd)."""
+        deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            try:
-                with urllib.request.urlopen(f"{c}/health", timeout=1) as r:
-                    if json.loads(r.read()).get("health") == "true":
-                        return
-            except (urllib.error.URLError, OSError, ValueError):
-                pass
+            r = self.ready()
+            if r and r.get("all_workers_ready") and (
+                    num_workers is None or self.metrics().count("splitserve_router_index_blocks{") >= num_workers):
+                return
+            if not self.proc.alive():
+                break
             time.sleep(0.1)
-        raise AssertionError("etcd did not start:\n" + self.proc.tail())
-
-    def stop(self) -> None:
-        if self.proc is not None:
-            self.proc.stop()
-            self.proc = None
+        raise AssertionError("frontend not ready:\n" + self.proc.tail())
 
 
 class Cluster:
     """Workers and frontends for one model; `close()` stops everything it started."""
 
-    def __init__(self, model: str | Path, kv_cache_gib: float = 0.05, transfer: str = "tcp"):
+    def __init__(self, model: str | Path, kv_cache_gib: float = 0.05, transfer: str = "tcp",
+                 log_level: str = "info"):
         self.model = str(model)
         self.kv_cache_gib = kv_cache_gib
-        self.transfer = transfer
+        self.transfer = transfer            # for prefill and decode workers
+        self.log_level = log_level
         self.workers: dict[str, Worker] = {}
-        self.frontends: list[FrontendProc] = []
+        self.frontends: list[Frontend] = []
+        self.procs: list[Proc] = []         # everything started, in order
+        self.killed: list[Proc] = []        # what close() had to SIGKILL
 
-    def start_worker(self, name: str, role: str, *extra: str, port: int | None = None) -> Worker:
-        """Start (or restart, on the same `port`) a worker; wait_workers() waits for it."""
+    def start_worker(self, name: str, role: str, *extra: str, port: int | None = None,
+                     env: dict | None = None) -> Worker:
+        """Start (or restart, on the same `port`) a worker; its wait_ready() waits for it."""
         port = port or free_port()
-        argv = ["splitserve", "--log-level", "info", "worker", "--role", role, "--model", self.model,
+        argv = ["splitserve", "--log-level", self.log_level, "worker", "--role", role, "--model", self.model,
                 "--port", str(port), "--worker-id", name, "--threads", "1", "--kv-cache-gib", str(self.kv_cache_gib),
                 *extra]
+        transfer = "none"
         if role != "both":
             argv += ["--transfer", self.transfer]
-        worker = Worker(name, role, f"127.0.0.1:{port}", Proc.start(argv))
+            transfer = self.transfer
+        worker = Worker(name, role, f"127.0.0.1:{port}", Proc.start(argv, env), transfer)
         self.workers[name] = worker
+        self.procs.append(worker.proc)
         return worker
 
     def wait_workers(self, timeout: float = READY_TIMEOUT_S) -> None:
-        for w in self.workers.values():
-            if w.proc.process.poll() is None:
-                w.proc.wait_for_line(rf"worker {re.escape(w.name)} ready", timeout)
-
-    def start_frontend(self, *extra: str, workers: list[Worker] | None = None) -> FrontendProc:
-        port, grpc_port = free_port(), free_port()
-        argv = ["splitserve", "--log-level", "info", "frontend", "--model", self.model, "--port", str(port),
-                "--grpc-port", str(grpc_port), *extra]
-        for w in self.workers.values() if workers is None else workers:
-            argv += ["--worker", f"{w.role}={w.address}"]
-        front = FrontendProc(Proc.start(argv), port, grpc_port)
-        self.frontends.append(front)
-        return front
-
-    def wait_frontend(self, front: FrontendProc, num_workers: int | None = None,
-                      timeout: float = READY_TIMEOUT_S) -> None:
-        """Ready, and every worker ready (or `num_workers` workers known through etcd)."""
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            r = front.ready()
-            if r and r.get("all_workers_ready") and (
-                    num_workers is None or front.metrics().count("splitserve_router_index_blocks{") >= num_workers):
-                return
-            if front.proc.process.poll() is not None:
-                break
-            time.sleep(0.1)
-        raise AssertionError("frontend not ready:\n" + front.proc.tail())
+        """Until every worker still running is ready (one killed on purpose is passed over)."""
+        for w in self.live_workers():
+            w.wait_ready(timeout)
 
     def live_workers(self) -> list[Worker]:
-        return [w for w in self.workers.values() if w.proc.process.poll() is None]
+        return [w for w in self.workers.values() if w.proc.alive()]
 
-    def close(self) -> list[str]:
-        """SIGTERM everything, SIGKILL what is left after 15 s; returns the argv heads of the
-        processes that needed SIGKILL (a shutdown that hangs is worth knowing about)."""
-        procs = [f.proc for f in self.frontends] + [w.proc for w in self.workers.values()]
-        for p in procs:
-            if p.process.poll() is None:
-                p.process.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + 15
-        killed = []
-        for p in procs:
-            try:
-                p.process.wait(max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                p.process.kill()
-                p.process.wait()
-                killed.append(" ".join(p.process.args[3:10]) + "\n" + p.tail(15))
+    def start_frontend(self, *extra: str, workers: list[Worker] | None = None, env: dict | None = None,
+                       https_ca: Path | None = None) -> Frontend:
+        """A frontend in front of `workers` (default: all; [] for etcd discovery). With
+        `https_ca` it is reached over HTTPS (pass its --tls-cert/--tls-key in `extra`)."""
+        port, grpc_port = free_port(), free_port()
+        argv = ["splitserve", "--log-level", self.log_level, "frontend", "--model", self.model,
+                "--port", str(port), "--grpc-port", str(grpc_port), *extra]
+        for w in self.workers.values() if workers is None else workers:
+            argv += ["--worker", f"{w.role}={w.address}"]
+        front = Frontend(Proc.start(argv, env), port, grpc_port, "https" if https_ca else "http", https_ca)
+        self.frontends.append(front)
+        self.procs.append(front.proc)
+        return front
+
+    def outputs(self) -> str:
+        return "\n".join(p.output for p in self.procs)
+
+    def assert_clean_exit(self, codes: list[int], num_procs: int) -> None:
+        """After close(): every one of `num_procs` processes exited 0, none printed a traceback."""
+        assert codes == [0] * num_procs, self.outputs()[-3000:]
+        assert "Traceback" not in self.outputs(), self.outputs()[-6000:]
+
+    def close(self, grace_s: float = CLOSE_GRACE_S) -> list[int]:
+        """Stop everything still running; their exit codes in start order (0 is a clean SIGTERM
+        exit). Whatever needed a SIGKILL is printed and kept in `killed` (a shutdown that
+        hangs is worth knowing about)."""
+        codes, killed = stop_all(self.procs, grace_s)
+        self.killed += killed
         if killed:
-            print("cluster: needed SIGKILL after SIGTERM:\n" + "\n".join(killed), flush=True)
-        return killed
+            print("cluster: needed SIGKILL after SIGTERM:\n"
+                  + "\n".join(" ".join(p.process.args[3:10]) + "\n" + p.tail(15) for p in killed), flush=True)
+        return codes
+

@@ -14,7 +14,7 @@ import collections
 import httpx
 import pytest
 
-from splitserve.testing.stack import Stack
+from splitserve.testing.cluster import Cluster
 
 API_KEY = "sk-fuzz-0123456789"
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
@@ -62,13 +62,15 @@ def assert_openai_error(status: int, body: bytes) -> None:
 
 
 @pytest.fixture(scope="module")
-def stack(llama_dir):
-    stack = Stack(llama_dir)
+def deployment(llama_dir):
+    cluster = Cluster(llama_dir)
     try:
-        stack.start_worker()
-        front = stack.start_frontend(env={"SPLITSERVE_API_KEYS": API_KEY})
-        yield stack, front
-        assert stack.worker.alive(), stack.worker.output[-3000:]
+        worker = cluster.start_worker("worker-0", "both")
+        worker.wait_ready()
+        front = cluster.start_frontend(env={"SPLITSERVE_API_KEYS": API_KEY})
+        front.wait_ready()
+        yield cluster, front
+        assert worker.proc.alive(), worker.proc.output[-3000:]
         assert front.proc.alive(), front.proc.output[-3000:]
         assert front.get("/health")[0] == 200 and front.get("/ready")[0] == 200
         model = httpx.get(f"{front.openai_url}/models", headers=AUTH).json()["data"][0]["id"]
@@ -76,16 +78,16 @@ def stack(llama_dir):
                            json={"model": model, "prompt": "still serving", "max_tokens": 3})
         assert reply.status_code == 200, reply.text
     finally:
-        codes = stack.close()
-    assert codes == [0, 0], (codes, stack.outputs()[-4000:])
-    logs = stack.outputs()
+        codes = cluster.close()
+    assert codes == [0, 0], (codes, cluster.outputs()[-4000:])
+    logs = cluster.outputs()
     assert "Traceback" not in logs and "unhandled error" not in logs, logs[-6000:]
     assert API_KEY not in logs
 
 
 @pytest.fixture(scope="module")
-def front(stack):
-    return stack[1]
+def front(deployment):
+    return deployment[1]
 
 
 @pytest.fixture(scope="module")

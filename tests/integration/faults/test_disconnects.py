@@ -10,7 +10,7 @@ import random
 import signal
 import time
 
-from splitserve.testing.cluster import wait_idle
+from splitserve.testing.workers import wait_idle
 
 from .conftest import MODEL_NAME, make_jobs, run_load, wait_progress
 
@@ -27,10 +27,10 @@ def test_random_client_disconnects_leave_every_worker_idle_within_1s_then_fronte
                cluster.start_worker("d1", "decode", "--remote-prefill-threshold", "64")]
     cluster.wait_workers()
     front = cluster.start_frontend("--router", "round-robin", "--served-model-name", MODEL_NAME)
-    cluster.wait_frontend(front)
+    front.wait_ready()
 
     outcomes = asyncio.run(run_load(front.openai_url, jobs, stop_after=stop_after))
-    took = wait_idle(workers, timeout=IDLE_WITHIN_S)
+    took = wait_idle(workers, IDLE_WITHIN_S).took_s
     disconnected = sum(o.error == "disconnected" for o in outcomes)
     print(f"\n[chaos] client disconnects: requests={len(jobs)} disconnected={disconnected} "
           f"completed={sum(o.completed for o in outcomes)} idle_after_s={took:.2f} leaked_blocks=0")
@@ -54,4 +54,4 @@ def test_random_client_disconnects_leave_every_worker_idle_within_1s_then_fronte
     assert front.proc.process.wait(30) == 0, front.proc.tail()
     print(f"[chaos] frontend SIGTERM: requests={len(jobs)} completed={sum(o.completed for o in outcomes)}")
     assert all(o.completed for o in outcomes), [o.error for o in outcomes]
-    wait_idle(workers, timeout=IDLE_WITHIN_S)
+    wait_idle(workers, IDLE_WITHIN_S)

@@ -15,7 +15,7 @@ import time
 
 import openai
 
-from splitserve.testing.cluster import wait_idle
+from splitserve.testing.workers import wait_idle
 
 from .conftest import MODEL_NAME, expected_outputs, make_jobs, stream_job
 
@@ -44,7 +44,7 @@ def test_etcd_outage_and_router_restart_under_load(cluster, llama_dir, etcd):
     steady_front = cluster.start_frontend(*router, workers=[])
     victim = cluster.start_frontend(*router, workers=[])
     for f in (steady_front, victim):
-        cluster.wait_frontend(f, num_workers=2)
+        f.wait_ready(num_workers=2)
 
     async def scenario():
         nonlocal victim
@@ -65,7 +65,7 @@ def test_etcd_outage_and_router_restart_under_load(cluster, llama_dir, etcd):
         await asyncio.gather(*victim_clients)
         # A new replica: it finds the workers in etcd and rebuilds its index from their events.
         victim = cluster.start_frontend(*router, workers=[])
-        await asyncio.to_thread(cluster.wait_frontend, victim, 2)
+        await asyncio.to_thread(victim.wait_ready, 2)
         deadline = time.monotonic() + 10
         while not all(f'splitserve_router_index_blocks{{worker="w{i}"}} 0.0' not in victim.metrics()
                       for i in range(2)):
@@ -80,7 +80,7 @@ def test_etcd_outage_and_router_restart_under_load(cluster, llama_dir, etcd):
         return steady, during_outage, restarted
 
     steady, during_outage, restarted = asyncio.run(scenario())
-    took = wait_idle(workers, timeout=2.0)
+    took = wait_idle(workers, 2.0).took_s
     print(f"\n[chaos] router under load: steady requests={len(steady)} (during the etcd outage: {during_outage}) "
           f"completed={sum(ok for ok, _, _ in steady)} token_exact={sum(ex for _, ex, _ in steady)}; "
           f"after the router restart: {sum(ok for ok, _, _ in restarted)}/{len(restarted)}; idle after {took:.2f} s")

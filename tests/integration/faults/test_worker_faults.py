@@ -10,7 +10,7 @@ import signal
 import time
 from dataclasses import replace
 
-from splitserve.testing.cluster import wait_idle
+from splitserve.testing.workers import wait_idle
 
 from .conftest import MODEL_NAME, expected_outputs, make_jobs, run_load, wait_progress
 
@@ -57,7 +57,7 @@ def test_sigkill_decode_worker_mid_stream_migrates_32_streams(cluster, llama_dir
     d1 = cluster.start_worker("d1", "decode", *DECODE)
     cluster.wait_workers()
     front = cluster.start_frontend(*FRONTEND)
-    cluster.wait_frontend(front)
+    front.wait_ready()
     served_by_d0 = {}
 
     async def kill_d0(progress):
@@ -73,7 +73,7 @@ def test_sigkill_decode_worker_mid_stream_migrates_32_streams(cluster, llama_dir
     migrated = front.metric("splitserve_migrations_total", outcome="migrated")
     assert served_by_d0["n"] > 0 and migrated >= 1, (served_by_d0, migrated)
     assert front.metric("splitserve_migrations_total", outcome="refused_limit") == 0
-    wait_idle([p0, d1], timeout=2.0)
+    wait_idle([p0, d1], 2.0)
 
 
 def test_sigkill_prefill_worker_mid_transfer_leaks_nothing(cluster, llama_dir):
@@ -85,7 +85,7 @@ def test_sigkill_prefill_worker_mid_transfer_leaks_nothing(cluster, llama_dir):
     d1 = cluster.start_worker("d1", "decode", *DECODE)
     cluster.wait_workers()
     front = cluster.start_frontend(*FRONTEND)
-    cluster.wait_frontend(front)
+    front.wait_ready()
 
     async def kill_p0_while_prefilling(progress):
         deadline = time.monotonic() + 30
@@ -98,7 +98,7 @@ def test_sigkill_prefill_worker_mid_transfer_leaks_nothing(cluster, llama_dir):
     p0.proc.process.wait(10)
     _report("SIGKILL prefill worker", outcomes, expected, _leaked_blocks([d0, d1]), front)
     _assert_all_exact(outcomes, expected, jobs, front)
-    wait_idle([p1, d0, d1], timeout=2.0)
+    wait_idle([p1, d0, d1], 2.0)
     retried = sum(w.stats().num_prefill_retries + w.stats().num_prefill_fallbacks for w in (d0, d1))
     assert retried >= 1
 
@@ -115,7 +115,7 @@ def test_sigterm_decode_worker_drains_migrates_and_deregisters(cluster, llama_di
     d1 = cluster.start_worker("d1", "decode", *DECODE, *reg)
     cluster.wait_workers()
     front = cluster.start_frontend(*FRONTEND, "--etcd", etcd.endpoint, workers=[])
-    cluster.wait_frontend(front, num_workers=3)
+    front.wait_ready(num_workers=3)
 
     async def sigterm_d0(progress):
         await wait_progress(progress, 3)
@@ -130,4 +130,4 @@ def test_sigterm_decode_worker_drains_migrates_and_deregisters(cluster, llama_di
     while 'splitserve_router_index_blocks{worker="d0"}' in front.metrics():   # deregistered: dropped
         assert time.monotonic() < deadline, "d0 is still known to the router"
         time.sleep(0.1)
-    wait_idle([p0, d1], timeout=2.0)
+    wait_idle([p0, d1], 2.0)

@@ -12,9 +12,7 @@ import json
 import urllib.request
 
 from splitserve.net import free_port  # noqa: F401 - the test modules import it from here
-from splitserve.testing.cluster import Proc  # noqa: F401 - the test modules import it from here
-
-
+from splitserve.testing.processes import Proc  # noqa: F401 - the test modules import it from here
 
 
 def http_json(url: str, body: dict | None = None, timeout: float = 30.0):
@@ -23,12 +21,3 @@ def http_json(url: str, body: dict | None = None, timeout: float = 30.0):
     with urllib.request.urlopen(req, timeout=timeout) as reply:
         text = reply.read()
     return json.loads(text) if text[:1] in b"{[" else text.decode()
-
-
-def worker_stats(address: str):
-    import grpc
-
-    from splitserve.proto.v1 import worker_pb2, worker_pb2_grpc
-
-    with grpc.insecure_channel(address) as channel:
-        return worker_pb2_grpc.WorkerStub(channel).Stats(worker_pb2.StatsRequest(), timeout=5)

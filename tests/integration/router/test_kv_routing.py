@@ -14,7 +14,9 @@ import urllib.error
 
 import pytest
 
-from .conftest import Proc, free_port, http_json, worker_stats
+from splitserve.testing.workers import worker_stats
+
+from .conftest import Proc, free_port, http_json
 
 NUM_WORKERS = 4
 TTL_S = 3

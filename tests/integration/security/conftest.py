@@ -1,6 +1,6 @@
 """Real worker and frontend processes for the security tests, and a throwaway CA.
 
-Processes come from splitserve.testing.stack (free loopback ports, output
+Processes come from splitserve.testing.cluster (free loopback ports, output
 captured, everything stopped at the end); certificates from
 splitserve.testing.certs (a CA made per module, leaves for 127.0.0.1).
 """

@@ -15,7 +15,7 @@ import httpx
 import openai
 import pytest
 
-from splitserve.testing.stack import Stack
+from splitserve.testing.cluster import Cluster
 
 from .conftest import grpc_generate
 
@@ -25,26 +25,27 @@ WRONG_KEY = "sk-wrong-6b8d0f2a4c6e"
 
 
 @pytest.fixture(scope="module")
-def stack(llama_dir, tmp_path_factory):
+def deployment(llama_dir, tmp_path_factory):
     keys_file = tmp_path_factory.mktemp("keys") / "keys.txt"
     keys_file.write_text(f"# frontend keys\n{FILE_KEY}\n\n")
-    stack = Stack(llama_dir, log_level="debug")
+    cluster = Cluster(llama_dir, log_level="debug")
     try:
-        stack.start_worker()
-        front = stack.start_frontend("--api-keys-file", str(keys_file), env={"SPLITSERVE_API_KEYS": ENV_KEY})
-        yield stack, front
+        cluster.start_worker("worker-0", "both").wait_ready()
+        front = cluster.start_frontend("--api-keys-file", str(keys_file), env={"SPLITSERVE_API_KEYS": ENV_KEY})
+        front.wait_ready()
+        yield cluster, front
     finally:
-        codes = stack.close()
-    assert codes == [0, 0], stack.outputs()[-3000:]
-    logs = stack.outputs()
+        codes = cluster.close()
+    assert codes == [0, 0], cluster.outputs()[-3000:]
+    logs = cluster.outputs()
     for key in (FILE_KEY, ENV_KEY, WRONG_KEY):
         assert key not in logs, f"an API key was logged: {key}"
         assert key[3:] not in logs
 
 
 @pytest.fixture(scope="module")
-def front(stack):
-    return stack[1]
+def front(deployment):
+    return deployment[1]
 
 
 @pytest.fixture(scope="module")

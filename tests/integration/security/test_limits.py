@@ -17,7 +17,7 @@ import httpx
 import pytest
 
 from splitserve.proto.v1 import inference_pb2, inference_pb2_grpc, worker_pb2, worker_pb2_grpc
-from splitserve.testing.stack import Stack
+from splitserve.testing.cluster import Cluster
 
 from .conftest import grpc_generate
 
@@ -25,27 +25,27 @@ REJECTED = "splitserve_rejected_requests_total"
 
 
 @pytest.fixture(scope="module")
-def stack(llama_dir):
-    stack = Stack(llama_dir)
+def deployment(llama_dir):
+    cluster = Cluster(llama_dir)
     try:
-        stack.start_worker()
+        cluster.start_worker("worker-0", "both").wait_ready()
         fronts = {
-            "small": stack.start_frontend("--max-body-bytes", "4096", "--max-prompt-tokens", "16",
-                                          "--request-timeout", "2", wait=False),
-            "one": stack.start_frontend("--max-concurrent-per-key", "1", wait=False),
-            "rate": stack.start_frontend("--rate-limit", "0.5", "--rate-limit-burst", "2", wait=False),
+            "small": cluster.start_frontend("--max-body-bytes", "4096", "--max-prompt-tokens", "16",
+                                            "--request-timeout", "2"),
+            "one": cluster.start_frontend("--max-concurrent-per-key", "1"),
+            "rate": cluster.start_frontend("--rate-limit", "0.5", "--rate-limit-burst", "2"),
         }
         for front in fronts.values():
             front.wait_ready()
-        yield stack, fronts
+        yield cluster, fronts
     finally:
-        codes = stack.close()
-    stack.assert_clean_exit(codes, 4)
+        codes = cluster.close()
+    cluster.assert_clean_exit(codes, 4)
 
 
 @pytest.fixture(scope="module")
-def fronts(stack):
-    return stack[1]
+def fronts(deployment):
+    return deployment[1]
 
 
 @pytest.fixture(scope="module")
@@ -101,8 +101,8 @@ def test_prompt_over_max_prompt_tokens_is_400(fronts, model_name):
         assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
 
 
-def test_request_timeout_is_504_and_cancels_the_work(stack, fronts, model_name):
-    front, worker = fronts["small"], stack[0].worker_address
+def test_request_timeout_is_504_and_cancels_the_work(deployment, fronts, model_name):
+    front, worker = fronts["small"], deployment[0].workers["worker-0"].address
     before = front.metric(REJECTED, protocol="http", reason="timeout")
     long = {"model": model_name, "prompt": "Once", "max_tokens": 3000, "ignore_eos": True}
     start = time.monotonic()

@@ -22,7 +22,7 @@ import pytest
 from splitserve.net import free_port
 from splitserve.proto.v1 import worker_pb2, worker_pb2_grpc
 from splitserve.tls import TlsConfig
-from splitserve.testing.stack import Proc
+from splitserve.testing.processes import Proc
 
 API_KEY = "sk-serve-5e7a9c1b3d"
 TOKEN = "transfer-secret-8f6d4b2a"
@@ -50,20 +50,19 @@ def served(llama_dir, ca):
     assert API_KEY not in proc.output and TOKEN not in proc.output
 
 
-def _children_cmdlines(pid: int) -> list[bytes]:
+def _children_cmdlines(proc: Proc) -> list[bytes]:
     lines = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
+    for pid in proc.children():
         try:
-            if int(stat.read_text().rsplit(")", 1)[1].split()[1]) == pid:
-                lines.append((stat.parent / "cmdline").read_bytes())
-        except (OSError, ValueError, IndexError):
-            continue
+            lines.append(Path(f"/proc/{pid}/cmdline").read_bytes())
+        except OSError:
+            continue         # gone meanwhile
     return lines
 
 
 def test_served_over_https_with_key_mtls_and_transfer_token(served, ca):
     proc, url, decode, internal = served
-    children = _children_cmdlines(proc.process.pid)
+    children = _children_cmdlines(proc)
     assert len(children) == 3                           # prefill, decode, frontend
     assert not [c for c in children if API_KEY.encode() in c or TOKEN.encode() in c]
     verify = ssl.create_default_context(cafile=str(ca.ca_path))

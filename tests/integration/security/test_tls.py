@@ -29,7 +29,7 @@ from splitserve.proto.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from splitserve.services.frontend.workers.session import WorkerCallError, WorkerSession
 from splitserve.tls import TlsConfig
 from splitserve.testing.certs import TestCA
-from splitserve.testing.stack import Stack
+from splitserve.testing.cluster import Cluster
 
 from .conftest import grpc_generate
 
@@ -42,31 +42,32 @@ def pki(ca, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def stack(llama_dir, pki):
+def deployment(llama_dir, pki):
     ca = pki["ca"].ca_path
-    stack = Stack(llama_dir)
+    cluster = Cluster(llama_dir)
     try:
-        stack.start_worker("--tls-cert", str(pki["worker"].cert), "--tls-key", str(pki["worker"].key),
-                           "--tls-ca", str(ca))
-        good = stack.start_frontend("--tls-cert", str(pki["public"].cert), "--tls-key", str(pki["public"].key),
-                                    "--tls-ca", str(ca), "--tls-client-cert", str(pki["client"].cert),
-                                    "--tls-client-key", str(pki["client"].key), https_ca=ca)
-        no_client_cert = stack.start_frontend("--tls-ca", str(ca), wait=False)
-        plaintext = stack.start_frontend(wait=False)
+        cluster.start_worker("worker-0", "both", "--tls-cert", str(pki["worker"].cert),
+                             "--tls-key", str(pki["worker"].key), "--tls-ca", str(ca)).wait_ready()
+        good = cluster.start_frontend("--tls-cert", str(pki["public"].cert), "--tls-key", str(pki["public"].key),
+                                      "--tls-ca", str(ca), "--tls-client-cert", str(pki["client"].cert),
+                                      "--tls-client-key", str(pki["client"].key), https_ca=ca)
+        good.wait_ready()
+        no_client_cert = cluster.start_frontend("--tls-ca", str(ca))
+        plaintext = cluster.start_frontend()
         for front in (no_client_cert, plaintext):      # up (its HTTP answers), though never ready
             deadline = time.monotonic() + 120
             while front.get("/health")[0] != 200:
                 assert time.monotonic() < deadline and front.proc.alive(), front.proc.output[-2000:]
                 time.sleep(0.1)
-        yield stack, {"good": good, "no_client_cert": no_client_cert, "plaintext": plaintext}
+        yield cluster, {"good": good, "no_client_cert": no_client_cert, "plaintext": plaintext}
     finally:
-        codes = stack.close()
-    stack.assert_clean_exit(codes, 4)
+        codes = cluster.close()
+    cluster.assert_clean_exit(codes, 4)
 
 
 @pytest.fixture(scope="module")
-def fronts(stack):
-    return stack[1]
+def fronts(deployment):
+    return deployment[1]
 
 
 @pytest.fixture(scope="module")
@@ -113,8 +114,8 @@ def _health(tls: TlsConfig, address: str) -> grpc.StatusCode | int:
             return exc.code()
 
 
-def test_worker_requires_a_client_certificate_from_the_ca(stack, pki):
-    address, ca = stack[0].worker_address, str(pki["ca"].ca_path)
+def test_worker_requires_a_client_certificate_from_the_ca(deployment, pki):
+    address, ca = deployment[0].workers["worker-0"].address, str(pki["ca"].ca_path)
     serving = health_pb2.HealthCheckResponse.SERVING
     assert _health(TlsConfig(cert=str(pki["client"].cert), key=str(pki["client"].key), ca=ca), address) == serving
     assert _health(TlsConfig(), address) == grpc.StatusCode.UNAVAILABLE                     # plaintext
@@ -123,8 +124,8 @@ def test_worker_requires_a_client_certificate_from_the_ca(stack, pki):
     assert _health(impostor, address) == grpc.StatusCode.UNAVAILABLE                       # another CA's cert
 
 
-def test_the_session_stream_requires_the_same_client_certificate(stack, pki):
-    address, ca = stack[0].worker_address, str(pki["ca"].ca_path)
+def test_the_session_stream_requires_the_same_client_certificate(deployment, pki):
+    address, ca = deployment[0].workers["worker-0"].address, str(pki["ca"].ca_path)
     good = TlsConfig(cert=str(pki["client"].cert), key=str(pki["client"].key), ca=ca)
     with good.channel(address) as channel:
         port = worker_pb2_grpc.WorkerStub(channel).Describe(worker_pb2.DescribeRequest(), timeout=10).session_port

@@ -9,60 +9,24 @@ from __future__ import annotations
 
 import re
 import signal
-import subprocess
 import time
 import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
-from pathlib import Path
 
-import grpc
 import pytest
 
 from splitserve.net import free_port
-from splitserve.testing.cluster import Proc as ClusterProc
-
-READY_TIMEOUT_S = 120.0
+from splitserve.testing import processes
+from splitserve.testing.processes import READY_TIMEOUT_S, pid_alive
 
 
 @dataclass
-class Proc(ClusterProc):
-    """splitserve.testing.cluster.Proc, but a process that ignores its stop signal fails the test."""
+class Proc(processes.Proc):
+    """splitserve.testing.processes.Proc, but a process that ignores its stop signal fails the test."""
 
-    def wait_for_line(self, pattern: str, timeout: float = READY_TIMEOUT_S) -> re.Match:
-        try:
-            return super().wait_for_line(pattern, timeout)
-        except AssertionError:
-            raise AssertionError(f"no line matching {pattern!r}; output so far:\n{self.output}") from None
-
-    def children(self) -> list[int]:
-        pids = []
-        for stat in Path("/proc").glob("[0-9]*/stat"):
-            try:
-                fields = stat.read_text().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            if int(fields[1]) == self.process.pid:
-                pids.append(int(stat.parent.name))
-        return pids
-
-    def stop(self, sig: int = signal.SIGTERM, timeout: float = 30.0) -> int:
-        if self.process.poll() is None:
-            self.process.send_signal(sig)
-        try:
-            return self.process.wait(timeout)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            self.process.wait()
-            raise AssertionError(f"did not stop within {timeout} s on {sig!r}:\n{self.output}")
-
-
-def alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
-    return state != "Z"
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 30.0, must_stop: bool = True) -> int:
+        return super().stop(sig, timeout, must_stop)
 
 
 def http_ok(url: str) -> bool:
@@ -121,16 +85,9 @@ def stop_serve(server: Server, sig: int = signal.SIGTERM) -> None:
     assert code == 0, server.proc.output
     assert len(server.child_pids) >= 2    # workers and the frontend
     deadline = time.monotonic() + 5
-    while any(alive(pid) for pid in server.child_pids) and time.monotonic() < deadline:
+    while any(pid_alive(pid) for pid in server.child_pids) and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert not [pid for pid in server.child_pids if alive(pid)], "serve left orphan processes"
-
-
-def worker_stats(address: str):
-    from splitserve.proto.v1 import worker_pb2, worker_pb2_grpc
-
-    with grpc.insecure_channel(address) as channel:
-        return worker_pb2_grpc.WorkerStub(channel).Stats(worker_pb2.StatsRequest(), timeout=5)
+    assert not [pid for pid in server.child_pids if pid_alive(pid)], "serve left orphan processes"
 
 
 @pytest.fixture(scope="module")

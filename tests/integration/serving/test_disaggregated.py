@@ -29,8 +29,9 @@ from splitserve.services.engine.config import EngineConfig
 from splitserve.services.engine.engine import LLMEngine
 from splitserve.services.wire.sampling_params import SamplingParams
 from splitserve.testing.oracle import assert_greedy_match, hf_greedy
+from splitserve.testing.workers import wait_idle, worker_stats
 
-from .conftest import Server, start_serve, stop_serve, worker_stats
+from .conftest import Server, start_serve, stop_serve
 
 THRESHOLD = 32
 MAX_TOKENS = 6
@@ -89,22 +90,6 @@ def _stats(server: Server) -> dict:
     return {name: worker_stats(address) for name, address in server.workers.items()}
 
 
-def _idle(stats) -> bool:
-    return (stats.num_used_kv_blocks == 0 and stats.num_running == 0 and stats.num_waiting == 0
-            and stats.num_remote_prefill == 0 and stats.num_transfer_reservations == 0
-            and stats.num_held_prefills == 0 and stats.num_fenced_kv_blocks == 0)
-
-
-def assert_all_idle(server: Server, since: float | None = None, limit_s: float = 1.0) -> dict:
-    start = time.monotonic() if since is None else since
-    while True:
-        stats = _stats(server)
-        if all(_idle(s) for s in stats.values()):
-            return stats
-        assert time.monotonic() - start < limit_s, f"workers not idle after {limit_s} s: {stats}"
-        time.sleep(0.02)
-
-
 @pytest.mark.parametrize("deployment", DEPLOYMENTS, ids=_id, indirect=True)
 def test_greedy_equals_aggregated_and_transformers(deployment, references):
     backend, server = deployment
@@ -114,7 +99,7 @@ def test_greedy_equals_aggregated_and_transformers(deployment, references):
         got = _complete(server, prompt)
         assert got == want, (backend, len(prompt))
         assert_greedy_match(got, ref)
-    after = assert_all_idle(server)
+    after = wait_idle(server.workers, 1.0).stats
     decodes = [n for n in after if n.startswith("decode")]
     prefills = [n for n in after if n.startswith("prefill")]
     remote = sum(after[n].num_remote_prefills - before[n].num_remote_prefills for n in decodes)
@@ -145,7 +130,7 @@ def test_conditional_disaggregation_from_counters(deployment):
     d2 = worker_stats(decode)
     assert again == first
     assert d2.num_local_prefills == d.num_local_prefills + 1 and d2.num_remote_prefills == d.num_remote_prefills
-    assert_all_idle(server)
+    wait_idle(server.workers, 1.0)
 
 
 def _open_request(server: Server, prompt: list[int], max_tokens: int, stream: bool = True) -> socket.socket:
@@ -182,7 +167,7 @@ def test_cancel_mid_prefill_frees_both_workers(deployment, stream):
     assert d.num_remote_prefill == 1 and d.num_transfer_reservations == 1
     sock.close()
     gone = time.monotonic()
-    after = assert_all_idle(server, since=gone)        # fenced blocks included (num_used_kv_blocks)
+    after = wait_idle(server.workers, 1.0, since=gone).stats        # fenced blocks included (num_used_kv_blocks)
     p = after["prefill-0"]
     assert p.num_aborted == before_p.num_aborted + 1
     assert p.num_prefills_served == before_p.num_prefills_served
@@ -212,7 +197,7 @@ def test_cancel_mid_decode_frees_both_workers(deployment, stream):
     assert busy.num_running == 1 and busy.num_remote_prefills == before_d.num_remote_prefills + 1
     sock.close()
     gone = time.monotonic()
-    after = assert_all_idle(server, since=gone)
+    after = wait_idle(server.workers, 1.0, since=gone).stats
     d = after["decode-0"]
     assert d.num_aborted == before_d.num_aborted + 1
     assert d.num_generated_tokens - before_d.num_generated_tokens < 3000

@@ -18,8 +18,9 @@ from splitserve.proto.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from splitserve.services.frontend.migration import breaks_stream
 from splitserve.services.frontend.workers.session import GrpcLink, StreamLink, WorkerCallError, WorkerSession
 from splitserve.services.frontend.workers.pool import WorkerAddress, WorkerPool
+from splitserve.testing.workers import worker_stats
 
-from .conftest import Proc, free_port, worker_stats
+from .conftest import Proc, free_port
 
 PROMPT = list(range(100, 170))           # 70 tokens: 4 full blocks
 LINKS = ["stream", "grpc"]

@@ -23,8 +23,7 @@ from splitserve.services.engine.engine import LLMEngine
 from splitserve.services.text.generate import generate_text
 from splitserve.services.wire.sampling_params import SamplingParams
 from splitserve.testing.oracle import assert_greedy_match, hf_greedy
-
-from .conftest import worker_stats
+from splitserve.testing.workers import wait_idle, worker_stats
 
 MODEL = "llama"          # the served name is the checkpoint folder's name, read from /v1/models
 PROMPT_IDS = [1, 415, 2936, 9060, 285, 1142, 28705, 28740, 28734, 2421]
@@ -134,7 +133,7 @@ def test_a_stop_string_ends_the_request_on_the_worker(server, client, model_name
     out = client.completions.create(model=model_name, prompt=PROMPT_IDS, max_tokens=LONG["max_tokens"],
                                     temperature=0, stop=[stop], extra_body={"ignore_eos": True})
     assert (out.choices[0].text, out.choices[0].finish_reason) == (free.text[:free.text.index(stop)], "stop")
-    stats, _ = _wait_idle(worker, time.monotonic())
+    stats = wait_idle({"worker": worker}, 1.0, since=time.monotonic()).stats["worker"]
     assert stats.num_aborted == before.num_aborted + 1, stats
     assert stats.num_generated_tokens - before.num_generated_tokens < LONG["max_tokens"] // 2
 
@@ -252,15 +251,6 @@ def test_server_keeps_serving_after_bad_input(server, client, model_name):
     assert out.usage.completion_tokens >= 1
 
 
-def _wait_idle(address: str, since: float, limit_s: float = 1.0):
-    while True:
-        stats = worker_stats(address)
-        if stats.num_used_kv_blocks == 0 and stats.num_running == 0 and stats.num_waiting == 0:
-            return stats, time.monotonic() - since
-        assert time.monotonic() - since < limit_s, f"worker not idle {limit_s} s after disconnect: {stats}"
-        time.sleep(0.02)
-
-
 def test_disconnect_mid_stream_frees_the_worker(server, model_name):
     [worker] = server.worker_addresses
     aborted_before = worker_stats(worker).num_aborted
@@ -274,7 +264,7 @@ def test_disconnect_mid_stream_frees_the_worker(server, model_name):
             busy = worker_stats(worker)
             assert busy.num_running == 1 and busy.num_used_kv_blocks > 0
         gone = time.monotonic()
-    stats, took = _wait_idle(worker, gone)
+    stats = wait_idle({"worker": worker}, 1.0, since=gone).stats["worker"]
     assert stats.num_aborted == aborted_before + 1, stats
     assert stats.num_generated_tokens < 3000
 
@@ -286,7 +276,7 @@ def test_disconnect_while_waiting_for_a_whole_response(server, model_name):
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(f"{server.openai_url}/completions", json=body, timeout=httpx.Timeout(30, read=0.5))
     gone = time.monotonic()
-    stats, _ = _wait_idle(worker, gone)
+    stats = wait_idle({"worker": worker}, 1.0, since=gone).stats["worker"]
     assert stats.num_aborted == aborted_before + 1, stats
 
 
@@ -389,6 +379,6 @@ def test_cancelling_the_public_grpc_call_frees_the_worker(server, model_name):
         assert worker_stats(worker).num_running == 1
         call.cancel()
         gone = time.monotonic()
-    stats, _ = _wait_idle(worker, gone)
+    stats = wait_idle({"worker": worker}, 1.0, since=gone).stats["worker"]
     assert stats.num_aborted == idle.num_aborted + 1, stats
     assert stats.num_generated_tokens - idle.num_generated_tokens < 3000

@@ -10,7 +10,9 @@ import subprocess
 import openai
 import pytest
 
-from .conftest import start_serve, stop_serve, worker_stats
+from splitserve.testing.workers import worker_stats
+
+from .conftest import start_serve, stop_serve
 
 EXPECTED_BACKEND = "nixl"        # the NIXL wheel is a test dependency (pip install 'splitserve[nixl]')
 

@@ -19,14 +19,14 @@ import subprocess
 import urllib.error
 import urllib.request
 
-import grpc
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from splitserve.proto.v1 import common_pb2, worker_pb2, worker_pb2_grpc
+from splitserve.net import free_port
+from splitserve.proto.v1 import worker_pb2
 from splitserve.services.worker.metrics_http import COUNTERS, GAUGES, MetricsApp, MetricsServer
-
-from .conftest import Proc, free_port, worker_stats
+from splitserve.testing.cluster import Cluster
+from splitserve.testing.workers import generate, worker_stats
 
 PROMPT = [(13 * i + 7) % 31000 + 5 for i in range(90)]    # over the threshold: prefilled remotely
 MAX_TOKENS = 4
@@ -58,49 +58,33 @@ def _value(samples: Samples, name: str, **labels: str) -> float:
     return sum(v for (n, ls), v in samples.items() if n == name and want <= ls)
 
 
-def _worker(llama_dir, role: str, name: str, *extra: str) -> tuple[Proc, str, str]:
-    port, metrics_port = free_port(), free_port()
-    proc = Proc.start(["splitserve", "worker", "--role", role, "--model", str(llama_dir), "--port", str(port),
-                       "--metrics-port", str(metrics_port), "--threads", "1", "--kv-cache-gib", "0.05",
-                       "--worker-id", name, "--transfer", "tcp", *extra])
-    return proc, f"127.0.0.1:{port}", f"http://127.0.0.1:{metrics_port}"
-
-
 @pytest.fixture(scope="module")
 def workers(llama_dir):
-    procs = {}
+    cluster = Cluster(llama_dir, transfer="tcp")
+    bases = {}
     try:
-        procs["d0"] = _worker(llama_dir, "decode", "d0", "--remote-prefill-threshold", "32")
-        procs["p0"] = _worker(llama_dir, "prefill", "p0", "--max-num-batched-tokens", str(CHUNK))
-        for name, (proc, _, base) in procs.items():
-            proc.wait_for_line(rf"worker {name} metrics on {base}/metrics", 60)
+        for name, role, extra in [("d0", "decode", ("--remote-prefill-threshold", "32")),
+                                  ("p0", "prefill", ("--max-num-batched-tokens", str(CHUNK)))]:
+            metrics_port = free_port()
+            bases[name] = f"http://127.0.0.1:{metrics_port}"
+            cluster.start_worker(name, role, "--metrics-port", str(metrics_port), *extra)
+        for name, base in bases.items():
+            cluster.workers[name].proc.wait_for_line(rf"worker {name} metrics on {base}/metrics", 60)
             # Served from the start, while the model may still be loading: 200 either way.
             assert _get(f"{base}/metrics")[0] == 200
-        for name, (proc, _, _) in procs.items():
-            proc.wait_for_line(rf"worker {name} ready", 120)
-        yield {name: (address, base) for name, (_, address, base) in procs.items()}
+        cluster.wait_workers()
+        yield {name: (cluster.workers[name].address, base) for name, base in bases.items()}
     finally:
-        for proc, _, _ in procs.values():
-            assert proc.stop() == 0, proc.output
-
-
-async def _generate(decode: str, prefill: str, prompt: list[int] = PROMPT,
-                    request_id: str = "metrics-1") -> worker_pb2.TokenGenerateResponse:
-    request = worker_pb2.TokenGenerateRequest(
-        request_id=request_id, token_ids=prompt,
-        params=common_pb2.SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True),
-        prefill_peer=worker_pb2.PrefillPeer(worker_id="p0", address=prefill))
-    async with grpc.aio.insecure_channel(decode) as channel:
-        replies = [r async for r in worker_pb2_grpc.WorkerStub(channel).Generate(request)]
-    assert sum(len(r.token_ids) for r in replies) == MAX_TOKENS
-    return replies[0]
+        codes = cluster.close(grace_s=30.0)
+    assert codes == [0, 0] and not cluster.killed, cluster.outputs()[-6000:]
 
 
 def test_disaggregated_request_shows_in_both_workers_metrics(workers):
     (d0, d0_http), (p0, p0_http) = workers["d0"], workers["p0"]
     before = {"d0": _scrape(f"{d0_http}/metrics"), "p0": _scrape(f"{p0_http}/metrics")}
-    first = asyncio.run(_generate(d0, p0))
-    assert first.prefilled_remotely
+    out = asyncio.run(generate(d0, "metrics-1", PROMPT, MAX_TOKENS, [("p0", p0)]))
+    assert len(out.token_ids) == MAX_TOKENS
+    assert out.prefilled_remotely
     after = {"d0": _scrape(f"{d0_http}/metrics"), "p0": _scrape(f"{p0_http}/metrics")}
 
     # One kv_usage gauge per worker, labelled with its id and role; every Stats family is there.
@@ -145,13 +129,15 @@ def test_layers_reach_the_decode_worker_while_the_prefill_still_computes(workers
 
     async def main() -> list[tuple[float, int]]:
         writes_before, computed_before = writes(), worker_stats(p0).num_prompt_tokens_computed
-        generate = asyncio.create_task(_generate(d0, p0, LONG_PROMPT, "metrics-long"))
+        long = asyncio.create_task(generate(d0, "metrics-long", LONG_PROMPT, MAX_TOKENS, [("p0", p0)]))
         samples = []            # (writes received so far, prompt tokens computed so far), read in that order
-        while not generate.done():
+        while not long.done():
             written = await asyncio.to_thread(writes)
             computed = (await asyncio.to_thread(worker_stats, p0)).num_prompt_tokens_computed
             samples.append((written - writes_before, computed - computed_before))
-        assert (await generate).prefilled_remotely
+        out = await long
+        assert len(out.token_ids) == MAX_TOKENS
+        assert out.prefilled_remotely
         samples.append((writes() - writes_before, worker_stats(p0).num_prompt_tokens_computed - computed_before))
         return samples
 

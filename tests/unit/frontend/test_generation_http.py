@@ -22,8 +22,10 @@ class Channel:
         for message in incoming:
             self.incoming.put_nowait(message)
         self.sent: list[dict] = []
+        self.receiving = asyncio.Event()         # someone waits in receive(): a step to wait for
 
     async def receive(self) -> dict:
+        self.receiving.set()
         return await self.incoming.get()
 
     async def send(self, message: dict) -> None:
@@ -44,7 +46,7 @@ def test_a_disconnect_cancels_the_request_and_is_told_apart():
     async def request(channel: Channel) -> tuple[bool, bool]:
         watcher = DisconnectWatcher(channel.receive)
         try:
-            await asyncio.sleep(5)
+            await asyncio.Event().wait()          # a request that runs until it is cancelled
             return False, watcher.disconnected
         except asyncio.CancelledError:
             asyncio.current_task().uncancel()
@@ -55,7 +57,7 @@ def test_a_disconnect_cancels_the_request_and_is_told_apart():
     async def run():
         channel = Channel()
         task = asyncio.create_task(request(channel))
-        await asyncio.sleep(0.01)
+        await channel.receiving.wait()            # the watcher reads the connection now
         channel.incoming.put_nowait({"type": "http.disconnect"})
         return await asyncio.wait_for(task, 2)
 
@@ -68,7 +70,8 @@ def test_stopping_the_watcher_before_the_disconnect_leaves_the_request_alone():
         watcher = DisconnectWatcher(channel.receive)
         watcher.stop()
         channel.incoming.put_nowait({"type": "http.disconnect"})   # what a server reports after the response
-        await asyncio.sleep(0.01)
+        for _ in range(5):                        # a watcher still running would read it in one turn
+            await asyncio.sleep(0)
         return watcher.disconnected
 
     assert asyncio.run(run()) is False

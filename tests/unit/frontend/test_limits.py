@@ -9,14 +9,7 @@ import pytest
 from splitserve.services.frontend.errors import APIError
 from splitserve.services.frontend.limits import (KeyLimiter, LimitsConfig, PromptBound, Rejection,
                                                  check_prompt_tokens)
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
+from splitserve.testing.clock import FakeClock
 
 
 def test_concurrency_is_per_client_and_slots_come_back():
@@ -35,7 +28,7 @@ def test_concurrency_is_per_client_and_slots_come_back():
 
 
 def test_rate_limit_token_bucket_and_retry_after():
-    clock = Clock()
+    clock = FakeClock(100.0)
     limiter = KeyLimiter(LimitsConfig(rate_limit=0.5, rate_limit_burst=2, max_concurrent_per_key=0), clock)
     assert limiter.admit("k") is None and limiter.admit("k") is None     # the burst
     refusal = limiter.admit("k")
@@ -49,7 +42,7 @@ def test_rate_limit_token_bucket_and_retry_after():
 
 
 def test_concurrency_refusal_costs_no_rate_token():
-    clock = Clock()
+    clock = FakeClock(100.0)
     limiter = KeyLimiter(LimitsConfig(rate_limit=1.0, rate_limit_burst=2, max_concurrent_per_key=1), clock)
     assert limiter.admit("k") is None
     assert limiter.admit("k").reason is Rejection.CONCURRENCY

@@ -3,8 +3,6 @@ and the receiver's reservation table (bounds, ownership, deadline, leak check)."
 
 from __future__ import annotations
 
-import time
-
 import pytest
 import torch
 
@@ -17,6 +15,7 @@ from splitserve.kvtransfer.reservations import ReservationTable
 from splitserve.kvtransfer.tp_slicing import (block_runs, gather_slice, head_slice, joint_runs, row_descriptors,
                                               scatter_slice)
 from splitserve.kvtransfer.wire import FRAME_HEADER, KIND_WRITE, FrameHeader, Notification
+from splitserve.testing.clock import FakeClock
 
 LAYOUT = KVLayout("m", "bfloat16", num_layers=2, num_kv_heads=4, head_dim=8, block_size=4)
 
@@ -122,12 +121,11 @@ class TestReservationTable:
         assert table.active() == {}
 
     def test_expiry_releases_blocks_but_waits_for_inflight_writes(self):
-        table = ReservationTable(num_blocks=8, incarnation="inc")
+        clock = FakeClock(100.0)
+        table = ReservationTable(num_blocks=8, incarnation="inc", clock=clock)
         table.reserve("a", [1], ttl_s=0.01)
         table.begin_write("a", "inc", (1,), source=1)
-        deadline = time.monotonic() + 0.01
-        while time.monotonic() < deadline:
-            pass
+        clock.advance(0.02)                           # past the deadline
         assert table.active() == {"a": (1,)}          # a write in progress holds off expiry
         table.end_write("a")
         assert table.active() == {}

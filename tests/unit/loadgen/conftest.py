@@ -1,4 +1,4 @@
-"""Helpers for the loadgen unit tests: a fake clock, scripted SSE streams over
+"""Helpers for the loadgen unit tests: scripted SSE streams (on a FakeClock) over
 `httpx.MockTransport`, and a stand-in vocabulary (one token per character) for
 tests that do not need a real tokenizer."""
 
@@ -10,15 +10,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-
-class FakeClock:
-    """Run time that only moves when a scripted stream says so."""
-
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
+from splitserve.testing.clock import FakeClock
 
 
 def sse(obj) -> bytes:

@@ -11,8 +11,9 @@ import pytest
 
 from splitserve.loadgen.client import Target, build_request, make_http_client, stream_request
 from splitserve.loadgen.recorder import RequestRecord
+from splitserve.testing.clock import FakeClock
 
-from .conftest import FakeClock, chat_chunk, scripted, sse, usage_chunk
+from .conftest import chat_chunk, scripted, sse, usage_chunk
 
 TARGET = Target("http://127.0.0.1:9/v1", "m", api="chat")
 
@@ -133,10 +134,10 @@ def test_bad_json_in_stream_is_recorded():
 def test_a_request_that_takes_too_long_times_out():
     async def slow_body():
         yield sse(chat_chunk("x"))
-        await asyncio.sleep(10)
+        await asyncio.Event().wait()              # never finishes: only the client's timeout ends it
         yield sse("[DONE]")
 
-    record = run(lambda req: httpx.Response(200, content=slow_body()), FakeClock(), timeout_s=0.2)
+    record = run(lambda req: httpx.Response(200, content=slow_body()), FakeClock(), timeout_s=0.05)
     assert record.error_kind == "timeout"
 
 

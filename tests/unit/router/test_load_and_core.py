@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import time
-
 from prometheus_client import generate_latest
 
 from splitserve.router.core import RouterCore, WorkerSpec
@@ -11,6 +9,7 @@ from splitserve.router.hashing import block_hashes
 from splitserve.router.load import LoadTracker
 from splitserve.router.metrics import RouterMetrics
 from splitserve.router.policies import make_policy
+from splitserve.testing.clock import FakeClock
 
 
 def test_load_tracks_route_first_token_finish():
@@ -59,27 +58,20 @@ def test_a_worker_that_leaves_takes_its_requests_load_with_it():
 
 
 def test_load_is_corrected_from_stats():
-    load = LoadTracker(stale_after_s=0.0)
+    clock = FakeClock(100.0)
+    load = LoadTracker(stale_after_s=0.0, clock=clock)
     load.on_route("r1", "d0", None, 50, 4, [b"a", b"b", b"c"])
     load.on_first_token("r1")
     load.correct("d0", num_used_blocks=20, num_in_flight=3)       # other frontends' work counts too
     assert load.decode_blocks("d0") == 4 + (20 - 4)
-    time.sleep(0.001)
+    clock.advance(0.001)
     load.correct("d0", num_used_blocks=0, num_in_flight=0)        # idle worker: drop stale requests
     assert load.decode_blocks("d0") == 0 and load.num_requests() == 0
 
 
-class Clock:
-    def __init__(self):
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
 def _core(policy="kv", threshold=32, clock=None):
     core = RouterCore(make_policy(policy), make_policy(policy), remote_prefill_threshold=threshold,
-                      metrics=RouterMetrics(), clock=clock or Clock(), prediction_ttl_s=5.0)
+                      metrics=RouterMetrics(), clock=clock or FakeClock(100.0), prediction_ttl_s=5.0)
     for w in ("d0", "d1", "p0", "p1"):
         core.set_spec(w, WorkerSpec(16, b"m|x|"))
     return core
@@ -117,7 +109,7 @@ def test_core_spreads_load_when_nothing_is_cached():
 
 def test_a_routed_prompt_is_predicted_so_its_tenant_follows_it():
     """Three simultaneous requests of one tenant, before any KV event: all go to the first one's worker."""
-    clock = Clock()
+    clock = FakeClock(100.0)
     core = _core(clock=clock)
     prefix = list(range(5000, 5000 + 64 * 16))
     chain = block_hashes(prefix, 16, b"m|x|")

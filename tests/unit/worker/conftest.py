@@ -1,4 +1,9 @@
-"""Fakes for the decode side's KV-transfer tests (remote_prefill.py, write_fences.py).
+"""Fixtures of the worker's in-process unit tests: a real LLMEngine on the random Llama, and the
+fakes of the decode side's KV-transfer tests (remote_prefill.py, write_fences.py).
+
+`engine` (one per module; loading costs about a second) serves the EngineLoop and
+WorkerService tests, which must leave it idle (`assert_engine_idle`), so the next test
+starts from an empty pool.
 
 The code under test is real, and so is the engine: one small LLMEngine on the random
 Llama checkpoint, driven by a real EngineLoop, so every test can end by checking that
@@ -24,43 +29,9 @@ from splitserve.services.engine.sampler import SampledToken
 from splitserve.services.worker.convert import encode_first_token
 from splitserve.services.worker.engine_loop import EngineLoop
 from splitserve.services.worker.kv.transfer import TransferEndpoint, TransferError, TransferGrant
+from splitserve.testing.clock import FakeClock
 
 NUM_KV_BLOCKS = 24      # block size 16: a 256-token context
-
-
-class FakeClock:
-    """A monotonic clock that moves only when told. `sleep` waits until the clock has
-    moved past its end; with `auto_advance` it moves the clock itself instead."""
-
-    def __init__(self, auto_advance: bool = False) -> None:
-        self.now = 1000.0
-        self.auto_advance = auto_advance
-        self.slept: list[float] = []
-        self._sleepers: list[tuple[float, asyncio.Future]] = []
-
-    def __call__(self) -> float:
-        return self.now
-
-    async def sleep(self, seconds: float) -> None:
-        self.slept.append(seconds)
-        if self.auto_advance or seconds <= 0:
-            self.now += max(0.0, seconds)
-            return
-        future = asyncio.get_running_loop().create_future()
-        self._sleepers.append((self.now + seconds, future))
-        await future
-
-    def advance(self, seconds: float) -> None:
-        self.now += seconds
-        due = [(end, f) for end, f in self._sleepers if end <= self.now]
-        for entry in due:
-            self._sleepers.remove(entry)
-            if not entry[1].done():
-                entry[1].set_result(None)
-
-    @property
-    def num_sleeping(self) -> int:
-        return len(self._sleepers)
 
 
 def rpc_error(code: grpc.StatusCode, details: str) -> grpc.aio.AioRpcError:
@@ -230,10 +201,28 @@ def peers(receiver) -> FakePeers:
 
 @pytest.fixture
 def clock() -> FakeClock:
-    return FakeClock()
+    return FakeClock(now=1000.0)
 
 
 @pytest.fixture
 def auto_clock() -> FakeClock:
     """A FakeClock whose `sleep` moves it (for waits a test need not watch)."""
-    return FakeClock(auto_advance=True)
+    return FakeClock(now=1000.0, auto_advance=True)
+
+
+SERVICE_NUM_KV_BLOCKS = 64      # 1024 tokens of context: room for every prompt of the service tests
+
+
+@pytest.fixture(scope="module")
+def engine(llama_dir):
+    engine = LLMEngine(EngineConfig(model=str(llama_dir), num_kv_blocks=SERVICE_NUM_KV_BLOCKS, num_threads=1))
+    try:
+        yield engine
+    finally:
+        engine.close()
+
+
+def assert_engine_idle(engine: LLMEngine) -> None:
+    """The leak check: no request left and every block free (cached blocks count as free)."""
+    assert not engine.has_unfinished()
+    assert engine.pool.num_used_blocks == 0, engine.pool.num_used_blocks

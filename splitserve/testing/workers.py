@@ -1,0 +1,95 @@
+"""A worker's gRPC API as tests use it: Stats, the leak check, one token-level Generate.
+
+`idle_problems()` is the leak check every test that drives workers ends with: a worker
+is idle when its Stats say no KV block is used (fenced ones included) and none is
+fenced, no request runs or waits, no transfer reservation is open, no finished prefill
+still holds blocks, and no call or remote prefill is in flight. `wait_idle()` polls
+that (bounded) on several workers, because some of it is released in the background
+(a given-up reservation's blocks once its fence is answered, an aborted request's by
+the next engine step).
+
+`generate()` sends one TokenGenerateRequest straight to a worker, naming the prefill
+workers it may use, so that a test chooses exactly where a prompt is prefilled.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+
+import grpc
+
+from splitserve.proto.v1 import common_pb2, worker_pb2, worker_pb2_grpc
+
+IDLE_POLL_S = 0.02
+
+
+def worker_stats(address: str, timeout: float = 5.0) -> worker_pb2.StatsResponse:
+    with grpc.insecure_channel(address) as channel:
+        return worker_pb2_grpc.WorkerStub(channel).Stats(worker_pb2.StatsRequest(), timeout=timeout)
+
+
+def idle_problems(s: worker_pb2.StatsResponse) -> list[str]:
+    """What a worker still holds (empty when idle)."""
+    held = {"used KV blocks": s.num_used_kv_blocks, "transfer reservations": s.num_transfer_reservations,
+            "held prefills": s.num_held_prefills, "remote prefills waiting": s.num_remote_prefill,
+            "running": s.num_running, "waiting": s.num_waiting, "calls in flight": s.num_in_flight,
+            "fenced KV blocks": s.num_fenced_kv_blocks}
+    return [f"{v} {k}" for k, v in held.items() if v]
+
+
+@dataclass(slots=True)
+class Idle:
+    """What wait_idle saw: each worker's last Stats, and how long it took to get there."""
+
+    stats: dict[str, worker_pb2.StatsResponse]
+    took_s: float
+
+
+def wait_idle(workers: Mapping[str, str] | Iterable, limit_s: float, since: float | None = None) -> Idle:
+    """Poll until every worker is idle; AssertionError naming what each still holds when
+    `limit_s` has passed since `since` (time.monotonic(); default: now).
+
+    `workers` maps names to addresses, or is a list of objects with `name` and `address`
+    (splitserve.testing.cluster.Worker)."""
+    addresses = dict(workers) if isinstance(workers, Mapping) else {w.name: w.address for w in workers}
+    start = time.monotonic() if since is None else since
+    while True:
+        stats = {name: worker_stats(address) for name, address in addresses.items()}
+        problems = {name: p for name, s in stats.items() if (p := idle_problems(s))}
+        if not problems:
+            return Idle(stats, time.monotonic() - start)
+        if time.monotonic() - start > limit_s:
+            raise AssertionError(f"workers not idle {limit_s:.1f} s later: {problems}")
+        time.sleep(IDLE_POLL_S)
+
+
+@dataclass(slots=True)
+class Generated:
+    """One Generate call's replies."""
+
+    replies: list[worker_pb2.TokenGenerateResponse]
+
+    @property
+    def token_ids(self) -> list[int]:
+        return [t for r in self.replies for t in r.token_ids]
+
+    @property
+    def prefilled_remotely(self) -> bool:
+        return self.replies[0].prefilled_remotely
+
+
+async def generate(address: str, request_id: str, token_ids: list[int], max_tokens: int,
+                   prefill_peers: Sequence[tuple[str, str]] = ()) -> Generated:
+    """Greedy `max_tokens` tokens (EOS ignored) for `token_ids` from the worker at `address`.
+
+    `prefill_peers` are (worker id, address) pairs: the first is the request's prefill
+    peer, the rest its alternates (tried in order when one fails)."""
+    peers = [worker_pb2.PrefillPeer(worker_id=name, address=peer) for name, peer in prefill_peers]
+    request = worker_pb2.TokenGenerateRequest(
+        request_id=request_id, token_ids=token_ids,
+        params=common_pb2.SamplingParams(max_tokens=max_tokens, ignore_eos=True),
+        prefill_peer=peers[0] if peers else None, alternate_prefill_peers=peers[1:])
+    async with grpc.aio.insecure_channel(address) as channel:
+        return Generated([r async for r in worker_pb2_grpc.WorkerStub(channel).Generate(request)])

@@ -1,0 +1,167 @@
+"""EngineLoop: one real LLMEngine on its own thread, driven from asyncio.
+
+Jobs run on the engine thread, in the order they were queued; a failing job raises
+in its caller and the loop carries on; a request's outputs arrive as a stream that
+an abort (or the caller leaving) ends; a failing step fails every open stream and
+the loop carries on; stop() fails what is open and later calls get
+EngineStoppedError. Every test ends with the engine idle. Nothing here sleeps: each
+step waits on the loop's own answers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import pytest
+
+from splitserve.errors import InvalidRequestError
+from splitserve.services.engine.sequence import FinishReason
+from splitserve.services.wire.sampling_params import SamplingParams
+from splitserve.services.worker.engine_loop import EngineLoop, EngineStepError, EngineStoppedError
+
+from .conftest import assert_engine_idle
+
+PROMPT = list(range(100, 140))
+
+
+@pytest.fixture
+def loop(engine):
+    loop = EngineLoop(engine)
+    loop.start()
+    try:
+        yield loop
+    finally:
+        loop.stop()
+    assert not loop.alive
+    assert_engine_idle(engine)
+
+
+def _add(request_id: str, max_tokens: int):
+    return lambda e: e.add_request(request_id, PROMPT, SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+
+
+async def _collect(loop: EngineLoop, request_id: str, max_tokens: int) -> list:
+    return [out async for out in loop.stream(request_id, _add(request_id, max_tokens))]
+
+
+def test_jobs_run_on_the_engine_thread_in_the_order_queued(loop, engine):
+    seen: list[tuple[int, str]] = []
+
+    def job(i: int):
+        def run(e):
+            assert e is engine
+            seen.append((i, threading.current_thread().name))
+            return i
+        return run
+
+    async def main():
+        for i in range(3):
+            loop.post(job(i))                     # fire and forget, queued first
+        return await asyncio.gather(*(loop.call(job(i)) for i in range(3, 8)))
+
+    assert asyncio.run(main()) == [3, 4, 5, 6, 7]
+    assert [i for i, _ in seen] == list(range(8))
+    assert {name for _, name in seen} == {"engine-loop"}
+
+
+def test_a_failing_job_raises_in_its_caller_and_the_loop_carries_on(loop):
+    def broken(_engine):
+        raise ValueError("bad job")
+
+    async def main():
+        with pytest.raises(ValueError, match="bad job"):
+            await loop.call(broken)
+        loop.post(broken)                         # logged, dropped
+        assert await loop.call(lambda e: e.has_unfinished()) is False
+        return await _collect(loop, "after-failure", 3)
+
+    outputs = asyncio.run(main())
+    assert sum(len(o.new_token_ids) for o in outputs) == 3
+    assert outputs[-1].finished and outputs[-1].finish_reason is FinishReason.LENGTH
+    assert not any(o.finished for o in outputs[:-1])
+    assert loop.alive
+
+
+def test_a_request_that_cannot_start_fails_its_stream_only(loop):
+    async def main():
+        with pytest.raises(InvalidRequestError, match="empty"):
+            async for _ in loop.stream("bad", lambda e: e.add_request("bad", [], SamplingParams())):
+                pass
+        return await _collect(loop, "good", 2)
+
+    outputs = asyncio.run(main())
+    assert outputs[-1].finished and sum(len(o.new_token_ids) for o in outputs) == 2
+
+
+def test_abort_ends_the_stream_with_an_abort_output(loop):
+    async def main():
+        stream = loop.stream("long", _add("long", 500))
+        first = await anext(stream)
+        assert await loop.abort_request("long") is True
+        rest = [out async for out in stream]
+        return first, rest, await loop.abort_request("long")
+
+    first, rest, again = asyncio.run(main())
+    assert first.new_token_ids and not first.finished
+    assert rest[-1].finished and rest[-1].finish_reason is FinishReason.ABORT
+    assert sum(len(o.new_token_ids) for o in [first, *rest]) < 500
+    assert again is False                         # the engine no longer knows it
+
+
+def test_leaving_the_stream_early_aborts_the_request(loop, engine):
+    async def main():
+        stream = loop.stream("left", _add("left", 500))
+        await anext(stream)
+        await stream.aclose()                     # the caller went away: an abort is queued
+        # Jobs run in order: the abort has run by the time this one does.
+        return await loop.call(lambda e: (e.has_unfinished(), e.stats.num_aborted))
+
+    aborted_before = engine.stats.num_aborted
+    unfinished, aborted = asyncio.run(main())
+    assert unfinished is False and aborted == aborted_before + 1
+
+
+def test_a_failing_step_fails_every_open_stream_and_the_loop_carries_on(loop, engine, monkeypatch):
+    real_step = engine.step
+    failures = []
+
+    def step_failing_once():
+        if not failures:
+            failures.append(True)
+            raise RuntimeError("device fault")
+        return real_step()
+
+    monkeypatch.setattr(engine, "step", step_failing_once)
+
+    async def main():
+        results = await asyncio.gather(_collect(loop, "a", 4), _collect(loop, "b", 4), return_exceptions=True)
+        return results, await _collect(loop, "after", 2)
+
+    results, after = asyncio.run(main())
+    assert [type(r) for r in results] == [EngineStepError, EngineStepError], results
+    assert "device fault" in str(results[0])
+    assert after[-1].finished and sum(len(o.new_token_ids) for o in after) == 2
+
+
+def test_stop_fails_open_streams_and_later_calls(engine):
+    loop = EngineLoop(engine)
+    loop.start()
+
+    async def main():
+        stream = loop.stream("open", _add("open", 500))
+        await anext(stream)
+        await asyncio.to_thread(loop.stop)       # joins the engine thread
+        with pytest.raises(EngineStoppedError):
+            async for _ in stream:
+                pass
+        with pytest.raises(EngineStoppedError):
+            await loop.call(lambda e: None)
+        with pytest.raises(EngineStoppedError):
+            await anext(loop.stream("late", _add("late", 2)))
+        loop.abort("late")                        # fire and forget on a stopped loop: a no-op
+        loop.post(lambda e: None)
+
+    asyncio.run(main())
+    assert not loop.alive
+    assert_engine_idle(engine)
