@@ -144,13 +144,23 @@ def test_a_fence_stops_the_send_and_answers_once_its_writes_landed(group, monkey
         in_flight.append(_InFlight())
         return in_flight[-1]
 
+    polls_after_fence = threading.Semaphore(0)
+    fence_asked = threading.Event()
+
+    def poll(handle):
+        if fence_asked.is_set():
+            polls_after_fence.release()
+        return handle.done
+
     monkeypatch.setattr(rank0.connector, "write_layer", slow_write)
-    monkeypatch.setattr(rank0.connector, "poll", lambda handle: handle.done)
+    monkeypatch.setattr(rank0.connector, "poll", poll)
     rank0.on_layer_ready(LayerReady("f", 0, 0, [5, 6], 8))
     assert len(in_flight) == 1
     fenced = Outcome()
+    fence_asked.set()
     rank0.fence("f", fenced)
-    time.sleep(0.05)
+    for _ in range(2):                                 # the driver looked at the write twice since
+        assert polls_after_fence.acquire(timeout=10)
     assert not fenced.event.is_set()                   # a write is still in flight
     rank0.on_layer_ready(LayerReady("f", 1, 0, [5, 6], 8))
     assert len(in_flight) == 1                         # nothing posted after the fence
