@@ -206,14 +206,15 @@ def build_frontend_service(owner: Owner, spec: ServingDeploymentSpec) -> dict[st
                                 "targetPort": "grpc"}]}}
 
 
-def build_config_map(owner: Owner, spec: ServingDeploymentSpec, etcd_endpoint: str) -> dict[str, Any]:
-    """The spec as a file (`servingdeployment.yaml`, the document Ray reads too) and the etcd endpoint."""
+def build_config_map(owner: Owner, spec: ServingDeploymentSpec, etcd_endpoints: list[str]) -> dict[str, Any]:
+    """The spec as a file (`servingdeployment.yaml`, the document Ray reads too) and every etcd
+    endpoint, comma-separated (the pods' `--etcd $(SPLITSERVE_ETCD)` takes such a list)."""
     document = {"apiVersion": f"{API_GROUP}/{API_VERSION}", "kind": KIND,
                 "metadata": {"name": owner.name, "namespace": owner.namespace}, "spec": spec.to_dict()}
     return {"apiVersion": "v1", "kind": "ConfigMap",
             "metadata": owner.metadata(names.config_map_name(owner.name), {}),
             "data": {"servingdeployment.yaml": yaml.safe_dump(document, sort_keys=False),
-                     "etcd": etcd_endpoint}}
+                     "etcd": ",".join(etcd_endpoints)}}
 
 
 def build_serving_pool(owner: Owner, pool: str, replicas: int) -> dict[str, Any]:

@@ -25,7 +25,7 @@ log = logging.getLogger(__name__)
 
 
 class OperatorLoop:
-    def __init__(self, kube: AsyncKube, namespaces: list[str], etcd_endpoint: str,
+    def __init__(self, kube: AsyncKube, namespaces: list[str], etcd_endpoints: list[str],
                  interval_s: float = 2.0, min_interval_s: float = 0.3, use_pod_ip: bool = True,
                  elector: LeaseElector | None = None, node_grace_s: float = 10.0):
         self.kube = kube
@@ -35,7 +35,7 @@ class OperatorLoop:
         self.node_grace_s = node_grace_s
         self.namespaces = namespaces
         self.scheduler = GangScheduler(kube, namespaces)
-        self.reconciler = Reconciler(kube, self.scheduler, EventRecorder(kube), etcd_endpoint,
+        self.reconciler = Reconciler(kube, self.scheduler, EventRecorder(kube), etcd_endpoints,
                                      use_pod_ip=use_pod_ip)
         self.interval_s = interval_s
         self.min_interval_s = min_interval_s

@@ -38,13 +38,13 @@ def _sd_path(owner: Owner, sub: str | None = None) -> str:
 
 
 class Reconciler:
-    def __init__(self, kube: AsyncKube, scheduler: GangScheduler, events: EventRecorder, etcd_endpoint: str,
+    def __init__(self, kube: AsyncKube, scheduler: GangScheduler, events: EventRecorder, etcd_endpoints: list[str],
                  use_pod_ip: bool = True):
         self.kube = kube
         self.use_pod_ip = use_pod_ip
         self.scheduler = scheduler
         self.events = events
-        self.etcd_endpoint = etcd_endpoint
+        self.etcd_endpoints = etcd_endpoints
         self._announced: dict[str, str] = {}     # group key -> last unschedulable reason posted
 
     async def reconcile(self, body: dict[str, Any], node_ready: dict[str, bool]) -> None:
@@ -85,7 +85,7 @@ class Reconciler:
     async def _apply_children(self, owner: Owner, spec: ServingDeploymentSpec) -> None:
         ns = owner.namespace
         await self._apply(owner, core_path(ns, "configmaps"),
-                          builders.build_config_map(owner, spec, self.etcd_endpoint))
+                          builders.build_config_map(owner, spec, self.etcd_endpoints))
         await self._apply(owner, core_path(ns, "services"), builders.build_workers_service(owner))
         await self._apply(owner, group_path("apps", "v1", ns, "deployments"),
                           builders.build_frontend_deployment(owner, spec))

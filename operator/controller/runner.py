@@ -36,7 +36,7 @@ log = logging.getLogger(__name__)
 class OperatorOptions:
     kubeconfig: Path | None = None
     namespaces: list[str] = field(default_factory=list)    # empty: all namespaces
-    etcd_endpoint: str = "splitserve-etcd:2379"
+    etcd_endpoints: list[str] = field(default_factory=lambda: ["splitserve-etcd:2379"])
     interval_s: float = 2.0
     use_pod_ip: bool = True       # False: reach workers only through the worker-address annotation
     leader_election_namespace: str | None = None   # None: no election (a single replica)
@@ -60,8 +60,9 @@ class OperatorOptions:
         else:
             raise SplitserveError("give --namespace NS (repeatable) or --all-namespaces")
         etcd = etcd_endpoint or environ.get("SPLITSERVE_ETCD") or "splitserve-etcd:2379"
+        endpoints = [e.strip().split("://")[-1] for e in etcd.split(",") if e.strip()]
         return cls(kubeconfig=Path(kubeconfig) if kubeconfig else None, namespaces=watched,
-                   etcd_endpoint=etcd.split(",")[0].split("://")[-1], interval_s=interval_s,
+                   etcd_endpoints=endpoints, interval_s=interval_s,
                    use_pod_ip=worker_address == "auto",
                    health_port=health_port or int(environ.get("SPLITSERVE_HEALTH_PORT") or 0) or None,
                    node_grace_s=node_grace_s,
@@ -126,7 +127,7 @@ def run_operator(options: OperatorOptions) -> int:
     if options.leader_election_namespace:
         identity = os.environ.get("POD_NAME") or f"{socket.gethostname()}-{os.getpid()}"
         elector = LeaseElector(kube, options.leader_election_namespace, identity)
-    loop = OperatorLoop(kube, options.namespaces, options.etcd_endpoint, interval_s=options.interval_s,
+    loop = OperatorLoop(kube, options.namespaces, options.etcd_endpoints, interval_s=options.interval_s,
                         use_pod_ip=options.use_pod_ip, elector=elector, node_grace_s=options.node_grace_s)
     memo = kopf.Memo(loop=loop, task=None)
     logging.getLogger("kopf.objects").setLevel(logging.WARNING)   # one line per watch event otherwise

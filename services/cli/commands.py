@@ -65,7 +65,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
                             remote_prefill_threshold=args.remote_prefill_threshold,
                             prefill_timeout_s=args.prefill_timeout)
     config = WorkerServerConfig(options=options, engine=_engine_config(args), host=args.host,
-                                port=args.port, transfer=args.transfer, etcd=args.etcd or [],
+                                port=args.port, transfer=args.transfer, etcd=etcd_endpoints(args.etcd),
                                 etcd_prefix=args.etcd_prefix, etcd_ttl_s=args.etcd_ttl,
                                 drain_timeout_s=args.drain_timeout, metrics_port=args.metrics_port,
                                 session_port=None if args.session_port < 0 else args.session_port)
@@ -76,13 +76,13 @@ def cmd_worker(args: argparse.Namespace) -> int:
 def cmd_frontend(args: argparse.Namespace) -> int:
     from splitserve.services.frontend.server import FrontendConfig, run_frontend
 
-    if not args.worker and not args.etcd:
+    if not args.worker and not etcd_endpoints(args.etcd):
         raise SplitserveError("give the workers (--worker ROLE=HOST:PORT) or an etcd to find them in (--etcd)")
     config = FrontendConfig(model=args.model, workers=args.worker or [], host=args.host, port=args.port,
                             grpc_port=args.grpc_port, served_model_name=args.served_model_name,
                             router=args.router, prefill_router=args.prefill_router, router_seed=args.router_seed,
                             prefill_weight=args.prefill_weight, router_temperature=args.router_temperature,
-                            remote_prefill_threshold=args.remote_prefill_threshold, etcd=args.etcd or [],
+                            remote_prefill_threshold=args.remote_prefill_threshold, etcd=etcd_endpoints(args.etcd),
                             etcd_prefix=args.etcd_prefix)
     config.migration_limit, config.drain_timeout_s = args.migration_limit, args.drain_timeout
     _apply_frontend_security(config, args)
@@ -151,3 +151,9 @@ def cmd_operator(args: argparse.Namespace) -> int:
     if os.environ.get("SPLITSERVE_LOG_LEVEL") and args.log_level == "WARNING":   # the chart's, unless a flag
         logging.getLogger().setLevel(os.environ["SPLITSERVE_LOG_LEVEL"].upper())
     return run_operator(options)
+
+
+def etcd_endpoints(values: list[str] | None) -> list[str]:
+    """`--etcd` values, each one endpoint or a comma-separated list (the operator's ConfigMap
+    gives every member in one), as host:port (a scheme such as http:// is dropped)."""
+    return [e.strip().split("://")[-1] for value in values or [] for e in value.split(",") if e.strip()]

@@ -52,10 +52,10 @@ def _add_operator_parser(sub) -> None:
                        help="watch this namespace (repeatable; default: $SPLITSERVE_WATCH_NAMESPACES, "
                             "comma-separated, empty meaning all)")
     scope.add_argument("--all-namespaces", "-A", action="store_true", help="watch every namespace")
-    p.add_argument("--etcd-endpoint", default=None, metavar="HOST:PORT",
+    p.add_argument("--etcd-endpoint", default=None, metavar="HOST:PORT[,HOST:PORT...]",
                    help="etcd that workers register in and frontends read, written into each deployment's "
-                        "ConfigMap (default: $SPLITSERVE_ETCD, else splitserve-etcd:2379; the first of a "
-                        "comma-separated list, scheme dropped)")
+                        "ConfigMap (default: $SPLITSERVE_ETCD, else splitserve-etcd:2379; a comma-separated "
+                        "list of every member, schemes dropped, all of which the pods get)")
     p.add_argument("--interval", type=float, default=2.0, metavar="S",
                    help="seconds between reconcile passes when no watch event arrives (default: %(default)s)")
     p.add_argument("--worker-address", choices=["auto", "annotation"], default="auto",
@@ -154,8 +154,9 @@ def _add_router_args(p: argparse.ArgumentParser) -> None:
 
 
 def _add_etcd_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--etcd", action="append", default=None, metavar="HOST:PORT",
-                   help="etcd endpoint for worker discovery (repeatable; default: none, static)")
+    p.add_argument("--etcd", action="append", default=None, metavar="HOST:PORT[,HOST:PORT...]",
+                   help="etcd endpoint(s) for worker discovery (repeatable or comma-separated, every member of "
+                        "the cluster; default: none, static)")
     p.add_argument("--etcd-prefix", default="/splitserve/workers/",
                    help="key prefix workers register under (default: %(default)s)")
 

@@ -88,10 +88,29 @@ def test_frontend_and_config_map():
     assert all(labels[k] == v for k, v in deployment["spec"]["selector"]["matchLabels"].items())
     service = builders.build_frontend_service(OWNER, SPEC)
     assert service["spec"]["type"] == "ClusterIP" and service["spec"]["ports"][0]["port"] == 8000
-    config = builders.build_config_map(OWNER, SPEC, "etcd:2379")
+    config = builders.build_config_map(OWNER, SPEC, ["etcd:2379"])
     document = yaml.safe_load(config["data"]["servingdeployment.yaml"])
     assert ServingDeploymentSpec.from_resource(document) == SPEC
     assert config["data"]["etcd"] == "etcd:2379"
+
+
+def test_the_pods_get_every_etcd_endpoint():
+    """The ConfigMap's etcd key feeds the pods' `--etcd $(SPLITSERVE_ETCD)`; the worker and the
+    frontend read the whole list back from that one flag value."""
+    from splitserve.services.cli.commands import etcd_endpoints
+    from splitserve.services.cli.parsers import build_parser
+
+    members = ["etcd-0.etcd:2379", "etcd-1.etcd:2379", "etcd-2.etcd:2379"]
+    value = builders.build_config_map(OWNER, SPEC, members)["data"]["etcd"]
+    frontend = builders.build_frontend_deployment(OWNER, SPEC)["spec"]["template"]["spec"]
+    worker = builders.build_worker_pod(OWNER, SPEC, "decode", "g0", 0)["spec"]
+    for pod in (frontend, worker):
+        args = pod["containers"][0]["args"]
+        assert args[args.index("--etcd") + 1] == "$(SPLITSERVE_ETCD)"
+    for command in (["frontend"], ["worker"]):
+        parsed = build_parser().parse_args([*command, "--etcd", value])
+        assert etcd_endpoints(parsed.etcd) == members
+    assert etcd_endpoints(["http://a:1", "b:2,c:3"]) == ["a:1", "b:2", "c:3"]
 
 
 def test_long_names_are_truncated_uniquely():

@@ -21,7 +21,7 @@ def test_the_charts_environment_stands_in_for_missing_flags():
     options = _options({"SPLITSERVE_WATCH_NAMESPACES": "a,,b", "SPLITSERVE_ETCD": "http://etcd-0:2379,etcd-1:2379",
                         "SPLITSERVE_HEALTH_PORT": "8080", "SPLITSERVE_LEADER_ELECTION_NAMESPACE": "ops"})
     assert options.namespaces == ["a", "b"]
-    assert options.etcd_endpoint == "etcd-0:2379"        # the first endpoint, scheme dropped
+    assert options.etcd_endpoints == ["etcd-0:2379", "etcd-1:2379"]     # every member, schemes dropped
     assert options.health_port == 8080
     assert options.leader_election_namespace == "ops"
 
@@ -31,7 +31,7 @@ def test_flags_win_over_the_environment():
            "SPLITSERVE_LEADER_ELECTION_NAMESPACE": "x"}
     options = _options(env, namespaces=["n"], etcd_endpoint="f:2", health_port=9, leader_election_namespace="y",
                        kubeconfig="/k", worker_address="annotation")
-    assert (options.namespaces, options.etcd_endpoint, options.health_port) == (["n"], "f:2", 9)
+    assert (options.namespaces, options.etcd_endpoints, options.health_port) == (["n"], ["f:2"], 9)
     assert options.leader_election_namespace == "y"
     assert options.kubeconfig == Path("/k") and options.use_pod_ip is False
     assert _options(env, all_namespaces=True).namespaces == []       # every namespace
@@ -39,7 +39,8 @@ def test_flags_win_over_the_environment():
 
 def test_defaults_and_the_missing_scope():
     options = _options({"SPLITSERVE_WATCH_NAMESPACES": ""})             # set but empty: all namespaces
-    assert options.namespaces == [] and options.etcd_endpoint == "splitserve-etcd:2379"
+    assert options.namespaces == [] and options.etcd_endpoints == ["splitserve-etcd:2379"]
     assert options.health_port is None and options.leader_election_namespace is None
     with pytest.raises(SplitserveError, match="--namespace"):
         _options({})
+
