@@ -36,6 +36,13 @@ def _read(path: str, what: str) -> bytes:
 
 
 @dataclass(slots=True, frozen=True)
+class PemMaterial:
+    ca: bytes | None
+    cert: bytes | None
+    key: bytes | None
+
+
+@dataclass(slots=True, frozen=True)
 class TlsConfig:
     cert: str | None = None
     key: str | None = None
@@ -80,6 +87,12 @@ class TlsConfig:
         return server.add_insecure_port(address)
 
     # -- gRPC channels -----------------------------------------------------------------
+    def pem_material(self) -> "PemMaterial":
+        """The files' bytes, for clients that take PEM rather than credentials (etcd3aio)."""
+        return PemMaterial(ca=_read(self.ca, "CA bundle") if self.ca else None,
+                           cert=_read(self.cert, "certificate") if self.cert else None,
+                           key=_read(self.key, "key") if self.key else None)
+
     def channel_credentials(self) -> grpc.ChannelCredentials:
         ca = _read(self.ca, "CA bundle") if self.ca else None
         key = _read(self.key, "key") if self.key else None

@@ -64,6 +64,30 @@ def pool_spec_hash(spec: ServingDeploymentSpec, pool: str) -> str:
                          "pool": {**p.to_dict(), "replicas": None, "autoscaling": None}})[:10]
 
 
+# --- settings of the operator that every workload gets -------------------------------------
+
+ETCD_TLS_MOUNT = "/etc/splitserve/etcd-tls"
+
+
+@dataclass(slots=True, frozen=True)
+class WorkloadOptions:
+    """What the operator (from the chart) adds to every worker and frontend pod it creates."""
+
+    # A Secret with ca.crt, tls.crt and tls.key: clients' TLS to an etcd that serves https and
+    # requires client certificates. None: plaintext etcd.
+    etcd_tls_secret: str | None = None
+
+
+def _etcd_tls(workload: WorkloadOptions) -> tuple[list[str], list[dict], list[dict]]:
+    """(flags, volumes, volume mounts) for the etcd client TLS of one pod."""
+    if not workload.etcd_tls_secret:
+        return [], [], []
+    flags = ["--etcd-ca", f"{ETCD_TLS_MOUNT}/ca.crt", "--etcd-cert", f"{ETCD_TLS_MOUNT}/tls.crt",
+             "--etcd-key", f"{ETCD_TLS_MOUNT}/tls.key"]
+    volumes = [{"name": "etcd-tls", "secret": {"secretName": workload.etcd_tls_secret}}]
+    return flags, volumes, [{"name": "etcd-tls", "mountPath": ETCD_TLS_MOUNT, "readOnly": True}]
+
+
 # --- worker groups -------------------------------------------------------------------------
 
 def worker_args(spec: ServingDeploymentSpec, pool: str) -> list[str]:
@@ -92,8 +116,10 @@ def scrape_annotations(port: int) -> dict[str, str]:
     return {"prometheus.io/scrape": "true", "prometheus.io/port": str(port), "prometheus.io/path": "/metrics"}
 
 
-def build_worker_pod(owner: Owner, spec: ServingDeploymentSpec, pool: str, group: str, rank: int) -> dict[str, Any]:
+def build_worker_pod(owner: Owner, spec: ServingDeploymentSpec, pool: str, group: str, rank: int,
+                     workload: WorkloadOptions = WorkloadOptions()) -> dict[str, Any]:
     p: PoolSpec = spec.pool(pool)
+    tls_flags, volumes, mounts = _etcd_tls(workload)
     name = names.pod_name(group, rank)
     labels = {names.LABEL_POOL: pool, names.LABEL_ROLE: pool, names.LABEL_GROUP: group,
               names.LABEL_RANK: str(rank), names.LABEL_SPEC_HASH: pool_spec_hash(spec, pool)}
@@ -120,13 +146,15 @@ def build_worker_pod(owner: Owner, spec: ServingDeploymentSpec, pool: str, group
         resources[names.GPU_RESOURCE] = str(p.gpus_per_rank)
         limits[names.GPU_RESOURCE] = str(p.gpus_per_rank)
     container: dict[str, Any] = {
-        "name": "worker", "image": spec.image, "args": worker_args(spec, pool), "env": env,
+        "name": "worker", "image": spec.image, "args": worker_args(spec, pool) + tls_flags, "env": env,
         "ports": [{"name": "grpc", "containerPort": names.WORKER_PORT},
                   {"name": "dist", "containerPort": names.DIST_PORT},
                   {"name": names.METRICS_PORT_NAME, "containerPort": names.WORKER_METRICS_PORT},
                   {"name": "session", "containerPort": names.WORKER_SESSION_PORT}],
         "resources": {"requests": resources, "limits": limits},
     }
+    if mounts:
+        container["volumeMounts"] = mounts
     if rank == 0:
         container["readinessProbe"] = {"exec": {"command": probe_command()}, "periodSeconds": 10,
                                        "timeoutSeconds": 8, "failureThreshold": 3}
@@ -144,12 +172,14 @@ def build_worker_pod(owner: Owner, spec: ServingDeploymentSpec, pool: str, group
             "terminationGracePeriodSeconds": 30,
             "tolerations": [{"key": names.GPU_RESOURCE, "operator": "Exists", "effect": "NoSchedule"}],
             "containers": [container],
+            **({"volumes": volumes} if volumes else {}),
         },
     }
 
 
-def build_group_pods(owner: Owner, spec: ServingDeploymentSpec, pool: str, group: str) -> list[dict[str, Any]]:
-    return [build_worker_pod(owner, spec, pool, group, rank) for rank in range(spec.pool(pool).group_size)]
+def build_group_pods(owner: Owner, spec: ServingDeploymentSpec, pool: str, group: str,
+                     workload: WorkloadOptions = WorkloadOptions()) -> list[dict[str, Any]]:
+    return [build_worker_pod(owner, spec, pool, group, rank, workload) for rank in range(spec.pool(pool).group_size)]
 
 
 def build_workers_service(owner: Owner) -> dict[str, Any]:
@@ -174,25 +204,29 @@ def frontend_args(spec: ServingDeploymentSpec) -> list[str]:
             "--grpc-port", str(spec.frontend.port + names.FRONTEND_GRPC_PORT_OFFSET)]
 
 
-def build_frontend_deployment(owner: Owner, spec: ServingDeploymentSpec) -> dict[str, Any]:
+def build_frontend_deployment(owner: Owner, spec: ServingDeploymentSpec,
+                              workload: WorkloadOptions = WorkloadOptions()) -> dict[str, Any]:
     name = names.frontend_name(owner.name)
+    tls_flags, volumes, mounts = _etcd_tls(workload)
     select = {names.LABEL_DEPLOYMENT: owner.name, names.LABEL_ROLE: "frontend"}
     port = spec.frontend.port
     container = {
-        "name": "frontend", "image": spec.image, "args": frontend_args(spec),
+        "name": "frontend", "image": spec.image, "args": frontend_args(spec) + tls_flags,
         "env": [{"name": "SPLITSERVE_ETCD", "valueFrom": {"configMapKeyRef": {
             "name": names.config_map_name(owner.name), "key": "etcd"}}}],
         "ports": [{"name": "http", "containerPort": port},
                   {"name": "grpc", "containerPort": port + names.FRONTEND_GRPC_PORT_OFFSET}],
         "readinessProbe": {"httpGet": {"path": "/ready", "port": port}, "periodSeconds": 5},
         "resources": {"requests": {"cpu": "1", "memory": "2Gi"}},
+        **({"volumeMounts": mounts} if mounts else {}),
     }
+    pod_spec: dict[str, Any] = {"containers": [container], **({"volumes": volumes} if volumes else {})}
     return {"apiVersion": "apps/v1", "kind": "Deployment",
             "metadata": owner.metadata(name, {names.LABEL_ROLE: "frontend"}),
             "spec": {"replicas": spec.frontend.replicas, "selector": {"matchLabels": select},
                      "template": {"metadata": {"labels": {**owner.labels(), **select},
                                                "annotations": scrape_annotations(port)},
-                                  "spec": {"containers": [container]}}}}
+                                  "spec": pod_spec}}}
 
 
 def build_frontend_service(owner: Owner, spec: ServingDeploymentSpec) -> dict[str, Any]:

@@ -20,6 +20,7 @@ from splitserve.operator.leader import LeaseElector
 from splitserve.operator.reconciler import Reconciler
 from splitserve.operator.scheduler import GangScheduler, not_ready_seconds
 from splitserve.operator.spec import API_GROUP, API_VERSION, PLURAL
+from splitserve.operator.builders import WorkloadOptions
 
 log = logging.getLogger(__name__)
 
@@ -27,7 +28,8 @@ log = logging.getLogger(__name__)
 class OperatorLoop:
     def __init__(self, kube: AsyncKube, namespaces: list[str], etcd_endpoints: list[str],
                  interval_s: float = 2.0, min_interval_s: float = 0.3, use_pod_ip: bool = True,
-                 elector: LeaseElector | None = None, node_grace_s: float = 10.0):
+                 elector: LeaseElector | None = None, node_grace_s: float = 10.0,
+                 workload: WorkloadOptions = WorkloadOptions()):
         self.kube = kube
         self.elector = elector        # None: this process always leads (one replica)
         # A node NotReady for less than this still counts for the groups on it (a kubelet
@@ -36,7 +38,7 @@ class OperatorLoop:
         self.namespaces = namespaces
         self.scheduler = GangScheduler(kube, namespaces)
         self.reconciler = Reconciler(kube, self.scheduler, EventRecorder(kube), etcd_endpoints,
-                                     use_pod_ip=use_pod_ip)
+                                     use_pod_ip=use_pod_ip, workload=workload)
         self.interval_s = interval_s
         self.min_interval_s = min_interval_s
         self._wake = asyncio.Event()

@@ -39,12 +39,13 @@ def _sd_path(owner: Owner, sub: str | None = None) -> str:
 
 class Reconciler:
     def __init__(self, kube: AsyncKube, scheduler: GangScheduler, events: EventRecorder, etcd_endpoints: list[str],
-                 use_pod_ip: bool = True):
+                 use_pod_ip: bool = True, workload: builders.WorkloadOptions = builders.WorkloadOptions()):
         self.kube = kube
         self.use_pod_ip = use_pod_ip
         self.scheduler = scheduler
         self.events = events
         self.etcd_endpoints = etcd_endpoints
+        self.workload = workload          # what every pod it creates gets (etcd client TLS)
         self._announced: dict[str, str] = {}     # group key -> last unschedulable reason posted
 
     async def reconcile(self, body: dict[str, Any], node_ready: dict[str, bool]) -> None:
@@ -88,7 +89,7 @@ class Reconciler:
                           builders.build_config_map(owner, spec, self.etcd_endpoints))
         await self._apply(owner, core_path(ns, "services"), builders.build_workers_service(owner))
         await self._apply(owner, group_path("apps", "v1", ns, "deployments"),
-                          builders.build_frontend_deployment(owner, spec))
+                          builders.build_frontend_deployment(owner, spec, self.workload))
         await self._apply(owner, core_path(ns, "services"), builders.build_frontend_service(owner, spec))
 
     async def _apply(self, owner: Owner, collection: str, doc: dict[str, Any]) -> None:
@@ -155,7 +156,7 @@ class Reconciler:
 
     async def _create_group(self, owner: Owner, spec: ServingDeploymentSpec, pool: str) -> None:
         group = names.new_group_name(owner.name, pool)
-        for pod in builders.build_group_pods(owner, spec, pool, group):
+        for pod in builders.build_group_pods(owner, spec, pool, group, self.workload):
             await self.kube.create(core_path(owner.namespace, "pods"), pod)
         await self.events.record(owner, "GroupCreated", f"created {pool} group {group} "
                                                         f"({spec.pool(pool).group_size} pod(s))")

@@ -24,6 +24,7 @@ import kubernetes
 
 from splitserve.errors import SplitserveError
 from splitserve.operator import names
+from splitserve.operator.builders import WorkloadOptions
 from splitserve.operator.kube import AsyncKube, Kube, load_api_client
 from splitserve.operator.leader import LeaseElector
 from splitserve.operator.loop import OperatorLoop
@@ -42,11 +43,13 @@ class OperatorOptions:
     leader_election_namespace: str | None = None   # None: no election (a single replica)
     health_port: int | None = None                 # kopf's liveness endpoint on 0.0.0.0 (in a pod)
     node_grace_s: float = 10.0    # how long a node may be NotReady before its groups are replaced
+    etcd_tls_secret: str | None = None             # Secret (ca.crt, tls.crt, tls.key) the pods use for etcd
 
     @classmethod
     def from_flags(cls, *, kubeconfig: str | None, namespaces: list[str] | None, all_namespaces: bool,
                    etcd_endpoint: str | None, interval_s: float, worker_address: str, node_grace_s: float,
                    leader_election_namespace: str | None, health_port: int | None,
+                   etcd_tls_secret: str | None = None,
                    environ: Mapping[str, str] = os.environ) -> "OperatorOptions":
         """`splitserve operator`'s flags, with the chart's SPLITSERVE_* environment variables
         (deploy/helm/README.md) standing in for the flags not given; flags win."""
@@ -67,7 +70,8 @@ class OperatorOptions:
                    health_port=health_port or int(environ.get("SPLITSERVE_HEALTH_PORT") or 0) or None,
                    node_grace_s=node_grace_s,
                    leader_election_namespace=leader_election_namespace
-                   or environ.get("SPLITSERVE_LEADER_ELECTION_NAMESPACE") or None)
+                   or environ.get("SPLITSERVE_LEADER_ELECTION_NAMESPACE") or None,
+                   etcd_tls_secret=etcd_tls_secret or environ.get("SPLITSERVE_ETCD_TLS_SECRET") or None)
 
 
 def connection_info(configuration: kubernetes.client.Configuration) -> kopf.ConnectionInfo:
@@ -128,7 +132,8 @@ def run_operator(options: OperatorOptions) -> int:
         identity = os.environ.get("POD_NAME") or f"{socket.gethostname()}-{os.getpid()}"
         elector = LeaseElector(kube, options.leader_election_namespace, identity)
     loop = OperatorLoop(kube, options.namespaces, options.etcd_endpoints, interval_s=options.interval_s,
-                        use_pod_ip=options.use_pod_ip, elector=elector, node_grace_s=options.node_grace_s)
+                        use_pod_ip=options.use_pod_ip, elector=elector, node_grace_s=options.node_grace_s,
+                        workload=WorkloadOptions(etcd_tls_secret=options.etcd_tls_secret))
     memo = kopf.Memo(loop=loop, task=None)
     logging.getLogger("kopf.objects").setLevel(logging.WARNING)   # one line per watch event otherwise
     log.warning("splitserve operator: watching %s", ", ".join(options.namespaces) or "all namespaces")

@@ -12,6 +12,11 @@ revision. When etcd is unreachable the last known members stay (routing
 carries on with them; worker health still removes dead ones) and the list is
 re-read when etcd answers again, so members that came or went meanwhile are
 picked up.
+
+Both take an optional `TlsConfig` (splitserve/tls.py): `ca` verifies etcd's serving
+certificate, `cert` + `key` are the client certificate an etcd started with
+`--client-cert-auth` requires, `server_name` the name expected in etcd's certificate
+when it differs from the host dialled.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ from etcd3aio import Etcd3Client, EtcdError, prefix_range_end
 from etcd3aio._protobuf import rpc_pb2, rpc_pb2_grpc
 
 from splitserve.router.discovery import WorkerRecord
+from splitserve.tls import PLAINTEXT, TlsConfig
 
 log = logging.getLogger(__name__)
 
@@ -33,10 +39,19 @@ DEFAULT_PREFIX = "/splitserve/workers/"
 _ERRORS = (EtcdError, grpc.aio.AioRpcError, OSError, asyncio.TimeoutError)
 
 
+def etcd_client(endpoints: list[str], tls: TlsConfig = PLAINTEXT) -> Etcd3Client:
+    """An etcd3aio client, over TLS when `tls` names a CA (and a client certificate when it has one)."""
+    if not tls.enabled:
+        return Etcd3Client(endpoints, rpc_max_attempts=1)
+    material = tls.pem_material()
+    return Etcd3Client(endpoints, rpc_max_attempts=1, tls_server_name=tls.server_name, ca_cert=material.ca,
+                       cert_chain=material.cert, cert_key=material.key)
+
+
 class EtcdRegistration:
     def __init__(self, endpoints: list[str], record: WorkerRecord, prefix: str = DEFAULT_PREFIX,
-                 ttl_s: int = 10):
-        self.client = Etcd3Client(endpoints, rpc_max_attempts=1)
+                 ttl_s: int = 10, tls: TlsConfig = PLAINTEXT):
+        self.client = etcd_client(endpoints, tls)
         self.record = record
         self.key = (prefix + record.worker_id).encode()
         self.ttl_s = ttl_s
@@ -102,8 +117,9 @@ def _keepalive_request(lease_id: int):
 
 
 class EtcdRegistry:
-    def __init__(self, endpoints: list[str], prefix: str = DEFAULT_PREFIX, max_backoff_s: float = 2.0):
-        self.client = Etcd3Client(endpoints, rpc_max_attempts=1)
+    def __init__(self, endpoints: list[str], prefix: str = DEFAULT_PREFIX, max_backoff_s: float = 2.0,
+                 tls: TlsConfig = PLAINTEXT):
+        self.client = etcd_client(endpoints, tls)
         self.prefix = prefix.encode()
         self.max_backoff_s = max_backoff_s
         self._members: dict[str, WorkerRecord] = {}

@@ -107,6 +107,7 @@ def _apply_worker_security(config, args: argparse.Namespace) -> None:
     from splitserve.services.cli import security as sec
 
     config.options.tls = sec.worker_tls(args)
+    config.etcd_tls = sec.etcd_tls(args)
     config.transfer_token = token_from(args.transfer_token)
 
 
@@ -117,6 +118,7 @@ def _apply_frontend_security(config, args: argparse.Namespace) -> None:
     config.api_keys = ApiKeys.load(args.api_key, args.api_keys_file)
     config.limits = sec.limits_config(args)
     config.tls, config.worker_tls = sec.public_tls(args), sec.frontend_worker_tls(args)
+    config.etcd_tls = sec.etcd_tls(args)
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -147,7 +149,7 @@ def cmd_operator(args: argparse.Namespace) -> int:
         kubeconfig=args.kubeconfig, namespaces=args.namespace, all_namespaces=args.all_namespaces,
         etcd_endpoint=args.etcd_endpoint, interval_s=args.interval, worker_address=args.worker_address,
         node_grace_s=args.node_grace, leader_election_namespace=args.leader_election_namespace,
-        health_port=args.health_port)
+        health_port=args.health_port, etcd_tls_secret=args.etcd_tls_secret)
     if os.environ.get("SPLITSERVE_LOG_LEVEL") and args.log_level == "WARNING":   # the chart's, unless a flag
         logging.getLogger().setLevel(os.environ["SPLITSERVE_LOG_LEVEL"].upper())
     return run_operator(options)

@@ -56,6 +56,10 @@ def _add_operator_parser(sub) -> None:
                    help="etcd that workers register in and frontends read, written into each deployment's "
                         "ConfigMap (default: $SPLITSERVE_ETCD, else splitserve-etcd:2379; a comma-separated "
                         "list of every member, schemes dropped, all of which the pods get)")
+    p.add_argument("--etcd-tls-secret", default=None, metavar="SECRET",
+                   help="a Secret (ca.crt, tls.crt, tls.key) that every worker and frontend pod mounts to reach "
+                        "an etcd serving TLS with client certificates (default: $SPLITSERVE_ETCD_TLS_SECRET; "
+                        "unset: plaintext etcd)")
     p.add_argument("--interval", type=float, default=2.0, metavar="S",
                    help="seconds between reconcile passes when no watch event arrives (default: %(default)s)")
     p.add_argument("--worker-address", choices=["auto", "annotation"], default="auto",
@@ -157,6 +161,7 @@ def _add_etcd_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--etcd", action="append", default=None, metavar="HOST:PORT[,HOST:PORT...]",
                    help="etcd endpoint(s) for worker discovery (repeatable or comma-separated, every member of "
                         "the cluster; default: none, static)")
+    _security_args.add_etcd_tls_args(p)
     p.add_argument("--etcd-prefix", default="/splitserve/workers/",
                    help="key prefix workers register under (default: %(default)s)")
 

@@ -71,6 +71,27 @@ def add_worker_tls_args(p: argparse.ArgumentParser) -> None:
                    help="name expected in other workers' certificates when it is not the dialled host")
 
 
+def add_etcd_tls_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("TLS to etcd (an etcd that serves https and requires client certificates)")
+    g.add_argument("--etcd-ca", default=None, metavar="PEM", help="CA bundle that signed etcd's certificate "
+                   "(turns TLS to etcd on)")
+    g.add_argument("--etcd-cert", default=None, metavar="PEM",
+                   help="client certificate chain to present to etcd (--client-cert-auth)")
+    g.add_argument("--etcd-key", default=None, metavar="PEM", help="its private key")
+    g.add_argument("--etcd-server-name", default=None, metavar="NAME",
+                   help="name expected in etcd's certificate when it is not the dialled host")
+
+
+def etcd_tls(args: argparse.Namespace) -> TlsConfig:
+    if not args.etcd_ca:
+        if args.etcd_cert or args.etcd_key or args.etcd_server_name:
+            raise SplitserveError("--etcd-cert, --etcd-key and --etcd-server-name need --etcd-ca (etcd's CA)")
+        return TlsConfig()
+    tls = TlsConfig(cert=args.etcd_cert, key=args.etcd_key, ca=args.etcd_ca, server_name=args.etcd_server_name)
+    tls.validate("--etcd")
+    return tls
+
+
 def add_transfer_token_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument("--transfer-token", default=None, metavar="SECRET",
                    help="shared secret KV transfer peers must prove (default: SPLITSERVE_TRANSFER_TOKEN; "

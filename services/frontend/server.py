@@ -57,6 +57,7 @@ class FrontendConfig:
     remote_prefill_threshold: int = 64
     etcd: list[str] = field(default_factory=list)    # HOST:PORT endpoints: discover workers there
     etcd_prefix: str = "/splitserve/workers/"
+    etcd_tls: TlsConfig = PLAINTEXT                  # client TLS to etcd (CA, client certificate)
     migration_limit: int = DEFAULT_MIGRATION_LIMIT   # re-dispatches of a request whose worker failed
     drain_timeout_s: float = 30.0           # on SIGTERM: running requests get this long to finish
     tls: TlsConfig = PLAINTEXT              # HTTPS and the public gRPC port (--tls-cert/--tls-key)
@@ -93,7 +94,7 @@ async def run_frontend(config: FrontendConfig) -> int:
     if config.etcd:
         from splitserve.router.discovery.etcd import EtcdRegistry
 
-        registry = EtcdRegistry(config.etcd, config.etcd_prefix)
+        registry = EtcdRegistry(config.etcd, config.etcd_prefix, tls=config.etcd_tls)
         await registry.start()
     pool = WorkerPool.connect(addresses, config.worker_tls, registry)
     frontend, guard = build_frontend(config, pool)

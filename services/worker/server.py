@@ -27,6 +27,7 @@ from splitserve.errors import SplitserveError
 from splitserve.proto.v1 import worker_pb2_grpc
 from splitserve.services.engine.config import EngineConfig
 from splitserve.services.engine.engine import LLMEngine
+from splitserve.tls import PLAINTEXT, TlsConfig
 
 from splitserve.services.worker.service import Role, WorkerOptions, WorkerService
 from splitserve.services.worker.session_stream import SessionStreamServer
@@ -56,6 +57,7 @@ class WorkerServerConfig:
     etcd: list[str] = field(default_factory=list)     # register here (with a lease) once serving
     etcd_prefix: str = "/splitserve/workers/"
     etcd_ttl_s: int = 10
+    etcd_tls: TlsConfig = PLAINTEXT                   # client TLS to etcd (CA, client certificate)
     transfer_token: bytes = b""   # KV transfer peers must prove this shared secret (kvtransfer/auth.py)
     metrics_port: int | None = None   # serve GET /metrics over HTTP on host:metrics_port (0: any); None: off
     session_port: int | None = 0      # the session stream on host:session_port (0: any); None: off
@@ -184,6 +186,6 @@ async def _register(config: WorkerServerConfig, port: int):
     from splitserve.router.discovery.etcd import EtcdRegistration
 
     record = WorkerRecord(config.options.worker_id, config.options.role.value, f"{config.host}:{port}")
-    registration = EtcdRegistration(config.etcd, record, config.etcd_prefix, config.etcd_ttl_s)
+    registration = EtcdRegistration(config.etcd, record, config.etcd_prefix, config.etcd_ttl_s, config.etcd_tls)
     await registration.start()
     return registration

@@ -50,7 +50,8 @@ ALL_OPTIONS = {
                  "tolerations": [{"key": "system", "operator": "Exists", "effect": "NoSchedule"}],
                  "podAnnotations": {"example.com/note": "x"},
                  "serviceAccount": {"annotations": {"example.com/role": "operator"}}},
-    "etcd": {"persistence": {"enabled": True, "size": "2Gi", "storageClass": "fast"}},
+    "etcd": {"persistence": {"enabled": True, "size": "2Gi", "storageClass": "fast"},
+             "tls": {"enabled": True, "serverSecretName": "etcd-server", "clientSecretName": "etcd-client"}},
     "networkPolicy": {"frontendFrom": [{"namespaceSelector": {"matchLabels": {"ingress": "true"}}}],
                       "workerPeerPorts": [29500, 40000]},
     "monitoring": {"serviceMonitor": {"enabled": True, "labels": {"release": "prom"}}},
@@ -168,6 +169,26 @@ def test_external_etcd_replaces_the_statefulset(k8s_bin_dir: Path, tmp_path: Pat
     operator = next(d for d in docs if d["kind"] == "Deployment")
     env = {e["name"]: e.get("value") for e in operator["spec"]["template"]["spec"]["containers"][0]["env"]}
     assert env["SPLITSERVE_ETCD"] == ",".join(endpoints)
+
+
+def test_etcd_tls_serves_https_with_client_certificates(k8s_bin_dir: Path, tmp_path: Path):
+    values = {"etcd": {"tls": {"enabled": True, "serverSecretName": "etcd-server", "clientSecretName": "etcd-client"}}}
+    docs = _documents(_helm_template(k8s_bin_dir, tmp_path, values).stdout)
+    assert _validate_all(docs) == []
+    etcd = next(d for d in docs if d["kind"] == "StatefulSet")["spec"]["template"]["spec"]
+    args = etcd["containers"][0]["args"]
+    assert "--client-cert-auth" in args and "--trusted-ca-file=/etc/etcd/tls/ca.crt" in args
+    assert next(a for a in args if a.startswith("--listen-client-urls=")).startswith("--listen-client-urls=https://")
+    assert {"name": "tls", "secret": {"secretName": "etcd-server"}} in etcd["volumes"]
+    probe = etcd["containers"][0]["readinessProbe"]["httpGet"]
+    assert probe["port"] == "metrics"                  # plain HTTP: probes have no client certificate
+    operator = next(d for d in docs if d["kind"] == "Deployment")
+    env = {e["name"]: e.get("value") for e in operator["spec"]["template"]["spec"]["containers"][0]["env"]}
+    assert env["SPLITSERVE_ETCD"].startswith("https://") and env["SPLITSERVE_ETCD_TLS_SECRET"] == "etcd-client"
+    for missing in ("serverSecretName", "clientSecretName"):
+        broken = {"etcd": {"tls": {**values["etcd"]["tls"], missing: ""}}}
+        proc = _helm_template(k8s_bin_dir, tmp_path, broken, check=False)
+        assert proc.returncode != 0 and f"etcd.tls.{missing} must be set" in proc.stderr
 
 
 def test_monitors_need_their_api(k8s_bin_dir: Path, tmp_path: Path):

@@ -117,3 +117,18 @@ def test_long_names_are_truncated_uniquely():
     a, b = names.truncate("x" * 80 + "a"), names.truncate("x" * 80 + "b")
     assert len(a) == len(b) == 63 and a != b
     assert len(names.new_group_name("y" * 70, "prefill")) <= 60
+
+
+def test_etcd_client_tls_is_mounted_into_every_worker_and_frontend_pod():
+    workload = builders.WorkloadOptions(etcd_tls_secret="etcd-client")
+    pods = [builders.build_frontend_deployment(OWNER, SPEC, workload)["spec"]["template"]["spec"],
+            *(pod["spec"] for pod in builders.build_group_pods(OWNER, SPEC, "prefill", "g1", workload))]
+    for pod in pods:
+        container = pod["containers"][0]
+        assert {"name": "etcd-tls", "secret": {"secretName": "etcd-client"}} in pod["volumes"]
+        assert {"name": "etcd-tls", "mountPath": builders.ETCD_TLS_MOUNT, "readOnly": True} in container["volumeMounts"]
+        args = container["args"]
+        for flag, file in (("--etcd-ca", "ca.crt"), ("--etcd-cert", "tls.crt"), ("--etcd-key", "tls.key")):
+            assert args[args.index(flag) + 1] == f"{builders.ETCD_TLS_MOUNT}/{file}"
+    plain = builders.build_worker_pod(OWNER, SPEC, "decode", "g0", 0)
+    assert "volumes" not in plain["spec"] and "--etcd-ca" not in plain["spec"]["containers"][0]["args"]

@@ -19,11 +19,13 @@ def _options(environ: dict[str, str], **flags) -> OperatorOptions:
 
 def test_the_charts_environment_stands_in_for_missing_flags():
     options = _options({"SPLITSERVE_WATCH_NAMESPACES": "a,,b", "SPLITSERVE_ETCD": "http://etcd-0:2379,etcd-1:2379",
-                        "SPLITSERVE_HEALTH_PORT": "8080", "SPLITSERVE_LEADER_ELECTION_NAMESPACE": "ops"})
+                        "SPLITSERVE_HEALTH_PORT": "8080", "SPLITSERVE_LEADER_ELECTION_NAMESPACE": "ops",
+                        "SPLITSERVE_ETCD_TLS_SECRET": "etcd-client"})
     assert options.namespaces == ["a", "b"]
     assert options.etcd_endpoints == ["etcd-0:2379", "etcd-1:2379"]     # every member, schemes dropped
     assert options.health_port == 8080
     assert options.leader_election_namespace == "ops"
+    assert options.etcd_tls_secret == "etcd-client"
 
 
 def test_flags_win_over_the_environment():
@@ -41,6 +43,7 @@ def test_defaults_and_the_missing_scope():
     options = _options({"SPLITSERVE_WATCH_NAMESPACES": ""})             # set but empty: all namespaces
     assert options.namespaces == [] and options.etcd_endpoints == ["splitserve-etcd:2379"]
     assert options.health_port is None and options.leader_election_namespace is None
+    assert options.etcd_tls_secret is None
     with pytest.raises(SplitserveError, match="--namespace"):
         _options({})
 

@@ -67,7 +67,7 @@ app.kubernetes.io/part-of: splitserve
 {{- if .Values.etcd.external.endpoints -}}
 {{- join "," .Values.etcd.external.endpoints -}}
 {{- else if .Values.etcd.enabled -}}
-{{- printf "http://%s.%s.svc:%d" (include "splitserve.componentName" (dict "root" . "component" "etcd")) .Release.Namespace (int .Values.etcd.clientPort) -}}
+{{- printf "%s://%s.%s.svc:%d" (ternary "https" "http" .Values.etcd.tls.enabled) (include "splitserve.componentName" (dict "root" . "component" "etcd")) .Release.Namespace (int .Values.etcd.clientPort) -}}
 {{- else -}}
 {{- fail "etcd: set etcd.enabled=true or etcd.external.endpoints (workers need an etcd for discovery)" -}}
 {{- end -}}
