@@ -69,3 +69,29 @@ def test_a_dead_rank_fails_calls_at_once(child):
     with pytest.raises(RankControlError):
         control.call_all(getattr, "rank", timeout_s=10)
     control.post_all(setattr, "attachment", 1)                 # logged, not raised
+
+
+def test_a_dead_rank_is_reported_once_and_closing_is_not(child):
+    control, proc = child
+    lost: list[tuple[int, str]] = []
+    reported = threading.Event()
+    ctx = mp.get_context("fork")
+    parent_end, child_end = ctx.Pipe(duplex=True)
+    other = ctx.Process(target=_child, args=(child_end,), daemon=True)
+    other.start()
+    child_end.close()
+    watched = RankControl({1: parent_end}, on_lost=lambda rank, why: (lost.append((rank, why)), reported.set()))
+    try:
+        assert watched.call(1, getattr, "rank") == 1
+        other.kill()
+        other.join(10)
+        assert reported.wait(10) and [rank for rank, _ in lost] == [1]
+    finally:
+        watched.close()
+    # A control that is closed on purpose reports nothing, though its rank's end goes away.
+    quiet: list[int] = []
+    control._on_lost = lambda rank, why: quiet.append(rank)
+    control.close()
+    proc.kill()
+    proc.join(10)
+    assert quiet == []
