@@ -11,8 +11,9 @@ Llama (2 KV heads: one per rank), on 127.0.0.1 over gloo:
   output, prefilled remotely, each prefill rank writing its own KV heads from its own
   connector, and nothing left held on either side;
 - rank 0 alone: it gives up after its join timeout, exits non-zero and names rank 1;
-- rank 1 of a serving group killed: rank 0 exits 1 within seconds (the group is replaced
-  as a unit); rank 0 killed: rank 1 exits by itself.
+- rank 1 of a serving group killed mid-request: the request fails with UNAVAILABLE (what
+  frontends migrate) and rank 0 exits 1 within seconds (the group is replaced as a unit);
+  rank 0 killed: rank 1 exits by itself.
 
 The surviving groups stop cleanly on SIGTERM (every rank exits 0).
 """
@@ -20,11 +21,13 @@ The surviving groups stop cleanly on SIGTERM (every rank exits 0).
 from __future__ import annotations
 
 import asyncio
+import os
 import random
 import signal
 import subprocess
 import time
 
+import grpc
 import pytest
 
 from splitserve.net import free_port
@@ -46,6 +49,7 @@ def _prompt(seed: int, n: int) -> list[int]:
 
 PROMPTS = {"one-block": _prompt(1, 10), "blocks": _prompt(2, 130), "two-chunks": _prompt(3, 300),
            "remote-one-block": _prompt(4, 40), "remote-blocks": _prompt(5, 130), "remote-two-chunks": _prompt(6, 300)}
+LONG_PROMPT = _prompt(7, 2500)          # long enough to be running when its group breaks
 
 
 @pytest.fixture(scope="module")
@@ -126,10 +130,24 @@ def test_rank0_alone_gives_up_naming_the_missing_rank(llama_dir):
 
 
 def test_a_lost_rank_fails_rank0(cluster):
-    """Rank 1 of the aggregated group killed: rank 0 stops serving and exits 1 at once, so
-    that the operator replaces the group. (Kills a2.)"""
+    """Rank 1 of the aggregated group killed mid-request: the request fails with UNAVAILABLE
+    (a frontend migrates it), and rank 0 exits 1 at once, so that the operator replaces the
+    group. (Kills a2.)"""
     rank0, (rank1,) = cluster.groups["a2"]
-    rank1.process.send_signal(signal.SIGKILL)
+    a2 = cluster.workers["a2"].address
+
+    async def killed_mid_request():
+        task = asyncio.create_task(generate(a2, "a2-killed", LONG_PROMPT, 400))
+        deadline = time.monotonic() + 30
+        while worker_stats(a2).num_running == 0:
+            assert time.monotonic() < deadline and not task.done()
+            await asyncio.sleep(0.01)
+        rank1.process.send_signal(signal.SIGKILL)
+        with pytest.raises(grpc.aio.AioRpcError) as failure:
+            await task
+        return failure.value.code()
+
+    assert asyncio.run(killed_mid_request()) == grpc.StatusCode.UNAVAILABLE
     assert _exit_code_within(rank0.proc, EXIT_WITHIN_S) == 1
     assert "worker a2 failed: tensor-parallel rank 1 is gone" in rank0.proc.output, rank0.proc.tail()
 
@@ -139,3 +157,22 @@ def test_a_lost_rank0_fails_its_ranks(cluster):
     rank0, (rank1,) = cluster.groups["p2"]
     rank0.proc.process.send_signal(signal.SIGKILL)
     assert _exit_code_within(rank1, EXIT_WITHIN_S) != 0
+
+
+def test_local_ranks_fail_the_same_way(llama_dir, expected):
+    """Without the environment, `--tp 2` starts its rank locally, as before; that rank
+    killed, rank 0 exits 1 too (it used to stay up and fail every request)."""
+    local = Cluster(llama_dir, kv_cache_gib=0.02)
+    try:
+        worker = local.start_worker("local2", "both", "--tp", "2")
+        worker.wait_ready()
+        out = asyncio.run(generate(worker.address, "local2-one-block", PROMPTS["one-block"], MAX_TOKENS))
+        assert out.token_ids == expected["one-block"]
+        ranks = [pid for pid in worker.proc.children()
+                 if "spawn_main" in open(f"/proc/{pid}/cmdline").read().replace("\0", " ")]
+        assert len(ranks) == 1, worker.proc.tail()
+        os.kill(ranks[0], signal.SIGKILL)
+        assert _exit_code_within(worker.proc, EXIT_WITHIN_S) == 1
+        assert "worker local2 failed: tensor-parallel rank 1 is gone" in worker.proc.output, worker.proc.tail()
+    finally:
+        local.close()
