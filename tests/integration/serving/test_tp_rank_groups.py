@@ -7,9 +7,9 @@ Llama (2 KV heads: one per rank), on 127.0.0.1 over gloo:
 - an aggregated TP=2 group: greedy output of Generate equals the single-process TP=1
   engine's, for prompts inside one block, over several blocks and over two prefill
   chunks;
-- a disaggregated TP=2 prefill group feeding a TP=1 decode worker over TCP: the same
-  output, prefilled remotely, each prefill rank writing its own KV heads from its own
-  connector, and nothing left held on either side;
+- a disaggregated TP=2 prefill group feeding a TP=1 decode worker and a TP=2 decode
+  group over TCP: the same output, prefilled remotely, each rank writing (or receiving)
+  its own KV heads on its own connector, and nothing left held on either side;
 - rank 0 alone: it gives up after its join timeout, exits non-zero and names rank 1;
 - rank 1 of a serving group killed mid-request: the request fails with UNAVAILABLE (what
   frontends migrate) and rank 0 exits 1 within seconds (the group is replaced as a unit);
@@ -66,8 +66,9 @@ def cluster(llama_dir):
     try:
         cluster.groups = {"a2": cluster.start_rank_group("a2", "both", 2, *budget),
                           "p2": cluster.start_rank_group("p2", "prefill", 2, *budget)}
-        cluster.start_worker("d1", "decode", *budget, "--remote-prefill-threshold", str(THRESHOLD),
-                             "--prefill-timeout", "20")
+        decode_args = (*budget, "--remote-prefill-threshold", str(THRESHOLD), "--prefill-timeout", "20")
+        cluster.start_worker("d1", "decode", *decode_args)
+        cluster.groups["d2"] = cluster.start_rank_group("d2", "decode", 2, *decode_args)
         cluster.wait_workers()          # rank 0 reports ready only once its whole group has
         yield cluster
     finally:
@@ -101,16 +102,20 @@ def test_aggregated_group_greedy_output_equals_tp1(cluster, expected):
     wait_idle({"a2": a2}, 2.0)
 
 
-def test_prefill_group_feeds_a_tp1_decode_worker(cluster, expected):
-    p2, d1 = cluster.workers["p2"].address, cluster.workers["d1"].address
+@pytest.mark.parametrize("decode", ["d1", "d2"])
+def test_prefill_group_feeds_a_decode_worker(cluster, expected, decode):
+    """TP=2 prefill group → TP=1 decode worker, and → TP=2 decode group (each decode rank
+    reserves and is notified on its own connector, its events crossing the TCP control
+    channel)."""
+    p2, d = cluster.workers["p2"].address, cluster.workers[decode].address
     before = worker_stats(p2)
     names = [n for n in PROMPTS if n.startswith("remote-")]
     for name in names:
-        out = asyncio.run(generate(d1, f"p2-d1-{name}", PROMPTS[name], MAX_TOKENS, [("p2", p2)]))
-        assert out.token_ids == expected[name], name
-        assert out.prefilled_remotely, name
+        out = asyncio.run(generate(d, f"p2-{decode}-{name}", PROMPTS[name], MAX_TOKENS, [("p2", p2)]))
+        assert out.token_ids == expected[name], (decode, name)
+        assert out.prefilled_remotely, (decode, name)
     assert worker_stats(p2).num_prefills_served - before.num_prefills_served == len(names)
-    wait_idle({"p2": p2, "d1": d1}, 2.0)
+    wait_idle({"p2": p2, decode: d}, 2.0)
 
 
 def test_rank0_alone_gives_up_naming_the_missing_rank(llama_dir):
