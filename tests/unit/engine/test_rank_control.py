@@ -71,26 +71,32 @@ def test_a_dead_rank_fails_calls_at_once(child):
     control.post_all(setattr, "attachment", 1)                 # logged, not raised
 
 
-def test_a_dead_rank_is_reported_once_and_closing_is_not(child):
-    control, proc = child
-    lost: list[tuple[int, str]] = []
-    reported = threading.Event()
+def _watched_child(on_lost):
     ctx = mp.get_context("fork")
     parent_end, child_end = ctx.Pipe(duplex=True)
-    other = ctx.Process(target=_child, args=(child_end,), daemon=True)
-    other.start()
+    proc = ctx.Process(target=_child, args=(child_end,), daemon=True)
+    proc.start()
     child_end.close()
-    watched = RankControl({1: parent_end}, on_lost=lambda rank, why: (lost.append((rank, why)), reported.set()))
+    return RankControl({1: parent_end}, on_lost=on_lost), proc
+
+
+def test_a_dead_rank_is_reported_once_and_closing_is_not():
+    lost: list[int] = []
+    reported = threading.Event()
+    control, proc = _watched_child(lambda rank, why: (lost.append(rank), reported.set()))
     try:
-        assert watched.call(1, getattr, "rank") == 1
-        other.kill()
-        other.join(10)
-        assert reported.wait(10) and [rank for rank, _ in lost] == [1]
+        assert control.call(1, getattr, "rank") == 1
+        proc.kill()
+        proc.join(10)
+        assert reported.wait(10) and lost == [1]
+        with pytest.raises(RankControlError, match="rank 1 is gone"):
+            control.call(1, getattr, "rank")
     finally:
-        watched.close()
-    # A control that is closed on purpose reports nothing, though its rank's end goes away.
+        control.close()
+    # A control closed on purpose reports nothing, though its rank's end goes away then.
     quiet: list[int] = []
-    control._on_lost = lambda rank, why: quiet.append(rank)
+    control, proc = _watched_child(lambda rank, why: quiet.append(rank))
+    assert control.call(1, getattr, "rank") == 1
     control.close()
     proc.kill()
     proc.join(10)
