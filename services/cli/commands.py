@@ -54,17 +54,40 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _group_engine_config(args: argparse.Namespace):
+    """The engine config, and this process's place in a group of ranks started one by one
+    (SPLITSERVE_TP_* in the environment; None: `--tp N` starts its ranks locally)."""
+    import os
+    from dataclasses import replace
+
+    from splitserve.services.engine.parallel.rendezvous import ENV_WORLD_SIZE, GroupMember
+
+    engine = _engine_config(args)
+    member = GroupMember.from_env(os.environ)
+    if member is None:
+        return engine, None
+    if args.tp not in (1, member.world_size):
+        raise SplitserveError(f"--tp {args.tp} contradicts {ENV_WORLD_SIZE}={member.world_size}")
+    return replace(engine, tensor_parallel_size=member.world_size, tp_leader=member.leader,
+                   tp_join_timeout_s=member.join_timeout_s), member
+
+
 def cmd_worker(args: argparse.Namespace) -> int:
     import asyncio
 
     from splitserve.services.worker.server import WorkerServerConfig, serve
     from splitserve.services.worker.service import Role, WorkerOptions
 
+    engine, member = _group_engine_config(args)
+    if member is not None and member.rank > 0:     # no gRPC API: serves rank 0's steps
+        from splitserve.services.engine.parallel.tensor_parallel import run_member
+
+        return run_member(member, engine, args.host)
     role = Role(args.role)
     options = WorkerOptions(worker_id=args.worker_id or f"{role.value}-{args.port}", role=role,
                             remote_prefill_threshold=args.remote_prefill_threshold,
                             prefill_timeout_s=args.prefill_timeout)
-    config = WorkerServerConfig(options=options, engine=_engine_config(args), host=args.host,
+    config = WorkerServerConfig(options=options, engine=engine, host=args.host,
                                 port=args.port, transfer=args.transfer, etcd=etcd_endpoints(args.etcd),
                                 etcd_prefix=args.etcd_prefix, etcd_ttl_s=args.etcd_ttl,
                                 drain_timeout_s=args.drain_timeout, metrics_port=args.metrics_port,

@@ -87,10 +87,31 @@ def _add_bench_parser(sub) -> None:
     p.set_defaults(func=commands.cmd_bench)
 
 
+WORKER_GROUP_HELP = """\
+tensor-parallel groups across machines (one process per rank, e.g. one pod each):
+  With these variables set, `--tp N` starts no local ranks; each rank is its own
+  `splitserve worker`, all with the same engine flags.
+  SPLITSERVE_TP_RANK          this process's rank, 0..N-1. Rank 0 is the worker the
+                              router talks to (gRPC API, health, etcd); it hosts the
+                              rendezvous and waits for every rank before SERVING.
+                              Ranks >= 1 serve no API: they join rank 0, load their
+                              shard and run its steps; their KV connector listens on
+                              --host. Rank 0 exits 1 when a rank is lost (replace the
+                              group as a unit); a rank exits when rank 0 is gone.
+  SPLITSERVE_TP_WORLD_SIZE    N, the number of ranks (--tp, if given, must match)
+  SPLITSERVE_TP_LEADER        HOST:PORT of rank 0's rendezvous: rank 0 listens on PORT
+                              on every interface, the others dial HOST:PORT
+  SPLITSERVE_TP_JOIN_TIMEOUT  seconds rank 0 waits for every rank to join and load (and
+                              a rank for rank 0), naming the missing ones (default: 600)
+"""
+
+
 def _add_worker_parser(sub) -> None:
     p = sub.add_parser("worker", help="run one engine behind the gRPC worker service",
+                       formatter_class=argparse.RawDescriptionHelpFormatter,
                        description="Run one engine (one tensor-parallel group) behind the gRPC "
-                                   "Worker service and the standard gRPC health service.")
+                                   "Worker service and the standard gRPC health service.",
+                       epilog=WORKER_GROUP_HELP)
     _add_engine_args(p)
     p.add_argument("--role", choices=["prefill", "decode", "both"], default="both",
                    help="prefill, decode, or both (aggregated; default)")

@@ -160,6 +160,8 @@ class EngineConfig:
     num_threads: int | None = None       # torch CPU threads; None leaves torch's default
     extra_cache_key: str = ""            # mixed into block hashes (e.g. a LoRA id)
     dist_init_method: str | None = None  # set by the TP launcher
+    tp_leader: str | None = None         # host:port of rank 0's rendezvous: ranks started on their own join it
+    tp_join_timeout_s: float = 1800.0    # every rank must have joined and loaded by then
     model_name: str = field(default="", compare=False)
 
     def torch_dtype(self) -> torch.dtype:

@@ -83,6 +83,8 @@ class LLMEngine:
         self.tp = TensorParallelGroup(self.config) if config.tensor_parallel_size > 1 else None
         try:
             model, kv = build_rank(self.config, 0, ckpt)
+            if self.tp is not None:
+                self.tp.wait_ready()      # every rank loaded its shard: the group can step
         except BaseException:
             self.close()
             raise

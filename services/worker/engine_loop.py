@@ -9,7 +9,8 @@ step and its blocks are free by then.
 
 Per-request failures (bad token ids, a duplicate id) surface as that stream's
 exception. A failing `step()` is not attributable to one request: every
-request in the engine is aborted and told, and the loop carries on.
+request in the engine is aborted and told, and the loop carries on; with tensor
+parallelism the group is lost instead and the loop stops (`_lose_group`).
 """
 
 from __future__ import annotations
@@ -175,10 +176,24 @@ class EngineLoop:
         try:
             outputs = self.engine.step()
         except Exception as exc:
+            if self.engine.tp is not None:
+                self._lose_group(exc)
+                return
             log.exception("engine step failed; aborting its %d requests", len(self._streams))
             self._fail_all(EngineStepError(f"the engine failed on this batch: {exc}"))
             return
         self._dispatch(outputs)
+
+    def _lose_group(self, exc: Exception) -> None:
+        """A tensor-parallel step failed: the ranks may be out of step in their collectives
+        (or one is gone), so the group cannot step again. The loop stops, and its requests
+        fail as on a shutdown (UNAVAILABLE: their frontends migrate them); the group's
+        watchers (server.py) make the worker exit."""
+        log.exception("tensor-parallel step failed; the group is lost, failing its %d requests",
+                      len(self._streams))
+        self._stopping.set()
+        self._fail_all(EngineStoppedError(f"the tensor-parallel group is lost: {exc}"))
+        self.engine.tp.fail(f"a step failed: {exc}")
 
     def _dispatch(self, outputs: list[RequestOutput]) -> None:
         for out in outputs:

@@ -5,7 +5,9 @@ service while the model loads (on a thread, so health checks are answered
 meanwhile); SERVING once the engine is attached. SIGTERM or SIGINT drains (shutdown.py):
 admission stops, running calls get up to --drain-timeout to finish, the etcd
 registration is revoked, whatever still runs is failed so that its frontend
-migrates it, and the process exits 0. With --metrics-port the worker also serves
+migrates it, and the process exits 0. A tensor-parallel worker whose group is lost
+(a rank is gone, a step failed) stops that way at once and exits 1, so that the
+group is replaced as a unit. With --metrics-port the worker also serves
 Prometheus metrics over HTTP from the start (metrics_http.py), until it exits. Beside
 the gRPC port the worker listens for frontends' session streams (session_stream.py;
 --session-port, any free port by default), whose port Describe tells.
@@ -127,14 +129,20 @@ async def serve(config: WorkerServerConfig, stop: asyncio.Event | None = None,
                  engine.config.model_name, engine.max_model_len, engine.config.num_kv_blocks,
                  sender.backend or "none")
         print(f"worker {wid} ready (transfer {sender.backend or 'none'})", flush=True)
+        group_lost = _watch_group(engine, stop)
         registration = await _register(config, port)
         try:
             await stop.wait()
-            await drain(service, config.drain_timeout_s, registration)    # deregisters
+            # A lost group cannot finish anything: fail what runs at once (UNAVAILABLE: migrated).
+            await drain(service, 0.0 if group_lost else config.drain_timeout_s, registration)  # deregisters
             registration = None
         finally:
             if registration is not None:
                 await registration.close()
+        if group_lost:
+            log.error("worker %s: exiting: %s", wid, group_lost[0])
+            print(f"worker {wid} failed: {group_lost[0]}", flush=True)
+            return 1
         log.info("worker %s: stopping", wid)
         return 0
     finally:
@@ -152,6 +160,29 @@ async def serve(config: WorkerServerConfig, stop: asyncio.Event | None = None,
             await metrics.close()
         if engine is not None:
             engine.close()
+
+
+def _watch_group(engine: LLMEngine, stop: asyncio.Event) -> list[str]:
+    """With tensor parallelism: a list that gets why the group was lost, and `stop` set,
+    when a rank is gone or a step failed. The worker then exits non-zero so that whoever
+    runs the group (the operator, `splitserve serve`) replaces it as a unit."""
+    lost: list[str] = []
+    if engine.tp is None:
+        return lost
+    loop = asyncio.get_running_loop()
+
+    def on_lost(why: str) -> None:
+        lost.append(why)
+        stop.set()
+
+    def from_any_thread(why: str) -> None:
+        try:
+            loop.call_soon_threadsafe(on_lost, why)
+        except RuntimeError:        # the event loop is closed: the worker is gone already
+            pass
+
+    engine.tp.watch(from_any_thread)
+    return lost
 
 
 async def _serve_metrics(config: WorkerServerConfig, service: WorkerService) -> MetricsServer | None:

@@ -146,6 +146,26 @@ class Cluster:
         self.procs.append(worker.proc)
         return worker
 
+    def start_rank_group(self, name: str, role: str, world_size: int, *extra: str,
+                         join_timeout_s: float | None = None) -> tuple[Worker, list[Proc]]:
+        """A tensor-parallel worker group as pods run it: `world_size` independent `splitserve
+        worker` processes with the same flags, told their rank, the world size and rank 0's
+        leader address through SPLITSERVE_TP_* (none forked from another). Ranks 1.. start
+        first (they wait for the leader). Returns rank 0's Worker (its wait_ready waits for
+        the whole group) and the other ranks' processes."""
+        leader = f"127.0.0.1:{free_port()}"
+        env = {"SPLITSERVE_TP_WORLD_SIZE": str(world_size), "SPLITSERVE_TP_LEADER": leader}
+        if join_timeout_s is not None:
+            env["SPLITSERVE_TP_JOIN_TIMEOUT"] = str(join_timeout_s)
+        others = []
+        for rank in range(1, world_size):
+            argv = ["splitserve", "--log-level", self.log_level, "worker", "--role", role, "--model", self.model,
+                    "--worker-id", f"{name}-rank{rank}", "--threads", "1", "--kv-cache-gib", str(self.kv_cache_gib),
+                    *(["--transfer", self.transfer] if role != "both" else []), *extra]
+            others.append(Proc.start(argv, {**env, "SPLITSERVE_TP_RANK": str(rank)}))
+        self.procs += others
+        return self.start_worker(name, role, *extra, env={**env, "SPLITSERVE_TP_RANK": "0"}), others
+
     def wait_workers(self, timeout: float = READY_TIMEOUT_S) -> None:
         """Until every worker still running is ready (one killed on purpose is passed over)."""
         for w in self.live_workers():

@@ -5,7 +5,8 @@ is not per step and must still run inside a child rank's own process: a KV
 connector per rank is created there and registers that rank's KV pool (each
 process registers its own memory, the way NIXL deployments register each GPU),
 then reserves, releases and reports transfers. That goes over one duplex pipe
-per child rank, created at spawn:
+per rank: a pipe created at spawn for a local child rank, or a TCP connection for a
+rank started on its own (rendezvous.py); both are multiprocessing Connections:
 
 - rank 0 `call`s a module-level function `fn(ctx, *args)` on a rank and waits
   for its return value (the child's exception is re-raised on rank 0), or
@@ -17,6 +18,8 @@ forward step; one thread per pipe on rank 0 dispatches replies and events as the
 arrive. Functions travel by reference (pickle), so the engine does not depend on
 what runs over the channel (the worker's KV transfer does). The event handler
 runs on a reader thread: it must not `call` (that would wait for its own thread).
+A rank whose connection closes before `close()` is lost: its pending calls fail and
+`on_lost(rank, why)` is told (tensor_parallel.py then gives the whole group up).
 """
 
 from __future__ import annotations
@@ -58,6 +61,7 @@ class RankContext:
     emit: Callable[[object], None]            # send an event to rank 0's handler
     layer_hook: LayerHook | None = None       # per step: the callback for the step's layer reports
     attachment: object | None = None          # state the control calls installed (the KV transfer)
+    host: str | None = None                   # where this rank's connector listens (None: as rank 0's)
     closers: list[Callable[[], None]] = field(default_factory=list)   # run when the rank exits
 
 
@@ -81,10 +85,12 @@ class _Event:
 
 
 class RankControl:
-    """Rank 0's end of every child rank's pipe."""
+    """Rank 0's end of every other rank's control connection."""
 
-    def __init__(self, conns: dict[int, Connection]):
+    def __init__(self, conns: dict[int, Connection], on_lost: Callable[[int, str], None] | None = None):
         self._conns = conns
+        self._on_lost = on_lost
+        self._closing = False
         self._send_locks = {rank: threading.Lock() for rank in conns}
         self._lock = threading.Lock()
         self._pending: dict[int, tuple[int, concurrent.futures.Future]] = {}   # seq → (rank, future)
@@ -145,6 +151,7 @@ class RankControl:
                 log.warning("%s", error)
 
     def close(self) -> None:
+        self._closing = True
         for conn in self._conns.values():
             conn.close()
         for reader in self._readers:
@@ -179,7 +186,7 @@ class RankControl:
             try:
                 message = conn.recv()
             except (EOFError, OSError) as error:
-                self._lose(rank, str(error) or "pipe closed")
+                self._lose(rank, str(error) or "its control connection closed")
                 return
             if isinstance(message, _Reply):
                 with self._lock:
@@ -208,6 +215,11 @@ class RankControl:
         for _, future in lost:
             if not future.done():
                 future.set_exception(RankControlError(f"tensor-parallel rank {rank} is gone ({why})"))
+        if self._on_lost is not None and not self._closing:
+            try:
+                self._on_lost(rank, why)
+            except Exception:
+                log.exception("tensor-parallel rank %d: the lost-rank handler failed", rank)
 
 
 def serve_control(conn: Connection, ctx: RankContext) -> threading.Thread:

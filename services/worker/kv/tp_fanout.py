@@ -4,10 +4,11 @@ What runs where (a worker with --tp N, one process per rank):
 
 - Every rank owns one kvtransfer connector registered on its own KV pool (its
   share of the KV heads), created in its own process by `setup` at worker start
-  (each process registers its own memory, as NIXL deployments do per GPU). Agent
+  (each process registers its own memory, as NIXL deployments do per GPU); a rank
+  in a pod of its own listens on its own `--host`. Agent
   names are `<worker>` for rank 0 and `<worker>-tp<r>` for the others.
 - The functions below run in a child rank's process, called by rank 0 over the
-  control pipe (services/engine/parallel/rank_control.py); they drive that rank's
+  control connection (services/engine/parallel/rank_control.py); they drive that rank's
   `RankTransfer` (rank_transfer.py).
 - Prefill side: `begin` (a blocking call, so the child is ready before the
   request's first step) registers the send on the child; the child's layer hook
@@ -66,9 +67,12 @@ def rank_agent_name(name: str, rank: int) -> str:
 # -- run in a child rank's process (RankControl.call / post) ------------------------------
 def setup(ctx: RankContext, backend: str, name: str, layout: KVLayout, connector_kwargs: dict,
           block_size: int) -> bytes:
-    """Create and register this rank's connector; returns its AgentMetadata bytes."""
+    """Create and register this rank's connector; returns its AgentMetadata bytes. A rank
+    started on its own machine (ctx.host) listens there, not on rank 0's address."""
     if ctx.attachment is not None:
         raise TransferError(f"rank {ctx.rank} already has a KV transfer")
+    if ctx.host is not None and "host" in connector_kwargs:
+        connector_kwargs = {**connector_kwargs, "host": ctx.host}
     connector = make_connector(backend, rank_agent_name(name, ctx.rank), layout.with_tp(ctx.rank, ctx.world_size),
                                **connector_kwargs)
     try:

@@ -69,3 +69,35 @@ def test_a_dead_rank_fails_calls_at_once(child):
     with pytest.raises(RankControlError):
         control.call_all(getattr, "rank", timeout_s=10)
     control.post_all(setattr, "attachment", 1)                 # logged, not raised
+
+
+def _watched_child(on_lost):
+    ctx = mp.get_context("fork")
+    parent_end, child_end = ctx.Pipe(duplex=True)
+    proc = ctx.Process(target=_child, args=(child_end,), daemon=True)
+    proc.start()
+    child_end.close()
+    return RankControl({1: parent_end}, on_lost=on_lost), proc
+
+
+def test_a_dead_rank_is_reported_once_and_closing_is_not():
+    lost: list[int] = []
+    reported = threading.Event()
+    control, proc = _watched_child(lambda rank, why: (lost.append(rank), reported.set()))
+    try:
+        assert control.call(1, getattr, "rank") == 1
+        proc.kill()
+        proc.join(10)
+        assert reported.wait(10) and lost == [1]
+        with pytest.raises(RankControlError, match="rank 1 is gone"):
+            control.call(1, getattr, "rank")
+    finally:
+        control.close()
+    # A control closed on purpose reports nothing, though its rank's end goes away then.
+    quiet: list[int] = []
+    control, proc = _watched_child(lambda rank, why: quiet.append(rank))
+    assert control.call(1, getattr, "rank") == 1
+    control.close()
+    proc.kill()
+    proc.join(10)
+    assert quiet == []

@@ -144,6 +144,46 @@ def test_a_failing_step_fails_every_open_stream_and_the_loop_carries_on(loop, en
     assert after[-1].finished and sum(len(o.new_token_ids) for o in after) == 2
 
 
+class _LostGroup:
+    """Stands in for the engine's TensorParallelGroup: records what `fail` was told."""
+
+    def __init__(self):
+        self.lost: list[str] = []
+
+    def fail(self, why: str) -> None:
+        self.lost.append(why)
+
+
+def test_a_failing_tensor_parallel_step_loses_the_group_and_stops_the_loop(engine, monkeypatch):
+    """With tensor parallelism a failed step may leave the ranks out of step: the open
+    streams fail as on a shutdown (UNAVAILABLE, migrated), the group is told it is lost,
+    and the loop takes no more work."""
+    group = _LostGroup()
+    monkeypatch.setattr(engine, "tp", group)
+
+    def failing_step():
+        raise RuntimeError("Connection closed by peer")
+
+    monkeypatch.setattr(engine, "step", failing_step)
+    loop = EngineLoop(engine)
+    loop.start()
+
+    async def main():
+        results = await asyncio.gather(_collect(loop, "a", 4), _collect(loop, "b", 4), return_exceptions=True)
+        await asyncio.to_thread(loop._thread.join, 10)       # the loop ends by itself
+        with pytest.raises(EngineStoppedError):
+            await loop.call(lambda e: None)
+        return results
+
+    results = asyncio.run(main())
+    loop.stop()
+    assert {type(r) for r in results} == {EngineStoppedError}, results
+    assert "tensor-parallel group is lost" in str(results[0])
+    assert len(group.lost) == 1 and "Connection closed by peer" in group.lost[0]
+    assert not loop.alive
+    assert_engine_idle(engine)
+
+
 def test_stop_fails_open_streams_and_later_calls(engine):
     loop = EngineLoop(engine)
     loop.start()
