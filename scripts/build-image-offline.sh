@@ -64,5 +64,7 @@ if [[ -n "${PIP_CERT:-}" ]]; then
 fi
 
 BUILDER=buildah BUILDER_GLOBAL_ARGS="${STORAGE[*]}" \
-    exec "$ROOT/scripts/build-image.sh" --flavour cpu --base "$BASE_IMAGE" "$@" -- \
+    "$ROOT/scripts/build-image.sh" --flavour cpu --base "$BASE_IMAGE" "$@" -- \
     --isolation chroot --pull=false "${ca_args[@]}"
+# The image this build replaced under the same tag is left untagged: each is ~6 GB in vfs.
+buildah "${STORAGE[@]}" rmi --prune >/dev/null
