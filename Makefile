@@ -8,10 +8,15 @@
 PYTHON ?= python3
 PYTEST_ARGS ?=
 
-.PHONY: test install
+.PHONY: test test-image install
 
 install:
 	PYTHON=$(PYTHON) bash scripts/install-test-deps.sh
 
 test: install
-	pytest -p no:cacheprovider -m "not gpu" tests/ $(PYTEST_ARGS)
+	pytest -p no:cacheprovider -m "not gpu and not image" tests/ $(PYTEST_ARGS)
+
+# The container image, built offline (debootstrap + buildah) and run: about 3 minutes cold.
+# Where PyTorch's CPU index is unreachable set TORCH_INDEX_URL=https://pypi.org/simple.
+test-image: install
+	pytest -p no:cacheprovider -m image tests/integration/deploy $(PYTEST_ARGS)

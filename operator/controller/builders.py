@@ -92,9 +92,10 @@ def _etcd_tls(workload: WorkloadOptions) -> tuple[list[str], list[dict], list[di
 
 def worker_args(spec: ServingDeploymentSpec, pool: str) -> list[str]:
     p = spec.pool(pool)
-    return ["splitserve", "worker", "--role", pool, "--model", spec.model.source, "--dtype", spec.model.dtype,
+    return ["worker", "--role", pool, "--model", spec.model.source, "--dtype", spec.model.dtype,
             "--device", "cuda" if p.gpus_per_rank > 0 else "cpu", "--tp", str(p.tensor_parallel),
-            "--host", "0.0.0.0", "--port", str(names.WORKER_PORT), "--worker-id", "$(POD_NAME)",
+            "--host", "0.0.0.0", "--advertise-host", "$(POD_IP)", "--port", str(names.WORKER_PORT),
+            "--worker-id", "$(POD_NAME)",
             "--metrics-port", str(names.WORKER_METRICS_PORT), "--session-port", str(names.WORKER_SESSION_PORT),
             "--remote-prefill-threshold", str(spec.disaggregation_threshold), "--etcd", "$(SPLITSERVE_ETCD)"]
 
@@ -128,25 +129,26 @@ def build_worker_pod(owner: Owner, spec: ServingDeploymentSpec, pool: str, group
                    **scrape_annotations(names.WORKER_METRICS_PORT)}
     env = [
         {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+        {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
         {"name": "SPLITSERVE_ETCD", "valueFrom": {"configMapKeyRef": {
             "name": names.config_map_name(owner.name), "key": "etcd"}}},
         {"name": "SPLITSERVE_GROUP", "value": group},
         {"name": "SPLITSERVE_POOL", "value": pool},
-        {"name": "SPLITSERVE_RANK", "value": str(rank)},
-        {"name": "SPLITSERVE_WORLD_SIZE", "value": str(p.group_size)},
-        {"name": "SPLITSERVE_TENSOR_PARALLEL", "value": str(p.tensor_parallel)},
-        {"name": "SPLITSERVE_PIPELINE_PARALLEL", "value": str(p.pipeline_parallel)},
-        {"name": "SPLITSERVE_LEADER_ADDRESS", "value": f"{leader_address(owner, group)}:{names.DIST_PORT}"},
-        {"name": "MASTER_ADDR", "value": leader_address(owner, group)},
-        {"name": "MASTER_PORT", "value": str(names.DIST_PORT)},
     ]
+    if p.group_size > 1:
+        # `splitserve worker` joins its group through these (services/engine/parallel/rendezvous.py):
+        # rank 0 hosts the rendezvous on the dist port, the others dial it by its stable DNS name.
+        env += [{"name": "SPLITSERVE_TP_RANK", "value": str(rank)},
+                {"name": "SPLITSERVE_TP_WORLD_SIZE", "value": str(p.group_size)},
+                {"name": "SPLITSERVE_TP_LEADER", "value": f"{leader_address(owner, group)}:{names.DIST_PORT}"}]
     resources: dict[str, Any] = {"cpu": p.resources.cpu, "memory": p.resources.memory}
     limits = dict(resources)
     if p.gpus_per_rank > 0:
         resources[names.GPU_RESOURCE] = str(p.gpus_per_rank)
         limits[names.GPU_RESOURCE] = str(p.gpus_per_rank)
     container: dict[str, Any] = {
-        "name": "worker", "image": spec.image, "args": worker_args(spec, pool) + tls_flags, "env": env,
+        "name": "worker", "image": spec.image, "command": ["splitserve"],
+        "args": worker_args(spec, pool) + tls_flags, "env": env,
         "ports": [{"name": "grpc", "containerPort": names.WORKER_PORT},
                   {"name": "dist", "containerPort": names.DIST_PORT},
                   {"name": names.METRICS_PORT_NAME, "containerPort": names.WORKER_METRICS_PORT},
@@ -196,7 +198,7 @@ def build_workers_service(owner: Owner) -> dict[str, Any]:
 # --- frontend, config, pools ---------------------------------------------------------------
 
 def frontend_args(spec: ServingDeploymentSpec) -> list[str]:
-    return ["splitserve", "frontend", "--model", spec.model.source, "--router", spec.router.policy,
+    return ["frontend", "--model", spec.model.source, "--router", spec.router.policy,
             "--prefill-weight", str(spec.router.prefill_weight),
             "--router-temperature", str(spec.router.temperature),
             "--remote-prefill-threshold", str(spec.disaggregation_threshold),
@@ -211,7 +213,7 @@ def build_frontend_deployment(owner: Owner, spec: ServingDeploymentSpec,
     select = {names.LABEL_DEPLOYMENT: owner.name, names.LABEL_ROLE: "frontend"}
     port = spec.frontend.port
     container = {
-        "name": "frontend", "image": spec.image, "args": frontend_args(spec) + tls_flags,
+        "name": "frontend", "image": spec.image, "command": ["splitserve"], "args": frontend_args(spec) + tls_flags,
         "env": [{"name": "SPLITSERVE_ETCD", "valueFrom": {"configMapKeyRef": {
             "name": names.config_map_name(owner.name), "key": "etcd"}}}],
         "ports": [{"name": "http", "containerPort": port},

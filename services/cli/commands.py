@@ -75,7 +75,7 @@ def _group_engine_config(args: argparse.Namespace):
 def cmd_worker(args: argparse.Namespace) -> int:
     import asyncio
 
-    from splitserve.services.worker.server import WorkerServerConfig, serve
+    from splitserve.services.worker.server import WorkerServerConfig, registered_host, serve
     from splitserve.services.worker.service import Role, WorkerOptions
 
     engine, member = _group_engine_config(args)
@@ -87,12 +87,14 @@ def cmd_worker(args: argparse.Namespace) -> int:
     options = WorkerOptions(worker_id=args.worker_id or f"{role.value}-{args.port}", role=role,
                             remote_prefill_threshold=args.remote_prefill_threshold,
                             prefill_timeout_s=args.prefill_timeout)
-    config = WorkerServerConfig(options=options, engine=engine, host=args.host,
+    config = WorkerServerConfig(options=options, engine=engine, host=args.host, advertise_host=args.advertise_host,
                                 port=args.port, transfer=args.transfer, etcd=etcd_endpoints(args.etcd),
                                 etcd_prefix=args.etcd_prefix, etcd_ttl_s=args.etcd_ttl,
                                 drain_timeout_s=args.drain_timeout, metrics_port=args.metrics_port,
                                 session_port=None if args.session_port < 0 else args.session_port)
     _apply_worker_security(config, args)
+    if config.etcd:
+        registered_host(config)          # refuse a wildcard with nothing to register before loading
     return asyncio.run(serve(config))
 
 

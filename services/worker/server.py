@@ -41,6 +41,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+WILDCARD_HOSTS = ("0.0.0.0", "::", "[::]", "")
+
 MAX_MESSAGE_BYTES = 64 * 2**20
 GRPC_OPTIONS = [("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
                 ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)]
@@ -52,6 +54,7 @@ class WorkerServerConfig:
     options: WorkerOptions
     engine: EngineConfig
     host: str = "127.0.0.1"
+    advertise_host: str | None = None     # the address registered in etcd; None: host
     port: int = 0
     grace_s: float = 2.0     # after the drain: the server's grace period for the calls' last messages
     drain_timeout_s: float = 30.0   # on SIGTERM: running calls get this long to finish (shutdown.py)
@@ -185,6 +188,16 @@ def _watch_group(engine: LLMEngine, stop: asyncio.Event) -> list[str]:
     return lost
 
 
+def registered_host(config: WorkerServerConfig) -> str:
+    """The host others dial: --advertise-host, else --host unless that is a wildcard (a worker
+    listening on every interface registered as 0.0.0.0 is reachable by nobody)."""
+    host = config.advertise_host or config.host
+    if host in WILDCARD_HOSTS:
+        raise SplitserveError(f"worker {config.options.worker_id}: --host {config.host} listens on every interface; "
+                              "give --advertise-host (the address others reach it at) to register in etcd")
+    return host
+
+
 async def _serve_metrics(config: WorkerServerConfig, service: WorkerService) -> MetricsServer | None:
     """Start the metrics HTTP server (metrics_http.py); None without --metrics-port."""
     if config.metrics_port is None:
@@ -216,7 +229,7 @@ async def _register(config: WorkerServerConfig, port: int):
     from splitserve.router.discovery import WorkerRecord
     from splitserve.router.discovery.etcd import EtcdRegistration
 
-    record = WorkerRecord(config.options.worker_id, config.options.role.value, f"{config.host}:{port}")
+    record = WorkerRecord(config.options.worker_id, config.options.role.value, f"{registered_host(config)}:{port}")
     registration = EtcdRegistration(config.etcd, record, config.etcd_prefix, config.etcd_ttl_s, config.etcd_tls)
     await registration.start()
     return registration

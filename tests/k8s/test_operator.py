@@ -166,7 +166,7 @@ def test_sample_reconciles_and_gang_binds_all_or_nothing(env):
         assert owners[0]["uid"] == uid and owners[0]["controller"] is True, (kind, name)
     pod = api.pods(SD, "prefill")[0]
     env_vars = {e["name"]: e.get("value") for e in pod["spec"]["containers"][0]["env"]}
-    assert env_vars["SPLITSERVE_WORLD_SIZE"] == "2" and pod["spec"]["schedulerName"] == "splitserve-gang"
+    assert env_vars["SPLITSERVE_TP_WORLD_SIZE"] == "2" and pod["spec"]["schedulerName"] == "splitserve-gang"
 
     big = env.add_node("op-big", gpus=4)
     env.wait(lambda: nodes_of(api.pods(SD, "decode")) == [big, big], "the decode group to bind on the new node")

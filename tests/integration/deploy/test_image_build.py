@@ -1,8 +1,10 @@
 """The real image: built here with scripts/build-image-offline.sh (CPU flavour, a
 debootstrapped Debian base, buildah with vfs storage and chroot isolation), then run.
 
-Opt-in (SPLITSERVE_IMAGE_BUILD=1) and not part of `make test`: the build takes about
-3 minutes cold on a 2-core machine and keeps ~6 GB under ~/.cache/splitserve/image.
+Marked `image` and deselected by `make test` (run it with `make test-image`): the build
+takes about 3 minutes cold on a 2-core machine, downloads torch into the image (PyPI's
+CUDA build, 5.7 GB) and keeps ~6 GB under ~/.cache/splitserve/image; the operator's pods
+in the tests do not need it (see tests/k8s/README.md).
 Needs root, debootstrap and buildah. Where PyTorch's CPU index is unreachable, also set
 TORCH_INDEX_URL=https://pypi.org/simple (PyPI's torch: the CUDA build, runs on CPU).
 
@@ -24,11 +26,7 @@ import pytest
 from splitserve.net import free_port
 from splitserve.testing.processes import Proc
 
-pytestmark = [
-    pytest.mark.slow,
-    pytest.mark.skipif(os.environ.get("SPLITSERVE_IMAGE_BUILD") != "1",
-                       reason="opt-in: SPLITSERVE_IMAGE_BUILD=1 builds the image (~3 min cold, ~6 GB)"),
-]
+pytestmark = [pytest.mark.slow, pytest.mark.image]
 
 ROOT = Path(__file__).resolve().parents[3]
 CACHE = Path(os.environ.get("SPLITSERVE_IMAGE_CACHE", Path.home() / ".cache/splitserve/image")) / "bookworm-3.11"

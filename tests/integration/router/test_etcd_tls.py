@@ -1,4 +1,5 @@
-"""Discovery through an etcd that serves TLS and requires client certificates (issue 17).
+"""Discovery as pods need it (issue 17): an etcd that serves TLS and requires client
+certificates, and a worker on every interface that registers the address it advertises.
 
 A real etcd (`--client-cert-auth`, certificates from a throwaway CA), a real aggregated
 worker that registers in it and a real frontend that finds the worker there, both with
@@ -92,3 +93,31 @@ def test_workers_register_and_frontends_discover_over_mutual_tls(llama_dir, tls_
     finally:
         codes = cluster.close()
     cluster.assert_clean_exit(codes, 2)
+
+
+def test_a_worker_on_every_interface_registers_the_address_it_advertises(llama_dir, etcd):
+    """A pod's worker listens on 0.0.0.0 and registers its pod IP (--advertise-host); without
+    one it refuses to start, since 0.0.0.0 in etcd would be reachable by nobody."""
+    flags = ["--etcd", etcd.endpoint, "--etcd-ttl", "5"]
+    cluster = Cluster(llama_dir)
+    try:
+        refused = cluster.start_worker("bare", "both", *flags, "--host", "0.0.0.0")
+        assert refused.proc.process.wait(60) == 2
+        refused.proc.wait_for_line("give --advertise-host", timeout=10)
+        worker = cluster.start_worker("w1", "both", *flags, "--host", "0.0.0.0", "--advertise-host", "127.0.0.1")
+        worker.wait_ready()
+        connected, members = _members_seen(etcd.endpoint, TlsConfig())
+        assert connected and members == ["w1"]
+
+        async def address():
+            registry = EtcdRegistry([etcd.endpoint])
+            await registry.start()
+            try:
+                await asyncio.wait_for(registry.changed.wait(), CONNECT_S)
+                return registry.members()["w1"].address
+            finally:
+                await registry.close()
+        assert asyncio.run(address()) == worker.address           # 127.0.0.1:<port>, not 0.0.0.0
+    finally:
+        codes = cluster.close()
+    assert codes == [0], cluster.outputs()[-3000:]        # the refused worker had exited already

@@ -36,8 +36,8 @@ def test_group_pods_carry_rank_world_size_and_leader():
         assert spec["schedulerName"] == "splitserve-gang" and spec["restartPolicy"] == "Never"
         assert spec["subdomain"] == "llm-workers" and spec["hostname"] == meta["name"]
         e = env(pod)
-        assert e["SPLITSERVE_RANK"] == str(rank) and e["SPLITSERVE_WORLD_SIZE"] == "4"
-        assert e["SPLITSERVE_LEADER_ADDRESS"] == f"{leader}:{names.DIST_PORT}"
+        assert e["SPLITSERVE_TP_RANK"] == str(rank) and e["SPLITSERVE_TP_WORLD_SIZE"] == "4"
+        assert e["SPLITSERVE_TP_LEADER"] == f"{leader}:{names.DIST_PORT}"
         container = pod["spec"]["containers"][0]
         assert container["resources"]["requests"][names.GPU_RESOURCE] == "2"
         assert ("readinessProbe" in container) == (rank == 0)
@@ -66,9 +66,11 @@ def test_worker_args_parse_with_the_worker_cli():
     """What the operator passes is what `splitserve worker` accepts (its own parser, no process)."""
     from splitserve.services.cli.parsers import build_parser
 
-    args = builders.worker_args(SPEC, "decode")
-    parsed = build_parser().parse_args(args[1:])
+    pod = builders.build_worker_pod(OWNER, SPEC, "decode", "g0", 0)["spec"]["containers"][0]
+    assert pod["command"] == ["splitserve"]          # the image's ENTRYPOINT too (deploy/image/Dockerfile)
+    parsed = build_parser().parse_args(pod["args"])
     assert parsed.command == "worker" and parsed.role == "decode"
+    assert (parsed.host, parsed.advertise_host) == ("0.0.0.0", "$(POD_IP)")
     assert parsed.metrics_port == names.WORKER_METRICS_PORT and parsed.port == names.WORKER_PORT
     assert parsed.session_port == names.WORKER_SESSION_PORT
 
@@ -83,7 +85,9 @@ def test_spec_hash_ignores_replicas_but_not_image():
 def test_frontend_and_config_map():
     deployment = builders.build_frontend_deployment(OWNER, SPEC)
     args = deployment["spec"]["template"]["spec"]["containers"][0]["args"]
-    assert args[:2] == ["splitserve", "frontend"] and "--router" in args and "kv" in args
+    container = deployment["spec"]["template"]["spec"]["containers"][0]
+    assert container["command"] == ["splitserve"] and args[0] == "frontend"
+    assert "--router" in args and "kv" in args
     labels = deployment["spec"]["template"]["metadata"]["labels"]
     assert all(labels[k] == v for k, v in deployment["spec"]["selector"]["matchLabels"].items())
     service = builders.build_frontend_service(OWNER, SPEC)
@@ -132,3 +136,11 @@ def test_etcd_client_tls_is_mounted_into_every_worker_and_frontend_pod():
             assert args[args.index(flag) + 1] == f"{builders.ETCD_TLS_MOUNT}/{file}"
     plain = builders.build_worker_pod(OWNER, SPEC, "decode", "g0", 0)
     assert "volumes" not in plain["spec"] and "--etcd-ca" not in plain["spec"]["containers"][0]["args"]
+
+
+def test_a_single_rank_group_gets_no_group_environment():
+    spec = ServingDeploymentSpec.from_dict({**SPEC.to_dict(), "decode": {**SPEC.decode.to_dict(), "tensorParallel": 1,
+                                                                       "pipelineParallel": 1}})
+    [pod] = builders.build_group_pods(OWNER, spec, "decode", "g0")
+    assert not [name for name in env(pod) if name.startswith("SPLITSERVE_TP_")]
+    assert env(pod)["POD_IP"] is None            # from the downward API: status.podIP
