@@ -1,4 +1,4 @@
-"""The worker process: one engine behind the gRPC Worker service (issue 4).
+"""The worker process: one engine behind the gRPC Worker service.
 
 worker/ serves requests, one job per module: `server` starts it all (`splitserve
 worker`) and `shutdown` drains it; `engine_loop` runs the synchronous engine on its
