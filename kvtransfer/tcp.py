@@ -112,11 +112,15 @@ class _Outgoing:
 class TcpConnector(Connector):
     backend = "tcp"
 
-    def __init__(self, name, layout, *, host: str = "127.0.0.1", port: int = 0, **kwargs):
+    def __init__(self, name, layout, *, host: str = "127.0.0.1", port: int = 0, advertise_host: str | None = None,
+                 **kwargs):
+        """Listen on host:port; peers dial `advertise_host` (default: `host`), which is what a
+        process listening on every interface (0.0.0.0 in a pod) must give: its reachable address."""
         super().__init__(name, layout, **kwargs)
         self._listener = socket.create_server((host, port), backlog=64)
         self._listener.setblocking(False)
-        self.address = "%s:%d" % self._listener.getsockname()[:2]
+        bound_host, bound_port = self._listener.getsockname()[:2]
+        self.address = f"{advertise_host or bound_host}:{bound_port}"
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name=f"kvtransfer-tcp-{name}", daemon=True)
         self._outgoing: dict[str, _Outgoing] = {}

@@ -82,7 +82,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
     if member is not None and member.rank > 0:     # no gRPC API: serves rank 0's steps
         from splitserve.services.engine.parallel.tensor_parallel import run_member
 
-        return run_member(member, engine, args.host)
+        return run_member(member, engine, args.host, args.advertise_host)
     role = Role(args.role)
     options = WorkerOptions(worker_id=args.worker_id or f"{role.value}-{args.port}", role=role,
                             remote_prefill_threshold=args.remote_prefill_threshold,

@@ -117,9 +117,9 @@ def _add_worker_parser(sub) -> None:
                    help="prefill, decode, or both (aggregated; default)")
     p.add_argument("--host", default="127.0.0.1", help="listen address (default: %(default)s)")
     p.add_argument("--advertise-host", default=None, metavar="HOST",
-                   help="the address other processes reach this worker at, registered in etcd (default: "
-                        "--host; required with --etcd when --host is a wildcard such as 0.0.0.0: a pod "
-                        "passes its IP)")
+                   help="the address other processes reach this worker at: registered in etcd and given "
+                        "to KV transfer peers (TCP; NIXL picks its own) (default: --host; required with --etcd "
+                        "when --host is a wildcard such as 0.0.0.0: a pod passes its IP)")
     p.add_argument("--port", type=int, default=0, help="gRPC port (default: 0, any free port)")
     p.add_argument("--worker-id", default=None, help="name in logs, stats and KV events")
     p.add_argument("--metrics-port", type=int, default=None, metavar="PORT",

@@ -69,7 +69,8 @@ class WorkerServerConfig:
 
 
 def build_transfer(role: Role, engine: LLMEngine, backend: str = "auto", name: str = "worker",
-                   host: str = "127.0.0.1", token: bytes = b"") -> tuple[KVSender, KVReceiver]:
+                   host: str = "127.0.0.1", token: bytes = b"",
+                   advertise_host: str | None = None) -> tuple[KVSender, KVReceiver]:
     """(sender, receiver) for this role, built once the engine's KV pool exists (the
     connector registers `engine.runner.kv.tensor` before any peer can fetch its metadata).
 
@@ -82,7 +83,7 @@ def build_transfer(role: Role, engine: LLMEngine, backend: str = "auto", name: s
         return unwired, unwired
     from splitserve.services.worker.kv.connector_transfer import build_connector_transfer, resolve_backend
 
-    transfer = build_connector_transfer(resolve_backend(backend), name, engine, host, token)
+    transfer = build_connector_transfer(resolve_backend(backend), name, engine, host, token, advertise_host)
     return transfer, transfer
 
 
@@ -126,7 +127,8 @@ async def serve(config: WorkerServerConfig, stop: asyncio.Event | None = None,
         waiter.cancel()
         engine = load.result()
         sender, receiver = await asyncio.to_thread(build_transfer, config.options.role, engine,
-                                                   config.transfer, wid, config.host, config.transfer_token)
+                                                   config.transfer, wid, config.host, config.transfer_token,
+                                                   config.advertise_host)
         await service.attach(engine, sender, receiver)
         log.info("worker %s: serving %s (max_model_len %d, %d KV blocks, transfer %s)", wid,
                  engine.config.model_name, engine.max_model_len, engine.config.num_kv_blocks,

@@ -62,6 +62,7 @@ class RankContext:
     layer_hook: LayerHook | None = None       # per step: the callback for the step's layer reports
     attachment: object | None = None          # state the control calls installed (the KV transfer)
     host: str | None = None                   # where this rank's connector listens (None: as rank 0's)
+    advertise_host: str | None = None         # the address its peers dial (None: host)
     closers: list[Callable[[], None]] = field(default_factory=list)   # run when the rank exits
 
 

@@ -188,14 +188,16 @@ class TensorParallelGroup:
             self.control.close()
 
 
-def serve_rank(config: EngineConfig, rank: int, conn, device: str, host: str | None = None) -> None:
+def serve_rank(config: EngineConfig, rank: int, conn, device: str, host: str | None = None,
+               advertise_host: str | None = None) -> None:
     """A rank's life once it joined the group: load its shard, serve the control connection,
     run rank 0's steps until rank 0 broadcasts None. `host`: where this rank's KV connector
     listens (None: where rank 0's does, the same machine)."""
     ctx = None
     try:
         model, kv = build_rank(replace(config, device=device), rank)
-        ctx = RankContext(rank, config.tensor_parallel_size, config, kv, emit=lambda _: None, host=host)
+        ctx = RankContext(rank, config.tensor_parallel_size, config, kv, emit=lambda _: None, host=host,
+                          advertise_host=advertise_host)
         serve_control(conn, ctx)
         while True:
             payload = [None]
@@ -235,7 +237,7 @@ def _worker_main(config: EngineConfig, rank: int, conn) -> None:
     serve_rank(config, rank, conn, device)
 
 
-def run_member(member: rendezvous.GroupMember, own: EngineConfig, host: str) -> int:
+def run_member(member: rendezvous.GroupMember, own: EngineConfig, host: str, advertise_host: str | None = None) -> int:
     """`splitserve worker` as rank `member.rank` >= 1 of a group started pod by pod: join
     rank 0 through the leader address, then serve its steps and control calls until it
     stops the group (exit 0); a failure, rank 0's included, exits non-zero.
@@ -256,6 +258,6 @@ def run_member(member: rendezvous.GroupMember, own: EngineConfig, host: str) -> 
                                                       member.rank))
     print(f"tensor-parallel rank {member.rank}/{member.world_size}: joined {member.leader}, loading "
           f"{config.num_kv_blocks} KV blocks", flush=True)
-    serve_rank(config, member.rank, conn, device, host)
+    serve_rank(config, member.rank, conn, device, host, advertise_host)
     log.info("tensor-parallel rank %d: stopped by rank 0", member.rank)
     return 0

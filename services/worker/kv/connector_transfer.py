@@ -69,16 +69,18 @@ def engine_layout(engine: LLMEngine) -> KVLayout:
                     block_size=cfg.block_size)
 
 
-def _connector_kwargs(backend: str, host: str, token: bytes) -> dict:
-    return {"token": token, **({"host": host} if backend == "tcp" else {})}
+def _connector_kwargs(backend: str, host: str, token: bytes, advertise_host: str | None = None) -> dict:
+    """NIXL picks its own addresses; TCP listens on `host` and tells peers `advertise_host`."""
+    return {"token": token, **({"host": host, "advertise_host": advertise_host} if backend == "tcp" else {})}
 
 
-def build_connector(backend: str, name: str, engine: LLMEngine, host: str, token: bytes = b"") -> Connector:
-    """Rank 0's connector with rank 0's KV tensor registered (TCP listens on `host`); peers must
-    prove `token` (kvtransfer/auth.py)."""
+def build_connector(backend: str, name: str, engine: LLMEngine, host: str, token: bytes = b"",
+                    advertise_host: str | None = None) -> Connector:
+    """Rank 0's connector with rank 0's KV tensor registered (TCP listens on `host` and tells peers
+    `advertise_host`); peers must prove `token` (kvtransfer/auth.py)."""
     layout = engine_layout(engine).with_tp(0, engine.config.tensor_parallel_size)
     connector = make_connector(backend, tp_fanout.rank_agent_name(name, 0), layout,
-                               **_connector_kwargs(backend, host, token))
+                               **_connector_kwargs(backend, host, token, advertise_host))
     try:
         connector.register(engine.runner.kv.tensor)
     except BaseException:
@@ -88,16 +90,17 @@ def build_connector(backend: str, name: str, engine: LLMEngine, host: str, token
 
 
 def build_connector_transfer(backend: str, name: str, engine: LLMEngine, host: str,
-                             token: bytes = b"") -> ConnectorTransfer:
+                             token: bytes = b"", advertise_host: str | None = None) -> ConnectorTransfer:
     """Both halves for this worker: a connector per TP rank, each on its own KV pool."""
     bs = engine.config.block_size
-    connector = build_connector(backend, name, engine, host, token)
+    connector = build_connector(backend, name, engine, host, token, advertise_host)
     if engine.tp is None:
         return ConnectorTransfer(connector, bs)
     control = engine.tp.control
     try:
         metas = control.call_all(tp_fanout.setup, backend, name, engine_layout(engine),
-                                 _connector_kwargs(backend, host, token), bs, timeout_s=SETUP_TIMEOUT_S)
+                                 _connector_kwargs(backend, host, token, advertise_host), bs,
+                                 timeout_s=SETUP_TIMEOUT_S)
     except BaseException:
         control.post_all(tp_fanout.close)
         connector.close()

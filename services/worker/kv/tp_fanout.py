@@ -72,7 +72,7 @@ def setup(ctx: RankContext, backend: str, name: str, layout: KVLayout, connector
     if ctx.attachment is not None:
         raise TransferError(f"rank {ctx.rank} already has a KV transfer")
     if ctx.host is not None and "host" in connector_kwargs:
-        connector_kwargs = {**connector_kwargs, "host": ctx.host}
+        connector_kwargs = {**connector_kwargs, "host": ctx.host, "advertise_host": ctx.advertise_host}
     connector = make_connector(backend, rank_agent_name(name, ctx.rank), layout.with_tp(ctx.rank, ctx.world_size),
                                **connector_kwargs)
     try:

@@ -191,3 +191,33 @@ def test_a_fence_over_a_timed_out_write_is_not_drained(group, monkeypatch):
     _, error = fenced.wait()
     assert isinstance(error, TransferTimeoutError)     # it may still land: not drained
     decode.release("t")
+
+
+def test_a_receiver_on_every_interface_is_written_at_the_address_it_advertises():
+    """A pod's worker listens on 0.0.0.0 (--host) and tells peers its pod IP (--advertise-host):
+    the metadata a prefill worker fetches names that address, and a whole transfer goes there."""
+    layout = LAYOUT.with_tp(0, 1)
+    connector = make_connector("tcp", "decode-pod", layout, host="0.0.0.0", advertise_host="127.0.0.1")
+    connector.register(torch.zeros(layout.pool_shape(NUM_BLOCKS)))
+    decode = RankTransfer(connector, LAYOUT.block_size)
+    prefill = _rank("prefill-pod", 0, 1, seed=3)
+    plain = make_connector("tcp", "plain", layout, host="0.0.0.0")
+    try:
+        assert decode.metadata.address.startswith("127.0.0.1:")
+        assert plain.address.startswith("0.0.0.0:")                 # without one: the bound address
+        grant = decode.expect("r", [3, 4], ttl_s=10)
+        prefill.begin("r", _target(decode, [3, 4], grant.deadline_unix), 8, notify=True)
+        _prefill([prefill], "r", [5, 6], 8)
+        sent = Outcome()
+        prefill.close_send("r", b"first-token", sent)
+        assert sent.wait() == (None, None)
+        received = Outcome()
+        decode.watch("r", received)
+        assert received.wait() == (b"first-token", None)
+        for layer in range(LAYOUT.num_layers):
+            assert torch.equal(decode.connector.pool[layer][:, [3, 4]], prefill.connector.pool[layer][:, [5, 6]])
+        decode.release("r")
+    finally:
+        plain.close()
+        decode.close()
+        prefill.close()
