@@ -1,0 +1,239 @@
+"""The test node agent (node_agent.py, the stand-in for kubelet + container
+runtime) on the real control plane: its node stays Ready on its own
+heartbeats, and pods bound to it run as real processes in network namespaces —
+Ready by their probes, reachable on their pod IP, with Kubernetes' env
+resolution, liveness restarts, graceful deletion, Failed on exit 1."""
+
+from __future__ import annotations
+
+import http.client
+import itertools
+import json
+import os
+import secrets
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+from kubernetes.client.exceptions import ApiException
+
+from cluster import wait_until
+from controlplane import KubeCluster
+from node_agent import TOLERATION, NodeAgent
+from node_agent_net import NAME_PREFIX, connect_in_netns, sweep_stale_namespaces
+
+_cidrs = itertools.count(1)
+
+# A small HTTP server standing for a workload: GET / answers its env and argv;
+# /healthz fails once the file sick-<its pid> exists in $STATE_DIR; SIGTERM
+# writes $STATE_DIR/terminated-<pid> before exiting.
+SERVER = r"""
+import http.server, json, os, signal, sys
+state = os.environ.get("STATE_DIR", "/nonexistent")
+def on_term(*_):
+    with open(os.path.join(state, f"terminated-{os.getpid()}"), "w") as f:
+        f.write("SIGTERM")
+    os._exit(0)
+signal.signal(signal.SIGTERM, on_term)
+if os.path.isdir(state):
+    with open(os.path.join(state, "pids"), "a") as f:
+        f.write(f"{os.getpid()}\n")
+class Handler(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        sick = os.path.exists(os.path.join(state, f"sick-{os.getpid()}"))
+        code = 500 if self.path == "/healthz" and sick else 200
+        body = json.dumps({"env": dict(os.environ), "argv": sys.argv, "pid": os.getpid()}).encode()
+        self.send_response(code)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+    def log_message(self, *args):
+        pass
+http.server.ThreadingHTTPServer(("0.0.0.0", int(sys.argv[1])), Handler).serve_forever()
+"""
+PORT = 8080
+
+
+@pytest.fixture
+def node_agent(kube_cluster: KubeCluster, tmp_path: Path):
+    agent = NodeAgent(kube_cluster.api_client(), f"agent-{secrets.token_hex(3)}", tmp_path / "agent", gpus=2,
+                      pod_cidr=f"10.245.{next(_cidrs)}.0/24").start()
+    try:
+        kube_cluster.wait_node_ready(agent.node_name, True, timeout=30)
+        yield agent
+        assert not agent.errors, "\n".join(agent.errors)
+    finally:
+        agent.stop()
+        kube_cluster.delete_node(agent.node_name)
+
+
+def _server_pod(name: str, node: str, state_dir: Path, *, env: list | None = None, restart: str = "Always",
+                liveness: bool = False, grace: int = 30) -> dict:
+    probe = {"httpGet": {"path": "/healthz", "port": "http"}, "periodSeconds": 1, "failureThreshold": 1}
+    container = {"name": "main", "image": "splitserve:test", "command": ["python", "-c", SERVER],
+                 "args": ["$(PORT)"], "ports": [{"name": "http", "containerPort": PORT}],
+                 "env": [{"name": "PORT", "value": str(PORT)}, {"name": "STATE_DIR", "value": str(state_dir)},
+                         *(env or [])],
+                 "readinessProbe": {**probe, "failureThreshold": 3}}
+    if liveness:
+        # Liveness starts once the startup probe passed (kubelet's rule), so a slow boot is not a failure.
+        container["startupProbe"] = {"httpGet": {"path": "/", "port": PORT}, "periodSeconds": 1,
+                                     "failureThreshold": 30}
+        container["livenessProbe"] = probe
+    return {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name},
+            "spec": {"containers": [container], "restartPolicy": restart, "nodeName": node,
+                     "tolerations": [TOLERATION], "terminationGracePeriodSeconds": grace}}
+
+
+def _wait_pod(core, ns: str, name: str, what: str, check, timeout: float = 30.0):
+    return wait_until(lambda: (lambda p: p if check(p) else None)(core.read_namespaced_pod(name, ns)),
+                      timeout=timeout, what=f"pod {ns}/{name} {what}")
+
+
+def _ready(pod) -> bool:
+    return pod.status.phase == "Running" and any(c.type == "Ready" and c.status == "True"
+                                                 for c in pod.status.conditions or [])
+
+
+def _get_in_netns(netns: str, ip: str, port: int, path: str = "/") -> tuple[int, dict]:
+    conn = http.client.HTTPConnection(ip, port, timeout=5)
+    conn.sock = connect_in_netns(netns, ip, port, 5)
+    try:
+        conn.request("GET", path)
+        resp = conn.getresponse()
+        return resp.status, json.loads(resp.read())
+    finally:
+        conn.close()
+
+
+def test_node_is_ready_on_its_own_heartbeats(kube_cluster: KubeCluster, node_agent: NodeAgent):
+    core = kube_cluster.core()
+    node = core.read_node(node_agent.node_name)
+    assert node.status.allocatable["nvidia.com/gpu"] == "2"
+    assert node.spec.pod_cidr == node_agent.pod_cidr
+    assert any(t.key == "splitserve.io/node-agent" for t in node.spec.taints)
+    lease = kube_cluster.api_client()
+    from kubernetes.client import CoordinationV1Api
+    first = CoordinationV1Api(lease).read_namespaced_lease(node_agent.node_name, "kube-node-lease").spec.renew_time
+    # Past the controller-manager's node monitor grace period (10 s): still Ready, lease renewed.
+    time.sleep(12)
+    kube_cluster.wait_node_ready(node_agent.node_name, True, timeout=1)
+    later = CoordinationV1Api(lease).read_namespaced_lease(node_agent.node_name, "kube-node-lease").spec.renew_time
+    assert later > first
+
+
+def test_pod_runs_ready_and_answers_on_its_pod_ip(kube_cluster: KubeCluster, node_agent: NodeAgent,
+                                                  k8s_namespace: str, tmp_path: Path):
+    core = kube_cluster.core()
+    core.create_namespaced_pod(k8s_namespace, _server_pod("web", node_agent.node_name, tmp_path))
+    t0 = time.monotonic()
+    pod = _wait_pod(core, k8s_namespace, "web", "Running and Ready", _ready)
+    print(f"web Ready after {time.monotonic() - t0:.1f} s")
+    status = pod.status.container_statuses[0]
+    assert status.ready and status.restart_count == 0 and status.state.running is not None
+    assert pod.status.pod_ip.startswith(node_agent.pod_cidr.rsplit(".", 2)[0])
+    code, body = _get_in_netns(node_agent.node_netns, pod.status.pod_ip, PORT)
+    assert code == 200
+    assert body["argv"][1:] == [str(PORT)]          # $(PORT) expanded in args
+    assert body["env"]["HOSTNAME"] == "web"
+    # The process runs inside the pod's namespace: its address is not on the host.
+    host_addrs = subprocess.run(["ip", "-o", "addr"], capture_output=True, text=True, check=True).stdout
+    assert f" {pod.status.pod_ip}/" not in host_addrs
+
+
+def test_env_from_field_refs_config_maps_and_secrets(kube_cluster: KubeCluster, node_agent: NodeAgent,
+                                                     k8s_namespace: str, tmp_path: Path):
+    core = kube_cluster.core()
+    core.create_namespaced_config_map(k8s_namespace, {"metadata": {"name": "cfg"}, "data": {"model": "tiny"}})
+    core.create_namespaced_secret(k8s_namespace, {"metadata": {"name": "sec"}, "stringData": {"token": "s3cret"}})
+    env = [{"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+           {"name": "POD_NAMESPACE", "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}},
+           {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
+           {"name": "MODEL", "valueFrom": {"configMapKeyRef": {"name": "cfg", "key": "model"}}},
+           {"name": "TOKEN", "valueFrom": {"secretKeyRef": {"name": "sec", "key": "token"}}},
+           {"name": "ADDR", "value": "$(POD_IP):$(PORT) $$(POD_IP) $(UNDEFINED)"}]
+    core.create_namespaced_pod(k8s_namespace, _server_pod("envy", node_agent.node_name, tmp_path, env=env))
+    pod = _wait_pod(core, k8s_namespace, "envy", "Running and Ready", _ready)
+    _, body = _get_in_netns(node_agent.node_netns, pod.status.pod_ip, PORT)
+    got = body["env"]
+    assert (got["POD_NAME"], got["POD_NAMESPACE"], got["POD_IP"]) == ("envy", k8s_namespace, pod.status.pod_ip)
+    assert (got["MODEL"], got["TOKEN"]) == ("tiny", "s3cret")
+    assert got["ADDR"] == f"{pod.status.pod_ip}:{PORT} $(POD_IP) $(UNDEFINED)"
+
+
+def test_failing_liveness_probe_restarts_the_container(kube_cluster: KubeCluster, node_agent: NodeAgent,
+                                                       k8s_namespace: str, tmp_path: Path):
+    core = kube_cluster.core()
+    core.create_namespaced_pod(k8s_namespace, _server_pod("sick", node_agent.node_name, tmp_path, liveness=True))
+    _wait_pod(core, k8s_namespace, "sick", "Running and Ready", _ready)
+    first_pid = int((tmp_path / "pids").read_text().split()[0])
+    (tmp_path / f"sick-{first_pid}").write_text("")
+    pod = _wait_pod(core, k8s_namespace, "sick", "restarted and Ready again",
+                    lambda p: p.status.container_statuses[0].restart_count >= 1 and _ready(p))
+    status = pod.status.container_statuses[0]
+    assert status.restart_count == 1
+    assert status.last_state.terminated is not None
+    assert (tmp_path / f"terminated-{first_pid}").read_text() == "SIGTERM"   # killed gracefully
+    pids = [int(p) for p in (tmp_path / "pids").read_text().split()]
+    assert len(pids) == 2 and pids[1] != first_pid
+
+
+def test_deleting_a_pod_sends_sigterm_then_removes_it(kube_cluster: KubeCluster, node_agent: NodeAgent,
+                                                      k8s_namespace: str, tmp_path: Path):
+    core = kube_cluster.core()
+    core.create_namespaced_pod(k8s_namespace, _server_pod("bye", node_agent.node_name, tmp_path, grace=20))
+    _wait_pod(core, k8s_namespace, "bye", "Running and Ready", _ready)
+    pid = int((tmp_path / "pids").read_text().split()[0])
+    t0 = time.monotonic()
+    core.delete_namespaced_pod("bye", k8s_namespace)
+
+    def gone() -> bool:
+        try:
+            core.read_namespaced_pod("bye", k8s_namespace)
+            return False
+        except ApiException as e:
+            return e.status == 404
+
+    wait_until(gone, timeout=15, what="pod bye to disappear")
+    assert time.monotonic() - t0 < 15            # it exited on SIGTERM, well before the 20 s grace
+    assert (tmp_path / f"terminated-{pid}").read_text() == "SIGTERM"
+    wait_until(lambda: not Path(f"/proc/{pid}").exists(), timeout=5, what=f"process {pid} to exit")
+
+
+def test_restart_policy_never_exit_1_fails_the_pod(kube_cluster: KubeCluster, node_agent: NodeAgent,
+                                                   k8s_namespace: str):
+    core = kube_cluster.core()
+    pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "oops"},
+           "spec": {"restartPolicy": "Never", "nodeName": node_agent.node_name, "tolerations": [TOLERATION],
+                    "containers": [{"name": "main", "image": "splitserve:test",
+                                    "command": ["python", "-c", "import sys; sys.exit(1)"]}]}}
+    core.create_namespaced_pod(k8s_namespace, pod)
+    done = _wait_pod(core, k8s_namespace, "oops", "Failed", lambda p: p.status.phase == "Failed")
+    status = done.status.container_statuses[0]
+    assert status.state.terminated.exit_code == 1 and status.restart_count == 0 and not status.ready
+
+
+def test_stop_removes_namespaces_and_sweep_removes_a_killed_agents(kube_cluster: KubeCluster, tmp_path: Path,
+                                                                  k8s_namespace: str):
+    core = kube_cluster.core()
+    agent = NodeAgent(kube_cluster.api_client(), f"agent-{secrets.token_hex(3)}", tmp_path / "agent", gpus=1,
+                      pod_cidr=f"10.245.{next(_cidrs)}.0/24").start()
+    try:
+        core.create_namespaced_pod(k8s_namespace, _server_pod("w", agent.node_name, tmp_path))
+        _wait_pod(core, k8s_namespace, "w", "Running and Ready", _ready)
+        pid = int((tmp_path / "pids").read_text().split()[0])
+        prefix = agent.node_netns.removesuffix("-node")
+    finally:
+        agent.stop()
+        kube_cluster.delete_node(agent.node_name)
+    left = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, check=True).stdout
+    assert prefix not in left
+    assert not Path(f"/proc/{pid}").exists() or Path(f"/proc/{pid}/stat").read_text().split()[2] == "Z"
+    # A namespace whose agent pid is dead (a killed run) is swept by the next start.
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    stale = f"{NAME_PREFIX}-{dead.pid}-1-node"
+    subprocess.run(["ip", "netns", "add", stale], check=True)
+    assert stale in sweep_stale_namespaces()
+    assert not os.path.exists(f"/run/netns/{stale}")
