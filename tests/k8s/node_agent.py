@@ -7,10 +7,11 @@ never run; pods bound to a node of this agent run for real, as host processes:
   `nvidia.com/gpu` capacity (so the operator's gang scheduler can bind to it),
   the Ready condition and an InternalIP (the node bridge's address); it renews
   the node's Lease in kube-node-lease every second and re-posts the node's
-  conditions every few seconds, as kubelet does. The node is labelled and
-  tainted `splitserve.io/node-agent` (NoSchedule), so only pods that tolerate
-  it (or are bound to it by name) land there; it has no kwok annotation, so kwok
-  leaves it alone.
+  conditions every few seconds, as kubelet does. The node is labelled
+  `splitserve.io/node-agent` and tainted (NoSchedule) with `AGENT_TAINT` by
+  default, so the default scheduler puts there only pods that tolerate it
+  (`TOLERATION`); operator tests use `GPU_TAINT`, which the operator's pods
+  tolerate. It has no kwok annotation, so kwok leaves it alone.
 - It watches the pods bound to it (fieldSelector spec.nodeName=<node>) and
   gives each a `PodSupervisor` (node_agent_pod.py): a network namespace with an
   IP from the pod CIDR on the node's bridge (node_agent_net.py), the
@@ -50,6 +51,9 @@ from node_agent_spec import decode_secret
 AGENT_LABEL = "splitserve.io/node-agent"
 AGENT_TAINT = {"key": AGENT_LABEL, "value": "true", "effect": "NoSchedule"}
 TOLERATION = {"key": AGENT_LABEL, "operator": "Equal", "value": "true", "effect": "NoSchedule"}
+# The taint real GPU nodes carry. The operator's gang scheduler takes nodes tainted
+# only with it (its pods tolerate nvidia.com/gpu), and refuses AGENT_TAINT.
+GPU_TAINT = {"key": "nvidia.com/gpu", "value": "present", "effect": "NoSchedule"}
 LEASE_NAMESPACE = "kube-node-lease"
 LEASE_SECONDS = 40            # kubelet's default; renewed every LEASE_RENEW
 LEASE_RENEW = 1.0
@@ -89,7 +93,7 @@ class NodeAgent:
     memory: str = "64Gi"
     pod_cidr: str = "10.245.1.0/24"
     labels: dict[str, str] = field(default_factory=dict)
-    taint: bool = True
+    taint: dict[str, str] | None = field(default_factory=lambda: dict(AGENT_TAINT))
     entrypoints: dict[str, tuple[str, ...]] = field(default_factory=dict)
     base_env: dict[str, str] = field(default_factory=default_base_env)
     network: NodeNetwork | None = None
@@ -141,6 +145,23 @@ class NodeAgent:
         if self.network is not None:
             self.network.destroy()
 
+    def pod_netns(self, namespace: str, name: str) -> str:
+        """The network namespace of a running pod (for in-namespace clients in tests)."""
+        return self._supervisor(namespace, name).netns
+
+    def container_log(self, namespace: str, name: str, container: str | None = None) -> str:
+        """What the container wrote to stdout/stderr, all its restarts together."""
+        sup = self._supervisor(namespace, name)
+        run = sup.containers[0] if container is None else next(c for c in sup.containers if c.name == container)
+        return run.log_path.read_text(errors="replace") if run.log_path.exists() else ""
+
+    def _supervisor(self, namespace: str, name: str) -> PodSupervisor:
+        with self._lock:
+            for sup in self.pods.values():
+                if sup.key == f"{namespace}/{name}":
+                    return sup
+        raise KeyError(f"pod {namespace}/{name} is not on node {self.node_name}")
+
     # ---- the Node and its heartbeats --------------------------------------------
 
     def _node_body(self) -> dict[str, Any]:
@@ -150,7 +171,7 @@ class NodeAgent:
                   "kubernetes.io/arch": "amd64", AGENT_LABEL: "true", **self.labels}
         spec: dict[str, Any] = {"podCIDR": self.pod_cidr, "podCIDRs": [self.pod_cidr]}
         if self.taint:
-            spec["taints"] = [AGENT_TAINT]
+            spec["taints"] = [self.taint]
         return {"apiVersion": "v1", "kind": "Node", "metadata": {"name": self.node_name, "labels": labels},
                 "spec": spec, "status": {"capacity": resources, "allocatable": dict(resources)}}
 

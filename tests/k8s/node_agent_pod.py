@@ -141,6 +141,7 @@ class PodSupervisor:
     _thread: threading.Thread | None = None
     _last_status: dict[str, Any] | None = None
     _start_time: str = field(default_factory=now_iso)
+    _transitions: dict[str, tuple[str, str]] = field(default_factory=dict)   # type -> (status, since)
 
     @property
     def key(self) -> str:
@@ -292,7 +293,12 @@ class PodSupervisor:
                 "containerStatuses": statuses}
         if body == self._last_status:
             return
-        stamped = {**body, "conditions": [{**cond, "lastTransitionTime": now_iso()} for cond in body["conditions"]]}
+        for cond in body["conditions"]:   # a condition's transition time changes only when its status does
+            prev = self._transitions.get(cond["type"])
+            if prev is None or prev[0] != cond["status"]:
+                self._transitions[cond["type"]] = (cond["status"], now_iso())
+        stamped = {**body, "conditions": [{**cond, "lastTransitionTime": self._transitions[cond["type"]][1]}
+                                          for cond in body["conditions"]]}
         log.info("%s: status %s ready=%s", self.key, body["phase"], ready)
         self.post_status(self.pod, stamped)
         self._last_status = body

@@ -20,7 +20,7 @@ from kubernetes.client.exceptions import ApiException
 
 from cluster import wait_until
 from controlplane import KubeCluster
-from node_agent import TOLERATION, NodeAgent
+from node_agent import AGENT_TAINT, GPU_TAINT, TOLERATION, NodeAgent
 from node_agent_net import NAME_PREFIX, connect_in_netns, sweep_stale_namespaces
 
 _cidrs = itertools.count(1)
@@ -43,7 +43,8 @@ class Handler(http.server.BaseHTTPRequestHandler):
     def do_GET(self):
         sick = os.path.exists(os.path.join(state, f"sick-{os.getpid()}"))
         code = 500 if self.path == "/healthz" and sick else 200
-        body = json.dumps({"env": dict(os.environ), "argv": sys.argv, "pid": os.getpid()}).encode()
+        body = json.dumps({"env": dict(os.environ), "argv": sys.argv, "pid": os.getpid(),
+                           "hosts": open("/etc/hosts").read()}).encode()
         self.send_response(code)
         self.send_header("Content-Length", str(len(body)))
         self.end_headers()
@@ -160,6 +161,21 @@ def test_env_from_field_refs_config_maps_and_secrets(kube_cluster: KubeCluster, 
     assert (got["POD_NAME"], got["POD_NAMESPACE"], got["POD_IP"]) == ("envy", k8s_namespace, pod.status.pod_ip)
     assert (got["MODEL"], got["TOKEN"]) == ("tiny", "s3cret")
     assert got["ADDR"] == f"{pod.status.pod_ip}:{PORT} $(POD_IP) $(UNDEFINED)"
+    # The pod's own /etc/hosts (through ip netns exec's /etc/netns bind mount), not the host's.
+    assert f"{pod.status.pod_ip}\tenvy" in body["hosts"]
+
+
+def test_pods_of_the_node_reach_each_other(kube_cluster: KubeCluster, node_agent: NodeAgent,
+                                           k8s_namespace: str, tmp_path: Path):
+    core = kube_cluster.core()
+    for name in ("a", "b"):
+        (tmp_path / name).mkdir()
+        core.create_namespaced_pod(k8s_namespace, _server_pod(name, node_agent.node_name, tmp_path / name))
+    a, b = (_wait_pod(core, k8s_namespace, n, "Running and Ready", _ready) for n in ("a", "b"))
+    assert a.status.pod_ip != b.status.pod_ip
+    # From inside pod a's namespace to pod b's IP, over the node bridge.
+    code, body = _get_in_netns(node_agent.pod_netns(k8s_namespace, "a"), b.status.pod_ip, PORT)
+    assert code == 200 and body["env"]["HOSTNAME"] == "b"
 
 
 def test_failing_liveness_probe_restarts_the_container(kube_cluster: KubeCluster, node_agent: NodeAgent,
@@ -212,6 +228,68 @@ def test_restart_policy_never_exit_1_fails_the_pod(kube_cluster: KubeCluster, no
     done = _wait_pod(core, k8s_namespace, "oops", "Failed", lambda p: p.status.phase == "Failed")
     status = done.status.container_statuses[0]
     assert status.state.terminated.exit_code == 1 and status.restart_count == 0 and not status.ready
+
+
+GRPC_SERVER = r"""
+import sys, time
+from concurrent import futures
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+server = grpc.server(futures.ThreadPoolExecutor(2))
+servicer = health.HealthServicer()
+servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
+server.add_insecure_port(f"0.0.0.0:{sys.argv[1]}")
+server.start()
+open(sys.argv[2], "w").write("up")
+server.wait_for_termination()
+"""
+
+
+def test_exec_tcp_and_grpc_probes(kube_cluster: KubeCluster, node_agent: NodeAgent, k8s_namespace: str,
+                                  tmp_path: Path):
+    core = kube_cluster.core()
+    up = tmp_path / "up"
+    container = {"name": "grpc", "image": "splitserve:test", "command": ["python", "-c", GRPC_SERVER],
+                 "args": ["9000", str(up)],
+                 "startupProbe": {"exec": {"command": ["test", "-f", str(up)]}, "periodSeconds": 1,
+                                  "failureThreshold": 30},
+                 "livenessProbe": {"tcpSocket": {"port": 9000}, "periodSeconds": 1},
+                 "readinessProbe": {"grpc": {"port": 9000}, "periodSeconds": 1}}
+    pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "probed"},
+           "spec": {"containers": [container], "nodeName": node_agent.node_name, "tolerations": [TOLERATION]}}
+    core.create_namespaced_pod(k8s_namespace, pod)
+    ready = _wait_pod(core, k8s_namespace, "probed", "Running and Ready", _ready, timeout=45)
+    status = ready.status.container_statuses[0]
+    assert status.started and status.ready and status.restart_count == 0
+
+
+def test_container_without_command_runs_the_splitserve_entrypoint(kube_cluster: KubeCluster,
+                                                                  node_agent: NodeAgent, k8s_namespace: str):
+    core = kube_cluster.core()
+    pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "cli"},
+           "spec": {"restartPolicy": "Never", "nodeName": node_agent.node_name, "tolerations": [TOLERATION],
+                    "containers": [{"name": "main", "image": "splitserve:test", "args": ["--help"]}]}}
+    core.create_namespaced_pod(k8s_namespace, pod)
+    done = _wait_pod(core, k8s_namespace, "cli", "Succeeded", lambda p: p.status.phase == "Succeeded", timeout=60)
+    assert done.status.container_statuses[0].state.terminated.exit_code == 0
+    log = node_agent.container_log(k8s_namespace, "cli")
+    assert "usage: splitserve" in log, log
+
+
+def test_gpu_tainted_node_is_one_the_operator_would_bind_to(kube_cluster: KubeCluster, tmp_path: Path):
+    from splitserve.operator.scheduler import node_schedulable
+
+    agent = NodeAgent(kube_cluster.api_client(), f"agent-{secrets.token_hex(3)}", tmp_path / "agent", gpus=4,
+                      pod_cidr=f"10.245.{next(_cidrs)}.0/24", taint=GPU_TAINT).start()
+    try:
+        node = kube_cluster.api_client().sanitize_for_serialization(kube_cluster.wait_node_ready(agent.node_name, True))
+        assert node_schedulable(node)
+    finally:
+        agent.stop()
+        kube_cluster.delete_node(agent.node_name)
+    # The default taint keeps the operator (and pods that do not tolerate it) away.
+    assert not node_schedulable({**node, "spec": {**node["spec"], "taints": [AGENT_TAINT]}})
 
 
 def test_stop_removes_namespaces_and_sweep_removes_a_killed_agents(kube_cluster: KubeCluster, tmp_path: Path,
