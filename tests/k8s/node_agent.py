@@ -20,9 +20,10 @@ never run; pods bound to a node of this agent run for real, as host processes:
 - There is no image: a container runs the host's programs (the venv's python
   and `splitserve` first on PATH), which stand in for the image; a container
   without `command` runs `splitserve`, our image's entrypoint.
-- Pod /etc/hosts: localhost and the pod's own name (and FQDN with
-  spec.subdomain), through `ip netns exec`'s /etc/netns bind mount. The names
-  of a headless Service's other pods, and DNS, are not done yet.
+- Names: no cluster DNS; each pod's /etc/hosts (through `ip netns exec`'s
+  /etc/netns bind mount) carries its own name and what DNS would answer for
+  the headless Services selecting this node's pods (node_agent_hosts.py),
+  refreshed every second.
 
 `stop()` kills every pod process and removes every namespace the agent made;
 `start()` first sweeps the namespaces of agents that were killed.
@@ -44,7 +45,8 @@ from typing import Any
 from kubernetes import client, watch
 from kubernetes.client.exceptions import ApiException
 
-from node_agent_net import NAME_PREFIX, NodeNetwork, sweep_stale_namespaces
+from node_agent_hosts import HostedPod, hosts_text, service_records, write_in_place
+from node_agent_net import ETC_NETNS, NAME_PREFIX, NodeNetwork, sweep_stale_namespaces
 from node_agent_pod import PodSupervisor, now_iso
 from node_agent_spec import decode_secret
 
@@ -219,6 +221,7 @@ class NodeAgent:
         while not self._stop.wait(LEASE_RENEW):
             try:
                 self._renew_lease()
+                self._refresh_hosts()
                 if time.monotonic() - last_status >= STATUS_EVERY:
                     self._post_node_status()
                     last_status = time.monotonic()
@@ -228,6 +231,21 @@ class NodeAgent:
             except Exception:            # the apiserver going away at teardown
                 if self._stop.is_set():
                     return
+
+    def _refresh_hosts(self) -> None:
+        """Rewrite each pod's /etc/hosts with the names cluster DNS would give (node_agent_hosts.py)."""
+        with self._lock:
+            sups = [s for s in self.pods.values() if s.deletion_grace is None]
+        hosted = [HostedPod.of(s.pod, s.pod_ip, s.ready, ETC_NETNS / s.netns / "hosts") for s in sups]
+        services = [self.api.sanitize_for_serialization(svc)
+                    for ns in sorted({h.namespace for h in hosted})
+                    for svc in self.core.list_namespaced_service(ns).items]
+        records = service_records(hosted, services)
+        for h in hosted:
+            try:
+                write_in_place(h.hosts_path, hosts_text(h, records))
+            except OSError:
+                pass                     # the pod's namespace is being removed
 
     # ---- pods ----------------------------------------------------------------------
 
@@ -268,7 +286,7 @@ class NodeAgent:
     def _admit(self, pod: dict[str, Any]) -> None:
         assert self.network is not None
         meta = pod["metadata"]
-        net = self.network.add_pod(meta["uid"], lambda ip: self._hosts_file(pod, ip))
+        net = self.network.add_pod(meta["uid"], lambda ip: hosts_text(HostedPod.of(pod, ip, False, Path()), []))
         sup = PodSupervisor(
             pod=pod, netns=net.netns, pod_ip=net.ip, host_ip=self.network.gateway,
             workdir=self.workdir / "pods" / f"{meta['namespace']}_{meta['name']}_{meta['uid'][:8]}",
@@ -278,18 +296,6 @@ class NodeAgent:
         with self._lock:
             self.pods[meta["uid"]] = sup
         sup.start()
-
-    @staticmethod
-    def _hosts_file(pod: dict[str, Any], pod_ip: str) -> str:
-        spec, meta = pod["spec"], pod["metadata"]
-        hostname = spec.get("hostname") or meta["name"]
-        names = [hostname]
-        if spec.get("subdomain"):
-            names.insert(0, f"{hostname}.{spec['subdomain']}.{meta['namespace']}.svc.cluster.local")
-        lines = ["# written by the splitserve test node agent (kubelet's /etc/hosts)",
-                 "127.0.0.1\tlocalhost", "::1\tlocalhost ip6-localhost ip6-loopback"]
-        lines.append(f"{pod_ip}\t{' '.join(names)}")
-        return "\n".join(lines) + "\n"
 
     def _lookup(self, namespace: str):
         def lookup(kind: str, name: str) -> dict[str, str] | None:

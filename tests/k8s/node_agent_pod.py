@@ -148,6 +148,10 @@ class PodSupervisor:
         return f"{self.pod['metadata']['namespace']}/{self.pod['metadata']['name']}"
 
     @property
+    def ready(self) -> bool:
+        return bool(self.containers) and all(c.ready for c in self.containers)
+
+    @property
     def restart_policy(self) -> str:
         return self.pod["spec"].get("restartPolicy", "Always")
 

@@ -41,6 +41,18 @@ if os.path.isdir(state):
         f.write(f"{os.getpid()}\n")
 class Handler(http.server.BaseHTTPRequestHandler):
     def do_GET(self):
+        if self.path.startswith("/resolve/"):
+            import socket
+            try:
+                answer = socket.gethostbyname(self.path[len("/resolve/"):])
+            except OSError as e:
+                answer = f"error: {e}"
+            body = json.dumps({"address": answer}).encode()
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+            return
         sick = os.path.exists(os.path.join(state, f"sick-{os.getpid()}"))
         code = 500 if self.path == "/healthz" and sick else 200
         body = json.dumps({"env": dict(os.environ), "argv": sys.argv, "pid": os.getpid(),
@@ -228,6 +240,33 @@ def test_restart_policy_never_exit_1_fails_the_pod(kube_cluster: KubeCluster, no
     done = _wait_pod(core, k8s_namespace, "oops", "Failed", lambda p: p.status.phase == "Failed")
     status = done.status.container_statuses[0]
     assert status.state.terminated.exit_code == 1 and status.restart_count == 0 and not status.ready
+
+
+def test_headless_service_names_resolve_in_pods(kube_cluster: KubeCluster, node_agent: NodeAgent,
+                                                k8s_namespace: str, tmp_path: Path):
+    core = kube_cluster.core()
+    core.create_namespaced_service(k8s_namespace, {
+        "metadata": {"name": "grp"},
+        "spec": {"clusterIP": "None", "publishNotReadyAddresses": True, "selector": {"app": "grp"},
+                 "ports": [{"name": "http", "port": PORT}]}})
+    for name in ("rank-0", "rank-1"):
+        (tmp_path / name).mkdir()
+        pod = _server_pod(name, node_agent.node_name, tmp_path / name)
+        pod["metadata"]["labels"] = {"app": "grp"}
+        pod["spec"].update({"hostname": name, "subdomain": "grp"})
+        core.create_namespaced_pod(k8s_namespace, pod)
+    leader, follower = (_wait_pod(core, k8s_namespace, n, "Running and Ready", _ready) for n in ("rank-0", "rank-1"))
+    fqdn = f"rank-0.grp.{k8s_namespace}.svc.cluster.local"     # the operator's leader address form
+
+    def resolved() -> str | None:
+        _, body = _get_in_netns(node_agent.node_netns, follower.status.pod_ip, PORT, f"/resolve/{fqdn}")
+        return body["address"] if body["address"] == leader.status.pod_ip else None
+
+    wait_until(resolved, timeout=10, what=f"{fqdn} to resolve to {leader.status.pod_ip} inside rank-1")
+    _, short = _get_in_netns(node_agent.node_netns, follower.status.pod_ip, PORT, "/resolve/rank-0.grp")
+    assert short["address"] == leader.status.pod_ip
+    _, none = _get_in_netns(node_agent.node_netns, follower.status.pod_ip, PORT, "/resolve/nope.grp")
+    assert none["address"].startswith("error")         # no DNS behind it: fails, and at once
 
 
 GRPC_SERVER = r"""
