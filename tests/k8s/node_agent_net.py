@@ -201,3 +201,7 @@ class NodeNetwork:
         for uid in list(self.pods):
             self.remove_pod(uid)
         delete_namespace(self.netns)
+        try:
+            ETC_NETNS.rmdir()           # only when empty: other agents' files stay
+        except OSError:
+            pass

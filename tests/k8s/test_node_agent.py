@@ -12,6 +12,7 @@ import json
 import os
 import secrets
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -354,3 +355,51 @@ def test_stop_removes_namespaces_and_sweep_removes_a_killed_agents(kube_cluster:
     subprocess.run(["ip", "netns", "add", stale], check=True)
     assert stale in sweep_stale_namespaces()
     assert not os.path.exists(f"/run/netns/{stale}")
+
+
+def test_a_real_splitserve_worker_pod_goes_ready(kube_cluster: KubeCluster, node_agent: NodeAgent,
+                                                 k8s_namespace: str, llama_dir: Path):
+    """A worker shaped like the operator's rank-0 pod (entrypoint splitserve, POD_IP/POD_NAME
+    from fieldRefs, gRPC startup probe, the operator's exec canary as readiness), without etcd."""
+    from splitserve.operator.builders import probe_command
+
+    core = kube_cluster.core()
+    container = {
+        "name": "worker", "image": "splitserve:test", "command": ["splitserve"],
+        "args": ["worker", "--model", str(llama_dir), "--host", "0.0.0.0", "--advertise-host", "$(POD_IP)",
+                 "--port", "50051", "--threads", "1", "--kv-cache-gib", "0.05", "--worker-id", "$(POD_NAME)"],
+        "env": [{"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+                {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
+                {"name": "OMP_NUM_THREADS", "value": "1"}, {"name": "PYTHONUNBUFFERED", "value": "1"}],
+        "startupProbe": {"grpc": {"port": 50051}, "periodSeconds": 1, "failureThreshold": 150},
+        "readinessProbe": {"exec": {"command": probe_command()}, "periodSeconds": 2, "timeoutSeconds": 20}}
+    pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "worker-0"},
+           "spec": {"containers": [container], "nodeName": node_agent.node_name, "tolerations": [TOLERATION],
+                    "terminationGracePeriodSeconds": 30}}
+    t0 = time.monotonic()
+    core.create_namespaced_pod(k8s_namespace, pod)
+    try:
+        ready = _wait_pod(core, k8s_namespace, "worker-0", "Running and Ready", _ready, timeout=150)
+    except TimeoutError:
+        raise AssertionError(node_agent.container_log(k8s_namespace, "worker-0")[-4000:]) from None
+    print(f"worker pod Ready after {time.monotonic() - t0:.1f} s")
+    assert ready.status.container_statuses[0].restart_count == 0
+    assert "worker worker-0 ready" in node_agent.container_log(k8s_namespace, "worker-0")   # $(POD_NAME)
+    # The operator's canary from another namespace (the node's), to the pod IP: health SERVING + Generate.
+    canary = subprocess.run(["ip", "netns", "exec", node_agent.node_netns, *probe_command()[:-1],
+                             f"{ready.status.pod_ip}:50051"], capture_output=True, text=True, timeout=60,
+                            env={**os.environ, "PATH": os.pathsep.join([os.path.dirname(sys.executable),
+                                                                       os.environ["PATH"]])})
+    assert canary.returncode == 0, canary.stderr
+    t1 = time.monotonic()
+    core.delete_namespaced_pod("worker-0", k8s_namespace)
+
+    def gone() -> bool:
+        try:
+            core.read_namespaced_pod("worker-0", k8s_namespace)
+            return False
+        except ApiException as e:
+            return e.status == 404
+
+    wait_until(gone, timeout=40, what="worker pod to disappear")
+    print(f"worker pod gone {time.monotonic() - t1:.1f} s after delete")
