@@ -46,7 +46,7 @@ from kubernetes import client, watch
 from kubernetes.client.exceptions import ApiException
 
 from node_agent_hosts import HostedPod, hosts_text, service_records, write_in_place
-from node_agent_net import ETC_NETNS, NAME_PREFIX, NodeNetwork, sweep_stale_namespaces
+from node_agent_net import ETC_NETNS, NAME_PREFIX, ClusterNetwork, NodeNetwork, sweep_stale_namespaces
 from node_agent_pod import PodSupervisor, now_iso
 from node_agent_spec import decode_secret
 
@@ -74,6 +74,12 @@ def default_base_env() -> dict[str, str]:
     return {"PATH": path, **keep}
 
 
+def new_cluster_network() -> ClusterNetwork:
+    """A network linking the agents given it (`NodeAgent(cluster=...)`); destroy() it after them."""
+    sweep_stale_namespaces()
+    return ClusterNetwork(f"{NAME_PREFIX}-{os.getpid()}-c{next(_agent_counter)}").create()
+
+
 def _node_conditions(now: str, since: str) -> list[dict[str, str]]:
     base = [("MemoryPressure", "False", "KubeletHasSufficientMemory"),
             ("DiskPressure", "False", "KubeletHasNoDiskPressure"),
@@ -98,6 +104,7 @@ class NodeAgent:
     taint: dict[str, str] | None = field(default_factory=lambda: dict(AGENT_TAINT))
     entrypoints: dict[str, tuple[str, ...]] = field(default_factory=dict)
     base_env: dict[str, str] = field(default_factory=default_base_env)
+    cluster: ClusterNetwork | None = None      # links this node's pods to other agents' nodes
     network: NodeNetwork | None = None
     pods: dict[str, PodSupervisor] = field(default_factory=dict)   # by uid
     _stop: threading.Event = field(default_factory=threading.Event)
@@ -123,6 +130,9 @@ class NodeAgent:
         prefix = f"{NAME_PREFIX}-{os.getpid()}-{next(_agent_counter)}"
         self.network = NodeNetwork(prefix, ipaddress.ip_network(self.pod_cidr))
         self.network.create()
+        if self.cluster is not None:
+            self.cluster.attach(self.network)
+            self.cluster.agents.append(self)
         self._register_node()
         self._ready_since = now_iso()
         self._post_node_status()
@@ -145,6 +155,9 @@ class NodeAgent:
         for t in self._threads:
             t.join(timeout)
         if self.network is not None:
+            if self.cluster is not None:
+                self.cluster.detach(self.network)
+                self.cluster.agents.remove(self)
             self.network.destroy()
 
     def pod_netns(self, namespace: str, name: str) -> str:
@@ -234,14 +247,20 @@ class NodeAgent:
 
     def _refresh_hosts(self) -> None:
         """Rewrite each pod's /etc/hosts with the names cluster DNS would give (node_agent_hosts.py)."""
+        hosted: list[HostedPod] = []
         with self._lock:
-            sups = [s for s in self.pods.values() if s.deletion_grace is None]
-        hosted = [HostedPod.of(s.pod, s.pod_ip, s.ready, ETC_NETNS / s.netns / "hosts") for s in sups]
+            own = {s.netns for s in self.pods.values()}
+        for agent in list(self.cluster.agents) if self.cluster is not None else [self]:
+            with agent._lock:
+                sups = [s for s in agent.pods.values() if s.deletion_grace is None]
+            hosted += [HostedPod.of(s.pod, s.pod_ip, s.ready, ETC_NETNS / s.netns / "hosts") for s in sups]
         services = [self.api.sanitize_for_serialization(svc)
                     for ns in sorted({h.namespace for h in hosted})
                     for svc in self.core.list_namespaced_service(ns).items]
         records = service_records(hosted, services)
         for h in hosted:
+            if h.hosts_path.parent.name not in own:
+                continue                 # another agent's pod: that agent writes its file
             try:
                 write_in_place(h.hosts_path, hosts_text(h, records))
             except OSError:

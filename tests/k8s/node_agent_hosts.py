@@ -14,8 +14,9 @@ carries what DNS would answer for the pods the agent runs:
   `<service>`) are written for pods of the same namespace, since /etc/hosts
   gets no search-domain expansion.
 
-Only pods of this agent's node are known (pods on kwok nodes have addresses
-nothing can reach, and node namespaces are not linked to each other yet).
+Only pods the agents know are named: this agent's, and those of the other
+agents on the same ClusterNetwork (pods on kwok nodes have addresses nothing
+can reach).
 The file is rewritten in place: `ip netns exec` bind-mounted that very inode
 over the process's /etc/hosts, so a rename would go unseen.
 """

@@ -205,3 +205,61 @@ class NodeNetwork:
             ETC_NETNS.rmdir()           # only when empty: other agents' files stay
         except OSError:
             pass
+
+
+@dataclass(slots=True)
+class ClusterNetwork:
+    """Links the node namespaces of several agents: pods on different nodes reach each other.
+
+    A namespace `<prefix>-cluster` holds a bridge; each node namespace gets an
+    `uplink` veth onto it with an address in `transit` and forwards between its
+    pod bridge and the uplink, with a route to every other node's pod CIDR via
+    that node's uplink address — the flat, routed pod network of a real
+    cluster (what a CNI such as flannel's host-gw mode sets up), inside namespaces.
+    `agents` is the registry of the NodeAgents on it (name resolution spans them).
+    """
+
+    prefix: str
+    transit: ipaddress.IPv4Network = ipaddress.ip_network("10.246.0.0/24")
+    nodes: list[tuple[NodeNetwork, str]] = field(default_factory=list)   # (node, uplink address)
+    agents: list = field(default_factory=list)
+    _next: int = 1
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    @property
+    def netns(self) -> str:
+        return f"{self.prefix}-cluster"
+
+    def create(self) -> ClusterNetwork:
+        delete_namespace(self.netns)
+        ip("netns", "add", self.netns)
+        ip("link", "set", "lo", "up", netns=self.netns)
+        ip("link", "add", "br0", "type", "bridge", netns=self.netns)
+        ip("link", "set", "br0", "up", netns=self.netns)
+        return self
+
+    def attach(self, node: NodeNetwork) -> None:
+        with self._lock:
+            k, self._next = self._next, self._next + 1
+            address = str(self.transit.network_address + k)
+            ip("link", "add", f"up{k}", "type", "veth", "peer", "name", "uplink", "netns", node.netns,
+               netns=self.netns)
+            ip("link", "set", f"up{k}", "master", "br0", "up", netns=self.netns)
+            ip("addr", "add", f"{address}/{self.transit.prefixlen}", "dev", "uplink", netns=node.netns)
+            ip("link", "set", "uplink", "up", netns=node.netns)
+            subprocess.run(["ip", "netns", "exec", node.netns, "sh", "-c",
+                            "echo 1 > /proc/sys/net/ipv4/ip_forward"], check=True, timeout=20)
+            for other, other_address in self.nodes:
+                ip("route", "add", str(other.pod_cidr), "via", other_address, netns=node.netns)
+                ip("route", "add", str(node.pod_cidr), "via", address, netns=other.netns)
+            self.nodes.append((node, address))
+
+    def detach(self, node: NodeNetwork) -> None:
+        with self._lock:
+            self.nodes = [(n, a) for n, a in self.nodes if n is not node]
+            for other, _ in self.nodes:
+                ip("route", "del", str(node.pod_cidr), netns=other.netns, check=False)
+        # The uplink pair goes with the node's namespace.
+
+    def destroy(self) -> None:
+        delete_namespace(self.netns)

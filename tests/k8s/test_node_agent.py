@@ -21,7 +21,7 @@ from kubernetes.client.exceptions import ApiException
 
 from cluster import wait_until
 from controlplane import KubeCluster
-from node_agent import AGENT_TAINT, GPU_TAINT, TOLERATION, NodeAgent
+from node_agent import AGENT_TAINT, GPU_TAINT, TOLERATION, NodeAgent, new_cluster_network
 from node_agent_net import NAME_PREFIX, connect_in_netns, sweep_stale_namespaces
 
 _cidrs = itertools.count(1)
@@ -268,6 +268,45 @@ def test_headless_service_names_resolve_in_pods(kube_cluster: KubeCluster, node_
     assert short["address"] == leader.status.pod_ip
     _, none = _get_in_netns(node_agent.node_netns, follower.status.pod_ip, PORT, "/resolve/nope.grp")
     assert none["address"].startswith("error")         # no DNS behind it: fails, and at once
+
+
+def test_pods_on_two_linked_nodes_reach_and_name_each_other(kube_cluster: KubeCluster, k8s_namespace: str,
+                                                            tmp_path: Path):
+    core = kube_cluster.core()
+    network = new_cluster_network()
+    agents: list[NodeAgent] = []
+    try:
+        for i in range(2):
+            agents.append(NodeAgent(kube_cluster.api_client(), f"agent-{secrets.token_hex(3)}",
+                                    tmp_path / f"agent{i}", gpus=1, pod_cidr=f"10.245.{next(_cidrs)}.0/24",
+                                    cluster=network).start())
+        core.create_namespaced_service(k8s_namespace, {
+            "metadata": {"name": "grp"},
+            "spec": {"clusterIP": "None", "publishNotReadyAddresses": True, "selector": {"app": "grp"}}})
+        for i, agent in enumerate(agents):
+            (tmp_path / f"r{i}").mkdir()
+            pod = _server_pod(f"r{i}", agent.node_name, tmp_path / f"r{i}")
+            pod["metadata"]["labels"] = {"app": "grp"}
+            pod["spec"].update({"hostname": f"r{i}", "subdomain": "grp"})
+            core.create_namespaced_pod(k8s_namespace, pod)
+        r0, r1 = (_wait_pod(core, k8s_namespace, f"r{i}", "Running and Ready", _ready) for i in range(2))
+        assert r0.spec.node_name != r1.spec.node_name
+        # Pod to pod across nodes: r0's namespace -> node 0 -> cluster bridge -> node 1 -> r1.
+        code, body = _get_in_netns(agents[0].pod_netns(k8s_namespace, "r0"), r1.status.pod_ip, PORT)
+        assert code == 200 and body["env"]["HOSTNAME"] == "r1"
+        fqdn = f"r1.grp.{k8s_namespace}.svc.cluster.local"
+
+        def resolved() -> bool:
+            _, answer = _get_in_netns(agents[0].node_netns, r0.status.pod_ip, PORT, f"/resolve/{fqdn}")
+            return answer["address"] == r1.status.pod_ip
+
+        wait_until(resolved, timeout=10, what=f"{fqdn} to resolve inside r0 (on the other node)")
+    finally:
+        for agent in agents:
+            agent.stop()
+            kube_cluster.delete_node(agent.node_name)
+        network.destroy()
+    assert not any(errors for errors in (a.errors for a in agents)), [a.errors for a in agents]
 
 
 GRPC_SERVER = r"""
