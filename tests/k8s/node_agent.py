@@ -20,6 +20,8 @@ never run; pods bound to a node of this agent run for real, as host processes:
 - There is no image: a container runs the host's programs (the venv's python
   and `splitserve` first on PATH), which stand in for the image; a container
   without `command` runs `splitserve`, our image's entrypoint.
+- Host servers: `expose_host_port()` relays a port on the node's address to
+  the host's 127.0.0.1 (node_agent_forward.py), e.g. the control plane's etcd.
 - Names: no cluster DNS; each pod's /etc/hosts (through `ip netns exec`'s
   /etc/netns bind mount) carries its own name and what DNS would answer for
   the headless Services selecting this node's pods (node_agent_hosts.py),
@@ -45,6 +47,7 @@ from typing import Any
 from kubernetes import client, watch
 from kubernetes.client.exceptions import ApiException
 
+from node_agent_forward import HostPortForward
 from node_agent_hosts import HostedPod, hosts_text, service_records, write_in_place
 from node_agent_net import ETC_NETNS, NAME_PREFIX, ClusterNetwork, NodeNetwork, sweep_stale_namespaces
 from node_agent_pod import PodSupervisor, now_iso
@@ -111,6 +114,7 @@ class NodeAgent:
     _threads: list[threading.Thread] = field(default_factory=list)
     _lock: threading.Lock = field(default_factory=threading.Lock)
     errors: list[str] = field(default_factory=list)   # crashes of pod supervisors (agent bugs)
+    forwards: list[HostPortForward] = field(default_factory=list)
     _node_uid: str = ""
     _ready_since: str = ""
 
@@ -154,11 +158,21 @@ class NodeAgent:
             sup.join(timeout)
         for t in self._threads:
             t.join(timeout)
+        for forward in self.forwards:
+            forward.stop()
         if self.network is not None:
             if self.cluster is not None:
                 self.cluster.detach(self.network)
                 self.cluster.agents.remove(self)
             self.network.destroy()
+
+    def expose_host_port(self, host_port: int) -> str:
+        """Make the host's 127.0.0.1:`host_port` reachable from pods; returns `<node ip>:<port>`
+        (node_agent_forward.py) — how pods reach the control plane's etcd, for one."""
+        assert self.network is not None
+        forward = HostPortForward(self.network.netns, self.network.gateway, host_port).start()
+        self.forwards.append(forward)
+        return forward.address
 
     def pod_netns(self, namespace: str, name: str) -> str:
         """The network namespace of a running pod (for in-namespace clients in tests)."""

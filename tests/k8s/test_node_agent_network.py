@@ -1,15 +1,19 @@
 """Networking of the test node agent's pods on the real control plane: pod IPs
 reachable over the node bridge, across linked nodes, headless-Service names in
-/etc/hosts, and a real `splitserve worker` pod answering the operator's canary
-on its pod IP."""
+/etc/hosts, and a real `splitserve worker` pod registering in the control
+plane's etcd (through the node's host-port forward) and answering the
+operator's canary on its pod IP."""
 
 from __future__ import annotations
 
+import base64
+import json
 import os
 import secrets
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
 from cluster import wait_until
@@ -97,19 +101,38 @@ def test_pods_on_two_linked_nodes_reach_and_name_each_other(kube_cluster: KubeCl
     assert not any(errors for errors in (a.errors for a in agents)), [a.errors for a in agents]
 
 
-def test_a_real_splitserve_worker_pod_goes_ready(kube_cluster: KubeCluster, node_agent: NodeAgent,
-                                                 k8s_namespace: str, llama_dir: Path):
-    """A worker shaped like the operator's rank-0 pod (entrypoint splitserve, POD_IP/POD_NAME
-    from fieldRefs, gRPC startup probe, the operator's exec canary as readiness), without etcd."""
+def _etcd_port(cluster: KubeCluster) -> int:
+    etcd = next(c for c in cluster.components if c.name == "etcd")
+    return int(etcd.argv[etcd.argv.index("--listen-client-urls") + 1].rsplit(":", 1)[1])
+
+
+def _etcd_values(cluster: KubeCluster, prefix: str) -> list[str]:
+    """Values under `prefix` in the control plane's etcd, read from the host (etcd's JSON gateway)."""
+    b64 = lambda b: base64.b64encode(b).decode()  # noqa: E731
+    body = json.dumps({"key": b64(prefix.encode()), "range_end": b64(prefix[:-1].encode() + bytes([ord(prefix[-1]) + 1]))})
+    req = urllib.request.Request(f"http://127.0.0.1:{_etcd_port(cluster)}/v3/kv/range", body.encode(), method="POST")
+    with urllib.request.urlopen(req, timeout=5) as resp:
+        return [base64.b64decode(kv["value"]).decode() for kv in json.load(resp).get("kvs", [])]
+
+
+def test_a_real_splitserve_worker_pod_registers_and_serves(kube_cluster: KubeCluster, node_agent: NodeAgent,
+                                                           k8s_namespace: str, llama_dir: Path):
+    """A worker shaped like the operator's rank-0 pod (entrypoint splitserve, POD_IP/POD_NAME from
+    fieldRefs, --advertise-host $(POD_IP), gRPC startup probe, the operator's exec canary as
+    readiness) registers in the control plane's etcd through the node's forward, and answers the
+    canary on its pod IP from another namespace."""
     from splitserve.operator.builders import probe_command
 
     core = kube_cluster.core()
+    etcd = node_agent.expose_host_port(_etcd_port(kube_cluster))
     container = {
         "name": "worker", "image": "splitserve:test", "command": ["splitserve"],
         "args": ["worker", "--model", str(llama_dir), "--host", "0.0.0.0", "--advertise-host", "$(POD_IP)",
-                 "--port", "50051", "--threads", "1", "--kv-cache-gib", "0.05", "--worker-id", "$(POD_NAME)"],
+                 "--port", "50051", "--threads", "1", "--kv-cache-gib", "0.05", "--worker-id", "$(POD_NAME)",
+                 "--etcd", "$(SPLITSERVE_ETCD)", "--etcd-prefix", f"/{k8s_namespace}/workers/"],
         "env": [{"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
                 {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
+                {"name": "SPLITSERVE_ETCD", "value": etcd},
                 {"name": "OMP_NUM_THREADS", "value": "1"}, {"name": "PYTHONUNBUFFERED", "value": "1"}],
         "startupProbe": {"grpc": {"port": 50051}, "periodSeconds": 1, "failureThreshold": 150},
         "readinessProbe": {"exec": {"command": probe_command()}, "periodSeconds": 2, "timeoutSeconds": 20}}
@@ -124,7 +147,10 @@ def test_a_real_splitserve_worker_pod_goes_ready(kube_cluster: KubeCluster, node
         raise AssertionError(node_agent.container_log(k8s_namespace, "worker-0")[-4000:]) from None
     print(f"worker pod Ready after {time.monotonic() - t0:.1f} s")
     assert ready.status.container_statuses[0].restart_count == 0
-    assert "worker worker-0 ready" in node_agent.container_log(k8s_namespace, "worker-0")   # $(POD_NAME)
+    records = wait_until(lambda: _etcd_values(kube_cluster, f"/{k8s_namespace}/workers/"), timeout=20,
+                         what="the worker's etcd record")
+    assert len(records) == 1 and f"{ready.status.pod_ip}:50051" in records[0], records
+    assert "worker-0" in records[0]                       # --worker-id $(POD_NAME)
     # The operator's canary from another namespace (the node's), to the pod IP: health SERVING + Generate.
     canary = subprocess.run(["ip", "netns", "exec", node_agent.node_netns, *probe_command()[:-1],
                              f"{ready.status.pod_ip}:50051"], capture_output=True, text=True, timeout=60,
@@ -133,6 +159,7 @@ def test_a_real_splitserve_worker_pod_goes_ready(kube_cluster: KubeCluster, node
     assert canary.returncode == 0, canary.stderr
     t1 = time.monotonic()
     core.delete_namespaced_pod("worker-0", k8s_namespace)
-
     wait_pod_gone(core, k8s_namespace, "worker-0", timeout=40)
     print(f"worker pod gone {time.monotonic() - t1:.1f} s after delete")
+    # SIGTERM let it deregister (a SIGKILL would leave the record to its lease).
+    assert _etcd_values(kube_cluster, f"/{k8s_namespace}/workers/") == []
