@@ -3,7 +3,8 @@
 `kube_cluster` (session-scoped) starts etcd, kube-apiserver,
 kube-controller-manager, kube-scheduler and kwok once for the whole session and
 stops them at its end; `k8s_namespace` gives each test a fresh namespace and
-deletes it afterwards. The binaries come from tests/k8s/build-control-plane.sh
+deletes it afterwards; `node_agent` gives a test a node whose pods really run
+(node_agent.py, the stand-in for kubelet + container runtime). The binaries come from tests/k8s/build-control-plane.sh
 (see tests/k8s/README.md). Without them the tests skip on a developer machine
 and fail under CI=true.
 """
@@ -11,6 +12,7 @@ and fail under CI=true.
 from __future__ import annotations
 
 import os
+import secrets
 import sys
 from pathlib import Path
 
@@ -21,6 +23,8 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from controlplane import KubeCluster, MissingBinariesError, locate_bin_dir, start_cluster  # noqa: E402
+from node_agent import NodeAgent  # noqa: E402
+from node_agent_workloads import next_pod_cidr  # noqa: E402
 
 
 @pytest.fixture(scope="session")
@@ -51,3 +55,17 @@ def k8s_namespace(kube_cluster: KubeCluster) -> str:
         yield name
     finally:
         kube_cluster.delete_namespace(name)
+
+
+@pytest.fixture
+def node_agent(kube_cluster: KubeCluster, tmp_path: Path) -> NodeAgent:
+    """A Ready node run by the test node agent (2 GPUs, tainted AGENT_TAINT): its pods really run."""
+    agent = NodeAgent(kube_cluster.api_client(), f"agent-{secrets.token_hex(3)}", tmp_path / "agent", gpus=2,
+                      pod_cidr=next_pod_cidr()).start()
+    try:
+        kube_cluster.wait_node_ready(agent.node_name, True, timeout=30)
+        yield agent
+        assert not agent.errors, "\n".join(agent.errors)
+    finally:
+        agent.stop()
+        kube_cluster.delete_node(agent.node_name)
