@@ -107,7 +107,7 @@ def leader_address(owner: Owner, group: str) -> str:
 
 
 def probe_command() -> list[str]:
-    """The active canary: gRPC health SERVING and a one-token Generate (operator/probe.py)."""
+    """The active canary: gRPC health SERVING and a one-token Generate (operator/controller/probe.py)."""
     return ["python", "-m", "splitserve.operator.probe", "--address", f"127.0.0.1:{names.WORKER_PORT}"]
 
 

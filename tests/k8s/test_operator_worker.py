@@ -1,5 +1,5 @@
 """The operator's two conversations with a real `splitserve worker` (no cluster needed):
-the readiness canary (operator/probe.py) and the drain RPCs (operator/drain.py)."""
+the readiness canary (operator/controller/probe.py) and the drain RPCs (operator/controller/drain.py)."""
 
 from __future__ import annotations
 
