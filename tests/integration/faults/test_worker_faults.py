@@ -104,14 +104,16 @@ def test_sigkill_prefill_worker_mid_transfer_leaks_nothing(cluster, llama_dir):
 
 
 def test_sigterm_decode_worker_drains_migrates_and_deregisters(cluster, llama_dir, etcd):
-    """d0 gets SIGTERM with a 1 s drain timeout while it serves long streams: it stops
+    """d0 gets SIGTERM with a 0.5 s drain timeout while it serves long streams: it stops
     admitting, the streams it cannot finish in time are migrated to d1, it revokes its etcd
-    lease (the router drops it) and exits 0."""
-    jobs = make_jobs(16, seed=3, min_len=20, max_len=60, max_tokens=200)
+    lease (the router drops it) and exits 0. The streams are long enough (600 tokens, SIGTERM
+    after the first 3 of each) that no machine decodes the rest within the drain timeout: with
+    200 tokens and 1 s a fast run finished all 8 of d0's streams in 0.82 s and migrated none."""
+    jobs = make_jobs(16, seed=3, min_len=20, max_len=60, max_tokens=600)
     expected = expected_outputs(llama_dir, jobs)
     reg = ["--etcd", etcd.endpoint, "--etcd-ttl", "5"]
     p0 = cluster.start_worker("p0", "prefill", *reg)
-    d0 = cluster.start_worker("d0", "decode", *DECODE, *reg, "--drain-timeout", "1")
+    d0 = cluster.start_worker("d0", "decode", *DECODE, *reg, "--drain-timeout", "0.5")
     d1 = cluster.start_worker("d1", "decode", *DECODE, *reg)
     cluster.wait_workers()
     front = cluster.start_frontend(*FRONTEND, "--etcd", etcd.endpoint, workers=[])
