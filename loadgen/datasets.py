@@ -35,13 +35,10 @@ _HUMAN_ROLES = ("human", "user")
 _ASSISTANT_ROLES = ("gpt", "assistant", "chatgpt", "bard", "bing")
 
 
-def default_trace_path() -> Path:
-    """$SPLITSERVE_MOONCAKE_TRACE, else `<repository>/../shared/data/mooncake/conversation_trace.jsonl`."""
+def default_trace_path() -> Path | None:
+    """$SPLITSERVE_MOONCAKE_TRACE; None when unset (no trace ships with splitserve)."""
     configured = os.environ.get(TRACE_ENV)
-    if configured:
-        return Path(configured).expanduser()
-    repo = Path(__file__).resolve().parents[1]
-    return repo.parent / "shared" / "data" / "mooncake" / "conversation_trace.jsonl"
+    return Path(configured).expanduser() if configured else None
 
 
 def _require_file(path: Path, what: str, hint: str) -> Path:
@@ -58,8 +55,10 @@ def mooncake_trace(vocab: PromptVocab, path: Path | None = None, *, num_requests
                    start: int = 0, block_tokens: int = 16, output_scale: float | None = None,
                    max_output_tokens: int = 256, time_scale: float = 1.0, seed: int = 0) -> Workload:
     """Replay `num_requests` records of a Mooncake trace from index `start`, scaled down."""
-    path = _require_file(Path(path) if path else default_trace_path(), "Mooncake trace",
-                         f"pass --trace PATH or set {TRACE_ENV}")
+    path = Path(path) if path else default_trace_path()
+    if path is None:
+        raise SplitserveError(f"the trace workload needs a Mooncake trace (JSONL): pass --trace PATH or set {TRACE_ENV}")
+    path = _require_file(path, "Mooncake trace", f"pass --trace PATH or set {TRACE_ENV}")
     if block_tokens < 1 or time_scale <= 0:
         raise SplitserveError("trace replay needs block_tokens >= 1 and time_scale > 0")
     scale = block_tokens / MOONCAKE_BLOCK_TOKENS

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -52,13 +53,17 @@ def _workload(kind: str, vocab, tmp_path) -> tuple[Workload, object, str]:
         convs = workloads.multi_turn(vocab, 2, 3, LengthDist.parse("16"), out)
         return Workload(kind, convs), Concurrency(2), "chat"
     if kind == "trace":
-        path = datasets.default_trace_path()
-        assert path.is_file(), f"the Mooncake trace is missing at {path} (<repo>/../shared/data/mooncake/)"
+        path = datasets.default_trace_path() or WORKSPACE_TRACE
+        assert path.is_file(), f"the Mooncake trace is missing at {path} (set {datasets.TRACE_ENV})"
         return datasets.mooncake_trace(vocab, path, num_requests=6, block_tokens=8, max_output_tokens=6,
                                        time_scale=0.01), TraceSchedule(), "completions"
     assert kind == "sharegpt"
     return datasets.sharegpt(vocab, _sharegpt_file(tmp_path), max_turns=2, max_output_tokens=6), \
         Concurrency(2), "chat"
+
+
+# The real production trace of this workspace (beside the repository, as CI lays it out).
+WORKSPACE_TRACE = Path(__file__).resolve().parents[3].parent / "shared" / "data" / "mooncake" / "conversation_trace.jsonl"
 
 
 @pytest.mark.parametrize("kind", ["synthetic", "shared-prefix", "multi-turn", "trace", "sharegpt"])
