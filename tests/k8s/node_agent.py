@@ -22,6 +22,13 @@ never run; pods bound to a node of this agent run for real, as host processes:
   without `command` runs `splitserve`, our image's entrypoint.
 - Host servers: `expose_host_port()` relays a port on the node's address to
   the host's 127.0.0.1 (node_agent_forward.py), e.g. the control plane's etcd.
+  The `kubernetes` Service: its ClusterIP is an address of the node namespace,
+  relayed to the apiserver, and containers get KUBERNETES_SERVICE_HOST/PORT and
+  (volumes, node_agent_volumes.py) their ServiceAccount's token, as kubelet
+  gives them: in-cluster clients (the chart's operator pod) work unchanged.
+- From the host: `forward_service()` / `forward_pod()` listen on the host's
+  127.0.0.1 and relay each connection into the node network (a ready endpoint
+  of the Service, or one pod), the stand-in for `kubectl port-forward`.
 - Names: no cluster DNS; each pod's /etc/hosts (through `ip netns exec`'s
   /etc/netns bind mount) carries its own name and what DNS would answer for
   the headless Services selecting this node's pods (node_agent_hosts.py),
@@ -47,9 +54,9 @@ from typing import Any
 from kubernetes import client, watch
 from kubernetes.client.exceptions import ApiException
 
-from node_agent_forward import HostPortForward
+from node_agent_forward import HostPortForward, IntoClusterForward
 from node_agent_hosts import HostedPod, hosts_text, service_records, write_in_place
-from node_agent_net import ETC_NETNS, NAME_PREFIX, ClusterNetwork, NodeNetwork, sweep_stale_namespaces
+from node_agent_net import ETC_NETNS, NAME_PREFIX, ClusterNetwork, NodeNetwork, ip, sweep_stale_namespaces
 from node_agent_pod import PodSupervisor, now_iso
 from node_agent_spec import decode_secret
 
@@ -114,7 +121,8 @@ class NodeAgent:
     _threads: list[threading.Thread] = field(default_factory=list)
     _lock: threading.Lock = field(default_factory=threading.Lock)
     errors: list[str] = field(default_factory=list)   # crashes of pod supervisors (agent bugs)
-    forwards: list[HostPortForward] = field(default_factory=list)
+    forwards: list[HostPortForward | IntoClusterForward] = field(default_factory=list)
+    service_env: dict[str, str] = field(default_factory=dict)
     _node_uid: str = ""
     _ready_since: str = ""
 
@@ -137,6 +145,7 @@ class NodeAgent:
         if self.cluster is not None:
             self.cluster.attach(self.network)
             self.cluster.agents.append(self)
+        self._serve_kubernetes_service()
         self._register_node()
         self._ready_since = now_iso()
         self._post_node_status()
@@ -173,6 +182,54 @@ class NodeAgent:
         forward = HostPortForward(self.network.netns, self.network.gateway, host_port).start()
         self.forwards.append(forward)
         return forward.address
+
+    def _serve_kubernetes_service(self) -> None:
+        """The `kubernetes` Service's ClusterIP:port in the node namespace, relayed to the apiserver
+        (what kube-proxy's rules do on a node), and the env kubelet gives every container for it."""
+        assert self.network is not None
+        svc = self.core.read_namespaced_service("kubernetes", "default")
+        cluster_ip, port = svc.spec.cluster_ip, svc.spec.ports[0].port
+        host_port = int(self.api.configuration.host.rsplit(":", 1)[1])
+        ip("addr", "add", f"{cluster_ip}/32", "dev", "lo", netns=self.network.netns)
+        self.forwards.append(HostPortForward(self.network.netns, cluster_ip, host_port, listen_port=port).start())
+        self.service_env = {"KUBERNETES_SERVICE_HOST": cluster_ip, "KUBERNETES_SERVICE_PORT": str(port),
+                            "KUBERNETES_SERVICE_PORT_HTTPS": str(port),
+                            "KUBERNETES_PORT": f"tcp://{cluster_ip}:{port}"}
+
+    def forward_pod(self, pod_ip: str, port: int) -> str:
+        """`127.0.0.1:<port>` on the host relayed to `pod_ip:port` (kubectl port-forward pod/...)."""
+        assert self.network is not None
+        forward = IntoClusterForward(self.network.netns, lambda: (pod_ip, port)).start()
+        self.forwards.append(forward)
+        return forward.address
+
+    def forward_service(self, namespace: str, name: str, port_name: str) -> str:
+        """`127.0.0.1:<port>` on the host; each connection goes to a ready endpoint of the Service
+        (round robin over its EndpointSlices, read per connection, as kube-proxy follows them)."""
+        assert self.network is not None
+        turn = itertools.count()
+
+        def pick() -> tuple[str, int] | None:
+            slices = client.DiscoveryV1Api(self.api).list_namespaced_endpoint_slice(
+                namespace, label_selector=f"kubernetes.io/service-name={name}").items
+            targets = [(address, p.port) for sl in slices for p in (sl.ports or []) if p.name == port_name
+                       for ep in (sl.endpoints or []) if (ep.conditions is None or ep.conditions.ready)
+                       for address in ep.addresses]
+            return sorted(targets)[next(turn) % len(targets)] if targets else None
+
+        forward = IntoClusterForward(self.network.netns, pick).start()
+        self.forwards.append(forward)
+        return forward.address
+
+    def _token(self, account: str, audience: str | None, seconds: int, pod: dict[str, Any]) -> str:
+        """A token bound to the pod (TokenRequest), as kubelet projects it."""
+        meta = pod["metadata"]
+        spec: dict[str, Any] = {"expirationSeconds": max(seconds, 600), "boundObjectRef": {
+            "apiVersion": "v1", "kind": "Pod", "name": meta["name"], "uid": meta["uid"]}}
+        if audience:
+            spec["audiences"] = [audience]
+        answer = self.core.create_namespaced_service_account_token(account, meta["namespace"], {"spec": spec})
+        return answer.status.token
 
     def pod_netns(self, namespace: str, name: str) -> str:
         """The network namespace of a running pod (for in-namespace clients in tests)."""
@@ -325,7 +382,7 @@ class NodeAgent:
             workdir=self.workdir / "pods" / f"{meta['namespace']}_{meta['name']}_{meta['uid'][:8]}",
             lookup=self._lookup(meta["namespace"]), post_status=self._post_pod_status,
             finish_deletion=self._finish_deletion, on_finished=self._forget, on_crash=self._crashed,
-            base_env=self.base_env, entrypoints=self.entrypoints)
+            base_env=self.base_env, entrypoints=self.entrypoints, token=self._token, service_env=self.service_env)
         with self._lock:
             self.pods[meta["uid"]] = sup
         sup.start()

@@ -10,6 +10,10 @@ host. The listener is inside a namespace the test made and the host side is a
 loopback connect, so the network rule holds (nothing listens on the host's own
 interfaces).
 
+`IntoClusterForward` is the other way: a listener on the host's 127.0.0.1
+relaying into the node namespace (to a pod IP, or a ready endpoint of a
+Service), as `kubectl port-forward` gives a client outside the cluster.
+
 Threads, not asyncio: the relays are plain byte pumps beside the agent's
 other threads; one thread per direction per connection is plenty for tests.
 """
@@ -18,9 +22,10 @@ from __future__ import annotations
 
 import socket
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from node_agent_net import socket_in_netns
+from node_agent_net import connect_in_netns, socket_in_netns
 
 
 def _pump(src: socket.socket, dst: socket.socket) -> None:
@@ -36,8 +41,58 @@ def _pump(src: socket.socket, dst: socket.socket) -> None:
             pass
 
 
+class _Relay:
+    """Accept connections on a listener; for each, dial the other side and pump both ways."""
+
+    _listener: socket.socket | None
+    _stop: threading.Event
+    _conns: list[socket.socket]
+
+    def _serve(self, listener: socket.socket, name: str) -> None:
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.listen(64)
+        listener.settimeout(0.5)          # so the accept loop sees stop()
+        self._listener = listener
+        threading.Thread(target=self._accept, name=name, daemon=True).start()
+
+    def _dial(self) -> socket.socket | None:
+        raise NotImplementedError
+
+    def _accept(self) -> None:
+        assert self._listener is not None
+        while not self._stop.is_set():
+            try:
+                inside, _ = self._listener.accept()
+            except TimeoutError:
+                continue
+            except OSError:
+                return
+            inside.settimeout(None)
+            try:
+                outside = self._dial()
+            except OSError:
+                outside = None
+            if outside is None:
+                inside.close()            # nothing to reach: refused, as a Service without endpoints
+                continue
+            outside.settimeout(None)
+            self._conns += [inside, outside]
+            for a, b in ((inside, outside), (outside, inside)):
+                threading.Thread(target=_pump, args=(a, b), daemon=True).start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._listener is not None:
+            self._listener.close()
+        for s in self._conns:
+            try:
+                s.close()
+            except OSError:
+                pass
+
+
 @dataclass(slots=True)
-class HostPortForward:
+class HostPortForward(_Relay):
     """`node_ip:listen_port` inside `netns` relayed to `127.0.0.1:host_port` on the host."""
 
     netns: str
@@ -56,39 +111,39 @@ class HostPortForward:
         listener = socket_in_netns(self.netns)
         listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         listener.bind((self.node_ip, self.listen_port))
-        listener.listen(64)
-        listener.settimeout(0.5)          # so the accept loop sees stop()
         self.listen_port = listener.getsockname()[1]
-        self._listener = listener
-        threading.Thread(target=self._accept, name=f"forward-{self.address}", daemon=True).start()
+        self._serve(listener, f"forward-{self.address}")
         return self
 
-    def _accept(self) -> None:
-        assert self._listener is not None
-        while not self._stop.is_set():
-            try:
-                inside, _ = self._listener.accept()
-            except TimeoutError:
-                continue
-            except OSError:
-                return
-            inside.settimeout(None)
-            try:
-                outside = socket.create_connection(("127.0.0.1", self.host_port), timeout=5)
-            except OSError:
-                inside.close()
-                continue
-            outside.settimeout(None)
-            self._conns += [inside, outside]
-            for a, b in ((inside, outside), (outside, inside)):
-                threading.Thread(target=_pump, args=(a, b), daemon=True).start()
+    def _dial(self) -> socket.socket | None:
+        return socket.create_connection(("127.0.0.1", self.host_port), timeout=5)
 
-    def stop(self) -> None:
-        self._stop.set()
-        if self._listener is not None:
-            self._listener.close()
-        for s in self._conns:
-            try:
-                s.close()
-            except OSError:
-                pass
+
+@dataclass(slots=True)
+class IntoClusterForward(_Relay):
+    """The host's `127.0.0.1:<port>` relayed into `netns`: each connection to `target()`
+    (an address the node namespace reaches: a pod IP, over the bridge), or refused when
+    it returns None. The stand-in for `kubectl port-forward`."""
+
+    netns: str
+    target: Callable[[], tuple[str, int] | None]
+    port: int = 0
+    _listener: socket.socket | None = None
+    _stop: threading.Event = field(default_factory=threading.Event)
+    _conns: list[socket.socket] = field(default_factory=list)
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def start(self) -> IntoClusterForward:
+        listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind(("127.0.0.1", self.port))
+        self.port = listener.getsockname()[1]
+        self._serve(listener, f"into-cluster-{self.port}")
+        return self
+
+    def _dial(self) -> socket.socket | None:
+        where = self.target()
+        return None if where is None else connect_in_netns(self.netns, where[0], where[1], timeout=5)

@@ -15,7 +15,9 @@ Why one thread per pod and not asyncio: the processes get PR_SET_PDEATHSIG
 *thread* that forked — so the thread that starts a container must live as long
 as the container; the official client is synchronous anyway.
 Restart back-off is kubelet's shape (doubling) at test speed: 0.5 s up to 5 s.
-Init containers, volumes and resource limits are not implemented.
+Volumes: node_agent_volumes.py (written once, at the first container start;
+bind-mounted in each container's mount namespace). Init containers and
+resource limits are not implemented.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from typing import Any, Callable
 
 from node_agent_probes import ProbeState, run_probe
 from node_agent_spec import EnvResolutionError, Lookup, Probe, container_argv, resolve_env
+from node_agent_volumes import TokenSource, container_mounts, materialize, mount_wrapper
 
 log = logging.getLogger("node_agent")
 BACKOFF_FIRST, BACKOFF_MAX = 0.5, 5.0
@@ -134,7 +137,10 @@ class PodSupervisor:
     on_crash: Callable[[PodSupervisor, str], None]          # a bug in the agent: the pod stays stuck
     base_env: dict[str, str]
     entrypoints: dict[str, tuple[str, ...]]
+    token: TokenSource
+    service_env: dict[str, str] = field(default_factory=dict)   # KUBERNETES_SERVICE_HOST/PORT, as kubelet sets
     containers: list[ContainerRun] = field(default_factory=list)
+    volumes: dict[str, Path] | None = None  # volume name -> its folder, once written
     deletion_grace: float | None = None     # set when the pod is being deleted
     force_gone: bool = False                # the object is already gone from the apiserver
     _wake: threading.Event = field(default_factory=threading.Event)
@@ -211,12 +217,15 @@ class PodSupervisor:
     def _start_container(self, c: ContainerRun, now: float) -> None:
         try:
             env = resolve_env(self.pod, c.spec, self.lookup)
+            if self.volumes is None:
+                self.volumes = materialize(self.pod, self.workdir / "volumes", self.lookup, self.token)
+            mounts = container_mounts(c.spec, self.volumes)
         except EnvResolutionError as e:
             c.waiting_reason = "CreateContainerConfigError"
             c.next_start = now + 1.0
             (self.workdir / f"{c.name}.error").write_text(str(e))
             return
-        c.env = {**self.base_env, "HOSTNAME": self.pod["metadata"]["name"], **env}
+        c.env = {**self.base_env, "HOSTNAME": self.pod["metadata"]["name"], **self.service_env, **env}
         argv = container_argv(c.spec, c.env, self.entrypoints)
         program = shutil.which(argv[0], path=c.env.get("PATH")) or argv[0]
         cwd = c.spec.get("workingDir")
@@ -226,7 +235,8 @@ class PodSupervisor:
             c.restart_count += 1
         c.awaiting_restart = False
         with open(c.log_path, "ab") as log_file:
-            c.popen = subprocess.Popen(["ip", "netns", "exec", self.netns, program, *argv[1:]], env=c.env,
+            c.popen = subprocess.Popen(["ip", "netns", "exec", self.netns, *mount_wrapper(mounts), program, *argv[1:]],
+                                       env=c.env,
                                        cwd=cwd, stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                        start_new_session=True, preexec_fn=_die_with_parent)
         c.started_at = now_iso()

@@ -7,6 +7,7 @@ Networking and names: test_node_agent_network.py."""
 
 from __future__ import annotations
 
+import json
 import os
 import secrets
 import subprocess
@@ -193,3 +194,60 @@ def test_stop_removes_namespaces_and_sweep_removes_a_killed_agents(kube_cluster:
     subprocess.run(["ip", "netns", "add", stale], check=True)
     assert stale in sweep_stale_namespaces()
     assert not os.path.exists(f"/run/netns/{stale}")
+
+
+_IN_CLUSTER = """
+import json, os, pathlib
+from kubernetes import client, config
+config.load_incluster_config()                     # KUBERNETES_SERVICE_HOST/PORT + the projected token
+me = client.CoreV1Api().read_namespaced_pod(os.environ["HOSTNAME"], pathlib.Path(
+    "/var/run/secrets/kubernetes.io/serviceaccount/namespace").read_text())
+try:
+    client.CoreV1Api().list_node()
+    nodes = "allowed"
+except client.exceptions.ApiException as e:
+    nodes = e.status
+print(json.dumps({"uid": me.metadata.uid, "nodes": nodes,
+                  "secret": pathlib.Path("/etc/agent-test/secret/pass").read_text(),
+                  "config": pathlib.Path("/etc/agent-test/config/renamed.txt").read_text(),
+                  "scratch": sorted(os.listdir("/etc/agent-test/scratch"))}), flush=True)
+pathlib.Path("/etc/agent-test/scratch/mine").write_text("x")
+"""
+
+
+def test_volumes_and_the_service_account_reach_the_api_in_cluster(kube_cluster: KubeCluster, node_agent: NodeAgent,
+                                                                  k8s_namespace: str):
+    """Secret, configMap (items) and emptyDir volumes at their mount paths, and the projected
+    ServiceAccount token + KUBERNETES_SERVICE_HOST: in-cluster config logs in as the pod's
+    ServiceAccount, whose RBAC (a Role to read pods, nothing cluster-wide) refuses listing nodes."""
+    from kubernetes.client import RbacAuthorizationV1Api
+
+    core = kube_cluster.core()
+    kube_cluster.wait_for_service_account(k8s_namespace)
+    rbac = RbacAuthorizationV1Api(kube_cluster.api_client())
+    rbac.create_namespaced_role(k8s_namespace, {"metadata": {"name": "read-pods"}, "rules": [
+        {"apiGroups": [""], "resources": ["pods"], "verbs": ["get"]}]})
+    rbac.create_namespaced_role_binding(k8s_namespace, {
+        "metadata": {"name": "read-pods"},
+        "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": "read-pods"},
+        "subjects": [{"kind": "ServiceAccount", "name": "default", "namespace": k8s_namespace}]})
+    core.create_namespaced_secret(k8s_namespace, {"metadata": {"name": "s"}, "stringData": {"pass": "hunter2"}})
+    core.create_namespaced_config_map(k8s_namespace, {"metadata": {"name": "c"}, "data": {"a": "alpha", "b": "beta"}})
+    container = {"name": "main", "image": "splitserve:test", "command": ["python", "-c", _IN_CLUSTER],
+                 "volumeMounts": [{"name": "sec", "mountPath": "/etc/agent-test/secret", "readOnly": True},
+                                  {"name": "cfg", "mountPath": "/etc/agent-test/config"},
+                                  {"name": "scratch", "mountPath": "/etc/agent-test/scratch"}]}
+    core.create_namespaced_pod(k8s_namespace, {"metadata": {"name": "incluster"}, "spec": {
+        "containers": [container], "restartPolicy": "Never", "nodeName": node_agent.node_name,
+        "tolerations": [TOLERATION],
+        "volumes": [{"name": "sec", "secret": {"secretName": "s"}},
+                    {"name": "cfg", "configMap": {"name": "c", "items": [{"key": "b", "path": "renamed.txt"}]}},
+                    {"name": "scratch", "emptyDir": {}}]}})
+    pod = wait_pod(core, k8s_namespace, "incluster", "Succeeded", lambda p: p.status.phase in ("Succeeded", "Failed"),
+                   timeout=60)
+    log = node_agent.container_log(k8s_namespace, "incluster")
+    assert pod.status.phase == "Succeeded", log
+    seen = json.loads(log.strip().splitlines()[-1])
+    assert seen == {"uid": pod.metadata.uid, "nodes": 403, "secret": "hunter2", "config": "beta", "scratch": []}
+    # The mounts were the container's own: on the host only the (empty) mount points remain.
+    assert [p for p in Path("/etc/agent-test").rglob("*") if not p.is_dir()] == []
