@@ -148,7 +148,7 @@ def build_worker_pod(owner: Owner, spec: ServingDeploymentSpec, pool: str, group
         limits[names.GPU_RESOURCE] = str(p.gpus_per_rank)
     container: dict[str, Any] = {
         "name": "worker", "image": spec.image, "command": ["splitserve"],
-        "args": worker_args(spec, pool) + tls_flags, "env": env,
+        "args": worker_args(spec, pool) + tls_flags + list(p.engine_args), "env": env,
         "ports": [{"name": "grpc", "containerPort": names.WORKER_PORT},
                   {"name": "dist", "containerPort": names.DIST_PORT},
                   {"name": names.METRICS_PORT_NAME, "containerPort": names.WORKER_METRICS_PORT},

@@ -27,6 +27,11 @@ ROUTER_POLICIES = ("kv", "round-robin", "random", "least-loaded", "power-of-two"
 SERVICE_TYPES = ("ClusterIP", "NodePort", "LoadBalancer")
 TOPOLOGY_MODES = ("same-node", "same-label", "none")
 POOL_NAMES = ("prefill", "decode")
+# Flags of `splitserve worker` that the operator sets from the spec and the pod (builders.worker_args):
+# an engineArgs entry may not set them again.
+OPERATOR_WORKER_FLAGS = ("--role", "--model", "--dtype", "--device", "--tp", "--host", "--advertise-host",
+                         "--port", "--worker-id", "--metrics-port", "--session-port",
+                         "--remote-prefill-threshold", "--etcd", "--etcd-ca", "--etcd-cert", "--etcd-key")
 
 
 # --- field readers: each names the field path in its error ---------------------------------
@@ -213,6 +218,7 @@ class PoolSpec:
     resources: ResourcesSpec = field(default_factory=ResourcesSpec)
     topology: TopologySpec = field(default_factory=TopologySpec)
     autoscaling: AutoscalingSpec | None = None
+    engine_args: tuple[str, ...] = ()    # appended to `splitserve worker` (--kv-cache-gib 4, --threads 8, ...)
 
     @property
     def group_size(self) -> int:
@@ -226,7 +232,7 @@ class PoolSpec:
     def from_dict(cls, d: Any, path: str) -> PoolSpec:
         d = _mapping(d, path)
         _reject_unknown(d, ("replicas", "tensorParallel", "pipelineParallel", "gpusPerRank", "resources",
-                            "topology", "autoscaling"), path)
+                            "topology", "autoscaling", "engineArgs"), path)
         auto = d.get("autoscaling")
         return cls(replicas=_int(d, "replicas", 1, path, minimum=0),
                    tensor_parallel=_int(d, "tensorParallel", 1, path, minimum=1),
@@ -234,7 +240,8 @@ class PoolSpec:
                    gpus_per_rank=_int(d, "gpusPerRank", 1, path, minimum=0),
                    resources=ResourcesSpec.from_dict(d.get("resources"), f"{path}.resources"),
                    topology=TopologySpec.from_dict(d.get("topology"), f"{path}.topology"),
-                   autoscaling=None if auto is None else AutoscalingSpec.from_dict(auto, f"{path}.autoscaling"))
+                   autoscaling=None if auto is None else AutoscalingSpec.from_dict(auto, f"{path}.autoscaling"),
+                   engine_args=_engine_args(d.get("engineArgs"), f"{path}.engineArgs"))
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {"replicas": self.replicas, "tensorParallel": self.tensor_parallel,
@@ -242,7 +249,22 @@ class PoolSpec:
                                "resources": self.resources.to_dict(), "topology": self.topology.to_dict()}
         if self.autoscaling is not None:
             out["autoscaling"] = self.autoscaling.to_dict()
+        if self.engine_args:
+            out["engineArgs"] = list(self.engine_args)
         return out
+
+
+def _engine_args(value: Any, path: str) -> tuple[str, ...]:
+    if value is None:
+        return ()
+    if not isinstance(value, list) or not all(isinstance(a, str) and a for a in value):
+        raise ValueError(f"{path}: expected a list of non-empty strings, got {value!r}")
+    for arg in value:
+        flag = arg.split("=", 1)[0]
+        if flag in OPERATOR_WORKER_FLAGS:
+            raise ValueError(f"{path}: {flag} is set by the operator from the spec and the pod "
+                             f"(flags it owns: {', '.join(OPERATOR_WORKER_FLAGS)})")
+    return tuple(value)
 
 
 @dataclass(frozen=True, slots=True)

@@ -75,6 +75,28 @@ def test_worker_args_parse_with_the_worker_cli():
     assert parsed.session_port == names.WORKER_SESSION_PORT
 
 
+def test_engine_args_reach_the_worker_and_roll_the_pool():
+    from splitserve.services.cli.parsers import build_parser
+
+    tuned = ServingDeploymentSpec.from_dict({**SPEC.to_dict(), "decode": {
+        **SPEC.decode.to_dict(), "engineArgs": ["--kv-cache-gib", "0.25", "--threads=1"]}})
+    assert ServingDeploymentSpec.from_dict(tuned.to_dict()) == tuned
+    args = builders.build_worker_pod(OWNER, tuned, "decode", "g0", 0)["spec"]["containers"][0]["args"]
+    assert args[-3:] == ["--kv-cache-gib", "0.25", "--threads=1"]
+    parsed = build_parser().parse_args(args)
+    assert (parsed.kv_cache_gib, parsed.threads, parsed.role) == (0.25, 1, "decode")
+    assert builders.pool_spec_hash(tuned, "decode") != builders.pool_spec_hash(SPEC, "decode")
+    assert builders.pool_spec_hash(tuned, "prefill") == builders.pool_spec_hash(SPEC, "prefill")
+
+
+def test_the_flags_engine_args_may_not_set_are_every_flag_the_operator_sets():
+    from splitserve.operator.spec import OPERATOR_WORKER_FLAGS
+
+    tls = builders.WorkloadOptions(etcd_tls_secret="etcd-client")
+    args = builders.build_worker_pod(OWNER, SPEC, "decode", "g0", 0, tls)["spec"]["containers"][0]["args"]
+    assert sorted(a for a in args if a.startswith("--")) == sorted(OPERATOR_WORKER_FLAGS)
+
+
 def test_spec_hash_ignores_replicas_but_not_image():
     scaled = ServingDeploymentSpec.from_dict({**SPEC.to_dict(), "prefill": {**SPEC.prefill.to_dict(), "replicas": 5}})
     assert builders.pool_spec_hash(scaled, "prefill") == builders.pool_spec_hash(SPEC, "prefill")

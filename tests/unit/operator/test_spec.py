@@ -57,6 +57,9 @@ def test_full_spec_round_trips():
     ({"prefill": {"autoscaling": {"minReplicas": 3, "maxReplicas": 2}}}, "maxReplicas (2) must be >= minReplicas"),
     ({"frontend": {"port": 70000}}, "spec.frontend.port: must be <= 65535"),
     ({"replicas": 3}, "spec: unknown field(s) replicas"),
+    ({"decode": {"engineArgs": ["--tp", "2"]}}, "spec.decode.engineArgs: --tp is set by the operator"),
+    ({"decode": {"engineArgs": ["--etcd=x:1"]}}, "spec.decode.engineArgs: --etcd is set by the operator"),
+    ({"decode": {"engineArgs": "--threads 2"}}, "spec.decode.engineArgs: expected a list of non-empty strings"),
 ])
 def test_bad_specs_name_the_field(patch, message):
     doc = {"model": {"source": "smollm2"}, **patch}
