@@ -5,7 +5,8 @@ turns pod documents into `Group`s; `plan_pool` decides, from the desired group
 count, the pool's current spec hash and the groups, what to do next:
 
 - replace every failed group (a pod Failed, deleted or missing, or on a node
-  that is NotReady or gone) — as a whole;
+  that is NotReady or gone) — as a whole; a group all of whose pods are being
+  deleted is already on its way out and counts for nothing;
 - scale up by creating groups; scale down by draining the least useful groups
   (not ready first, then stale, then newest);
 - rolling update: while a group's spec hash is stale, keep one extra
@@ -69,6 +70,18 @@ class Group:
         leader = self.leader
         return leader.annotations.get(names.ANN_DRAIN_STATE, "") if leader else ""
 
+    @property
+    def leaving(self) -> bool:
+        """Every pod is being deleted: the group is on its way out (replaced already)."""
+        return bool(self.pods) and all(p.deleting for p in self.pods)
+
+    def leaves_gracefully(self, node_ready: dict[str, bool]) -> bool:
+        """A pod is being deleted (kubectl delete, an eviction) while every pod is alive on a
+        Ready node: the group goes with its grace periods, so that rank 0 drains through its
+        SIGTERM (its streams migrate) while the other ranks, which wait for rank 0, serve it."""
+        return (any(p.deleting for p in self.pods) and not any(p.phase == "Failed" for p in self.pods)
+                and all(p.node is None or node_ready.get(p.node, False) for p in self.pods))
+
     def failure(self, node_ready: dict[str, bool]) -> str | None:
         """Why this group must be replaced, or None while it is healthy (or still starting)."""
         for pod in sorted(self.pods, key=lambda p: p.rank):
@@ -123,7 +136,7 @@ def plan_pool(desired: int, spec_hash: str, groups: list[Group], node_ready: dic
     plan = PoolPlan()
     active: list[Group] = []
     for group in groups:
-        if group.draining:
+        if group.draining or group.leaving:
             continue
         reason = group.failure(node_ready)
         if reason is not None:

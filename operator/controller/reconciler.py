@@ -141,7 +141,10 @@ class Reconciler:
         failures = []
         for name, reason in plan.replace:
             failures.append(f"{name}: {reason}")
-            await self._delete_group(owner.namespace, by_name[name], grace_period_s=0)
+            # A dead group goes at once; one that a user or an eviction is deleting keeps its
+            # grace periods (rank 0 drains and hands its streams over to other groups).
+            graceful = by_name[name].leaves_gracefully(node_ready)
+            await self._delete_group(owner.namespace, by_name[name], grace_period_s=None if graceful else 0)
             await self.events.record(owner, "GroupFailed", f"replacing {pool} group {name} as a whole: {reason}",
                                      warning=True)
             await self._create_group(owner, spec, pool)

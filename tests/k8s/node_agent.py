@@ -241,6 +241,11 @@ class NodeAgent:
         run = sup.containers[0] if container is None else next(c for c in sup.containers if c.name == container)
         return run.log_path.read_text(errors="replace") if run.log_path.exists() else ""
 
+    def finished_log(self, namespace: str, name: str) -> str:
+        """What the (first) container of a pod that may be gone already wrote (its work folder stays)."""
+        logs = sorted((self.workdir / "pods").glob(f"{namespace}_{name}_*/*.log"))
+        return "".join(p.read_text(errors="replace") for p in logs)
+
     def _supervisor(self, namespace: str, name: str) -> PodSupervisor:
         with self._lock:
             for sup in self.pods.values():

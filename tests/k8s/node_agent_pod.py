@@ -4,7 +4,8 @@ Test infrastructure, part of the stand-in for kubelet + container runtime
 (node_agent.py). A `PodSupervisor` owns one pod from binding to removal, on
 one thread of its own: it starts each container as a host process inside the
 pod's network namespace (`ip netns exec`, which execs, so the pid is the
-container's), runs its probes, restarts it per `restartPolicy`, and posts the
+container's) and a UTS namespace of its own (hostname = the pod's), runs its
+probes, restarts it per `restartPolicy`, and posts the
 pod's status (phase, podIP, conditions, containerStatuses) whenever it changes.
 On deletion it sends SIGTERM to each container's process group, waits the
 grace period, sends SIGKILL, and then finishes the deletion with grace 0 (uid
@@ -26,6 +27,7 @@ import ctypes
 import logging
 import datetime as dt
 import os
+import shlex
 import shutil
 import signal
 import subprocess
@@ -38,7 +40,7 @@ from typing import Any, Callable
 
 from node_agent_probes import ProbeState, run_probe
 from node_agent_spec import EnvResolutionError, Lookup, Probe, container_argv, resolve_env
-from node_agent_volumes import TokenSource, container_mounts, materialize, mount_wrapper
+from node_agent_volumes import TokenSource, container_mounts, materialize, mount_steps
 
 log = logging.getLogger("node_agent")
 BACKOFF_FIRST, BACKOFF_MAX = 0.5, 5.0
@@ -235,7 +237,7 @@ class PodSupervisor:
             c.restart_count += 1
         c.awaiting_restart = False
         with open(c.log_path, "ab") as log_file:
-            c.popen = subprocess.Popen(["ip", "netns", "exec", self.netns, *mount_wrapper(mounts), program, *argv[1:]],
+            c.popen = subprocess.Popen(["ip", "netns", "exec", self.netns, *self._wrapper(mounts), program, *argv[1:]],
                                        env=c.env,
                                        cwd=cwd, stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                        start_new_session=True, preexec_fn=_die_with_parent)
@@ -245,6 +247,14 @@ class PodSupervisor:
         c.startup = ProbeState.begin(Probe.from_spec(spec.get("startupProbe")), now)
         c.readiness = ProbeState.begin(Probe.from_spec(spec.get("readinessProbe")), now)
         c.liveness = ProbeState.begin(Probe.from_spec(spec.get("livenessProbe")), now)
+
+    def _wrapper(self, mounts) -> list[str]:
+        """argv prefix: a UTS namespace whose hostname is the pod's (as a runtime gives every
+        container: gloo, for one, binds to the address its hostname resolves to), the volume
+        mounts, then exec the container's command (the pid stays the container's)."""
+        hostname = self.pod["spec"].get("hostname") or self.pod["metadata"]["name"]
+        steps = [f"hostname {shlex.quote(hostname)}", *mount_steps(mounts)]
+        return ["unshare", "--uts", "sh", "-ec", " && ".join(steps) + ' && exec "$@"', "sh"]
 
     def _on_exit(self, c: ContainerRun, code: int, now: float, reason: str | None = None) -> None:
         exit_code = 128 - code if code < 0 else code          # killed by signal N: 128+N

@@ -7,7 +7,8 @@ agent does the same: `materialize()` writes the volumes under the pod's work
 folder, and `mount_wrapper()` gives the argv prefix that, inside the private
 mount namespace `ip netns exec` already makes for the container (it mounts `/`
 rslave, so nothing propagates back to the host), bind-mounts each folder at
-its mount path before exec-ing the container's command. There is no image:
+its mount path before exec-ing the container's command (mount_steps(), run by
+the pod's wrapper in node_agent_pod.py). There is no image:
 the container's root is the host's, so a mount path that does not exist is
 created there as an empty directory (the mount point), as a runtime creates
 mount points in an image's root filesystem.
@@ -131,12 +132,13 @@ def container_mounts(container: dict[str, Any], folders: dict[str, Path]) -> lis
     return mounts
 
 
-def mount_wrapper(mounts: list[Mount]) -> list[str]:
-    """argv prefix: bind-mount each folder at its path (in the container's mount namespace), then exec."""
-    if not mounts:
-        return []
+def mount_steps(mounts: list[Mount]) -> list[str]:
+    """Shell steps that bind-mount each folder at its path (run in the container's mount namespace)."""
     steps: list[str] = []
-    for m in mounts:
+    # A mount over a folder that holds volumes' sources (an emptyDir at /tmp, the agent's work
+    # folder being under /tmp) would hide them: such mounts go last.
+    hides = lambda m: any(str(o.source).startswith(m.target.rstrip("/") + "/") for o in mounts)  # noqa: E731
+    for m in sorted(mounts, key=hides):
         source = m.source / m.sub_path if m.sub_path else m.source
         target = shlex.quote(m.target)
         if source.is_dir():
@@ -146,4 +148,4 @@ def mount_wrapper(mounts: list[Mount]) -> list[str]:
         steps.append(f"mount --bind {shlex.quote(str(source))} {target}")
         if m.read_only:
             steps.append(f"mount -o remount,bind,ro {target}")
-    return ["sh", "-ec", " && ".join(steps) + ' && exec "$@"', "sh"]
+    return steps

@@ -197,7 +197,7 @@ def test_stop_removes_namespaces_and_sweep_removes_a_killed_agents(kube_cluster:
 
 
 _IN_CLUSTER = """
-import json, os, pathlib
+import json, os, pathlib, socket
 from kubernetes import client, config
 config.load_incluster_config()                     # KUBERNETES_SERVICE_HOST/PORT + the projected token
 me = client.CoreV1Api().read_namespaced_pod(os.environ["HOSTNAME"], pathlib.Path(
@@ -207,7 +207,7 @@ try:
     nodes = "allowed"
 except client.exceptions.ApiException as e:
     nodes = e.status
-print(json.dumps({"uid": me.metadata.uid, "nodes": nodes,
+print(json.dumps({"uid": me.metadata.uid, "nodes": nodes, "hostname": socket.gethostname(),
                   "secret": pathlib.Path("/etc/agent-test/secret/pass").read_text(),
                   "config": pathlib.Path("/etc/agent-test/config/renamed.txt").read_text(),
                   "scratch": sorted(os.listdir("/etc/agent-test/scratch"))}), flush=True)
@@ -248,6 +248,7 @@ def test_volumes_and_the_service_account_reach_the_api_in_cluster(kube_cluster: 
     log = node_agent.container_log(k8s_namespace, "incluster")
     assert pod.status.phase == "Succeeded", log
     seen = json.loads(log.strip().splitlines()[-1])
-    assert seen == {"uid": pod.metadata.uid, "nodes": 403, "secret": "hunter2", "config": "beta", "scratch": []}
+    assert seen == {"uid": pod.metadata.uid, "nodes": 403, "hostname": "incluster", "secret": "hunter2",
+                    "config": "beta", "scratch": []}
     # The mounts were the container's own: on the host only the (empty) mount points remain.
     assert [p for p in Path("/etc/agent-test").rglob("*") if not p.is_dir()] == []

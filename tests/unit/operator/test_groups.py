@@ -55,6 +55,24 @@ def test_failed_pod_or_not_ready_node_replaces_the_group():
     assert plan.replace == [("g1", "rank(s) 1 missing")]
 
 
+def test_a_pod_being_deleted_replaces_its_group_gracefully_once():
+    deleted = pods_of("g1", "t1")
+    deleted[0]["metadata"]["deletionTimestamp"] = "t2"        # kubectl delete pod g1-0
+    (group,) = groups(deleted)
+    plan = plan_pool(1, HASH, [group], {"n1": True})
+    assert plan.replace == [("g1", "pod g1-0 is being deleted")]
+    assert group.leaves_gracefully({"n1": True}) and not group.leaving
+    # Not gracefully when the group is dead anyway: a rank failed, or its node is gone.
+    deleted[1]["status"]["phase"] = "Failed"
+    assert not groups(deleted)[0].leaves_gracefully({"n1": True})
+    assert not groups(pods_of("g2", "t1"))[0].leaves_gracefully({"n1": True})
+    # Once every pod of it is being deleted, the group counts for nothing (no second replacement).
+    for pod in deleted:
+        pod["metadata"]["deletionTimestamp"] = "t3"
+    plan = plan_pool(1, HASH, groups(deleted, pods_of("g2", "t4")), {"n1": True})
+    assert (plan.num_create, plan.replace, plan.drain) == (0, [], [])
+
+
 def test_scale_down_drains_not_ready_then_newest():
     observed = groups(pods_of("old", "t1"), pods_of("new", "t3"), pods_of("sick", "t2", ready=False))
     plan = plan_pool(2, HASH, observed, {"n1": True})
