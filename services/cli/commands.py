@@ -110,6 +110,7 @@ def cmd_frontend(args: argparse.Namespace) -> int:
                             remote_prefill_threshold=args.remote_prefill_threshold, etcd=etcd_endpoints(args.etcd),
                             etcd_prefix=args.etcd_prefix)
     config.migration_limit, config.drain_timeout_s = args.migration_limit, args.drain_timeout
+    config.migration_wait_s = args.migration_wait
     _apply_frontend_security(config, args)
     # uvloop: about a quarter of a millisecond less added latency per request, and less CPU
     # (bench/serving.py, frontend overhead).

@@ -153,6 +153,10 @@ def _add_migration_arg(p: argparse.ArgumentParser) -> None:
                    help="move a request to another decode worker at most N times when the stream from "
                         "its worker breaks (crash, lost connection, drain timeout); 0 disables "
                         "(default: %(default)s)")
+    p.add_argument("--migration-wait", type=float, default=30.0, metavar="S",
+                   help="when no other decode worker is ready for a broken stream (the only one is "
+                        "restarting), wait up to S seconds for one before failing the request "
+                        "(default: %(default)s)")
 
 
 def _add_disaggregation_args(p: argparse.ArgumentParser) -> None:

@@ -40,6 +40,7 @@ from splitserve.services.frontend.workers.session import WorkerCallError
 from splitserve.services.frontend.workers.pool import WorkerPool
 
 log = logging.getLogger(__name__)
+ROUTE_POLL_S = 0.1     # how often a migration waiting for a decode worker looks again
 
 
 @dataclass(slots=True)
@@ -188,7 +189,7 @@ class Frontend:
         self.num_in_flight += 1
         try:
             while True:
-                route = self._route(req, progress)
+                route = await self._route(req, progress)
                 async with contextlib.aclosing(self._attempt(req, route, progress, run)) as deltas:
                     async for delta in deltas:
                         yield delta
@@ -223,12 +224,26 @@ class Frontend:
             if status in (m.STATUS_UNAVAILABLE, m.STATUS_ERROR):
                 faults.failures.labels(req.api, failure).inc()
 
-    def _route(self, req: GenerationRequest, progress: Progress) -> Route:
-        route = self.router.route(RouteRequest(progress.attempt_id(), progress.prompt_ids + progress.token_ids),
-                                  exclude=frozenset(progress.failed_worker_ids))
+    def _excluded(self, progress: Progress) -> frozenset[str]:
+        """The workers whose stream broke for this request, unless restarted since (a new instance)."""
+        restarted = {w.worker_id for w in self.pool.ready("decode") if w.info is not None
+                     and progress.failed_instances.get(w.worker_id, w.info.instance_id) != w.info.instance_id}
+        return frozenset(progress.failed_worker_ids - restarted)
+
+    async def _route(self, req: GenerationRequest, progress: Progress) -> Route:
+        request = RouteRequest(progress.attempt_id(), progress.prompt_ids + progress.token_ids)
+        route = self.router.route(request, exclude=self._excluded(progress))
         if route is None and not progress.num_migrations:
             raise _Refused("no_worker", APIError(503, "no worker is ready to serve this request; retry shortly",
                                                  type="service_unavailable"))
+        if route is None:
+            # A migration with no decode worker left (the only one is restarting): wait for one.
+            deadline = time.monotonic() + self.migration.wait_s
+            log.warning("request %s: no decode worker to continue on; waiting up to %.0f s for one",
+                        req.request_id, self.migration.wait_s)
+            while route is None and time.monotonic() < deadline and not self.draining:
+                await asyncio.sleep(ROUTE_POLL_S)
+                route = self.router.route(request, exclude=self._excluded(progress))
         if route is None:
             raise self._refuse(req, progress, Refusal.NO_WORKER)
         if progress.num_migrations:
@@ -243,6 +258,9 @@ class Frontend:
         log.warning("request %s: the stream from %s broke after %d tokens: %s", req.request_id, worker_id,
                     progress.num_output_tokens, broken)
         progress.failed_worker_ids.add(worker_id)
+        broken_on = next((w for w in self.pool.workers if w.worker_id == worker_id and w.info is not None), None)
+        if broken_on is not None:
+            progress.failed_instances[worker_id] = broken_on.info.instance_id
         refusal = self.migration.refusal(progress, self.max_model_len)
         if refusal is not None:
             raise self._refuse(req, progress, refusal, broken)

@@ -15,9 +15,10 @@ and the workers' own prefill retry counters.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import os
+from collections.abc import Callable, Iterable, Iterator
 
-from prometheus_client import CollectorRegistry, Counter
+from prometheus_client import CollectorRegistry, Counter, Gauge
 from prometheus_client.core import CounterMetricFamily
 from prometheus_client.registry import Collector
 
@@ -56,6 +57,21 @@ class WorkerCounters(Collector):
         yield fallbacks
 
 
+class WorkerRestarts(Collector):
+    """Workers that came back as a new instance at the same address (restarted), per worker."""
+
+    def __init__(self, workers: Callable[[], Iterable]) -> None:
+        self._workers = workers
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        family = CounterMetricFamily("splitserve_worker_restarts",
+                                     "Times a worker answered as a new instance at its address (it restarted)",
+                                     labels=["worker"])
+        for w in sorted(self._workers(), key=lambda w: w.worker_id):
+            family.add_metric([w.worker_id], w.num_restarts)
+        yield family
+
+
 class FaultMetrics:
     def __init__(self, registry: CollectorRegistry) -> None:
         self.migrations = Counter("splitserve_migrations", "Broken worker streams by what the frontend did",
@@ -66,3 +82,8 @@ class FaultMetrics:
                                 ["api", "reason"], registry=registry)
         self.workers = WorkerCounters()
         registry.register(self.workers)
+        # Set by `splitserve serve`'s supervisor when it restarts this frontend (services/launch/supervisor.py).
+        self.process_restarts = Gauge("splitserve_process_restarts",
+                                      "Times the supervisor (splitserve serve) restarted this frontend process",
+                                      registry=registry)
+        self.process_restarts.set(int(os.environ.get("SPLITSERVE_RESTARTS", "0") or 0))

@@ -48,6 +48,9 @@ _BROKEN = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grpc.StatusCo
            grpc.StatusCode.UNKNOWN, grpc.StatusCode.ABORTED, grpc.StatusCode.DATA_LOSS}
 
 
+DEFAULT_WAIT_S = 30.0
+
+
 class Refusal(enum.Enum):
     DISABLED = "disabled"
     LIMIT = "limit"
@@ -58,7 +61,7 @@ class Refusal(enum.Enum):
     def message(self) -> str:
         return {Refusal.DISABLED: "migration is disabled (--migration-limit 0)",
                 Refusal.LIMIT: "it was already migrated as often as --migration-limit allows",
-                Refusal.NO_WORKER: "no other decode worker is ready",
+                Refusal.NO_WORKER: "no other decode worker became ready within --migration-wait",
                 Refusal.CONTEXT_FULL: "the prompt and the tokens generated so far fill the context"}[self]
 
 
@@ -79,6 +82,9 @@ class Progress:
     token_ids: list[int] = field(default_factory=list)      # forwarded to the client
     num_cached_tokens: int | None = None                    # from the first worker that said
     failed_worker_ids: set[str] = field(default_factory=set)
+    # worker id -> the instance whose stream broke: the same worker restarted (a new
+    # instance at its address, `splitserve serve` restarting it) may serve the request again.
+    failed_instances: dict[str, str] = field(default_factory=dict)
     num_migrations: int = 0
 
     @property
@@ -109,6 +115,9 @@ class Progress:
 @dataclass(slots=True, frozen=True)
 class MigrationPolicy:
     limit: int = DEFAULT_LIMIT
+    # How long a request whose worker broke waits for a decode worker when none other is
+    # ready (the only one restarting): the wait is the client's TTFT/ITL gap, not an error.
+    wait_s: float = DEFAULT_WAIT_S
 
     def refusal(self, progress: Progress, max_model_len: int | None) -> Refusal | None:
         """Why this request must not be re-dispatched now; None when it may be (the caller

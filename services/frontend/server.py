@@ -32,6 +32,8 @@ from splitserve.services.frontend.grpc.guard import GuardInterceptor
 from splitserve.services.frontend.guard import Guard
 from splitserve.services.frontend.core import Frontend
 from splitserve.services.frontend.migration import DEFAULT_LIMIT as DEFAULT_MIGRATION_LIMIT, MigrationPolicy
+from splitserve.services.frontend.migration import DEFAULT_WAIT_S as DEFAULT_MIGRATION_WAIT_S
+from splitserve.services.frontend.fault_metrics import WorkerRestarts
 from splitserve.services.frontend.metrics import FrontendMetrics
 from splitserve.services.frontend.http.app import build_app
 from splitserve.services.frontend.limits import LimitsConfig
@@ -59,6 +61,7 @@ class FrontendConfig:
     etcd_prefix: str = "/splitserve/workers/"
     etcd_tls: TlsConfig = PLAINTEXT                  # client TLS to etcd (CA, client certificate)
     migration_limit: int = DEFAULT_MIGRATION_LIMIT   # re-dispatches of a request whose worker failed
+    migration_wait_s: float = DEFAULT_MIGRATION_WAIT_S   # ...waiting this long for a decode worker
     drain_timeout_s: float = 30.0           # on SIGTERM: running requests get this long to finish
     tls: TlsConfig = PLAINTEXT              # HTTPS and the public gRPC port (--tls-cert/--tls-key)
     worker_tls: TlsConfig = PLAINTEXT       # mutual TLS to the workers (--tls-ca, --tls-client-cert/-key)
@@ -81,8 +84,9 @@ def build_frontend(config: FrontendConfig, pool: WorkerPool) -> tuple[Frontend, 
     except ValueError as exc:
         raise SplitserveError(str(exc)) from None
     frontend = Frontend(tokenizer, pool, router, metrics, config.served_model_name,
-                        MigrationPolicy(config.migration_limit))
+                        MigrationPolicy(config.migration_limit, config.migration_wait_s))
     router.feeds.stats_listeners.append(metrics.faults.workers.update)
+    metrics.registry.register(WorkerRestarts(lambda: pool.workers))
     return frontend, Guard(config.api_keys, config.limits, metrics.rejected)
 
 

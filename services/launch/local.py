@@ -10,41 +10,34 @@ default kv; `--frontends K` starts K frontends — router replicas — each on
 its own HTTP port, `--port` for the first and free ports for the others, all
 printed, each building the same KV index from the workers' events), shows progress until each
 worker reports SERVING through gRPC health and the frontend's /ready answers,
-prints the URL, and then supervises. Ctrl-C, SIGTERM, or any child exiting
-stops everything: the children share one process group of their own, which
-is signalled as a whole (SIGTERM, then SIGKILL after a grace period), and each
-child also gets SIGTERM from the kernel if this process dies (PR_SET_PDEATHSIG),
-so no worker outlives it.
+prints the URL, and then supervises (supervisor.py): a worker or frontend that
+exits, or a worker that stops answering its health checks, is restarted with
+back-off while the others keep serving (a lost worker's requests migrate). A
+child that exits before the deployment is ready stops everything (a bad flag
+or model would only crash again). Ctrl-C or SIGTERM stops everything: the
+children share one process group, signalled as a whole (SIGTERM, then SIGKILL
+after a grace period), and each child also gets SIGTERM from the kernel if this
+process dies (PR_SET_PDEATHSIG), so no worker outlives it.
 """
 
 from __future__ import annotations
 
 import argparse
-import ctypes
 import os
 import signal
-import subprocess
 import sys
 import time
-from dataclasses import dataclass
 
 
 from splitserve.errors import SplitserveError
 from splitserve.net import free_port
-from splitserve.services.launch.children import GRACE_S, export_serve_secrets, frontend_argv, worker_argv
+from splitserve.services.launch.children import export_serve_secrets, frontend_argv, worker_argv
 from splitserve.services.launch.plan import plan_workers, resolve_model
 from splitserve.services.launch.probes import http_ready, transfer_backend, worker_serving
+from splitserve.services.launch.supervisor import Child, Supervisor
 from splitserve.tls import PLAINTEXT, TlsConfig
 
 POLL_S = 0.25
-
-
-@dataclass(slots=True)
-class Child:
-    name: str
-    process: subprocess.Popen
-    address: str = ""          # host:port of a worker's gRPC service
-    ready_after: float | None = None
 
 
 def say(line: str) -> None:
@@ -52,52 +45,6 @@ def say(line: str) -> None:
     two parts (print's text, then its newline, when unbuffered) can have theirs in between."""
     sys.stdout.write(line + "\n")
     sys.stdout.flush()
-
-
-def _die_with_parent() -> None:
-    """In the child before exec: SIGTERM when the parent dies (Linux)."""
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)   # PR_SET_PDEATHSIG
-    except OSError:
-        pass
-
-
-class Supervisor:
-    def __init__(self) -> None:
-        self.children: list[Child] = []
-        self.pgid: int | None = None
-
-    def spawn(self, name: str, argv: list[str], address: str = "") -> Child:
-        process = subprocess.Popen(argv, process_group=self.pgid or 0, preexec_fn=_die_with_parent,
-                                   stdin=subprocess.DEVNULL)
-        if self.pgid is None:
-            self.pgid = process.pid
-        child = Child(name, process, address)
-        self.children.append(child)
-        return child
-
-    def exited(self) -> Child | None:
-        return next((c for c in self.children if c.process.poll() is not None), None)
-
-    def stop(self) -> None:
-        if self.pgid is None:
-            return
-        self._signal(signal.SIGTERM)
-        deadline = time.monotonic() + GRACE_S
-        for child in self.children:
-            try:
-                child.process.wait(max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                pass
-        self._signal(signal.SIGKILL)     # whatever is left in the group, grandchildren included
-        for child in self.children:
-            child.process.wait()
-
-    def _signal(self, sig: int) -> None:
-        try:
-            os.killpg(self.pgid, sig)
-        except ProcessLookupError:
-            pass
 
 
 def _wait_ready(sup: Supervisor, workers: list[Child], ready_url: str, timeout: float,
@@ -146,7 +93,7 @@ def run_serve(args: argparse.Namespace) -> int:
     grpc_port = args.grpc_port if args.grpc_port is not None else port + 1
     grpc_port = grpc_port or free_port(host)
     python = [sys.executable, "-m", "splitserve", "--log-level", args.log_level]
-    sup = Supervisor()
+    sup = Supervisor(say, tls, args.ready_timeout)
     previous = {sig: signal.signal(sig, _raise_stop) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         workers = []
@@ -177,7 +124,7 @@ def run_serve(args: argparse.Namespace) -> int:
         say(f"splitserve is ready: {base}/v1 (OpenAI-compatible), gRPC {host}:{grpc_port}")
         say(f"  try: curl {base}/v1/models")
         while True:
-            _check_alive(sup)
+            sup.supervise()      # restarts what exits or stops answering (supervisor.py)
             time.sleep(POLL_S)
     except _Stop as stop:
         say(f"splitserve: {stop}: stopping...")

@@ -70,6 +70,7 @@ class WorkerHandle:
     info: worker_pb2.DescribeResponse | None = None
     session: WorkerSession | None = None     # opened by the first request
     tls: TlsConfig = PLAINTEXT               # the session stream's, as the channel's
+    num_restarts: int = 0                    # times a new instance answered at this address
 
     @classmethod
     def connect(cls, worker_id: str, role: str, address: str, tls: TlsConfig) -> "WorkerHandle":
@@ -272,7 +273,9 @@ class WorkerPool:
         """Ask a worker that turned SERVING what it serves. A different instance at the same
         address (restarted) gets a new session: its session port may have changed."""
         info = await worker.stub.Describe(worker_pb2.DescribeRequest(), timeout=10)
-        if worker.info is not None and info.instance_id != worker.info.instance_id and worker.session is not None:
+        restarted = worker.info is not None and info.instance_id != worker.info.instance_id
+        worker.num_restarts += restarted
+        if restarted and worker.session is not None:
             session, worker.session = worker.session, None
             await session.close()
         worker.info = info

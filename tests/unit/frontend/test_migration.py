@@ -3,6 +3,9 @@ judged by the frontend across a migration (the new worker sees only its own toke
 
 from __future__ import annotations
 
+import asyncio
+import time
+
 import pytest
 
 from splitserve.proto.v1 import worker_pb2
@@ -80,7 +83,7 @@ def test_a_stop_string_spanning_the_migration_point_is_cut(frontend):
 def test_a_refused_migration_is_a_503_and_is_counted(llama_dir):
     pool = WorkerPool()
     fe = Frontend(Tokenizer(open_checkpoint(str(llama_dir))), pool, build_router(pool, "round-robin"), FrontendMetrics(),
-                  migration=MigrationPolicy(0))
+                  migration=MigrationPolicy(0, wait_s=0.3))
     req = GenerationRequest("r", "chat", PROMPT, SamplingParams(max_tokens=10))
     progress = Progress("r", PROMPT, req.params, token_ids=[5, 6])
     with pytest.raises(_Refused) as info:
@@ -89,6 +92,7 @@ def test_a_refused_migration_is_a_503_and_is_counted(llama_dir):
     assert "Socket closed" in info.value.error.message and "--migration-limit 0" in info.value.error.message
     assert progress.failed_worker_ids == {"d0"} and progress.num_migrations == 0
     assert fe.metrics.registry.get_sample_value("splitserve_migrations_total", {"outcome": "refused_disabled"}) == 1
-    with pytest.raises(_Refused) as info:          # no decode worker left to move it to
-        fe._route(req, Progress("r", PROMPT, req.params, num_migrations=1))
-    assert info.value.reason == "no_worker"
+    t0 = time.monotonic()
+    with pytest.raises(_Refused) as info:          # no decode worker left to move it to, within --migration-wait
+        asyncio.run(fe._route(req, Progress("r", PROMPT, req.params, num_migrations=1)))
+    assert info.value.reason == "no_worker" and time.monotonic() - t0 >= 0.3
