@@ -50,8 +50,8 @@ def _add_workload_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--turns", type=int, default=4, help="multi-turn: user turns per session (default: 4)")
     g.add_argument("--think-time", type=float, default=0.0, metavar="S", help="multi-turn: pause between turns")
     g.add_argument("--trace", type=Path, default=None,
-                   help="Mooncake trace JSONL (default: $SPLITSERVE_MOONCAKE_TRACE; the trace workload "
-                        "needs one of them)")
+                   help="Mooncake trace JSONL (default: $SPLITSERVE_MOONCAKE_TRACE, else the "
+                        "conversation trace shipped with splitserve)")
     g.add_argument("--trace-start", type=int, default=0, help="first trace record to replay")
     g.add_argument("--trace-block-tokens", type=int, default=16,
                    help="tokens per 512-token trace block (scales inputs down; default: 16)")

@@ -9,7 +9,9 @@ equal tokens and different ids (almost surely) different ones. The production
 lengths (12k-token prompts on average) are too long for small CPU models, so
 lengths are scaled down by mapping a 512-token block to `block_tokens` tokens,
 outputs by `output_scale`, and time by `time_scale`; every report states the
-scaling (`Workload.notes`).
+scaling (`Workload.notes`). The FAST'25 conversation trace ships in data/mooncake/
+(Apache-2.0, unmodified, attribution beside it) and is the default; --trace or
+$SPLITSERVE_MOONCAKE_TRACE names another.
 
 ShareGPT: a JSON list of `{"conversations": [{"from": "human"|"user", "value": ...},
 {"from": "gpt"|"assistant", "value": ...}, ...]}`. The human messages are the
@@ -22,6 +24,7 @@ from __future__ import annotations
 import json
 import os
 import random
+from importlib import resources
 from pathlib import Path
 
 from splitserve.errors import SplitserveError
@@ -31,14 +34,24 @@ from splitserve.loadgen.workloads import Conversation, Turn, Workload
 
 MOONCAKE_BLOCK_TOKENS = 512
 TRACE_ENV = "SPLITSERVE_MOONCAKE_TRACE"
+# The trace ships inside the package (data/mooncake/, with its Apache-2.0 attribution),
+# declared as package data in pyproject.toml so a wheel carries it too.
+SHIPPED_TRACE = ("data", "mooncake", "conversation_trace.jsonl")
 _HUMAN_ROLES = ("human", "user")
 _ASSISTANT_ROLES = ("gpt", "assistant", "chatgpt", "bard", "bing")
 
 
-def default_trace_path() -> Path | None:
-    """$SPLITSERVE_MOONCAKE_TRACE; None when unset (no trace ships with splitserve)."""
+def shipped_trace_path() -> Path:
+    """The Mooncake conversation trace installed with splitserve.loadgen."""
+    # Installed packages are plain folders (wheels are unpacked; the editable install maps
+    # loadgen/), so the resource is a real file and a Path is what the readers expect.
+    return Path(str(resources.files(__package__).joinpath(*SHIPPED_TRACE)))
+
+
+def default_trace_path() -> Path:
+    """$SPLITSERVE_MOONCAKE_TRACE when set, else the shipped trace."""
     configured = os.environ.get(TRACE_ENV)
-    return Path(configured).expanduser() if configured else None
+    return Path(configured).expanduser() if configured else shipped_trace_path()
 
 
 def _require_file(path: Path, what: str, hint: str) -> Path:
@@ -56,8 +69,6 @@ def mooncake_trace(vocab: PromptVocab, path: Path | None = None, *, num_requests
                    max_output_tokens: int = 256, time_scale: float = 1.0, seed: int = 0) -> Workload:
     """Replay `num_requests` records of a Mooncake trace from index `start`, scaled down."""
     path = Path(path) if path else default_trace_path()
-    if path is None:
-        raise SplitserveError(f"the trace workload needs a Mooncake trace (JSONL): pass --trace PATH or set {TRACE_ENV}")
     path = _require_file(path, "Mooncake trace", f"pass --trace PATH or set {TRACE_ENV}")
     if block_tokens < 1 or time_scale <= 0:
         raise SplitserveError("trace replay needs block_tokens >= 1 and time_scale > 0")

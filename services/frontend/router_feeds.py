@@ -12,7 +12,10 @@ workers, and the feeds follow.
   load, spec), as do the stats listeners and the index-size gauge.
 - A Stats poller corrects the load model from the ready workers' own figures
   every `stats_interval_s`, drops lapsed routing predictions from the index,
-  and exports each worker's index size.
+  and exports each worker's index size. Its failures repeat on every pass while a
+  worker is busy (a long prefill outlasting the Stats deadline) or going: each is
+  logged as one line, at most once per worker and kind every 30 s, with a count of
+  the repeats held back (splitserve/logs.py).
 """
 
 from __future__ import annotations
@@ -20,8 +23,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import Callable
 
+from splitserve.logs import DEFAULT_INTERVAL_S, RateLimitedLog, one_line_error
 from splitserve.proto.v1 import worker_pb2
 from splitserve.router.core import RouterCore, WorkerSpec
 from splitserve.router.subscriber import EventSubscriber
@@ -40,7 +45,8 @@ StatsListener = Callable[[str, worker_pb2.StatsResponse | None], None]
 
 class RouterFeeds:
     def __init__(self, pool: WorkerPool, core: RouterCore, subscribe: bool = True,
-                 stats_interval_s: float = STATS_INTERVAL_S, stats_timeout_s: float = STATS_TIMEOUT_S):
+                 stats_interval_s: float = STATS_INTERVAL_S, stats_timeout_s: float = STATS_TIMEOUT_S,
+                 warning_interval_s: float = DEFAULT_INTERVAL_S, clock: Callable[[], float] = time.monotonic):
         self.pool = pool
         self.core = core
         self.subscribe = subscribe          # KV events only when a leg reads the index
@@ -50,6 +56,8 @@ class RouterFeeds:
         self._sub_tasks: dict[str, asyncio.Task] = {}
         self._poller: asyncio.Task | None = None
         self.stats_listeners: list[StatsListener] = []
+        # keyed (worker id, what failed): one line per worker and kind per interval
+        self.warnings = RateLimitedLog(log, warning_interval_s, clock)
 
     def start(self) -> None:
         self.pool.subscribe(self)           # replays the workers already there
@@ -84,6 +92,7 @@ class RouterFeeds:
             task.cancel()
         self.subscribers.pop(worker.address, None)
         self.core.forget(worker.worker_id)
+        self.warnings.forget(lambda key: key[0] == worker.worker_id)
         for listener in self.stats_listeners:
             listener(worker.worker_id, None)         # forget its figures
         if self.core.metrics is not None:
@@ -109,7 +118,8 @@ class RouterFeeds:
         done, late = await asyncio.wait(calls, timeout=self.stats_timeout_s + 1) if calls else (set(), set())
         for call in late:
             call.cancel()
-            log.warning("router: stats of %s timed out", calls[call].worker_id)
+            worker_id = calls[call].worker_id
+            self.warnings.warning((worker_id, "stats"), "router: stats of %s timed out", worker_id)
         for call in done:
             self._apply_stats(calls[call], call)
         if self.core.metrics is not None:
@@ -117,7 +127,8 @@ class RouterFeeds:
                 try:
                     blocks = self.core.index.num_blocks(w.worker_id)
                 except Exception as exc:  # noqa: BLE001
-                    log.warning("router: index size of %s unknown: %r", w.worker_id, exc)
+                    self.warnings.warning((w.worker_id, "index size"), "router: index size of %s unknown: %s",
+                                          w.worker_id, one_line_error(exc))
                     blocks = 0
                 self.core.metrics.index_blocks.labels(w.worker_id).set(blocks)
 
@@ -129,7 +140,9 @@ class RouterFeeds:
             return
         if call.exception() is not None:
             # e.g. a worker removed (closed channel) or re-added (not yet known) meanwhile
-            log.warning("router: stats of %s failed: %r", w.worker_id, call.exception())
+            # one line (the status code and details, not the error's multi-line repr)
+            self.warnings.warning((w.worker_id, "stats"), "router: stats of %s failed: %s", w.worker_id,
+                                  one_line_error(call.exception()))
             return
         if not self.pool.holds(w):
             return

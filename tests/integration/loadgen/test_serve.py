@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
@@ -52,22 +51,19 @@ def _workload(kind: str, vocab, tmp_path) -> tuple[Workload, object, str]:
     if kind == "multi-turn":
         convs = workloads.multi_turn(vocab, 2, 3, LengthDist.parse("16"), out)
         return Workload(kind, convs), Concurrency(2), "chat"
-    if kind == "trace":
-        path = datasets.default_trace_path() or WORKSPACE_TRACE
-        assert path.is_file(), f"the Mooncake trace is missing at {path} (set {datasets.TRACE_ENV})"
-        return datasets.mooncake_trace(vocab, path, num_requests=6, block_tokens=8, max_output_tokens=6,
-                                       time_scale=0.01), TraceSchedule(), "completions"
+    if kind == "trace":       # no path: the trace shipped with splitserve.loadgen
+        workload = datasets.mooncake_trace(vocab, num_requests=6, block_tokens=8, max_output_tokens=6,
+                                           time_scale=0.01)
+        assert workload.params["path"] == str(datasets.shipped_trace_path())
+        return workload, TraceSchedule(), "completions"
     assert kind == "sharegpt"
     return datasets.sharegpt(vocab, _sharegpt_file(tmp_path), max_turns=2, max_output_tokens=6), \
         Concurrency(2), "chat"
 
 
-# The real production trace of this workspace (beside the repository, as CI lays it out).
-WORKSPACE_TRACE = Path(__file__).resolve().parents[3].parent / "shared" / "data" / "mooncake" / "conversation_trace.jsonl"
-
-
 @pytest.mark.parametrize("kind", ["synthetic", "shared-prefix", "multi-turn", "trace", "sharegpt"])
-def test_every_workload_runs_with_the_servers_token_counts(serve, llama_vocab, tmp_path, kind):
+def test_every_workload_runs_with_the_servers_token_counts(serve, llama_vocab, tmp_path, monkeypatch, kind):
+    monkeypatch.delenv(datasets.TRACE_ENV, raising=False)
     workload, arrivals, api = _workload(kind, llama_vocab, tmp_path)
     spec = BenchSpec(Target(serve.url, serve.model, api=api), llama_vocab, workload, arrivals,
                      Limits(max_requests=8, request_timeout_s=60), SLO(ttft_s=5.0, itl_s=1.0), progress=False,
@@ -137,6 +133,18 @@ def test_command_line_run_and_compare(serve, llama_dir, tmp_path, capsys):
                           str(tmp_path / "b" / "result.json")], capture_output=True, text=True, timeout=60)
     assert cmp.returncode == 0, cmp.stderr
     assert "ttft_s.p50" in cmp.stdout and "A/B" in cmp.stdout
+
+
+def test_trace_workload_needs_no_path(serve, llama_dir, tmp_path, monkeypatch):
+    monkeypatch.delenv(datasets.TRACE_ENV, raising=False)
+    code = loadgen_cli.main(["--url", serve.url, "--model", str(llama_dir), "--workload", "trace",
+                             "--num-requests", "2", "--trace-block-tokens", "8", "--trace-max-output", "4",
+                             "--trace-time-scale", "0.001", "--no-progress", "--no-plots",
+                             "--out", str(tmp_path / "t")])
+    assert code == 0
+    saved = json.loads((tmp_path / "t" / "result.json").read_text())
+    assert saved["config"]["workload"]["path"] == str(datasets.shipped_trace_path())
+    assert saved["summary"]["num_ok"] == 2 and "conversation_trace.jsonl" in saved["notes"][0]
 
 
 def test_missing_trace_fails_clearly(serve, llama_dir, tmp_path, capsys):

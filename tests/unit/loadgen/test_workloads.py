@@ -96,7 +96,7 @@ def test_mooncake_subset_and_missing_file(llama_vocab, tmp_path, monkeypatch):
     monkeypatch.setenv(datasets.TRACE_ENV, str(trace))
     assert datasets.default_trace_path() == trace
     monkeypatch.delenv(datasets.TRACE_ENV)
-    assert datasets.default_trace_path() is None          # nothing ships: the user names the trace
+    assert datasets.default_trace_path() == datasets.shipped_trace_path()   # unset: the shipped trace
     (tmp_path / "bad.jsonl").write_text('{"timestamp": 1}\n')
     with pytest.raises(SplitserveError, match="not a Mooncake trace record"):
         datasets.mooncake_trace(llama_vocab, tmp_path / "bad.jsonl")
