@@ -20,7 +20,7 @@ def engine_argv(args: argparse.Namespace, model: str) -> list[str]:
             "--block-size", str(args.block_size), "--kv-cache-gib", str(args.kv_cache_gib),
             "--max-num-batched-tokens", str(args.max_num_batched_tokens),
             "--max-num-seqs", str(args.max_num_seqs)]
-    if args.threads is not None:
+    if args.threads is not None:        # serve fills it in (plan.default_threads)
         argv += ["--threads", str(args.threads)]
     return argv
 
@@ -72,11 +72,12 @@ def serve_child_argv(args: argparse.Namespace, child: str) -> list[str]:
 
 def export_serve_secrets(args: argparse.Namespace, environ) -> None:
     """Put `serve`'s --api-key and --transfer-token values into the environment its children inherit."""
-    from splitserve.kvtransfer.auth import TOKEN_ENV
-
     from splitserve.services.frontend.auth import ENV_VAR
 
     if args.api_key:
         environ[ENV_VAR] = " ".join([*args.api_key, *environ.get(ENV_VAR, "").replace(",", " ").split()])
     if args.transfer_token:
+        # Only then: the kvtransfer package imports torch, which costs `serve` most of a second.
+        from splitserve.kvtransfer.auth import TOKEN_ENV
+
         environ[TOKEN_ENV] = args.transfer_token

@@ -32,12 +32,12 @@ import time
 from splitserve.errors import SplitserveError
 from splitserve.net import free_port
 from splitserve.services.launch.children import export_serve_secrets, frontend_argv, worker_argv
-from splitserve.services.launch.plan import plan_workers, resolve_model
+from splitserve.services.launch.plan import default_threads, plan_workers, resolve_model
 from splitserve.services.launch.probes import http_ready, transfer_backend, worker_serving
 from splitserve.services.launch.supervisor import Child, Supervisor
 from splitserve.tls import PLAINTEXT, TlsConfig
 
-POLL_S = 0.25
+POLL_S = 0.1
 
 
 def say(line: str) -> None:
@@ -84,6 +84,7 @@ def _raise_stop(signum, frame) -> None:
 
 def run_serve(args: argparse.Namespace) -> int:
     plan = plan_workers(args)
+    args.threads = default_threads(args, plan)
     export_serve_secrets(args, os.environ)      # children read them from the environment
     tls = TlsConfig(cert=args.tls_internal_cert, key=args.tls_internal_key, ca=args.tls_ca)
     scheme = "https" if args.tls_cert else "http"

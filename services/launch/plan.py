@@ -7,6 +7,7 @@ Ray Serve target (services/ray_serve/config.py), so that both deploy the same po
 from __future__ import annotations
 
 import argparse
+import os
 from dataclasses import dataclass
 
 from splitserve.errors import SplitserveError
@@ -38,6 +39,16 @@ def plan_workers(args: argparse.Namespace) -> list[PlannedWorker]:
                               "(or use --aggregated)")
     return ([PlannedWorker(f"prefill-{i}", "prefill") for i in range(num_prefill)]
             + [PlannedWorker(f"decode-{i}", "decode") for i in range(num_decode)])
+
+
+def default_threads(args: argparse.Namespace, plan: list[PlannedWorker]) -> int | None:
+    """torch threads per worker process: --threads, else on CPU this machine's cores shared
+    out among every rank `serve` starts (each has its own torch pool: left at torch's default,
+    N ranks on C cores run N*C threads, which thrash, and loading takes several times longer)."""
+    if args.threads is not None or not str(args.device).startswith("cpu"):
+        return args.threads
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, cores // max(1, len(plan) * args.tp))
 
 
 def default_served_name(model: str) -> str | None:

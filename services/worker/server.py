@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
+import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -27,6 +28,7 @@ from grpc_health.v1._async import HealthServicer
 
 from splitserve.errors import SplitserveError
 from splitserve.proto.v1 import worker_pb2_grpc
+from splitserve.startup import process_age_s
 from splitserve.services.engine.config import EngineConfig
 from splitserve.services.engine.engine import LLMEngine
 from splitserve.tls import PLAINTEXT, TlsConfig
@@ -109,6 +111,7 @@ async def serve(config: WorkerServerConfig, stop: asyncio.Event | None = None,
     for name in ("", "splitserve.v1.Worker"):
         await health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
     await server.start()
+    started = process_age_s()              # interpreter start and imports
     log.info("worker %s (%s): listening on %s:%d, loading %s", wid, config.options.role.value,
              config.host, port, config.engine.model)
     print(f"worker {wid} listening on {config.host}:{port}", flush=True)
@@ -118,6 +121,7 @@ async def serve(config: WorkerServerConfig, stop: asyncio.Event | None = None,
     try:
         metrics = await _serve_metrics(config, service)
         stream = await _serve_session_stream(config, service)
+        t_load = time.monotonic()
         load = asyncio.ensure_future(asyncio.to_thread(LLMEngine, config.engine))
         waiter = asyncio.ensure_future(stop.wait())
         await asyncio.wait({load, waiter}, return_when=asyncio.FIRST_COMPLETED)
@@ -126,6 +130,7 @@ async def serve(config: WorkerServerConfig, stop: asyncio.Event | None = None,
             return 0
         waiter.cancel()
         engine = load.result()
+        t_transfer = time.monotonic()
         sender, receiver = await asyncio.to_thread(build_transfer, config.options.role, engine,
                                                    config.transfer, wid, config.host, config.transfer_token,
                                                    config.advertise_host)
@@ -133,7 +138,10 @@ async def serve(config: WorkerServerConfig, stop: asyncio.Event | None = None,
         log.info("worker %s: serving %s (max_model_len %d, %d KV blocks, transfer %s)", wid,
                  engine.config.model_name, engine.max_model_len, engine.config.num_kv_blocks,
                  sender.backend or "none")
-        print(f"worker {wid} ready (transfer {sender.backend or 'none'})", flush=True)
+        took = time.monotonic()
+        print(f"worker {wid} ready (transfer {sender.backend or 'none'}) {started + took - t_load:.1f} s after its "
+              f"start: process and imports {started:.1f} s, model and KV cache {t_transfer - t_load:.1f} s, "
+              f"KV transfer {took - t_transfer:.1f} s", flush=True)
         group_lost = _watch_group(engine, stop)
         registration = await _register(config, port)
         try:
