@@ -119,7 +119,9 @@ def test_serve_refuses_clearly(args, message):
 def test_help_lists_the_flags():
     result = subprocess.run(["splitserve", "serve", "--help"], capture_output=True, text=True, timeout=60)
     for flag in ("--model", "--prefill-workers", "--decode-workers", "--aggregated", "--workers",
-                 "--transfer", "--host", "--port", "--grpc-port"):
+                 "--transfer", "--host", "--port", "--grpc-port", "--generation-config"):
         assert flag in result.stdout
     for sub in ("worker", "frontend"):
-        assert subprocess.run(["splitserve", sub, "--help"], capture_output=True, timeout=60).returncode == 0
+        result = subprocess.run(["splitserve", sub, "--help"], capture_output=True, text=True, timeout=60)
+        assert result.returncode == 0
+        assert ("--generation-config" in result.stdout) == (sub == "frontend")

@@ -165,3 +165,15 @@ def test_build_frontend_stops_at_a_malformed_model_file(llama_dir, tmp_path):
     (model / "generation_config.json").write_text(json.dumps({"temperature": "warm"}))
     with pytest.raises(GenerationConfigError, match="temperature must be a number"):
         _build(model, "auto")
+
+
+@pytest.mark.parametrize("given, expected", [([], "auto"), (["--generation-config", "vllm"], "vllm"),
+                                             (["--generation-config", "/m/gen"], "/m/gen")])
+def test_serve_forwards_the_flag_to_the_frontends_it_starts(given, expected):
+    from splitserve.services.cli.parsers import build_parser
+    from splitserve.services.launch.children import frontend_argv
+
+    parser = build_parser()
+    serve = parser.parse_args(["serve", *given])
+    argv = frontend_argv(serve, "/m", "127.0.0.1", 8000, 8001, [], [])
+    assert parser.parse_args(["frontend", "--worker", "both=127.0.0.1:1", *argv]).generation_config == expected
