@@ -111,6 +111,7 @@ def cmd_frontend(args: argparse.Namespace) -> int:
                             etcd_prefix=args.etcd_prefix)
     config.migration_limit, config.drain_timeout_s = args.migration_limit, args.drain_timeout
     config.migration_wait_s = args.migration_wait
+    config.generation_config = args.generation_config
     _apply_frontend_security(config, args)
     # uvloop: about a quarter of a millisecond less added latency per request, and less CPU
     # (bench/serving.py, frontend overhead).

@@ -161,6 +161,16 @@ def _add_migration_arg(p: argparse.ArgumentParser) -> None:
                         "(default: %(default)s)")
 
 
+def _add_generation_config_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--generation-config", default="auto", metavar="auto|vllm|FOLDER",
+                   help="defaults for the sampling parameters a request omits (temperature, top_p, top_k, "
+                        "min_p): auto takes the model folder's generation_config.json, the values the "
+                        "model's authors recommend (for the shipped SmolLM2: temperature 0.2, top_p 0.9), "
+                        "as vLLM does; vllm ignores it (temperature 1, top_p 1, no top_k or min_p); or a "
+                        "folder holding a generation_config.json. A value the request sets always wins "
+                        "(default: %(default)s)")
+
+
 def _add_disaggregation_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("disaggregation")
     g.add_argument("--transfer", choices=["auto", "nixl", "tcp"], default="auto",
@@ -204,6 +214,7 @@ def _add_frontend_parser(sub) -> None:
     p.add_argument("--model", default="smollm2", help="the workers' model (for its tokenizer)")
     p.add_argument("--served-model-name", default=None,
                    help="model name clients use (default: the workers' model name)")
+    _add_generation_config_arg(p)
     p.add_argument("--worker", action="append", default=None, metavar="ROLE=HOST:PORT",
                    help="a worker, e.g. both=127.0.0.1:50051 (repeatable; roles: both, decode, prefill); "
                         "or find them with --etcd")
@@ -253,6 +264,7 @@ def _add_serve_parser(sub) -> None:
     p.add_argument("--grpc-port", type=int, default=None,
                    help="public gRPC port (default: HTTP port + 1; 0: any free port)")
     p.add_argument("--served-model-name", default=None, help="model name clients use")
+    _add_generation_config_arg(p)
     p.add_argument("--ready-timeout", type=float, default=600.0, metavar="S",
                    help="give up when not ready after this many seconds (default: %(default)s)")
     _add_migration_arg(p)

@@ -36,6 +36,7 @@ from splitserve.services.frontend.fault_metrics import OUTCOME_MIGRATED, OUTCOME
 from splitserve.services.frontend.metrics import FrontendMetrics
 from splitserve.services.frontend.migration import MigrationPolicy, Progress, Refusal, breaks_stream
 from splitserve.services.frontend.routing import Route, RouteRequest, Router
+from splitserve.services.frontend.sampling_defaults import SamplingDefaults
 from splitserve.services.frontend.workers.session import WorkerCallError
 from splitserve.services.frontend.workers.pool import WorkerPool
 
@@ -67,7 +68,8 @@ class Delta:
 
 @dataclass(slots=True)
 class SamplingRequest:
-    """The sampling fields common to every API, as the client sent them."""
+    """The sampling fields common to every API, as the client sent them (None: omitted, so the
+    frontend's sampling defaults apply: the model's generation config, else the engine's)."""
 
     max_tokens: int | None
     default_max_tokens: int | None  # None: the rest of the context
@@ -88,13 +90,15 @@ def new_request_id(prefix: str) -> str:
 
 class Frontend:
     def __init__(self, tokenizer: Tokenizer, pool: WorkerPool, router: Router, metrics: FrontendMetrics,
-                 served_model_name: str | None = None, migration: MigrationPolicy | None = None):
+                 served_model_name: str | None = None, migration: MigrationPolicy | None = None,
+                 sampling_defaults: SamplingDefaults | None = None):
         self.tokenizer = tokenizer
         self.pool = pool
         self.router = router
         self.metrics = metrics
         self.served_model_name = served_model_name
         self.migration = migration or MigrationPolicy()
+        self.sampling_defaults = sampling_defaults or SamplingDefaults()   # for omitted parameters
         self.draining = False          # shutting down: refuse new requests, finish running ones
         self.num_in_flight = 0
 
@@ -124,12 +128,18 @@ class Frontend:
         return self.num_in_flight
 
     # -- prepare -------------------------------------------------------------------
-    def check_model(self, name: str) -> None:
-        served = self.model_name
+    def unavailable(self) -> APIError | None:
+        """Why this frontend cannot serve its model now (a 503), or None when it can."""
         if self.draining:
-            raise APIError(503, "this frontend is shutting down; retry on another one", type="service_unavailable")
-        if served is None or not self.is_ready():
-            raise APIError(503, "no worker is ready yet; retry shortly", type="service_unavailable")
+            return APIError(503, "this frontend is shutting down; retry on another one", type="service_unavailable")
+        if self.model_name is None or not self.is_ready():
+            return APIError(503, "no worker is ready yet; retry shortly", type="service_unavailable")
+        return None
+
+    def check_model(self, name: str) -> None:
+        if (error := self.unavailable()) is not None:
+            raise error
+        served = self.model_name
         if name != served:
             raise APIError(404, f"the model {name!r} does not exist; this server serves {served!r}",
                            param="model", code="model_not_found")
@@ -167,10 +177,10 @@ class Frontend:
                           f"{context} tokens and the prompt has {num_prompt_tokens}, so at most {room} "
                           f"can be generated; you asked for {max_tokens}", s.max_tokens_param,
                           "context_length_exceeded")
+        d = self.sampling_defaults
         params = SamplingParams(
-            max_tokens=max_tokens, temperature=1.0 if s.temperature is None else s.temperature,
-            top_p=1.0 if s.top_p is None else s.top_p, top_k=s.top_k or 0, min_p=s.min_p or 0.0,
-            seed=s.seed, stop=list(s.stop), ignore_eos=s.ignore_eos, logprobs=s.logprobs)
+            max_tokens=max_tokens, temperature=d.temperature_or(s.temperature), top_p=d.top_p_or(s.top_p),
+            top_k=d.top_k_or(s.top_k), min_p=d.min_p_or(s.min_p), seed=s.seed, stop=list(s.stop), ignore_eos=s.ignore_eos, logprobs=s.logprobs)
         try:
             params.validate()
         except InvalidRequestError as exc:

@@ -1,11 +1,13 @@
 """`splitserve frontend`: the HTTP API (uvicorn) and the public gRPC API in one event loop.
 
-The tokenizer comes from the model folder (no weights are loaded here); the
-model's name and context length come from the workers' Describe once they
-report SERVING. /ready answers 200 once at least one decode-capable worker is
-ready. SIGTERM or SIGINT drains first (/ready fails, new requests get 503, running
-ones get up to --drain-timeout to finish), then stops both servers and closes the
-worker channels.
+The tokenizer comes from the model folder (no weights are loaded here), and so do
+the defaults of omitted sampling parameters (its generation_config.json, as vLLM
+does; sampling_defaults.py, --generation-config); the model's name and context
+length come from the workers' Describe once they report SERVING. /ready and
+/v1/models answer 200 once at least one decode-capable worker is ready (503
+before). SIGTERM or SIGINT drains first (/ready fails, new requests get 503,
+running ones get up to --drain-timeout to finish), then stops both servers and
+closes the worker channels.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ from splitserve.services.frontend.metrics import FrontendMetrics
 from splitserve.services.frontend.http.app import build_app
 from splitserve.services.frontend.limits import LimitsConfig
 from splitserve.services.frontend.routing import build_router
+from splitserve.services.frontend.sampling_defaults import MODE_AUTO, load_sampling_defaults
 from splitserve.services.frontend.workers.pool import WorkerAddress, WorkerPool
 
 log = logging.getLogger(__name__)
@@ -67,6 +70,9 @@ class FrontendConfig:
     worker_tls: TlsConfig = PLAINTEXT       # mutual TLS to the workers (--tls-ca, --tls-client-cert/-key)
     api_keys: ApiKeys = field(default_factory=ApiKeys)
     limits: LimitsConfig = field(default_factory=LimitsConfig)
+    # Defaults of omitted sampling parameters: auto (the model's generation_config.json),
+    # vllm (the engine's neutral ones) or a folder holding a generation_config.json.
+    generation_config: str = MODE_AUTO
 
 
 def build_frontend(config: FrontendConfig, pool: WorkerPool) -> tuple[Frontend, Guard]:
@@ -75,7 +81,10 @@ def build_frontend(config: FrontendConfig, pool: WorkerPool) -> tuple[Frontend, 
     The pool keeps its own members (a static list, or its registry: etcd, or Ray's worker
     directory). `run_frontend` and the Ray Serve ingress both build their frontend here.
     """
-    tokenizer = Tokenizer(open_checkpoint(config.model))
+    checkpoint = open_checkpoint(config.model)
+    tokenizer = Tokenizer(checkpoint)
+    defaults = load_sampling_defaults(config.generation_config, checkpoint.generation_config, checkpoint.source)
+    print(f"frontend: {defaults.startup_line()}", flush=True)
     metrics = FrontendMetrics()
     try:
         router = build_router(pool, config.router, config.prefill_router, config.router_seed,
@@ -84,7 +93,7 @@ def build_frontend(config: FrontendConfig, pool: WorkerPool) -> tuple[Frontend, 
     except ValueError as exc:
         raise SplitserveError(str(exc)) from None
     frontend = Frontend(tokenizer, pool, router, metrics, config.served_model_name,
-                        MigrationPolicy(config.migration_limit, config.migration_wait_s))
+                        MigrationPolicy(config.migration_limit, config.migration_wait_s), defaults)
     router.feeds.stats_listeners.append(metrics.faults.workers.update)
     metrics.registry.register(WorkerRestarts(lambda: pool.workers))
     return frontend, Guard(config.api_keys, config.limits, metrics.rejected)

@@ -42,7 +42,7 @@ def frontend_argv(args: argparse.Namespace, model: str, host: str, port: int, gr
             "--router-temperature", str(args.router_temperature),
             "--remote-prefill-threshold", str(args.remote_prefill_threshold),
             "--migration-limit", str(args.migration_limit), "--migration-wait", str(args.migration_wait),
-            "--drain-timeout", str(DRAIN_S)]
+            "--drain-timeout", str(DRAIN_S), "--generation-config", args.generation_config]
     for address, worker in zip(worker_addresses, plan):
         argv += ["--worker", f"{worker.role}={address}"]
     served_name = args.served_model_name or default_served_name(args.model)

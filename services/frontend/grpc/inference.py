@@ -78,7 +78,9 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
             default_max_tokens=None if kind == "chat" else 16,
             temperature=request.temperature if request.HasField("temperature") else None,
             top_p=request.top_p if request.HasField("top_p") else None,
-            top_k=request.top_k, min_p=request.min_p,
+            # proto3 cannot tell an unset top_k / min_p from 0: 0 (also "off") is unset, so the
+            # model's defaults apply as they do to an HTTP request that omits them.
+            top_k=request.top_k or None, min_p=request.min_p or None,
             seed=request.seed if request.HasField("seed") else None,
             stop=list(request.stop), ignore_eos=request.ignore_eos,
             logprobs=request.logprobs if request.HasField("logprobs") else None)

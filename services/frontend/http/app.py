@@ -4,8 +4,9 @@ The app is FastAPI with two pure-ASGI layers in front, outermost first: the
 guard (guard.py: API keys, limits, body size, request timeout) and the
 generation endpoints (http/generation.py: POST /v1/completions and
 /v1/chat/completions, served without FastAPI's routing for the sake of
-latency). Everything else — /v1/models, /health, /ready, /metrics,
-/openapi.json, and the OpenAI-style errors for unknown routes — is FastAPI.
+latency). Everything else — /v1/models (503 until a worker can serve the
+model), /health, /ready, /metrics, /openapi.json, and the OpenAI-style errors
+for unknown routes — is FastAPI.
 """
 
 from __future__ import annotations
@@ -51,10 +52,13 @@ def build_app(frontend: Frontend, guard: Guard | None = None) -> GuardMiddleware
 
     @app.get("/v1/models")
     async def models():
-        name = frontend.model_name
-        data = [] if name is None else [{"id": name, "object": "model", "created": 0,
-                                         "owned_by": "splitserve", "max_model_len": frontend.max_model_len}]
-        return {"object": "list", "data": data}
+        # Clients poll this to wait for a server and take the first model listed: until a
+        # decode-capable worker is ready there is nothing to list, so 503 (as /ready), never
+        # an empty list that looks like a server with no model.
+        if (error := frontend.unavailable()) is not None:
+            return _JSONResponse(error.body(), status_code=error.status)
+        return {"object": "list", "data": [{"id": frontend.model_name, "object": "model", "created": 0,
+                                            "owned_by": "splitserve", "max_model_len": frontend.max_model_len}]}
 
     return GuardMiddleware(GenerationEndpoints(app, frontend, guard.limits.max_prompt_tokens), guard)
 

@@ -121,7 +121,7 @@ def build_openapi(model_name: str | None, version: str, vocab_size: int | None =
                                                     "title": "Model"}
     models = _open_get("the served model", statuses=("200",))
     models["get"]["security"] = [{}, {"bearer": []}]
-    models["get"]["responses"].update(_errors(("401",)))
+    models["get"]["responses"].update(_errors(("401", "503")))
     return {
         "openapi": "3.1.0",
         "info": {"title": "splitserve", "version": version,

@@ -153,3 +153,22 @@ def test_converted_config_is_plain_json(converted) -> None:
     _, folder, _ = converted
     config = json.loads((folder / "config.json").read_text())
     assert config["architectures"] == ["LlamaForCausalLM"] and config["eos_token_id"] == 2
+
+
+def test_converted_folder_carries_smollm2s_published_sampling(converted) -> None:
+    _, folder, _ = converted
+    generation = json.loads((folder / "generation_config.json").read_text())
+    assert generation["temperature"] == 0.2 and generation["top_p"] == 0.9
+    assert generation["eos_token_id"] == 2          # the conversion's own keys are kept
+
+
+def test_a_folder_converted_before_gets_the_sampling_added_and_own_values_kept(tmp_path: Path) -> None:
+    _, version = find_packaged_gguf()
+    folder = tmp_path / "models" / f"SmolLM2-135M-Instruct-bf16-{version}"
+    folder.mkdir(parents=True)
+    (folder / "config.json").write_text("{}")
+    (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": 2, "top_p": 0.5}))
+    assert resolve_smollm2(cache_dir=tmp_path, progress=False) == folder
+    assert json.loads((folder / "generation_config.json").read_text()) == {
+        "eos_token_id": 2, "top_p": 0.5, "temperature": 0.2}
+    assert sorted(p.name for p in folder.iterdir()) == ["config.json", "generation_config.json"]

@@ -31,3 +31,8 @@ def test_every_refusal_is_documented_with_the_error_schema():
     for status in ("400", "401", "404", "413", "429", "503", "504"):
         ref = op["responses"][status]["content"]["application/json"]["schema"]["$ref"]
         assert ref == "#/components/schemas/Error"
+
+
+def test_models_documents_its_503_before_a_worker_is_ready():
+    responses = build_openapi("m", "0")["paths"]["/v1/models"]["get"]["responses"]
+    assert set(responses) == {"200", "401", "503"}
