@@ -25,6 +25,7 @@ from pathlib import Path
 
 from splitserve.net import free_port
 from splitserve.proto.v1 import worker_pb2
+from splitserve.testing.metrics import sample_sum
 from splitserve.testing.processes import READY_TIMEOUT_S, Proc, stop_all
 from splitserve.testing.workers import worker_stats
 
@@ -87,12 +88,7 @@ class Frontend:
 
     def metric(self, name: str, **labels: str) -> float:
         """The sum of the samples of `name` whose labels include `labels` (0 when none)."""
-        total = 0.0
-        for m in re.finditer(rf"^{re.escape(name)}(?:\{{([^}}]*)\}})? (\S+)$", self.metrics(), re.MULTILINE):
-            have = dict(re.findall(r'(\w+)="([^"]*)"', m.group(1) or ""))
-            if all(have.get(k) == v for k, v in labels.items()):
-                total += float(m.group(2))
-        return total
+        return sample_sum(self.metrics(), name, **labels)
 
     def ready(self) -> dict | None:
         """/ready's answer when it says ready (200), else None."""

@@ -13,10 +13,8 @@ Every answer is checked token for token against transformers' greedy output
 
 from __future__ import annotations
 
-import re
 import threading
 import time
-import urllib.request
 from pathlib import Path
 
 import pytest
@@ -27,6 +25,7 @@ from e2e_env import ENGINE_ARGS, SD_NAME, E2EDeployment, elapsed
 from e2e_load import Load, Tally, prompt_ids, run_one, served_model, stream
 
 from splitserve.operator import names
+from splitserve.testing.metrics import scrape
 from splitserve.testing.oracle import assert_greedy_match, hf_greedy
 from splitserve.testing.processes import Proc
 from splitserve.testing.workers import wait_idle
@@ -70,14 +69,7 @@ def _assert_no_leaks(e2e: E2EDeployment) -> None:
 
 
 def _frontend_metric(e2e: E2EDeployment, name: str, **labels: str) -> float:
-    with urllib.request.urlopen(f"http://{e2e.open_frontend()}/metrics", timeout=10) as resp:
-        text = resp.read().decode()
-    total = 0.0
-    for m in re.finditer(rf"^{re.escape(name)}(?:\{{([^}}]*)\}})? (\S+)$", text, re.MULTILINE):
-        have = dict(re.findall(r'(\w+)="([^"]*)"', m.group(1) or ""))
-        if all(have.get(k) == v for k, v in labels.items()):
-            total += float(m.group(2))
-    return total
+    return scrape(f"http://{e2e.open_frontend()}/metrics", name, **labels)
 
 
 def _serve_reference(model_dir: Path, cases) -> list[list[int]]:

@@ -251,3 +251,17 @@ def test_a_small_gap_where_tokens_agree_changes_nothing():
 def test_length_mismatch_fails(ours):
     with pytest.raises(AssertionError, match="length mismatch"):
         assert_greedy_match(ours, _ref([5, 6, 7], [0.5, 0.5, 0.5]))
+
+
+def test_sample_sum_adds_the_samples_whose_labels_match():
+    from splitserve.testing.metrics import sample_sum
+
+    text = ('# HELP splitserve_migrations_total x\n'
+            'splitserve_migrations_total{outcome="migrated"} 3.0\n'
+            'splitserve_migrations_total{outcome="retried"} 1.0\n'
+            'splitserve_migrations_total_created{outcome="migrated"} 17.0\n'
+            'splitserve_process_restarts 2.0\n')
+    assert sample_sum(text, "splitserve_migrations_total") == 4.0
+    assert sample_sum(text, "splitserve_migrations_total", outcome="migrated") == 3.0
+    assert sample_sum(text, "splitserve_migrations_total", outcome="refused_limit") == 0.0
+    assert sample_sum(text, "splitserve_process_restarts") == 2.0

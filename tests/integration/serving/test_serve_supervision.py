@@ -6,16 +6,15 @@ killed process restarted and serving again (services/launch/supervisor.py)."""
 from __future__ import annotations
 
 import os
-import re
 import signal
 import threading
 import time
-import urllib.request
 from pathlib import Path
 
 import openai
 import pytest
 
+from splitserve.testing.metrics import scrape
 from splitserve.testing.oracle import assert_greedy_match, hf_greedy
 from splitserve.testing.workers import wait_idle, worker_stats
 
@@ -107,14 +106,7 @@ def _assert_exact(results, cases, errors) -> None:
 
 
 def _metric(server: Server, name: str, **labels: str) -> float:
-    with urllib.request.urlopen(f"{server.base_url}/metrics", timeout=5) as resp:
-        text = resp.read().decode()
-    total = 0.0
-    for m in re.finditer(rf"^{re.escape(name)}(?:\{{([^}}]*)\}})? (\S+)$", text, re.MULTILINE):
-        have = dict(re.findall(r'(\w+)="([^"]*)"', m.group(1) or ""))
-        if all(have.get(k) == v for k, v in labels.items()):
-            total += float(m.group(2))
-    return total
+    return scrape(f"{server.base_url}/metrics", name, **labels)
 
 
 def _back(server: Server, name: str, since: float) -> float:
