@@ -3,8 +3,9 @@
 Models are strict (a string is not an integer) and forbid unknown fields: a
 parameter splitserve does not implement is rejected with a message naming it,
 never silently ignored. Fields that exist in the OpenAI API but only have one
-supported value (n, best_of, echo, penalties, logit_bias) are accepted at that
-value and rejected otherwise, by `unsupported_values`. A few vLLM-style
+supported value (best_of = n, penalties, logit_bias) are accepted at that value
+and rejected otherwise, by `unsupported_values`. `n` choices and lists of prompts
+on /v1/completions are served as one request per (prompt, choice), concurrently. A few vLLM-style
 extensions are accepted too: top_k, min_p, ignore_eos, return_token_ids.
 """
 
@@ -19,6 +20,8 @@ INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 MAX_STOP_SEQUENCES = 16
 MAX_TOKEN_ID = 2**32 - 1      # the wire's uint32; the worker checks the vocabulary
 MAX_TOP_K = 2**31 - 1
+MAX_CHOICES = 16              # n, and prompts x n of one completions request
+MAX_PROMPTS = 64              # prompts in one /v1/completions request
 
 Seed = Annotated[int, Field(ge=INT64_MIN, le=INT64_MAX)]
 StopText = Annotated[str, Field(min_length=1)]
@@ -56,7 +59,7 @@ class _Common(_Strict):
     stream_options: StreamOptions | None = None
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
-    n: int | None = None
+    n: int | None = Field(default=None, ge=1, le=MAX_CHOICES)
     stop: StopText | Annotated[list[StopText], Field(max_length=MAX_STOP_SEQUENCES)] | None = None
     seed: Seed | None = None
     presence_penalty: float | None = None
@@ -72,8 +75,6 @@ class _Common(_Strict):
     def unsupported_values(self) -> list[tuple[str, str]]:
         """(param, message) for each parameter set to a value splitserve cannot honour."""
         problems = []
-        if self.n not in (None, 1):
-            problems.append(("n", "only n=1 is supported; send separate requests for more choices"))
         for name in ("presence_penalty", "frequency_penalty"):
             if getattr(self, name) not in (None, 0, 0.0):
                 problems.append((name, f"{name} is not supported (only 0)"))
@@ -82,6 +83,10 @@ class _Common(_Strict):
         if self.stream_options is not None and not self.stream:
             problems.append(("stream_options", "stream_options is only allowed with stream=true"))
         return problems
+
+    @property
+    def num_choices(self) -> int:
+        return self.n or 1
 
     def stop_list(self) -> list[str]:
         if self.stop is None:
@@ -122,19 +127,27 @@ class CompletionRequest(_Common):
 
     def unsupported_values(self) -> list[tuple[str, str]]:
         problems = super().unsupported_values()
-        if isinstance(self.prompt, list) and self.prompt and isinstance(self.prompt[0], (str, list)):
-            if len(self.prompt) != 1:
-                problems.append(("prompt", "batched prompts are not supported; send one prompt per request"))
-        if self.echo:
-            problems.append(("echo", "echo is not supported"))
+        prompts = self.prompts()
+        if not prompts:
+            problems.append(("prompt", "prompt must not be an empty list"))
+        elif len(prompts) > MAX_PROMPTS:
+            problems.append(("prompt", f"at most {MAX_PROMPTS} prompts per request, got {len(prompts)}"))
+        elif len(prompts) * self.num_choices > MAX_CHOICES * 4:
+            problems.append(("n", f"prompts x n must be at most {MAX_CHOICES * 4}, got {len(prompts) * self.num_choices}"))
+        if self.echo and self.logprobs is not None:
+            problems.append(("echo", "echo with logprobs needs the prompt's logprobs, which the workers do not "
+                                     "compute; send echo or logprobs"))
         if self.suffix:
-            problems.append(("suffix", "suffix is not supported"))
-        if self.best_of not in (None, 1):
-            problems.append(("best_of", "only best_of=1 is supported"))
+            problems.append(("suffix", "suffix (insertion) is not supported: the served models are not "
+                                       "fill-in-the-middle models"))
+        if self.best_of not in (None, self.num_choices):
+            problems.append(("best_of", "best_of must equal n: ranking extra completions by their likelihood "
+                                        "is not supported"))
         return problems
 
-    def single_prompt(self) -> str | list[int]:
+    def prompts(self) -> list[str | list[int]]:
+        """The request's prompts: one, or the list (of strings or of token-id lists) it sent."""
         prompt = self.prompt
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
-            return prompt[0]
-        return prompt
+            return list(prompt)
+        return [prompt] if prompt != [] else []

@@ -197,9 +197,10 @@ BAD_BODIES = [
     ({"model": "MODEL", "prompt": "hi", "max_tokens": 10**6}, "completions", 400, "max_tokens"),
     ({"model": "MODEL", "messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 10**6},
      "chat/completions", 400, "max_completion_tokens"),
-    ({"model": "MODEL", "prompt": "hi", "n": 2}, "completions", 400, "n"),
+    ({"model": "MODEL", "prompt": "hi", "n": 0}, "completions", 400, "n"),
+    ({"model": "MODEL", "prompt": "hi", "n": 17}, "completions", 400, "n"),
     ({"model": "MODEL", "prompt": "hi", "best_of": 3}, "completions", 400, "best_of"),
-    ({"model": "MODEL", "prompt": "hi", "echo": True}, "completions", 400, "echo"),
+    ({"model": "MODEL", "prompt": "hi", "echo": True, "logprobs": 1}, "completions", 400, "echo"),
     ({"model": "MODEL", "prompt": "hi", "presence_penalty": 0.5}, "completions", 400, "presence_penalty"),
     ({"model": "MODEL", "messages": [{"role": "user", "content": "x"}], "tools": []},
      "chat/completions", 400, "tools"),
@@ -213,7 +214,9 @@ BAD_BODIES = [
      "stream_options"),
     ({"model": "MODEL", "messages": [{"role": "user", "content": "x"}], "top_logprobs": 2},
      "chat/completions", 400, "top_logprobs"),
-    ({"model": "MODEL", "prompt": [[1, 2], [3]]}, "completions", 400, "prompt"),
+    ({"model": "MODEL", "prompt": []}, "completions", 400, "prompt"),
+    ({"model": "MODEL", "prompt": ["hi"] * 65}, "completions", 400, "prompt"),
+    ({"model": "MODEL", "prompt": [[1, 2], [3, 99999999]]}, "completions", 400, None),   # the worker refuses one
     ({"model": "MODEL", "prompt": [1, 2**40]}, "completions", 400, "prompt"),
     ({"model": "MODEL", "prompt": "hi", "top_k": 2**40}, "completions", 400, "top_k"),
     (b'{"model": "MODEL", "prompt": "hi", "temperature": NaN}', "completions", 400, "temperature"),
@@ -382,3 +385,93 @@ def test_cancelling_the_public_grpc_call_frees_the_worker(server, model_name):
     stats = wait_idle({"worker": worker}, 1.0, since=gone).stats["worker"]
     assert stats.num_aborted == idle.num_aborted + 1, stats
     assert stats.num_generated_tokens - idle.num_generated_tokens < 3000
+
+
+# ---- several choices: n > 1, lists of prompts, echo ---------------------------------------------
+
+def test_n_choices_greedy_are_identical_and_usage_counts_the_prompt_once(client, model_name, engine):
+    out = client.chat.completions.create(model=model_name, messages=CHAT, max_tokens=6, temperature=0, n=3,
+                                         extra_body=GREEDY)
+    assert [c.index for c in out.choices] == [0, 1, 2]
+    assert len({tuple(c.token_ids) for c in out.choices}) == 1
+    single = client.chat.completions.create(model=model_name, messages=CHAT, max_tokens=6, temperature=0,
+                                            extra_body=GREEDY)
+    assert out.choices[0].token_ids == single.choices[0].token_ids
+    assert out.usage.prompt_tokens == single.usage.prompt_tokens
+    assert out.usage.completion_tokens == 3 * 6
+
+
+def test_n_seeded_choices_differ_and_repeat(client, model_name):
+    kwargs = dict(model=model_name, prompt=PROMPT_IDS, max_tokens=8, temperature=1.0, seed=11, n=4,
+                  extra_body=GREEDY)
+    first, again = client.completions.create(**kwargs), client.completions.create(**kwargs)
+    ids = [tuple(c.token_ids) for c in first.choices]
+    assert ids == [tuple(c.token_ids) for c in again.choices]        # reproducible
+    assert len(set(ids)) > 1                                          # and not n copies of one sample
+    # Choice 0 is the sample a single request with the same seed gets.
+    single = client.completions.create(**{**kwargs, "n": 1})
+    assert single.choices[0].token_ids == first.choices[0].token_ids
+
+
+def test_batched_prompts_come_back_in_order_each_as_alone(client, model_name):
+    prompts = [PROMPT_IDS, PROMPT_IDS[:4], [1, 22, 333, 4444]]
+    out = client.completions.create(model=model_name, prompt=prompts, max_tokens=5, temperature=0, n=2,
+                                    extra_body=GREEDY)
+    assert [c.index for c in out.choices] == list(range(6))
+    for p, prompt in enumerate(prompts):
+        alone = client.completions.create(model=model_name, prompt=prompt, max_tokens=5, temperature=0,
+                                          extra_body=GREEDY)
+        assert out.choices[2 * p].token_ids == out.choices[2 * p + 1].token_ids == alone.choices[0].token_ids
+    assert out.usage.prompt_tokens == sum(len(p) for p in prompts)
+    assert out.usage.completion_tokens == 6 * 5
+    texts = client.completions.create(model=model_name, prompt=["Once upon", "The sky"], max_tokens=3,
+                                      temperature=0)
+    assert [c.index for c in texts.choices] == [0, 1]
+
+
+def test_streamed_choices_interleave_and_equal_the_whole(client, model_name):
+    kwargs = dict(model=model_name, prompt=[PROMPT_IDS, PROMPT_IDS[:5]], max_tokens=7, temperature=0, n=2,
+                  extra_body=GREEDY)
+    whole = client.completions.create(**kwargs)
+    chunks = list(client.completions.create(stream=True, stream_options={"include_usage": True}, **kwargs))
+    streamed: dict[int, list[int]] = {}
+    for chunk in chunks:
+        for c in chunk.choices:
+            streamed.setdefault(c.index, []).extend(c.model_extra.get("token_ids") or [])
+    assert streamed == {c.index: c.token_ids for c in whole.choices}
+    assert chunks[-1].usage.completion_tokens == 4 * 7 and chunks[-1].usage.prompt_tokens == 15
+    chat = list(client.chat.completions.create(model=model_name, messages=CHAT, max_tokens=4, temperature=0, n=2,
+                                               stream=True))
+    roles = [c.choices[0].index for c in chat if c.choices and c.choices[0].delta.role == "assistant"]
+    assert sorted(roles) == [0, 1]
+
+
+def test_echo_returns_the_prompt_before_the_completion(client, model_name):
+    plain = client.completions.create(model=model_name, prompt="Once upon a time", max_tokens=5, temperature=0)
+    echoed = client.completions.create(model=model_name, prompt="Once upon a time", max_tokens=5, temperature=0,
+                                       echo=True)
+    assert echoed.choices[0].text == "Once upon a time" + plain.choices[0].text
+    streamed = "".join(c.choices[0].text for c in client.completions.create(
+        model=model_name, prompt="Once upon a time", max_tokens=5, temperature=0, echo=True, stream=True)
+        if c.choices)
+    assert streamed == echoed.choices[0].text
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_disconnect_of_a_request_with_several_choices_frees_every_one(server, model_name, stream):
+    [worker] = server.worker_addresses
+    aborted_before = worker_stats(worker).num_aborted
+    body = {"model": model_name, "prompt": [PROMPT_IDS, PROMPT_IDS[:3]], "n": 2, "stream": stream, **LONG}
+    if stream:
+        with httpx.Client(timeout=30) as http:
+            with http.stream("POST", f"{server.openai_url}/completions", json=body) as reply:
+                assert reply.status_code == 200
+                lines = reply.iter_lines()          # held: a collected iterator closes the response
+                assert [line for _, line in zip(range(8), lines) if line.startswith("data:")]
+                assert worker_stats(worker).num_running == 4
+    else:
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(f"{server.openai_url}/completions", json=body, timeout=httpx.Timeout(30, read=0.5))
+    gone = time.monotonic()
+    stats = wait_idle({"worker": worker}, 1.0, since=gone).stats["worker"]
+    assert stats.num_aborted == aborted_before + 4, stats

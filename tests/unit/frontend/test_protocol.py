@@ -35,7 +35,15 @@ def test_completion_schema_errors(data, param, code):
 
 def test_unsupported_values_are_named():
     req = CompletionRequest.model_validate({"model": "m", "prompt": ["a", "b"], "n": 3, "echo": True})
-    assert {p for p, _ in req.unsupported_values()} == {"prompt", "n", "echo"}
+    assert req.unsupported_values() == [] and req.prompts() == ["a", "b"] and req.num_choices == 3
+    req = CompletionRequest.model_validate({"model": "m", "prompt": [[1, 2], [3]], "echo": True, "logprobs": 1,
+                                            "best_of": 4, "suffix": "x"})
+    assert {p for p, _ in req.unsupported_values()} == {"echo", "best_of", "suffix"}
+    assert req.prompts() == [[1, 2], [3]]
+    assert [p for p, _ in CompletionRequest.model_validate({"model": "m", "prompt": []}).unsupported_values()] == [
+        "prompt"]
+    assert CompletionRequest.model_validate({"model": "m", "prompt": [5, 6]}).prompts() == [[5, 6]]
+    assert error_for(CompletionRequest, {"model": "m", "prompt": "x", "n": 0}).param == "n"
     chat = ChatCompletionRequest.model_validate({"model": "m", "messages": [{"role": "user", "content": "x"}],
                                                  "logit_bias": {"5": 1.0}, "frequency_penalty": 0.0})
     assert [p for p, _ in chat.unsupported_values()] == ["logit_bias"]
