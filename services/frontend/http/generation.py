@@ -91,18 +91,21 @@ class GenerationEndpoints:
     def prepare_completion(self, raw: bytes) -> Prepared:
         body = self._parse(raw, CompletionRequest, "completions")
         choices: list[Choice] = []
-        request_id = new_request_id("cmpl")
+        request_id = _response_id("cmpl", body)
         for p, prompt in enumerate(body.prompts()):
             if isinstance(prompt, str):
                 self._check_length("completions", len(prompt), "prompt")
-            prompt_ids = self._refusing("completions", lambda: self.frontend.text_prompt(prompt))
+            prompt_ids = self._refusing("completions",
+                                        lambda: self.frontend.text_prompt(prompt, body.add_special_tokens))
+            prompt_ids = _truncated(prompt_ids, body)
             echo = "" if not body.echo else prompt if isinstance(prompt, str) else \
                 self.frontend.tokenizer.decode(prompt_ids)
             for j in range(body.num_choices):
                 index = p * body.num_choices + j
                 sampling = SamplingRequest(max_tokens=body.max_tokens, default_max_tokens=16,
                                            logprobs=body.logprobs, **_sampling_fields(body, j))
-                gen = self._prepare("completions", request_id, prompt_ids, sampling, "prompt", index)
+                gen = self._prepare("completions", _worker_id(request_id, body), prompt_ids, sampling, "prompt",
+                                    index)
                 fmt = CompletionFormatter(request_id, self.frontend.model_name, self.frontend.tokenizer, body,
                                           prompt_ids, index, echo)
                 choices.append(Choice(gen, fmt, first_of_prompt=j == 0))
@@ -113,17 +116,26 @@ class GenerationEndpoints:
         messages = [{"role": "system" if msg.role == "developer" else msg.role, "content": msg.text()}
                     for msg in body.messages]
         self._check_length("chat", sum(len(msg["content"]) for msg in messages), "messages")
-        prompt_ids = self._refusing("chat", lambda: self.frontend.chat_prompt(messages))
-        request_id = new_request_id("chatcmpl")
+        variables = {**(body.chat_template_kwargs or {}),
+                     **({"documents": body.documents} if body.documents is not None else {}),
+                     **({"reasoning_effort": body.reasoning_effort} if body.reasoning_effort else {})}
+        prompt_ids = self._refusing("chat", lambda: self.frontend.chat_prompt(
+            messages, add_generation_prompt=body.add_generation_prompt,
+            continue_final_message=body.continue_final_message, add_special_tokens=body.add_special_tokens,
+            variables=variables))
+        prompt_ids = _truncated(prompt_ids, body)
+        # echo: the reply starts with the last message when it is the assistant's (vLLM's rule).
+        echo = messages[-1]["content"] if body.echo and messages[-1]["role"] == "assistant" else ""
+        request_id = _response_id("chatcmpl", body)
         choices = []
         for j in range(body.num_choices):
             sampling = SamplingRequest(
                 max_tokens=body.requested_max_tokens(), default_max_tokens=None,
                 max_tokens_param="max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens",
                 logprobs=body.num_logprobs(), **_sampling_fields(body, j))
-            gen = self._prepare("chat", request_id, prompt_ids, sampling, "messages", j)
+            gen = self._prepare("chat", _worker_id(request_id, body), prompt_ids, sampling, "messages", j)
             choices.append(Choice(gen, ChatFormatter(request_id, self.frontend.model_name, self.frontend.tokenizer,
-                                                     body, prompt_ids, j), first_of_prompt=j == 0))
+                                                     body, prompt_ids, j, echo), first_of_prompt=j == 0))
         return Prepared(choices, body.stream, _include_usage(body))
 
     def _parse(self, raw: bytes, model: type[BaseModel], api: str):
@@ -143,7 +155,8 @@ class GenerationEndpoints:
         """The worker request of choice `index` (its id: the response's, then `-<index>` past the first)."""
         self._refusing(api, lambda: check_prompt_tokens(len(prompt_ids), self.max_prompt_tokens, param))
         params = self._refusing(api, lambda: self.frontend.sampling_params(sampling, len(prompt_ids)))
-        return GenerationRequest(request_id if index == 0 else f"{request_id}-{index}", api, prompt_ids, params)
+        return GenerationRequest(request_id if index == 0 else f"{request_id}-{index}", api, prompt_ids, params,
+                                 skip_special_tokens=sampling.skip_special_tokens)
 
     def _refusing(self, api: str, fn):
         """fn(); a refusal is counted in the requests metric (the lifecycle counts the rest)."""
@@ -341,7 +354,26 @@ def _sampling_fields(body, choice: int = 0) -> dict:
     seed, seed+1, ... so that n > 1 gives n different, reproducible samples."""
     seed = body.seed if body.seed is None or choice == 0 else body.seed + choice
     return dict(temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, min_p=body.min_p,
-                seed=seed, stop=body.stop_list(), ignore_eos=body.ignore_eos)
+                seed=seed, stop=body.stop_list(), ignore_eos=body.ignore_eos,
+                include_stop_str_in_output=body.include_stop_str_in_output,
+                skip_special_tokens=body.skip_special_tokens)
+
+
+def _response_id(prefix: str, body) -> str:
+    """The response's id: vLLM's `request_id` when the client sent one, else a fresh one."""
+    return f"{prefix}-{body.request_id}" if body.request_id else new_request_id(prefix)
+
+
+def _worker_id(response_id: str, body) -> str:
+    """The workers' id of the request: the response's, made unique when the client chose it
+    (clients reuse ids; two requests in flight on a worker may not share one)."""
+    return f"{response_id}-{new_request_id('r')[2:10]}" if body.request_id else response_id
+
+
+def _truncated(prompt_ids: list[int], body) -> list[int]:
+    """vLLM's truncate_prompt_tokens: keep the prompt's last k tokens."""
+    k = body.truncate_prompt_tokens
+    return prompt_ids[-k:] if k and len(prompt_ids) > k else prompt_ids
 
 
 def _include_usage(body) -> bool:

@@ -11,7 +11,7 @@ extensions are accepted too: top_k, min_p, ignore_eos, return_token_ids.
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -33,6 +33,7 @@ class _Strict(BaseModel):
 
 class StreamOptions(_Strict):
     include_usage: bool = False
+    continuous_usage_stats: bool = False      # vLLM: usage in every chunk too
 
 
 class TextPart(_Strict):
@@ -94,15 +95,78 @@ class _Common(_Strict):
         return [self.stop] if isinstance(self.stop, str) else list(self.stop)
 
 
-class ChatCompletionRequest(_Common):
+# vLLM's request fields that make no sense for this server, and why (a 400 names the reason).
+REFUSED_EXTENSIONS = {
+    "chat_template": "a request may not replace the served model's chat template (it is code the server runs)",
+    "logits_processors": "a request may not name server-side code to run as a logits processor",
+    "mm_processor_kwargs": "the served models take text only (no multimodal processor)",
+    "kv_transfer_params": "splitserve moves KV between its prefill and decode workers itself; there is no "
+                          "client-driven KV transfer",
+    "vllm_xargs": "no custom extensions are loaded that could read vllm_xargs",
+    "prompt_embeds": "prompts are token ids or text; embeddings cannot be sent",
+}
+
+
+class _VllmExtensions(_Strict):
+    """vLLM's extensions beyond OpenAI's schema, common to chat and completions."""
+
+    request_id: Annotated[str, Field(min_length=1, max_length=256)] | None = None
+    priority: int = 0
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    truncate_prompt_tokens: int | None = Field(default=None, ge=1)
+    return_tokens_as_token_ids: bool = False
+    use_beam_search: bool = False
+    length_penalty: float = 1.0
+    # Refused with a reason (REFUSED_EXTENSIONS): accepted by the schema so that the 400 says why.
+    chat_template: str | None = None
+    logits_processors: list[Any] | None = None
+    mm_processor_kwargs: dict[str, Any] | None = None
+    kv_transfer_params: dict[str, Any] | None = None
+    vllm_xargs: dict[str, Any] | None = None
+    prompt_embeds: str | list[Any] | None = None
+
+    def extension_problems(self) -> list[tuple[str, str]]:
+        problems = [(name, f"{name} is not supported: {why}") for name, why in REFUSED_EXTENSIONS.items()
+                    if getattr(self, name, None) is not None]
+        if self.priority != 0:
+            problems.append(("priority", "priority scheduling is not enabled: every request has priority 0"))
+        if self.use_beam_search:
+            problems.append(("use_beam_search", "beam search is not supported; use n for several samples"))
+        if self.length_penalty != 1.0:
+            problems.append(("length_penalty", "length_penalty only applies to beam search, which is not supported"))
+        if not self.spaces_between_special_tokens:
+            problems.append(("spaces_between_special_tokens", "the served tokenizers (fast, tokenizers-library) "
+                                                              "never put spaces between special tokens; only "
+                                                              "true is accepted"))
+        return problems
+
+
+class ChatCompletionRequest(_Common, _VllmExtensions):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+    # vLLM's chat extensions
+    echo: bool = False                   # the reply starts with the last message, when it is the assistant's
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    add_special_tokens: bool = False
+    documents: list[dict[str, str]] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    reasoning_effort: Literal["low", "medium", "high"] | None = None   # a template variable
+    include_reasoning: bool = True
+    parallel_tool_calls: bool | None = None
 
     def unsupported_values(self) -> list[tuple[str, str]]:
-        problems = super().unsupported_values()
+        problems = super().unsupported_values() + self.extension_problems()
+        if self.continue_final_message and self.add_generation_prompt:
+            problems.append(("continue_final_message", "continue_final_message needs add_generation_prompt=false"))
+        if self.continue_final_message and self.messages[-1].role != "assistant":
+            problems.append(("continue_final_message", "continue_final_message continues the last message, "
+                                                       "which must be the assistant's"))
         if self.top_logprobs is not None and not self.logprobs:
             problems.append(("top_logprobs", "top_logprobs needs logprobs=true"))
         return problems
@@ -117,16 +181,17 @@ class ChatCompletionRequest(_Common):
 TokenIds = Annotated[list[Annotated[int, Field(ge=0, le=MAX_TOKEN_ID)]], Field(min_length=1)]
 
 
-class CompletionRequest(_Common):
+class CompletionRequest(_Common, _VllmExtensions):
     prompt: str | TokenIds | list[str] | list[TokenIds]
     max_tokens: int | None = 16
     logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
     echo: bool = False
     suffix: str | None = None
     best_of: int | None = None
+    add_special_tokens: bool = True      # vLLM: BOS etc. as the tokenizer adds them to a text prompt
 
     def unsupported_values(self) -> list[tuple[str, str]]:
-        problems = super().unsupported_values()
+        problems = super().unsupported_values() + self.extension_problems()
         prompts = self.prompts()
         if not prompts:
             problems.append(("prompt", "prompt must not be an empty list"))

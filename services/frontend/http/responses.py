@@ -38,19 +38,26 @@ class _Formatter:
         self.token_texts = TokenTexts(tokenizer, prompt_ids)
         self.created = int(time.time())
         self.include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        self.continuous_usage = bool(self.include_usage and body.stream_options.continuous_usage_stats)
         self.return_token_ids = body.return_token_ids
+        self.tokens_as_ids = bool(getattr(body, "return_tokens_as_token_ids", False))
         self.last: Delta | None = None
 
     def _token_texts(self, lp: common_pb2.TokenLogprob) -> tuple[str, list[str]]:
-        """The chosen token's text and its alternatives', in the text before it."""
+        """The chosen token's text and its alternatives', in the text before it (vLLM's
+        return_tokens_as_token_ids: `token_id:<id>` instead, for tokens that are not text)."""
+        if self.tokens_as_ids:
+            self.token_texts.advance(lp.token_id)
+            return f"token_id:{lp.token_id}", [f"token_id:{t.token_id}" for t in lp.top]
         top = [self.token_texts.text(t.token_id) for t in lp.top]
         return self.token_texts.advance(lp.token_id), top
 
-    def _envelope(self, obj: str, choices: list) -> dict:
+    def _envelope(self, obj: str, choices: list, delta: Delta | None = None) -> dict:
         out = {"id": self.request_id, "object": obj, "created": self.created, "model": self.model,
                "choices": choices}
         if obj == self.object_stream and self.include_usage:
-            out["usage"] = None
+            # vLLM's continuous_usage_stats: every chunk carries the usage so far.
+            out["usage"] = _usage(delta) if self.continuous_usage and delta is not None else None
         return out
 
     def closing(self) -> list[dict]:
@@ -72,9 +79,10 @@ class ChatFormatter(_Formatter):
     object_full = "chat.completion"
 
     def __init__(self, request_id, model, tokenizer, body: ChatCompletionRequest, prompt_ids: list[int],
-                 index: int = 0):
+                 index: int = 0, echo_text: str = ""):
         super().__init__(request_id, model, tokenizer, body, prompt_ids, index)
         self.logprobs = body.logprobs
+        self.echo_text = echo_text      # vLLM's chat `echo`: the reply starts with the last message
 
     def _logprobs(self, logprobs: list[common_pb2.TokenLogprob]) -> dict | None:
         if not self.logprobs:
@@ -88,7 +96,7 @@ class ChatFormatter(_Formatter):
         return {"content": content}
 
     def opening(self) -> list[dict]:
-        choice = {"index": self.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+        choice = {"index": self.index, "delta": {"role": "assistant", "content": self.echo_text}, "logprobs": None,
                   "finish_reason": None}
         return [self._envelope(self.object_stream, [choice])]
 
@@ -100,11 +108,11 @@ class ChatFormatter(_Formatter):
                   "logprobs": self._logprobs(delta.logprobs), "finish_reason": delta.finish_reason}
         if self.return_token_ids:
             choice["token_ids"] = delta.token_ids
-        return [self._envelope(self.object_stream, [choice])]
+        return [self._envelope(self.object_stream, [choice], delta)]
 
     def full(self, deltas: list[Delta]) -> dict:
         text, token_ids, logprobs, last = self._finish(deltas)
-        choice = {"index": self.index, "message": {"role": "assistant", "content": text},
+        choice = {"index": self.index, "message": {"role": "assistant", "content": self.echo_text + text},
                   "logprobs": self._logprobs(logprobs), "finish_reason": last.finish_reason}
         if self.return_token_ids:
             choice["token_ids"] = token_ids
@@ -149,7 +157,7 @@ class CompletionFormatter(_Formatter):
                   "finish_reason": delta.finish_reason}
         if self.return_token_ids:
             choice["token_ids"] = delta.token_ids
-        return [self._envelope(self.object_stream, [choice])]
+        return [self._envelope(self.object_stream, [choice], delta)]
 
     def full(self, deltas: list[Delta]) -> dict:
         text, token_ids, logprobs, last = self._finish(deltas)

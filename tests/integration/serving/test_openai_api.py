@@ -475,3 +475,85 @@ def test_disconnect_of_a_request_with_several_choices_frees_every_one(server, mo
     gone = time.monotonic()
     stats = wait_idle({"worker": worker}, 1.0, since=gone).stats["worker"]
     assert stats.num_aborted == aborted_before + 4, stats
+
+
+# ---- vLLM's extensions --------------------------------------------------------------------------
+
+def test_request_id_names_the_response_and_may_be_reused(client, model_name):
+    outs = [client.chat.completions.create(model=model_name, messages=CHAT, max_tokens=3, temperature=0,
+                                           extra_body={"request_id": "client-42"}) for _ in range(2)]
+    assert [o.id for o in outs] == ["chatcmpl-client-42"] * 2
+    cmpl = client.completions.create(model=model_name, prompt="hi", max_tokens=2, extra_body={"request_id": "x"})
+    assert cmpl.id == "cmpl-x"
+
+
+@pytest.mark.parametrize("field, value, words", [
+    ("priority", 1, "priority scheduling"),
+    ("use_beam_search", True, "beam search"),
+    ("length_penalty", 0.5, "beam search"),
+    ("chat_template", "{{ messages }}", "chat template"),
+    ("logits_processors", ["my.module.Processor"], "server-side code"),
+    ("kv_transfer_params", {"do_remote_decode": True}, "KV"),
+    ("spaces_between_special_tokens", False, "only true"),
+])
+def test_extensions_that_make_no_sense_here_are_refused_saying_why(server, model_name, field, value, words):
+    reply = httpx.post(f"{server.openai_url}/chat/completions", json={
+        "model": model_name, "messages": CHAT, "max_tokens": 2, field: value}, timeout=30)
+    assert reply.status_code == 400
+    error = reply.json()["error"]
+    assert error["param"] == field and words in error["message"], error
+
+
+def test_include_stop_str_in_output_and_truncate_prompt_tokens(client, model_name, engine):
+    [free] = generate_text(engine, [PROMPT_IDS], SamplingParams(max_tokens=16, ignore_eos=True))
+    stop = free.text[len(free.text) // 2:][:3]
+    out = client.completions.create(model=model_name, prompt=PROMPT_IDS, max_tokens=16, temperature=0, stop=[stop],
+                                    extra_body={"ignore_eos": True, "include_stop_str_in_output": True})
+    assert out.choices[0].text == free.text[:free.text.index(stop) + len(stop)]
+    cut = client.completions.create(model=model_name, prompt=PROMPT_IDS, max_tokens=6, temperature=0,
+                                    extra_body={**GREEDY, "truncate_prompt_tokens": 3})
+    tail = client.completions.create(model=model_name, prompt=PROMPT_IDS[-3:], max_tokens=6, temperature=0,
+                                     extra_body=GREEDY)
+    assert cut.usage.prompt_tokens == 3 and cut.choices[0].token_ids == tail.choices[0].token_ids
+
+
+def test_add_special_tokens_on_a_text_prompt(client, model_name):
+    with_bos = client.completions.create(model=model_name, prompt="Once upon a time", max_tokens=1)
+    without = client.completions.create(model=model_name, prompt="Once upon a time", max_tokens=1,
+                                        extra_body={"add_special_tokens": False})
+    assert without.usage.prompt_tokens == with_bos.usage.prompt_tokens - 1      # no BOS
+
+
+def test_continue_final_message_and_chat_echo(client, model_name, llama_dir):
+    from splitserve.services.engine.loading.model_source import open_checkpoint
+    from splitserve.services.text.tokenizer import Tokenizer
+
+    messages = [*CHAT, {"role": "assistant", "content": "Red, green and"}]
+    out = client.chat.completions.create(model=model_name, messages=messages, max_tokens=5, temperature=0,
+                                         extra_body={**GREEDY, "add_generation_prompt": False,
+                                                     "continue_final_message": True, "echo": True})
+    # The same as completing the template's text, cut after the assistant's words.
+    tok = Tokenizer(open_checkpoint(str(llama_dir)))
+    text = tok.render_chat(messages, add_generation_prompt=False, continue_final_message=True)
+    assert text.endswith("Red, green and")
+    plain = client.completions.create(model=model_name, prompt=tok.encode(text, add_special_tokens=False),
+                                      max_tokens=5, temperature=0, extra_body=GREEDY)
+    assert out.choices[0].token_ids == plain.choices[0].token_ids
+    assert out.choices[0].message.content == "Red, green and" + plain.choices[0].text      # echo
+    reply = httpx.post(f"{client.base_url}chat/completions", json={
+        "model": model_name, "messages": messages, "continue_final_message": True}, timeout=30)
+    assert reply.status_code == 400 and reply.json()["error"]["param"] == "continue_final_message"
+    reply = httpx.post(f"{client.base_url}chat/completions", json={
+        "model": model_name, "messages": CHAT, "chat_template_kwargs": {"messages": []}}, timeout=30)
+    assert reply.status_code == 400 and "may not set messages" in reply.json()["error"]["message"]
+
+
+def test_return_tokens_as_token_ids_and_continuous_usage(client, model_name):
+    out = client.completions.create(model=model_name, prompt=PROMPT_IDS, max_tokens=4, temperature=0, logprobs=2,
+                                    extra_body={**GREEDY, "return_tokens_as_token_ids": True})
+    assert out.choices[0].logprobs.tokens == [f"token_id:{t}" for t in out.choices[0].token_ids]
+    chunks = [c for c in client.completions.create(
+        model=model_name, prompt=PROMPT_IDS, max_tokens=5, temperature=0, stream=True, extra_body=GREEDY,
+        stream_options={"include_usage": True, "continuous_usage_stats": True})]
+    counts = [c.usage.completion_tokens for c in chunks if c.choices]
+    assert counts == sorted(counts) and counts[-1] == 5 and all(c.usage is not None for c in chunks)
