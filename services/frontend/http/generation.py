@@ -365,9 +365,10 @@ def _response_id(prefix: str, body) -> str:
 
 
 def _worker_id(response_id: str, body) -> str:
-    """The workers' id of the request: the response's, made unique when the client chose it
-    (clients reuse ids; two requests in flight on a worker may not share one)."""
-    return f"{response_id}-{new_request_id('r')[2:10]}" if body.request_id else response_id
+    """The workers' id of the request (and the x-request-id header): the response's, unless the
+    client chose that one — clients reuse ids, two requests in flight on a worker may not share
+    one, and a client's text does not belong in a header — then a fresh one."""
+    return new_request_id(response_id.split("-", 1)[0]) if body.request_id else response_id
 
 
 def _truncated(prompt_ids: list[int], body) -> list[int]:

@@ -485,6 +485,9 @@ def test_request_id_names_the_response_and_may_be_reused(client, model_name):
     assert [o.id for o in outs] == ["chatcmpl-client-42"] * 2
     cmpl = client.completions.create(model=model_name, prompt="hi", max_tokens=2, extra_body={"request_id": "x"})
     assert cmpl.id == "cmpl-x"
+    # Any text: it names the body's id, never a header (the fuzzer found a newline there once).
+    odd = client.completions.create(model=model_name, prompt="hi", max_tokens=2, extra_body={"request_id": "a\nb é"})
+    assert odd.id == "cmpl-a\nb é"
 
 
 @pytest.mark.parametrize("field, value, words", [
