@@ -107,6 +107,26 @@ REFUSED_EXTENSIONS = {
 }
 
 
+# Fields that will be implemented (structured outputs, tools, prompt logprobs, token masks) and
+# are refused until then, each with what to do instead.
+NOT_YET = {
+    "response_format": "structured outputs are not supported yet; describe the format in the prompt",
+    "guided_json": "structured outputs are not supported yet",
+    "guided_regex": "structured outputs are not supported yet",
+    "guided_choice": "structured outputs are not supported yet",
+    "guided_grammar": "structured outputs are not supported yet",
+    "structural_tag": "structured outputs are not supported yet",
+    "guided_decoding_backend": "structured outputs are not supported yet",
+    "guided_whitespace_pattern": "structured outputs are not supported yet",
+    "tools": "tool calling is not supported yet",
+    "tool_choice": "tool calling is not supported yet",
+    "prompt_logprobs": "prompt logprobs are not computed yet; logprobs of generated tokens are",
+    "allowed_token_ids": "allowed_token_ids is not supported yet (use logit_bias)",
+    "bad_words": "bad_words is not supported yet (use logit_bias or stop)",
+    "cache_salt": "cache_salt is not supported yet: the prefix cache is shared by every request of a worker",
+}
+
+
 class _VllmExtensions(_Strict):
     """vLLM's extensions beyond OpenAI's schema, common to chat and completions."""
 
@@ -126,10 +146,29 @@ class _VllmExtensions(_Strict):
     kv_transfer_params: dict[str, Any] | None = None
     vllm_xargs: dict[str, Any] | None = None
     prompt_embeds: str | list[Any] | None = None
+    # Not yet (NOT_YET): in the schema so that the 400 says so and what to do instead.
+    response_format: dict[str, Any] | None = None
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    structural_tag: str | None = None
+    guided_decoding_backend: str | None = None
+    guided_whitespace_pattern: str | None = None
+    tools: list[Any] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    prompt_logprobs: int | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    cache_salt: str | None = None
 
     def extension_problems(self) -> list[tuple[str, str]]:
         problems = [(name, f"{name} is not supported: {why}") for name, why in REFUSED_EXTENSIONS.items()
                     if getattr(self, name, None) is not None]
+        # tool_choice "none" and an empty tools list change nothing: clients send them by default.
+        problems += [(name, why) for name, why in NOT_YET.items() if getattr(self, name, None) not in (None, [])
+                     and not (name == "tool_choice" and self.tool_choice == "none")
+                     and not (name == "bad_words" and not self.bad_words)]
         if self.priority != 0:
             problems.append(("priority", "priority scheduling is not enabled: every request has priority 0"))
         if self.use_beam_search:

@@ -20,7 +20,7 @@ def error_for(model, data):
 
 
 @pytest.mark.parametrize("data, param, code", [
-    ({"model": "m", "prompt": "x", "tools": []}, "tools", "unsupported_parameter"),
+    ({"model": "m", "prompt": "x", "frobnicate": []}, "frobnicate", "unsupported_parameter"),
     ({"prompt": "x"}, "model", "missing_required_parameter"),
     ({"model": "m", "prompt": "x", "max_tokens": "5"}, "max_tokens", "invalid_value"),
     ({"model": "m", "prompt": "x", "max_tokens": True}, "max_tokens", "invalid_value"),
@@ -31,6 +31,17 @@ def test_completion_schema_errors(data, param, code):
     error = error_for(CompletionRequest, data)
     assert (error.status, error.param, error.code) == (400, param, code)
     assert error.body()["error"]["type"] == "invalid_request_error"
+
+
+def test_fields_not_supported_yet_say_so():
+    chat = ChatCompletionRequest.model_validate({
+        "model": "m", "messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}],
+        "tool_choice": "auto", "response_format": {"type": "json_object"}, "prompt_logprobs": 1})
+    assert {p for p, _ in chat.unsupported_values()} == {"tools", "tool_choice", "response_format", "prompt_logprobs"}
+    quiet = ChatCompletionRequest.model_validate({     # what clients send by default changes nothing
+        "model": "m", "messages": [{"role": "user", "content": "x"}], "tools": [], "tool_choice": "none",
+        "bad_words": []})
+    assert quiet.unsupported_values() == []
 
 
 def test_unsupported_values_are_named():
