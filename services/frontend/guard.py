@@ -6,7 +6,8 @@ request before the app does and every response status after. In order:
 1. /health, /ready, /metrics and /openapi.json are open: no key, no limits.
 2. API key (when keys are configured): `Authorization: Bearer KEY`, else 401
    `invalid_api_key`. The key is never logged; only its id (auth.key_id) is.
-3. Generation requests (POST /v1/...): per-client concurrency and rate (429 with
+3. Generation requests (POST /v1/...) and POST /tokenize, /detokenize (the text work is
+   the frontend's CPU, so they are bounded the same way): per-client concurrency and rate (429 with
    Retry-After), then the body is read here, at most max_body_bytes (413 beyond,
    checked against Content-Length first), and replayed to the app.
 4. The rest of the request runs under request_timeout_s (limits.py says what a
@@ -33,6 +34,7 @@ log = logging.getLogger(__name__)
 
 DRAIN_FACTOR = 16          # an over-limit body this many times the limit is still read (and dropped)
 OPEN_PATHS = frozenset({"/health", "/ready", "/metrics", "/openapi.json"})
+LIMITED_ROOT_PATHS = frozenset({"/tokenize", "/detokenize"})   # limited like POST /v1/...
 
 
 
@@ -74,7 +76,8 @@ class GuardMiddleware:
                     code="invalid_api_key"), {"www-authenticate": "Bearer"})
                 return
             client = key
-        if scope["method"] != "POST" or not scope["path"].startswith("/v1/"):
+        if scope["method"] != "POST" or not (scope["path"].startswith("/v1/")
+                                             or scope["path"] in LIMITED_ROOT_PATHS):
             await self._run(scope, receive, send)
             return
         refusal = guard.limiter.admit(client)

@@ -1,12 +1,14 @@
-"""The OpenAI-compatible HTTP API: chat and text completions, models, health, metrics.
+"""The OpenAI-compatible HTTP API: chat and text completions, responses, models, tokenization,
+health, metrics.
 
 The app is FastAPI with two pure-ASGI layers in front, outermost first: the
 guard (guard.py: API keys, limits, body size, request timeout) and the
-generation endpoints (http/generation.py: POST /v1/completions and
-/v1/chat/completions, served without FastAPI's routing for the sake of
-latency). Everything else — /v1/models (503 until a worker can serve the
-model), /health, /ready, /metrics, /openapi.json, and the OpenAI-style errors
-for unknown routes — is FastAPI.
+generation endpoints (http/generation.py: POST /v1/completions,
+/v1/chat/completions and /v1/responses (http/responses_api.py), served without
+FastAPI's routing for the sake of latency). Everything else — /v1/models (503
+until a worker can serve the model), /tokenize and /detokenize
+(http/tokenization.py), /health, /ready, /metrics, /openapi.json, and the
+OpenAI-style errors for unknown routes — is FastAPI.
 """
 
 from __future__ import annotations
@@ -22,6 +24,8 @@ from splitserve.services.frontend.http.generation import GenerationEndpoints
 from splitserve.services.frontend.guard import Guard, GuardMiddleware
 from splitserve.services.frontend.core import Frontend
 from splitserve.services.frontend.http.openapi import build_openapi
+from splitserve.services.frontend.http.responses_api import ResponsesRoute
+from splitserve.services.frontend.http.tokenization import install_tokenization
 
 
 def build_app(frontend: Frontend, guard: Guard | None = None) -> GuardMiddleware:
@@ -60,7 +64,10 @@ def build_app(frontend: Frontend, guard: Guard | None = None) -> GuardMiddleware
         return {"object": "list", "data": [{"id": frontend.model_name, "object": "model", "created": 0,
                                             "owned_by": "splitserve", "max_model_len": frontend.max_model_len}]}
 
-    return GuardMiddleware(GenerationEndpoints(app, frontend, guard.limits.max_prompt_tokens), guard)
+    install_tokenization(app, frontend, _JSONResponse)
+    endpoints = GenerationEndpoints(app, frontend, guard.limits.max_prompt_tokens)
+    endpoints.routes["/v1/responses"] = ResponsesRoute(endpoints).prepare
+    return GuardMiddleware(endpoints, guard)
 
 
 class _JSONResponse(JSONResponse):
