@@ -34,7 +34,9 @@ MAX_TOKENS_CAP = 4
 P, N = GenerationMode.POSITIVE, GenerationMode.NEGATIVE
 # (path, method, mode); GET /v1/models takes no input, so it has no negative cases.
 CASES = [("/v1/chat/completions", "POST", P), ("/v1/chat/completions", "POST", N),
-         ("/v1/completions", "POST", P), ("/v1/completions", "POST", N), ("/v1/models", "GET", P)]
+         ("/v1/completions", "POST", P), ("/v1/completions", "POST", N), ("/v1/models", "GET", P),
+         ("/v1/responses", "POST", P), ("/v1/responses", "POST", N), ("/tokenize", "POST", P),
+         ("/tokenize", "POST", N), ("/detokenize", "POST", P), ("/detokenize", "POST", N)]
 CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance, response_schema_conformance]
 
 
@@ -42,9 +44,11 @@ def _cap(case) -> None:
     """Keep generation short: valid requests would otherwise ask for up to the whole context."""
     body = case.body
     if isinstance(body, dict):
-        if "messages" in body and body.get("max_tokens") is None and body.get("max_completion_tokens") is None:
+        if case.path == "/v1/chat/completions" and body.get("max_tokens") is None and body.get("max_completion_tokens") is None:
             body["max_tokens"] = MAX_TOKENS_CAP      # a chat request's default is the rest of the context
-        for name in ("max_tokens", "max_completion_tokens"):
+        if "input" in body and body.get("max_output_tokens") is None:
+            body["max_output_tokens"] = MAX_TOKENS_CAP    # so is a response's
+        for name in ("max_tokens", "max_completion_tokens", "max_output_tokens"):
             if isinstance(body.get(name), int) and not isinstance(body.get(name), bool) and body[name] > MAX_TOKENS_CAP:
                 body[name] = MAX_TOKENS_CAP
 

@@ -212,6 +212,18 @@ def test_a_body_over_the_limit_is_413_before_the_app_sees_it():
     assert rejected("http", "body_too_large") == 2
 
 
+def test_tokenization_is_bounded_like_generation():
+    guard, rejected = counted_guard(max_body_bytes=16)
+    app = RecordingApp()
+    middleware = GuardMiddleware(app, guard)
+
+    async def main():
+        return [await _call(middleware, path, chunks=(b"x" * 100,)) for path in ("/tokenize", "/detokenize")]
+
+    assert [reply.status for reply in asyncio.run(main())] == [413, 413]
+    assert app.paths == [] and rejected("http", "body_too_large") == 2
+
+
 def test_a_4xx_from_the_app_is_counted_as_invalid():
     guard, rejected = counted_guard()
     middleware = GuardMiddleware(RecordingApp(status=400), guard)

@@ -6,14 +6,16 @@ import schemathesis
 
 from splitserve.services.frontend.http.openapi import build_openapi
 from splitserve.services.frontend.http.protocol import ChatCompletionRequest, CompletionRequest
+from splitserve.services.frontend.http.responses_api import ResponsesRequest
+from splitserve.services.frontend.http.tokenization import DetokenizeRequest, TokenizeChatRequest
 
 
 def test_document_loads_and_lists_every_operation():
     doc = build_openapi("served", "0.1.0")
     schema = schemathesis.openapi.from_dict(doc)
     labels = {op.ok().label for op in schema.get_all_operations()}
-    assert labels == {"POST /v1/chat/completions", "POST /v1/completions", "GET /v1/models", "GET /health",
-                      "GET /ready", "GET /metrics"}
+    assert labels == {"POST /v1/chat/completions", "POST /v1/completions", "POST /v1/responses", "GET /v1/models",
+                      "POST /tokenize", "POST /detokenize", "GET /health", "GET /ready", "GET /metrics"}
 
 
 def test_request_schemas_are_the_pydantic_models():
@@ -24,6 +26,16 @@ def test_request_schemas_are_the_pydantic_models():
         assert props["model"]["enum"] == ["served"]
         assert schemas[model.__name__]["additionalProperties"] is False
     assert "enum" not in build_openapi(None, "0")["components"]["schemas"]["CompletionRequest"]["properties"]["model"]
+    for model in (ResponsesRequest, TokenizeChatRequest, DetokenizeRequest):
+        assert set(schemas[model.__name__]["properties"]) == set(model.model_fields)
+    assert schemas["ResponsesRequest"]["properties"]["model"]["enum"] == ["served"]
+    assert schemas["DetokenizeRequest"]["properties"]["model"]["anyOf"][1] == {"type": "null"}   # optional
+
+
+def test_tokenize_takes_either_of_vllms_bodies():
+    body = build_openapi("m", "0")["paths"]["/tokenize"]["post"]["requestBody"]["content"]["application/json"]
+    assert [ref["$ref"].rsplit("/", 1)[1] for ref in body["schema"]["oneOf"]] == [
+        "TokenizeCompletionRequest", "TokenizeChatRequest"]
 
 
 def test_every_refusal_is_documented_with_the_error_schema():
