@@ -61,8 +61,10 @@ def build_app(frontend: Frontend, guard: Guard | None = None) -> GuardMiddleware
         # an empty list that looks like a server with no model.
         if (error := frontend.unavailable()) is not None:
             return _JSONResponse(error.body(), status_code=error.status)
+        # vLLM's ModelCard: root and parent (no LoRA adapters here, so the model is its own root).
         return {"object": "list", "data": [{"id": frontend.model_name, "object": "model", "created": 0,
-                                            "owned_by": "splitserve", "max_model_len": frontend.max_model_len}]}
+                                            "owned_by": "splitserve", "root": frontend.model_name, "parent": None,
+                                            "max_model_len": frontend.max_model_len}]}
 
     install_tokenization(app, frontend, _JSONResponse)
     endpoints = GenerationEndpoints(app, frontend, guard.limits.max_prompt_tokens)

@@ -35,6 +35,7 @@ from typing import Annotated, Literal
 from pydantic import ConfigDict, Field
 
 from splitserve.services.frontend.core import Delta, SamplingRequest, new_request_id
+from splitserve.services.frontend.errors import APIError
 from splitserve.services.frontend.http.generation import Choice, GenerationEndpoints, Prepared
 from splitserve.services.frontend.http.protocol import _Strict
 from splitserve.services.wire.outputs import FinishReason
@@ -251,9 +252,14 @@ class ResponsesRoute:
         ep, frontend = self.endpoints, self.endpoints.frontend
         body = ep._parse(raw, ResponsesRequest, "responses")
         messages = body.chat_messages()
-        ep._check_length("responses", sum(len(msg["content"]) for msg in messages), "input")
-        prompt_ids = ep._refusing("responses", lambda: frontend.chat_prompt(messages))
-        gen = ep._prepare("responses", new_request_id("resp"), prompt_ids, body.sampling(), "input")
+        try:
+            ep._check_length("responses", sum(len(msg["content"]) for msg in messages), "input")
+            prompt_ids = ep._refusing("responses", lambda: frontend.chat_prompt(messages))
+            gen = ep._prepare("responses", new_request_id("resp"), prompt_ids, body.sampling(), "input")
+        except APIError as error:
+            if error.param in ("messages", "prompt"):     # the chat path's names for what is `input` here
+                error.param = "input"
+            raise
         formatter = ResponsesFormatter(gen.request_id, frontend.model_name, body, gen.params.temperature,
                                        gen.params.top_p)
         return Prepared([Choice(gen, formatter)], body.stream)

@@ -201,3 +201,24 @@ def test_cancel_mid_decode_frees_both_workers(deployment, stream):
     d = after["decode-0"]
     assert d.num_aborted == before_d.num_aborted + 1
     assert d.num_generated_tokens - before_d.num_generated_tokens < 3000
+
+
+@pytest.mark.parametrize("deployment", DEFAULT, ids=_id, indirect=True)
+def test_responses_api_over_the_disaggregated_path(deployment):
+    """/v1/responses takes the chat route: a prompt past the threshold is prefilled remotely and
+    the streamed response is the chat completion's greedy text."""
+    _, server = deployment
+    client = openai.OpenAI(base_url=server.openai_url, api_key="unused", max_retries=0, timeout=60)
+    instructions = "Answer in one short sentence, and name nothing but colours. " * 4
+    messages = [{"role": "system", "content": instructions}, {"role": "user", "content": "Name three colours."}]
+    [prefill] = server.role("prefill")
+    before = worker_stats(prefill).num_prefills_served
+    with client.responses.stream(model=_model(server), instructions=instructions, input="Name three colours.",
+                                 max_output_tokens=MAX_TOKENS, temperature=0) as stream:
+        final = stream.get_final_response()
+    assert worker_stats(prefill).num_prefills_served == before + 1
+    chat = client.chat.completions.create(model=_model(server), messages=messages, max_tokens=MAX_TOKENS,
+                                          temperature=0)
+    assert final.output_text == chat.choices[0].message.content
+    assert final.usage.input_tokens == chat.usage.prompt_tokens > THRESHOLD
+    wait_idle(server.workers, 1.0)

@@ -40,6 +40,7 @@ def _chat_greedy(client, model_name, max_tokens: int):
 def test_models_carry_max_model_len(server, client, model_name):
     [card] = client.models.list().data
     assert card.id == model_name and card.max_model_len > 0
+    assert (card.root, card.parent) == (model_name, None)          # vLLM's ModelCard
     tokenized = httpx.post(f"{server.base_url}/tokenize", json={"prompt": "x"}).json()
     assert tokenized["max_model_len"] == card.max_model_len
 

@@ -157,6 +157,7 @@ def test_responses_prompt_is_the_chat_prompt(frontend, tokenizer):
     ({"temperature": 3}, "temperature"),
     ({"max_output_tokens": 0}, "max_output_tokens"),
     ({"max_output_tokens": 10**6}, "max_output_tokens"),
+    ({"input": "word " * 300}, "input"),                  # longer than the 256-token context
     ({"frequency_penalty": 1.0}, "frequency_penalty"),
     ({"model": "other"}, "model"),
 ])
