@@ -272,7 +272,11 @@ def loads_body(raw: bytes):
 
 def _sampling_fields(body) -> dict:
     return dict(temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, min_p=body.min_p,
-                seed=body.seed, stop=body.stop_list(), ignore_eos=body.ignore_eos)
+                seed=body.seed, stop=body.stop_list(), ignore_eos=body.ignore_eos,
+                presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
+                repetition_penalty=body.repetition_penalty, min_tokens=body.min_tokens,
+                stop_token_ids=list(body.stop_token_ids or []),
+                logit_bias={int(k): v for k, v in (body.logit_bias or {}).items()})
 
 
 async def collect(fmt, first: Delta, deltas: AsyncIterator[Delta]) -> dict:

@@ -37,6 +37,18 @@ def test_next_worker_call_carries_forwarded_tokens_budget_and_draws():
     assert (params.seed, params.num_prior_draws, params.max_tokens) == (3, 2, 8)
 
 
+def test_next_worker_call_counts_forwarded_tokens_as_output_for_penalties_and_min_tokens():
+    first = SamplingParams(max_tokens=10, frequency_penalty=1.0, min_tokens=4, logit_bias={5: -3.0})
+    p = Progress("r", PROMPT, first, token_ids=[5, 6, 5])
+    params = params_from_proto(p.worker_request().params)
+    assert (params.num_prior_output_tokens, params.min_tokens, params.max_tokens) == (3, 1, 7)
+    assert params.frequency_penalty == 1.0 and params.logit_bias == {5: -3.0}
+    # A second migration: the earlier worker's prompt already held 3 output tokens.
+    again = Progress("r", PROMPT + [5, 6, 5], params, token_ids=[9, 9])
+    params = params_from_proto(again.worker_request().params)
+    assert (params.num_prior_output_tokens, params.min_tokens, params.max_tokens) == (5, 0, 5)
+
+
 def test_refusals():
     p = Progress("r", PROMPT, SamplingParams(max_tokens=10), token_ids=[5])
     assert MigrationPolicy(0).refusal(p, 100) is Refusal.DISABLED
