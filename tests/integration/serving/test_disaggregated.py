@@ -121,7 +121,8 @@ def test_sampling_controls_through_the_prefill_worker_equal_aggregated(deploymen
     client = openai.OpenAI(base_url=server.openai_url, api_key="unused", max_retries=0, timeout=60)
     eos = min(engine.eos_token_ids)
     before = worker_stats(prefill).num_prefills_served
-    for prompt in PROMPTS[1:]:
+    # Fresh prompts, over the threshold: earlier tests' prompts are cached on the decode worker.
+    for prompt in (_prompt(40, 45), _prompt(41, 130), _prompt(42, 300)):
         [plain] = engine.generate([prompt], SamplingParams(max_tokens=1))
         controls = dict(logit_bias={plain.token_ids[0]: -100.0, eos: 100.0}, min_tokens=4,
                         repetition_penalty=0.6, frequency_penalty=0.5, presence_penalty=-1.0)
