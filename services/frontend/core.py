@@ -51,6 +51,7 @@ class GenerationRequest:
     prompt_ids: list[int]
     params: SamplingParams
     arrival: float = field(default_factory=time.monotonic)
+    skip_special_tokens: bool = True      # the text of the output (workers see token ids only)
 
 
 @dataclass(slots=True)
@@ -82,6 +83,8 @@ class SamplingRequest:
     ignore_eos: bool = False
     logprobs: int | None = None
     max_tokens_param: str = "max_tokens"
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True      # for the text only: not a worker parameter
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None
@@ -150,16 +153,18 @@ class Frontend:
             raise APIError(404, f"the model {name!r} does not exist; this server serves {served!r}",
                            param="model", code="model_not_found")
 
-    def chat_prompt(self, messages: list[dict]) -> list[int]:
+    def chat_prompt(self, messages: list[dict], **options) -> list[int]:
+        """The chat's prompt ids; `options`: Tokenizer.apply_chat_template's (generation prompt,
+        continue the final message, special tokens, template variables)."""
         try:
-            return self.tokenizer.apply_chat_template(messages)
+            return self.tokenizer.apply_chat_template(messages, **options)
         except InvalidRequestError as exc:
             raise invalid(str(exc), "messages") from exc
 
-    def text_prompt(self, prompt: str | list[int]) -> list[int]:
+    def text_prompt(self, prompt: str | list[int], add_special_tokens: bool = True) -> list[int]:
         if not prompt:      # before encoding: "" would still become [BOS]
             raise invalid("the prompt is empty", "prompt")
-        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        ids = self.tokenizer.encode(prompt, add_special_tokens) if isinstance(prompt, str) else list(prompt)
         if not ids:
             raise invalid("the prompt is empty", "prompt")
         return ids
@@ -187,6 +192,7 @@ class Frontend:
         params = SamplingParams(
             max_tokens=max_tokens, temperature=d.temperature_or(s.temperature), top_p=d.top_p_or(s.top_p),
             top_k=d.top_k_or(s.top_k), min_p=d.min_p_or(s.min_p), seed=s.seed, stop=list(s.stop), ignore_eos=s.ignore_eos, logprobs=s.logprobs,
+            include_stop_str_in_output=s.include_stop_str_in_output,
             presence_penalty=s.presence_penalty or 0.0, frequency_penalty=s.frequency_penalty or 0.0,
             repetition_penalty=d.repetition_penalty_or(s.repetition_penalty),
             # Like vLLM's server: a bias beyond +-100 is clamped, not refused.
@@ -203,7 +209,7 @@ class Frontend:
         """Stream the request's deltas; when a worker's stream breaks, continue on another
         decode worker (migration.py) so the caller sees one uninterrupted stream."""
         progress = Progress(req.request_id, req.prompt_ids, req.params)
-        run = _Run(StopChecker(self.tokenizer, req.params, req.prompt_ids))
+        run = _Run(StopChecker(self.tokenizer, req.params, req.prompt_ids, req.skip_special_tokens))
         faults = self.metrics.faults
         status, failure = m.STATUS_ERROR, "error"
         self.metrics.in_flight.inc()

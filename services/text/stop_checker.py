@@ -24,13 +24,14 @@ class StopChecker:
     tokenizer: Tokenizer
     params: SamplingParams
     prompt_ids: InitVar[Sequence[int]] = ()    # the text continues the prompt's (detokenizer context)
+    skip_special_tokens: InitVar[bool] = True
     detok: IncrementalDetokenizer = field(init=False)
     emitted: int = 0                  # characters of detok.text already handed out
     final_text: str | None = None     # set when a stop string cut the text
     num_tokens: int = 0               # output tokens added (stop strings wait for min_tokens)
 
-    def __post_init__(self, prompt_ids: Sequence[int]) -> None:
-        self.detok = IncrementalDetokenizer.after(self.tokenizer, prompt_ids)
+    def __post_init__(self, prompt_ids: Sequence[int], skip_special_tokens: bool) -> None:
+        self.detok = IncrementalDetokenizer.after(self.tokenizer, prompt_ids, skip_special_tokens)
 
     def add(self, token_id: int) -> bool:
         """The next output token; True when it completes a stop string (the request ends

@@ -61,20 +61,39 @@ class Tokenizer:
     def id_to_token(self, token_id: int) -> str | None:
         return self._tok.id_to_token(token_id)
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
-        return self.encode(self.render_chat(messages, add_generation_prompt), add_special_tokens=False)
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            continue_final_message: bool = False, add_special_tokens: bool = False,
+                            variables: dict | None = None) -> list[int]:
+        text = self.render_chat(messages, add_generation_prompt, continue_final_message, variables)
+        return self.encode(text, add_special_tokens=add_special_tokens)
 
-    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True,
+                    continue_final_message: bool = False, variables: dict | None = None) -> str:
+        """The chat as the model's template renders it. `continue_final_message`: cut after the
+        last message's text, so the model continues it (a prefilled reply); `variables` reach
+        the template (chat_template_kwargs, documents, ...)."""
+        variables = dict(variables or {})
+        reserved = {"messages", "add_generation_prompt", "bos_token", "eos_token"} & set(variables)
+        if reserved:
+            raise InvalidRequestError(f"chat_template_kwargs may not set {', '.join(sorted(reserved))}")
         if not self.chat_template:
             raise InvalidRequestError("this model has no chat template; send a plain prompt instead")
         if self._template is None:
             self._template = _jinja_env().from_string(self.chat_template)
         try:
-            return self._template.render(
+            text = self._template.render(
                 messages=messages, add_generation_prompt=add_generation_prompt,
-                bos_token=self.bos_token or "", eos_token=self.eos_token or "")
+                bos_token=self.bos_token or "", eos_token=self.eos_token or "", **variables)
         except jinja2.TemplateError as exc:
             raise InvalidRequestError(f"chat template failed: {exc}") from exc
+        if continue_final_message:
+            final = messages[-1].get("content") or ""
+            at = text.rfind(final) if final else -1
+            if at < 0:
+                raise InvalidRequestError("continue_final_message: the chat template does not show the last "
+                                          "message's text")
+            text = text[:at + len(final)]
+        return text
 
 
 class _TemplateError(jinja2.TemplateError):
@@ -111,18 +130,23 @@ class IncrementalDetokenizer:
     prefix_offset: int = 0
     read_offset: int = 0
     text: str = ""
+    skip_special_tokens: bool = True
 
     @classmethod
-    def after(cls, tokenizer: Tokenizer, prompt_ids: Sequence[int]) -> "IncrementalDetokenizer":
+    def after(cls, tokenizer: Tokenizer, prompt_ids: Sequence[int],
+              skip_special_tokens: bool = True) -> "IncrementalDetokenizer":
         """For the tokens that follow `prompt_ids`: decoded after the prompt's last tokens, the
         first one keeps the space it loses at the start of a text (SentencePiece "▁word")."""
         tail = list(prompt_ids[-CONTEXT_TOKENS:])
-        return cls(tokenizer, tail, 0, len(tail))
+        return cls(tokenizer, tail, 0, len(tail), skip_special_tokens=skip_special_tokens)
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
 
     def add(self, token_id: int) -> str:
         self.token_ids.append(token_id)
-        prefix = self.tokenizer.decode(self.token_ids[self.prefix_offset:self.read_offset])
-        full = self.tokenizer.decode(self.token_ids[self.prefix_offset:])
+        prefix = self._decode(self.token_ids[self.prefix_offset:self.read_offset])
+        full = self._decode(self.token_ids[self.prefix_offset:])
         if len(full) > len(prefix) and not full.endswith("\ufffd"):
             delta = full[len(prefix):]
             self.prefix_offset = self.read_offset
@@ -133,8 +157,8 @@ class IncrementalDetokenizer:
 
     def flush(self) -> str:
         """At the end of a stream, emit whatever was held back."""
-        full = self.tokenizer.decode(self.token_ids[self.prefix_offset:])
-        prefix = self.tokenizer.decode(self.token_ids[self.prefix_offset:self.read_offset])
+        full = self._decode(self.token_ids[self.prefix_offset:])
+        prefix = self._decode(self.token_ids[self.prefix_offset:self.read_offset])
         delta = full[len(prefix):] if full.startswith(prefix) else ""
         self.prefix_offset = self.read_offset = len(self.token_ids)
         self.text += delta

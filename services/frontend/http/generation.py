@@ -19,6 +19,7 @@ client disconnects it cancels the request, which cancels the worker call
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 from collections.abc import AsyncIterator, Callable
@@ -33,7 +34,7 @@ from splitserve.services.frontend.errors import APIError, from_validation_error,
 from splitserve.services.frontend.core import Delta, Frontend, GenerationRequest, SamplingRequest, new_request_id
 from splitserve.services.frontend.limits import PromptBound, check_prompt_tokens
 from splitserve.services.frontend.http.protocol import ChatCompletionRequest, CompletionRequest
-from splitserve.services.frontend.http.responses import ChatFormatter, CompletionFormatter
+from splitserve.services.frontend.http.responses import ChatFormatter, CompletionFormatter, merge_full, merged_usage
 
 log = logging.getLogger(__name__)
 
@@ -41,12 +42,29 @@ _SSE_HEADERS = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache
 
 
 @dataclass(slots=True)
-class Prepared:
-    """A parsed, validated request, ready to generate."""
+class Choice:
+    """One choice of a response: its worker request and the formatter of its output."""
 
     gen: GenerationRequest
     formatter: ChatFormatter | CompletionFormatter
+    first_of_prompt: bool = True     # counts its prompt's tokens in the usage
+
+
+@dataclass(slots=True)
+class Prepared:
+    """A parsed, validated request, ready to generate: one choice, or n per prompt."""
+
+    choices: list[Choice]
     stream: bool
+    include_usage: bool = False
+
+    @property
+    def gen(self) -> GenerationRequest:
+        return self.choices[0].gen
+
+    @property
+    def formatter(self) -> ChatFormatter | CompletionFormatter:
+        return self.choices[0].formatter
 
 
 class GenerationEndpoints:
@@ -72,29 +90,53 @@ class GenerationEndpoints:
     # -- parsing ---------------------------------------------------------------------
     def prepare_completion(self, raw: bytes) -> Prepared:
         body = self._parse(raw, CompletionRequest, "completions")
-        prompt = body.single_prompt()
-        if isinstance(prompt, str):
-            self._check_length("completions", len(prompt), "prompt")
-        prompt_ids = self._refusing("completions", lambda: self.frontend.text_prompt(prompt))
-        sampling = SamplingRequest(max_tokens=body.max_tokens, default_max_tokens=16,
-                                   logprobs=body.logprobs, **_sampling_fields(body))
-        gen = self._prepare("completions", "cmpl", prompt_ids, sampling, "prompt")
-        return Prepared(gen, CompletionFormatter(gen.request_id, self.frontend.model_name,
-                                                 self.frontend.tokenizer, body, prompt_ids), body.stream)
+        choices: list[Choice] = []
+        request_id = _response_id("cmpl", body)
+        for p, prompt in enumerate(body.prompts()):
+            if isinstance(prompt, str):
+                self._check_length("completions", len(prompt), "prompt")
+            prompt_ids = self._refusing("completions",
+                                        lambda: self.frontend.text_prompt(prompt, body.add_special_tokens))
+            prompt_ids = _truncated(prompt_ids, body)
+            echo = "" if not body.echo else prompt if isinstance(prompt, str) else \
+                self.frontend.tokenizer.decode(prompt_ids)
+            for j in range(body.num_choices):
+                index = p * body.num_choices + j
+                sampling = SamplingRequest(max_tokens=body.max_tokens, default_max_tokens=16,
+                                           logprobs=body.logprobs, **_sampling_fields(body, j))
+                gen = self._prepare("completions", _worker_id(request_id, body), prompt_ids, sampling, "prompt",
+                                    index)
+                fmt = CompletionFormatter(request_id, self.frontend.model_name, self.frontend.tokenizer, body,
+                                          prompt_ids, index, echo)
+                choices.append(Choice(gen, fmt, first_of_prompt=j == 0))
+        return Prepared(choices, body.stream, _include_usage(body))
 
     def prepare_chat(self, raw: bytes) -> Prepared:
         body = self._parse(raw, ChatCompletionRequest, "chat")
         messages = [{"role": "system" if msg.role == "developer" else msg.role, "content": msg.text()}
                     for msg in body.messages]
         self._check_length("chat", sum(len(msg["content"]) for msg in messages), "messages")
-        prompt_ids = self._refusing("chat", lambda: self.frontend.chat_prompt(messages))
-        sampling = SamplingRequest(
-            max_tokens=body.requested_max_tokens(), default_max_tokens=None,
-            max_tokens_param="max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens",
-            logprobs=body.num_logprobs(), **_sampling_fields(body))
-        gen = self._prepare("chat", "chatcmpl", prompt_ids, sampling, "messages")
-        return Prepared(gen, ChatFormatter(gen.request_id, self.frontend.model_name, self.frontend.tokenizer,
-                                           body, prompt_ids), body.stream)
+        variables = {**(body.chat_template_kwargs or {}),
+                     **({"documents": body.documents} if body.documents is not None else {}),
+                     **({"reasoning_effort": body.reasoning_effort} if body.reasoning_effort else {})}
+        prompt_ids = self._refusing("chat", lambda: self.frontend.chat_prompt(
+            messages, add_generation_prompt=body.add_generation_prompt,
+            continue_final_message=body.continue_final_message, add_special_tokens=body.add_special_tokens,
+            variables=variables))
+        prompt_ids = _truncated(prompt_ids, body)
+        # echo: the reply starts with the last message when it is the assistant's (vLLM's rule).
+        echo = messages[-1]["content"] if body.echo and messages[-1]["role"] == "assistant" else ""
+        request_id = _response_id("chatcmpl", body)
+        choices = []
+        for j in range(body.num_choices):
+            sampling = SamplingRequest(
+                max_tokens=body.requested_max_tokens(), default_max_tokens=None,
+                max_tokens_param="max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens",
+                logprobs=body.num_logprobs(), **_sampling_fields(body, j))
+            gen = self._prepare("chat", _worker_id(request_id, body), prompt_ids, sampling, "messages", j)
+            choices.append(Choice(gen, ChatFormatter(request_id, self.frontend.model_name, self.frontend.tokenizer,
+                                                     body, prompt_ids, j, echo), first_of_prompt=j == 0))
+        return Prepared(choices, body.stream, _include_usage(body))
 
     def _parse(self, raw: bytes, model: type[BaseModel], api: str):
         def parse():
@@ -108,11 +150,13 @@ class GenerationEndpoints:
         limit = self.max_prompt_tokens or self.frontend.max_model_len
         self._refusing(api, lambda: self.bound.check(num_chars, limit, param))
 
-    def _prepare(self, api: str, prefix: str, prompt_ids: list[int], sampling: SamplingRequest,
-                 param: str) -> GenerationRequest:
+    def _prepare(self, api: str, request_id: str, prompt_ids: list[int], sampling: SamplingRequest,
+                 param: str, index: int = 0) -> GenerationRequest:
+        """The worker request of choice `index` (its id: the response's, then `-<index>` past the first)."""
         self._refusing(api, lambda: check_prompt_tokens(len(prompt_ids), self.max_prompt_tokens, param))
         params = self._refusing(api, lambda: self.frontend.sampling_params(sampling, len(prompt_ids)))
-        return GenerationRequest(new_request_id(prefix), api, prompt_ids, params)
+        return GenerationRequest(request_id if index == 0 else f"{request_id}-{index}", api, prompt_ids, params,
+                                 skip_special_tokens=sampling.skip_special_tokens)
 
     def _refusing(self, api: str, fn):
         """fn(); a refusal is counted in the requests metric (the lifecycle counts the rest)."""
@@ -148,6 +192,9 @@ class GenerationEndpoints:
             watcher.stop()
 
     async def _generate(self, req: Prepared, response: "Response") -> None:
+        if len(req.choices) > 1:
+            await self._generate_choices(req, response)
+            return
         deltas = self.frontend.generate(req.gen)
         try:
             try:
@@ -169,6 +216,38 @@ class GenerationEndpoints:
                 await response.body(payload, last=True)
         finally:
             await deltas.aclose()
+
+
+    async def _generate_choices(self, req: Prepared, response: "Response") -> None:
+        """Several choices (n > 1, a list of prompts): every worker request runs concurrently; a
+        stream interleaves their chunks as they come, each with its choice's index."""
+        streams = [self.frontend.generate(c.gen) for c in req.choices]
+        try:
+            try:                              # prime every choice: a refusal is still a 4xx
+                firsts = await asyncio.gather(*(anext(s) for s in streams))
+            except APIError as error:
+                await response.fail(error)
+                return
+            except StopAsyncIteration:
+                await response.fail(APIError(502, "the worker ended the stream early", type="server_error"))
+                return
+            if not req.stream:
+                collected = await asyncio.gather(*(collect_deltas(f, s) for f, s in zip(firsts, streams)))
+                bodies = [c.formatter.full(d) for c, d in zip(req.choices, collected)]
+                usage = merged_usage([d[-1] for d in collected], [c.first_of_prompt for c in req.choices])
+                payload = orjson.dumps(merge_full(bodies, usage))
+                await response.start(200, [(b"content-type", b"application/json"),
+                                           (b"content-length", b"%d" % len(payload))])
+                await response.body(payload, last=True)
+                return
+            await response.start(200, _SSE_HEADERS)
+            # aclosing: a client leaving mid-stream stops the pumps before the streams are closed.
+            async with contextlib.aclosing(sse_choices(req, firsts, streams)) as chunks:
+                async for chunk in chunks:
+                    await response.body(chunk, last=chunk.endswith(DONE))
+        finally:
+            for s in streams:
+                await s.aclose()
 
 
 class Response:
@@ -270,21 +349,104 @@ def loads_body(raw: bytes):
     return data
 
 
-def _sampling_fields(body) -> dict:
+def _sampling_fields(body, choice: int = 0) -> dict:
+    """The request's sampling fields for its choice `choice`: a seeded request's choices get
+    seed, seed+1, ... so that n > 1 gives n different, reproducible samples."""
+    seed = body.seed if body.seed is None or choice == 0 else body.seed + choice
     return dict(temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, min_p=body.min_p,
-                seed=body.seed, stop=body.stop_list(), ignore_eos=body.ignore_eos,
+                seed=seed, stop=body.stop_list(), ignore_eos=body.ignore_eos,
+                include_stop_str_in_output=body.include_stop_str_in_output,
+                skip_special_tokens=body.skip_special_tokens,
                 presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
                 repetition_penalty=body.repetition_penalty, min_tokens=body.min_tokens,
                 stop_token_ids=list(body.stop_token_ids or []),
                 logit_bias={int(k): v for k, v in (body.logit_bias or {}).items()})
 
 
-async def collect(fmt, first: Delta, deltas: AsyncIterator[Delta]) -> dict:
+def _response_id(prefix: str, body) -> str:
+    """The response's id: vLLM's `request_id` when the client sent one, else a fresh one."""
+    return f"{prefix}-{body.request_id}" if body.request_id else new_request_id(prefix)
+
+
+def _worker_id(response_id: str, body) -> str:
+    """The workers' id of the request (and the x-request-id header): the response's, unless the
+    client chose that one — clients reuse ids, two requests in flight on a worker may not share
+    one, and a client's text does not belong in a header — then a fresh one."""
+    return new_request_id(response_id.split("-", 1)[0]) if body.request_id else response_id
+
+
+def _truncated(prompt_ids: list[int], body) -> list[int]:
+    """vLLM's truncate_prompt_tokens: keep the prompt's last k tokens."""
+    k = body.truncate_prompt_tokens
+    return prompt_ids[-k:] if k and len(prompt_ids) > k else prompt_ids
+
+
+def _include_usage(body) -> bool:
+    return bool(body.stream_options and body.stream_options.include_usage)
+
+
+async def collect_deltas(first: Delta, deltas: AsyncIterator[Delta]) -> list[Delta]:
     collected = [first]
     if first.finish_reason is None:
         async for delta in deltas:
             collected.append(delta)
-    return fmt.full(collected)
+    return collected
+
+
+async def collect(fmt, first: Delta, deltas: AsyncIterator[Delta]) -> dict:
+    return fmt.full(await collect_deltas(first, deltas))
+
+
+async def sse_choices(req: Prepared, firsts: list[Delta], streams: list[AsyncIterator[Delta]]
+                      ) -> AsyncIterator[bytes]:
+    """The writes of a stream of several choices: each choice's chunks as its deltas arrive
+    (without per-choice usage chunks), then one usage chunk for the request, then [DONE]."""
+    queue: asyncio.Queue[tuple[int, Delta | BaseException | None]] = asyncio.Queue()
+
+    async def pump(i: int, deltas: AsyncIterator[Delta]) -> None:
+        try:
+            async for delta in deltas:
+                await queue.put((i, delta))
+            await queue.put((i, None))
+        except BaseException as exc:          # reported in-band below; cancellation ends the pump
+            await queue.put((i, exc))
+            if isinstance(exc, asyncio.CancelledError):
+                raise
+
+    fmts = [c.formatter for c in req.choices]
+    lasts: list[Delta | None] = list(firsts)
+    pending = b"".join(event(chunk) for f in fmts for chunk in f.opening())
+    for i, first in enumerate(firsts):
+        pending += b"".join(event(chunk) for chunk in fmts[i].chunks(first))
+    live = {i for i, first in enumerate(firsts) if first.finish_reason is None}
+    pumps = [asyncio.ensure_future(pump(i, streams[i])) for i in sorted(live)]
+    try:
+        while live:
+            if pending:
+                yield pending
+                pending = b""
+            i, item = await queue.get()
+            if item is None:
+                live.discard(i)
+                continue
+            if isinstance(item, BaseException):
+                error = item if isinstance(item, APIError) else APIError(
+                    502, "the worker ended the stream early", type="server_error")
+                yield pending + event(error.body()) + DONE
+                return
+            lasts[i] = item
+            pending += b"".join(event(chunk) for chunk in fmts[i].chunks(item))
+            if item.finish_reason is not None:
+                live.discard(i)
+    finally:
+        for p in pumps:
+            p.cancel()
+        await asyncio.gather(*pumps, return_exceptions=True)
+    if req.include_usage:
+        final = fmts[0]._envelope(fmts[0].object_stream, [])
+        final["usage"] = merged_usage([d for d in lasts if d is not None], [c.first_of_prompt for c in req.choices])
+        pending += event(final)
+    yield pending + DONE
 
 
 async def sse(fmt, first: Delta, deltas: AsyncIterator[Delta]) -> AsyncIterator[bytes]:

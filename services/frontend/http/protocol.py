@@ -3,15 +3,16 @@
 Models are strict (a string is not an integer) and forbid unknown fields: a
 parameter splitserve does not implement is rejected with a message naming it,
 never silently ignored. Fields that exist in the OpenAI API but only have one
-supported value (n, best_of, echo) are accepted at that
-value and rejected otherwise, by `unsupported_values`. A few vLLM-style
+supported value (best_of = n) are accepted at that value
+and rejected otherwise, by `unsupported_values`. `n` choices and lists of prompts
+on /v1/completions are served as one request per (prompt, choice), concurrently. A few vLLM-style
 extensions are accepted too: top_k, min_p, ignore_eos, return_token_ids,
 repetition_penalty, min_tokens, stop_token_ids.
 """
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -20,6 +21,8 @@ INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 MAX_STOP_SEQUENCES = 16
 MAX_TOKEN_ID = 2**32 - 1      # the wire's uint32; the worker checks the vocabulary
 MAX_TOP_K = 2**31 - 1
+MAX_CHOICES = 16              # n, and prompts x n of one completions request
+MAX_PROMPTS = 64              # prompts in one /v1/completions request
 
 Seed = Annotated[int, Field(ge=INT64_MIN, le=INT64_MAX)]
 StopText = Annotated[str, Field(min_length=1)]
@@ -31,6 +34,7 @@ class _Strict(BaseModel):
 
 class StreamOptions(_Strict):
     include_usage: bool = False
+    continuous_usage_stats: bool = False      # vLLM: usage in every chunk too
 
 
 class TextPart(_Strict):
@@ -57,7 +61,7 @@ class _Common(_Strict):
     stream_options: StreamOptions | None = None
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
-    n: int | None = None
+    n: int | None = Field(default=None, ge=1, le=MAX_CHOICES)
     stop: StopText | Annotated[list[StopText], Field(max_length=MAX_STOP_SEQUENCES)] | None = None
     seed: Seed | None = None
     presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
@@ -76,8 +80,6 @@ class _Common(_Strict):
     def unsupported_values(self) -> list[tuple[str, str]]:
         """(param, message) for each parameter set to a value splitserve cannot honour."""
         problems = []
-        if self.n not in (None, 1):
-            problems.append(("n", "only n=1 is supported; send separate requests for more choices"))
         bad_keys = [k for k in self.logit_bias or {} if not (k.isascii() and k.isdigit() and int(k) <= MAX_TOKEN_ID)]
         if bad_keys:
             problems.append(("logit_bias", f"logit_bias keys must be token ids (decimal strings), got {bad_keys[0]!r}"))
@@ -85,21 +87,127 @@ class _Common(_Strict):
             problems.append(("stream_options", "stream_options is only allowed with stream=true"))
         return problems
 
+    @property
+    def num_choices(self) -> int:
+        return self.n or 1
+
     def stop_list(self) -> list[str]:
         if self.stop is None:
             return []
         return [self.stop] if isinstance(self.stop, str) else list(self.stop)
 
 
-class ChatCompletionRequest(_Common):
+# vLLM's request fields that make no sense for this server, and why (a 400 names the reason).
+REFUSED_EXTENSIONS = {
+    "chat_template": "a request may not replace the served model's chat template (it is code the server runs)",
+    "logits_processors": "a request may not name server-side code to run as a logits processor",
+    "mm_processor_kwargs": "the served models take text only (no multimodal processor)",
+    "kv_transfer_params": "splitserve moves KV between its prefill and decode workers itself; there is no "
+                          "client-driven KV transfer",
+    "vllm_xargs": "no custom extensions are loaded that could read vllm_xargs",
+    "prompt_embeds": "prompts are token ids or text; embeddings cannot be sent",
+}
+
+
+# Fields that will be implemented (structured outputs, tools, prompt logprobs, token masks) and
+# are refused until then, each with what to do instead.
+NOT_YET = {
+    "response_format": "structured outputs are not supported yet; describe the format in the prompt",
+    "guided_json": "structured outputs are not supported yet",
+    "guided_regex": "structured outputs are not supported yet",
+    "guided_choice": "structured outputs are not supported yet",
+    "guided_grammar": "structured outputs are not supported yet",
+    "structural_tag": "structured outputs are not supported yet",
+    "guided_decoding_backend": "structured outputs are not supported yet",
+    "guided_whitespace_pattern": "structured outputs are not supported yet",
+    "tools": "tool calling is not supported yet",
+    "tool_choice": "tool calling is not supported yet",
+    "prompt_logprobs": "prompt logprobs are not computed yet; logprobs of generated tokens are",
+    "allowed_token_ids": "allowed_token_ids is not supported yet (use logit_bias)",
+    "bad_words": "bad_words is not supported yet (use logit_bias or stop)",
+    "cache_salt": "cache_salt is not supported yet: the prefix cache is shared by every request of a worker",
+}
+
+
+class _VllmExtensions(_Strict):
+    """vLLM's extensions beyond OpenAI's schema, common to chat and completions."""
+
+    request_id: Annotated[str, Field(min_length=1, max_length=256)] | None = None
+    priority: int = 0
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    truncate_prompt_tokens: int | None = Field(default=None, ge=1)
+    return_tokens_as_token_ids: bool = False
+    use_beam_search: bool = False
+    length_penalty: float = 1.0
+    # Refused with a reason (REFUSED_EXTENSIONS): accepted by the schema so that the 400 says why.
+    chat_template: str | None = None
+    logits_processors: list[Any] | None = None
+    mm_processor_kwargs: dict[str, Any] | None = None
+    kv_transfer_params: dict[str, Any] | None = None
+    vllm_xargs: dict[str, Any] | None = None
+    prompt_embeds: str | list[Any] | None = None
+    # Not yet (NOT_YET): in the schema so that the 400 says so and what to do instead.
+    response_format: dict[str, Any] | None = None
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    structural_tag: str | None = None
+    guided_decoding_backend: str | None = None
+    guided_whitespace_pattern: str | None = None
+    tools: list[Any] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    prompt_logprobs: int | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    cache_salt: str | None = None
+
+    def extension_problems(self) -> list[tuple[str, str]]:
+        problems = [(name, f"{name} is not supported: {why}") for name, why in REFUSED_EXTENSIONS.items()
+                    if getattr(self, name, None) is not None]
+        # tool_choice "none" and an empty tools list change nothing: clients send them by default.
+        problems += [(name, why) for name, why in NOT_YET.items() if getattr(self, name, None) not in (None, [])
+                     and not (name == "tool_choice" and self.tool_choice == "none")
+                     and not (name == "bad_words" and not self.bad_words)]
+        if self.priority != 0:
+            problems.append(("priority", "priority scheduling is not enabled: every request has priority 0"))
+        if self.use_beam_search:
+            problems.append(("use_beam_search", "beam search is not supported; use n for several samples"))
+        if self.length_penalty != 1.0:
+            problems.append(("length_penalty", "length_penalty only applies to beam search, which is not supported"))
+        if not self.spaces_between_special_tokens:
+            problems.append(("spaces_between_special_tokens", "the served tokenizers (fast, tokenizers-library) "
+                                                              "never put spaces between special tokens; only "
+                                                              "true is accepted"))
+        return problems
+
+
+class ChatCompletionRequest(_Common, _VllmExtensions):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+    # vLLM's chat extensions
+    echo: bool = False                   # the reply starts with the last message, when it is the assistant's
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    add_special_tokens: bool = False
+    documents: list[dict[str, str]] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    reasoning_effort: Literal["low", "medium", "high"] | None = None   # a template variable
+    include_reasoning: bool = True
+    parallel_tool_calls: bool | None = None
 
     def unsupported_values(self) -> list[tuple[str, str]]:
-        problems = super().unsupported_values()
+        problems = super().unsupported_values() + self.extension_problems()
+        if self.continue_final_message and self.add_generation_prompt:
+            problems.append(("continue_final_message", "continue_final_message needs add_generation_prompt=false"))
+        if self.continue_final_message and self.messages[-1].role != "assistant":
+            problems.append(("continue_final_message", "continue_final_message continues the last message, "
+                                                       "which must be the assistant's"))
         if self.top_logprobs is not None and not self.logprobs:
             problems.append(("top_logprobs", "top_logprobs needs logprobs=true"))
         return problems
@@ -114,29 +222,38 @@ class ChatCompletionRequest(_Common):
 TokenIds = Annotated[list[Annotated[int, Field(ge=0, le=MAX_TOKEN_ID)]], Field(min_length=1)]
 
 
-class CompletionRequest(_Common):
+class CompletionRequest(_Common, _VllmExtensions):
     prompt: str | TokenIds | list[str] | list[TokenIds]
     max_tokens: int | None = 16
     logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
     echo: bool = False
     suffix: str | None = None
     best_of: int | None = None
+    add_special_tokens: bool = True      # vLLM: BOS etc. as the tokenizer adds them to a text prompt
 
     def unsupported_values(self) -> list[tuple[str, str]]:
-        problems = super().unsupported_values()
-        if isinstance(self.prompt, list) and self.prompt and isinstance(self.prompt[0], (str, list)):
-            if len(self.prompt) != 1:
-                problems.append(("prompt", "batched prompts are not supported; send one prompt per request"))
-        if self.echo:
-            problems.append(("echo", "echo is not supported"))
+        problems = super().unsupported_values() + self.extension_problems()
+        prompts = self.prompts()
+        if not prompts:
+            problems.append(("prompt", "prompt must not be an empty list"))
+        elif len(prompts) > MAX_PROMPTS:
+            problems.append(("prompt", f"at most {MAX_PROMPTS} prompts per request, got {len(prompts)}"))
+        elif len(prompts) * self.num_choices > MAX_CHOICES * 4:
+            problems.append(("n", f"prompts x n must be at most {MAX_CHOICES * 4}, got {len(prompts) * self.num_choices}"))
+        if self.echo and self.logprobs is not None:
+            problems.append(("echo", "echo with logprobs needs the prompt's logprobs, which the workers do not "
+                                     "compute; send echo or logprobs"))
         if self.suffix:
-            problems.append(("suffix", "suffix is not supported"))
-        if self.best_of not in (None, 1):
-            problems.append(("best_of", "only best_of=1 is supported"))
+            problems.append(("suffix", "suffix (insertion) is not supported: the served models are not "
+                                       "fill-in-the-middle models"))
+        if self.best_of not in (None, self.num_choices):
+            problems.append(("best_of", "best_of must equal n: ranking extra completions by their likelihood "
+                                        "is not supported"))
         return problems
 
-    def single_prompt(self) -> str | list[int]:
+    def prompts(self) -> list[str | list[int]]:
+        """The request's prompts: one, or the list (of strings or of token-id lists) it sent."""
         prompt = self.prompt
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
-            return prompt[0]
-        return prompt
+            return list(prompt)
+        return [prompt] if prompt != [] else []

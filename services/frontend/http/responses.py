@@ -3,7 +3,8 @@
 A formatter turns the lifecycle's `Delta`s into the JSON objects the OpenAI API
 returns. Streams: `opening()` (chat's role chunk), `chunks(delta)` per worker
 message, `closing()` (the usage chunk when stream_options.include_usage).
-Whole: `full(deltas)`.
+Whole: `full(deltas)`. One formatter per choice (its `index`); `merge_full` and
+`merged_usage` join the choices of a request with n > 1 or several prompts.
 """
 
 from __future__ import annotations
@@ -28,26 +29,35 @@ class _Formatter:
     object_stream = ""
     object_full = ""
 
-    def __init__(self, request_id: str, model: str, tokenizer: Tokenizer, body, prompt_ids: list[int]):
+    def __init__(self, request_id: str, model: str, tokenizer: Tokenizer, body, prompt_ids: list[int],
+                 index: int = 0):
         self.request_id = request_id
+        self.index = index              # the choice's index: n > 1 and batched prompts have several
         self.model = model
         self.tokenizer = tokenizer
         self.token_texts = TokenTexts(tokenizer, prompt_ids)
         self.created = int(time.time())
         self.include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        self.continuous_usage = bool(self.include_usage and body.stream_options.continuous_usage_stats)
         self.return_token_ids = body.return_token_ids
+        self.tokens_as_ids = bool(getattr(body, "return_tokens_as_token_ids", False))
         self.last: Delta | None = None
 
     def _token_texts(self, lp: common_pb2.TokenLogprob) -> tuple[str, list[str]]:
-        """The chosen token's text and its alternatives', in the text before it."""
+        """The chosen token's text and its alternatives', in the text before it (vLLM's
+        return_tokens_as_token_ids: `token_id:<id>` instead, for tokens that are not text)."""
+        if self.tokens_as_ids:
+            self.token_texts.advance(lp.token_id)
+            return f"token_id:{lp.token_id}", [f"token_id:{t.token_id}" for t in lp.top]
         top = [self.token_texts.text(t.token_id) for t in lp.top]
         return self.token_texts.advance(lp.token_id), top
 
-    def _envelope(self, obj: str, choices: list) -> dict:
+    def _envelope(self, obj: str, choices: list, delta: Delta | None = None) -> dict:
         out = {"id": self.request_id, "object": obj, "created": self.created, "model": self.model,
                "choices": choices}
         if obj == self.object_stream and self.include_usage:
-            out["usage"] = None
+            # vLLM's continuous_usage_stats: every chunk carries the usage so far.
+            out["usage"] = _usage(delta) if self.continuous_usage and delta is not None else None
         return out
 
     def closing(self) -> list[dict]:
@@ -68,9 +78,11 @@ class ChatFormatter(_Formatter):
     object_stream = "chat.completion.chunk"
     object_full = "chat.completion"
 
-    def __init__(self, request_id, model, tokenizer, body: ChatCompletionRequest, prompt_ids: list[int]):
-        super().__init__(request_id, model, tokenizer, body, prompt_ids)
+    def __init__(self, request_id, model, tokenizer, body: ChatCompletionRequest, prompt_ids: list[int],
+                 index: int = 0, echo_text: str = ""):
+        super().__init__(request_id, model, tokenizer, body, prompt_ids, index)
         self.logprobs = body.logprobs
+        self.echo_text = echo_text      # vLLM's chat `echo`: the reply starts with the last message
 
     def _logprobs(self, logprobs: list[common_pb2.TokenLogprob]) -> dict | None:
         if not self.logprobs:
@@ -84,7 +96,7 @@ class ChatFormatter(_Formatter):
         return {"content": content}
 
     def opening(self) -> list[dict]:
-        choice = {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+        choice = {"index": self.index, "delta": {"role": "assistant", "content": self.echo_text}, "logprobs": None,
                   "finish_reason": None}
         return [self._envelope(self.object_stream, [choice])]
 
@@ -92,15 +104,15 @@ class ChatFormatter(_Formatter):
         self.last = delta
         if not delta.text and not delta.token_ids and delta.finish_reason is None:
             return []
-        choice = {"index": 0, "delta": {"content": delta.text} if delta.text else {},
+        choice = {"index": self.index, "delta": {"content": delta.text} if delta.text else {},
                   "logprobs": self._logprobs(delta.logprobs), "finish_reason": delta.finish_reason}
         if self.return_token_ids:
             choice["token_ids"] = delta.token_ids
-        return [self._envelope(self.object_stream, [choice])]
+        return [self._envelope(self.object_stream, [choice], delta)]
 
     def full(self, deltas: list[Delta]) -> dict:
         text, token_ids, logprobs, last = self._finish(deltas)
-        choice = {"index": 0, "message": {"role": "assistant", "content": text},
+        choice = {"index": self.index, "message": {"role": "assistant", "content": self.echo_text + text},
                   "logprobs": self._logprobs(logprobs), "finish_reason": last.finish_reason}
         if self.return_token_ids:
             choice["token_ids"] = token_ids
@@ -113,10 +125,12 @@ class CompletionFormatter(_Formatter):
     object_stream = "text_completion"
     object_full = "text_completion"
 
-    def __init__(self, request_id, model, tokenizer, body: CompletionRequest, prompt_ids: list[int]):
-        super().__init__(request_id, model, tokenizer, body, prompt_ids)
+    def __init__(self, request_id, model, tokenizer, body: CompletionRequest, prompt_ids: list[int],
+                 index: int = 0, echo_text: str = ""):
+        super().__init__(request_id, model, tokenizer, body, prompt_ids, index)
         self.logprobs = body.logprobs
         self.offset = 0
+        self.echo_text = echo_text      # `echo`: the prompt, before the first generated text
 
     def _logprobs(self, logprobs: list[common_pb2.TokenLogprob]) -> dict | None:
         if self.logprobs is None:
@@ -138,18 +152,36 @@ class CompletionFormatter(_Formatter):
         self.last = delta
         if not delta.text and not delta.token_ids and delta.finish_reason is None:
             return []
-        choice = {"index": 0, "text": delta.text, "logprobs": self._logprobs(delta.logprobs),
+        text, self.echo_text = self.echo_text + delta.text, ""
+        choice = {"index": self.index, "text": text, "logprobs": self._logprobs(delta.logprobs),
                   "finish_reason": delta.finish_reason}
         if self.return_token_ids:
             choice["token_ids"] = delta.token_ids
-        return [self._envelope(self.object_stream, [choice])]
+        return [self._envelope(self.object_stream, [choice], delta)]
 
     def full(self, deltas: list[Delta]) -> dict:
         text, token_ids, logprobs, last = self._finish(deltas)
-        choice = {"index": 0, "text": text, "logprobs": self._logprobs(logprobs),
+        choice = {"index": self.index, "text": self.echo_text + text, "logprobs": self._logprobs(logprobs),
                   "finish_reason": last.finish_reason}
         if self.return_token_ids:
             choice["token_ids"] = token_ids
         out = self._envelope(self.object_full, [choice])
         out["usage"] = _usage(last)
         return out
+
+
+def merged_usage(lasts: list[Delta], first_of_prompt: list[bool]) -> dict:
+    """Usage of a request with several choices: each prompt counted once, every choice's output."""
+    prompt = sum(d.num_prompt_tokens for d, first in zip(lasts, first_of_prompt) if first)
+    cached = sum(d.num_cached_tokens for d, first in zip(lasts, first_of_prompt) if first)
+    completion = sum(d.num_output_tokens for d in lasts)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached}}
+
+
+def merge_full(bodies: list[dict], usage: dict) -> dict:
+    """One response body from each choice's whole body (in index order)."""
+    out = dict(bodies[0])
+    out["choices"] = sorted((c for b in bodies for c in b["choices"]), key=lambda c: c["index"])
+    out["usage"] = usage
+    return out

@@ -197,15 +197,18 @@ BAD_BODIES = [
     ({"model": "MODEL", "prompt": "hi", "max_tokens": 10**6}, "completions", 400, "max_tokens"),
     ({"model": "MODEL", "messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 10**6},
      "chat/completions", 400, "max_completion_tokens"),
-    ({"model": "MODEL", "prompt": "hi", "n": 2}, "completions", 400, "n"),
+    ({"model": "MODEL", "prompt": "hi", "n": 0}, "completions", 400, "n"),
+    ({"model": "MODEL", "prompt": "hi", "n": 17}, "completions", 400, "n"),
     ({"model": "MODEL", "prompt": "hi", "best_of": 3}, "completions", 400, "best_of"),
-    ({"model": "MODEL", "prompt": "hi", "echo": True}, "completions", 400, "echo"),
+    ({"model": "MODEL", "prompt": "hi", "echo": True, "logprobs": 1}, "completions", 400, "echo"),
     ({"model": "MODEL", "prompt": "hi", "presence_penalty": 2.5}, "completions", 400, "presence_penalty"),
     ({"model": "MODEL", "prompt": "hi", "logit_bias": {"x": 1.0}}, "completions", 400, "logit_bias"),
     ({"model": "MODEL", "prompt": "hi", "logit_bias": {"99999999": 1.0}}, "completions", 400, None),
     ({"model": "MODEL", "prompt": "hi", "max_tokens": 2, "min_tokens": 3}, "completions", 400, None),
-    ({"model": "MODEL", "messages": [{"role": "user", "content": "x"}], "tools": []},
-     "chat/completions", 400, "tools"),
+    ({"model": "MODEL", "messages": [{"role": "user", "content": "x"}],
+      "tools": [{"type": "function", "function": {"name": "f"}}]}, "chat/completions", 400, "tools"),
+    ({"model": "MODEL", "messages": [{"role": "user", "content": "x"}], "frobnicate": 1}, "chat/completions",
+     400, "frobnicate"),
     ({"model": "MODEL", "prompt": "hi", "temperature": 5}, "completions", 400, "temperature"),
     ({"model": "MODEL", "prompt": "hi", "top_p": 0}, "completions", 400, "top_p"),
     ({"model": "MODEL", "prompt": "hi", "logprobs": 50}, "completions", 400, "logprobs"),
@@ -216,7 +219,9 @@ BAD_BODIES = [
      "stream_options"),
     ({"model": "MODEL", "messages": [{"role": "user", "content": "x"}], "top_logprobs": 2},
      "chat/completions", 400, "top_logprobs"),
-    ({"model": "MODEL", "prompt": [[1, 2], [3]]}, "completions", 400, "prompt"),
+    ({"model": "MODEL", "prompt": []}, "completions", 400, "prompt"),
+    ({"model": "MODEL", "prompt": ["hi"] * 65}, "completions", 400, "prompt"),
+    ({"model": "MODEL", "prompt": [[1, 2], [3, 99999999]]}, "completions", 400, None),   # the worker refuses one
     ({"model": "MODEL", "prompt": [1, 2**40]}, "completions", 400, "prompt"),
     ({"model": "MODEL", "prompt": "hi", "top_k": 2**40}, "completions", 400, "top_k"),
     (b'{"model": "MODEL", "prompt": "hi", "temperature": NaN}', "completions", 400, "temperature"),
@@ -385,3 +390,178 @@ def test_cancelling_the_public_grpc_call_frees_the_worker(server, model_name):
     stats = wait_idle({"worker": worker}, 1.0, since=gone).stats["worker"]
     assert stats.num_aborted == idle.num_aborted + 1, stats
     assert stats.num_generated_tokens - idle.num_generated_tokens < 3000
+
+
+# ---- several choices: n > 1, lists of prompts, echo ---------------------------------------------
+
+def test_n_choices_greedy_are_identical_and_usage_counts_the_prompt_once(client, model_name, engine):
+    out = client.chat.completions.create(model=model_name, messages=CHAT, max_tokens=6, temperature=0, n=3,
+                                         extra_body=GREEDY)
+    assert [c.index for c in out.choices] == [0, 1, 2]
+    assert len({tuple(c.token_ids) for c in out.choices}) == 1
+    single = client.chat.completions.create(model=model_name, messages=CHAT, max_tokens=6, temperature=0,
+                                            extra_body=GREEDY)
+    assert out.choices[0].token_ids == single.choices[0].token_ids
+    assert out.usage.prompt_tokens == single.usage.prompt_tokens
+    assert out.usage.completion_tokens == 3 * 6
+
+
+def test_n_seeded_choices_differ_and_repeat(client, model_name):
+    kwargs = dict(model=model_name, prompt=PROMPT_IDS, max_tokens=8, temperature=1.0, seed=11, n=4,
+                  extra_body=GREEDY)
+    first, again = client.completions.create(**kwargs), client.completions.create(**kwargs)
+    ids = [tuple(c.token_ids) for c in first.choices]
+    assert ids == [tuple(c.token_ids) for c in again.choices]        # reproducible
+    assert len(set(ids)) > 1                                          # and not n copies of one sample
+    # Choice 0 is the sample a single request with the same seed gets.
+    single = client.completions.create(**{**kwargs, "n": 1})
+    assert single.choices[0].token_ids == first.choices[0].token_ids
+
+
+def test_batched_prompts_come_back_in_order_each_as_alone(client, model_name):
+    prompts = [PROMPT_IDS, PROMPT_IDS[:4], [1, 22, 333, 4444]]
+    out = client.completions.create(model=model_name, prompt=prompts, max_tokens=5, temperature=0, n=2,
+                                    extra_body=GREEDY)
+    assert [c.index for c in out.choices] == list(range(6))
+    for p, prompt in enumerate(prompts):
+        alone = client.completions.create(model=model_name, prompt=prompt, max_tokens=5, temperature=0,
+                                          extra_body=GREEDY)
+        assert out.choices[2 * p].token_ids == out.choices[2 * p + 1].token_ids == alone.choices[0].token_ids
+    assert out.usage.prompt_tokens == sum(len(p) for p in prompts)
+    assert out.usage.completion_tokens == 6 * 5
+    texts = client.completions.create(model=model_name, prompt=["Once upon", "The sky"], max_tokens=3,
+                                      temperature=0)
+    assert [c.index for c in texts.choices] == [0, 1]
+
+
+def test_streamed_choices_interleave_and_equal_the_whole(client, model_name):
+    kwargs = dict(model=model_name, prompt=[PROMPT_IDS, PROMPT_IDS[:5]], max_tokens=7, temperature=0, n=2,
+                  extra_body=GREEDY)
+    whole = client.completions.create(**kwargs)
+    chunks = list(client.completions.create(stream=True, stream_options={"include_usage": True}, **kwargs))
+    streamed: dict[int, list[int]] = {}
+    for chunk in chunks:
+        for c in chunk.choices:
+            streamed.setdefault(c.index, []).extend(c.model_extra.get("token_ids") or [])
+    assert streamed == {c.index: c.token_ids for c in whole.choices}
+    assert chunks[-1].usage.completion_tokens == 4 * 7 and chunks[-1].usage.prompt_tokens == 15
+    chat = list(client.chat.completions.create(model=model_name, messages=CHAT, max_tokens=4, temperature=0, n=2,
+                                               stream=True))
+    roles = [c.choices[0].index for c in chat if c.choices and c.choices[0].delta.role == "assistant"]
+    assert sorted(roles) == [0, 1]
+
+
+def test_echo_returns_the_prompt_before_the_completion(client, model_name):
+    plain = client.completions.create(model=model_name, prompt="Once upon a time", max_tokens=5, temperature=0)
+    echoed = client.completions.create(model=model_name, prompt="Once upon a time", max_tokens=5, temperature=0,
+                                       echo=True)
+    assert echoed.choices[0].text == "Once upon a time" + plain.choices[0].text
+    streamed = "".join(c.choices[0].text for c in client.completions.create(
+        model=model_name, prompt="Once upon a time", max_tokens=5, temperature=0, echo=True, stream=True)
+        if c.choices)
+    assert streamed == echoed.choices[0].text
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_disconnect_of_a_request_with_several_choices_frees_every_one(server, model_name, stream):
+    [worker] = server.worker_addresses
+    aborted_before = worker_stats(worker).num_aborted
+    body = {"model": model_name, "prompt": [PROMPT_IDS, PROMPT_IDS[:3]], "n": 2, "stream": stream, **LONG}
+    if stream:
+        with httpx.Client(timeout=30) as http:
+            with http.stream("POST", f"{server.openai_url}/completions", json=body) as reply:
+                assert reply.status_code == 200
+                lines = reply.iter_lines()          # held: a collected iterator closes the response
+                assert [line for _, line in zip(range(8), lines) if line.startswith("data:")]
+                assert worker_stats(worker).num_running == 4
+    else:
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(f"{server.openai_url}/completions", json=body, timeout=httpx.Timeout(30, read=0.5))
+    gone = time.monotonic()
+    stats = wait_idle({"worker": worker}, 1.0, since=gone).stats["worker"]
+    assert stats.num_aborted == aborted_before + 4, stats
+
+
+# ---- vLLM's extensions --------------------------------------------------------------------------
+
+def test_request_id_names_the_response_and_may_be_reused(client, model_name):
+    outs = [client.chat.completions.create(model=model_name, messages=CHAT, max_tokens=3, temperature=0,
+                                           extra_body={"request_id": "client-42"}) for _ in range(2)]
+    assert [o.id for o in outs] == ["chatcmpl-client-42"] * 2
+    cmpl = client.completions.create(model=model_name, prompt="hi", max_tokens=2, extra_body={"request_id": "x"})
+    assert cmpl.id == "cmpl-x"
+    # Any text: it names the body's id, never a header (the fuzzer found a newline there once).
+    odd = client.completions.create(model=model_name, prompt="hi", max_tokens=2, extra_body={"request_id": "a\nb é"})
+    assert odd.id == "cmpl-a\nb é"
+
+
+@pytest.mark.parametrize("field, value, words", [
+    ("priority", 1, "priority scheduling"),
+    ("use_beam_search", True, "beam search"),
+    ("length_penalty", 0.5, "beam search"),
+    ("chat_template", "{{ messages }}", "chat template"),
+    ("logits_processors", ["my.module.Processor"], "server-side code"),
+    ("kv_transfer_params", {"do_remote_decode": True}, "KV"),
+    ("spaces_between_special_tokens", False, "only true"),
+])
+def test_extensions_that_make_no_sense_here_are_refused_saying_why(server, model_name, field, value, words):
+    reply = httpx.post(f"{server.openai_url}/chat/completions", json={
+        "model": model_name, "messages": CHAT, "max_tokens": 2, field: value}, timeout=30)
+    assert reply.status_code == 400
+    error = reply.json()["error"]
+    assert error["param"] == field and words in error["message"], error
+
+
+def test_include_stop_str_in_output_and_truncate_prompt_tokens(client, model_name, engine):
+    [free] = generate_text(engine, [PROMPT_IDS], SamplingParams(max_tokens=16, ignore_eos=True))
+    stop = free.text[len(free.text) // 2:][:3]
+    out = client.completions.create(model=model_name, prompt=PROMPT_IDS, max_tokens=16, temperature=0, stop=[stop],
+                                    extra_body={"ignore_eos": True, "include_stop_str_in_output": True})
+    assert out.choices[0].text == free.text[:free.text.index(stop) + len(stop)]
+    cut = client.completions.create(model=model_name, prompt=PROMPT_IDS, max_tokens=6, temperature=0,
+                                    extra_body={**GREEDY, "truncate_prompt_tokens": 3})
+    tail = client.completions.create(model=model_name, prompt=PROMPT_IDS[-3:], max_tokens=6, temperature=0,
+                                     extra_body=GREEDY)
+    assert cut.usage.prompt_tokens == 3 and cut.choices[0].token_ids == tail.choices[0].token_ids
+
+
+def test_add_special_tokens_on_a_text_prompt(client, model_name):
+    with_bos = client.completions.create(model=model_name, prompt="Once upon a time", max_tokens=1)
+    without = client.completions.create(model=model_name, prompt="Once upon a time", max_tokens=1,
+                                        extra_body={"add_special_tokens": False})
+    assert without.usage.prompt_tokens == with_bos.usage.prompt_tokens - 1      # no BOS
+
+
+def test_continue_final_message_and_chat_echo(client, model_name, llama_dir):
+    from splitserve.services.engine.loading.model_source import open_checkpoint
+    from splitserve.services.text.tokenizer import Tokenizer
+
+    messages = [*CHAT, {"role": "assistant", "content": "Red, green and"}]
+    out = client.chat.completions.create(model=model_name, messages=messages, max_tokens=5, temperature=0,
+                                         extra_body={**GREEDY, "add_generation_prompt": False,
+                                                     "continue_final_message": True, "echo": True})
+    # The same as completing the template's text, cut after the assistant's words.
+    tok = Tokenizer(open_checkpoint(str(llama_dir)))
+    text = tok.render_chat(messages, add_generation_prompt=False, continue_final_message=True)
+    assert text.endswith("Red, green and")
+    plain = client.completions.create(model=model_name, prompt=tok.encode(text, add_special_tokens=False),
+                                      max_tokens=5, temperature=0, extra_body=GREEDY)
+    assert out.choices[0].token_ids == plain.choices[0].token_ids
+    assert out.choices[0].message.content == "Red, green and" + plain.choices[0].text      # echo
+    reply = httpx.post(f"{client.base_url}chat/completions", json={
+        "model": model_name, "messages": messages, "continue_final_message": True}, timeout=30)
+    assert reply.status_code == 400 and reply.json()["error"]["param"] == "continue_final_message"
+    reply = httpx.post(f"{client.base_url}chat/completions", json={
+        "model": model_name, "messages": CHAT, "chat_template_kwargs": {"messages": []}}, timeout=30)
+    assert reply.status_code == 400 and "may not set messages" in reply.json()["error"]["message"]
+
+
+def test_return_tokens_as_token_ids_and_continuous_usage(client, model_name):
+    out = client.completions.create(model=model_name, prompt=PROMPT_IDS, max_tokens=4, temperature=0, logprobs=2,
+                                    extra_body={**GREEDY, "return_tokens_as_token_ids": True})
+    assert out.choices[0].logprobs.tokens == [f"token_id:{t}" for t in out.choices[0].token_ids]
+    chunks = [c for c in client.completions.create(
+        model=model_name, prompt=PROMPT_IDS, max_tokens=5, temperature=0, stream=True, extra_body=GREEDY,
+        stream_options={"include_usage": True, "continuous_usage_stats": True})]
+    counts = [c.usage.completion_tokens for c in chunks if c.choices]
+    assert counts == sorted(counts) and counts[-1] == 5 and all(c.usage is not None for c in chunks)

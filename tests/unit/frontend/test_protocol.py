@@ -20,7 +20,7 @@ def error_for(model, data):
 
 
 @pytest.mark.parametrize("data, param, code", [
-    ({"model": "m", "prompt": "x", "tools": []}, "tools", "unsupported_parameter"),
+    ({"model": "m", "prompt": "x", "frobnicate": []}, "frobnicate", "unsupported_parameter"),
     ({"prompt": "x"}, "model", "missing_required_parameter"),
     ({"model": "m", "prompt": "x", "max_tokens": "5"}, "max_tokens", "invalid_value"),
     ({"model": "m", "prompt": "x", "max_tokens": True}, "max_tokens", "invalid_value"),
@@ -33,9 +33,28 @@ def test_completion_schema_errors(data, param, code):
     assert error.body()["error"]["type"] == "invalid_request_error"
 
 
+def test_fields_not_supported_yet_say_so():
+    chat = ChatCompletionRequest.model_validate({
+        "model": "m", "messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}],
+        "tool_choice": "auto", "response_format": {"type": "json_object"}, "prompt_logprobs": 1})
+    assert {p for p, _ in chat.unsupported_values()} == {"tools", "tool_choice", "response_format", "prompt_logprobs"}
+    quiet = ChatCompletionRequest.model_validate({     # what clients send by default changes nothing
+        "model": "m", "messages": [{"role": "user", "content": "x"}], "tools": [], "tool_choice": "none",
+        "bad_words": []})
+    assert quiet.unsupported_values() == []
+
+
 def test_unsupported_values_are_named():
     req = CompletionRequest.model_validate({"model": "m", "prompt": ["a", "b"], "n": 3, "echo": True})
-    assert {p for p, _ in req.unsupported_values()} == {"prompt", "n", "echo"}
+    assert req.unsupported_values() == [] and req.prompts() == ["a", "b"] and req.num_choices == 3
+    req = CompletionRequest.model_validate({"model": "m", "prompt": [[1, 2], [3]], "echo": True, "logprobs": 1,
+                                            "best_of": 4, "suffix": "x"})
+    assert {p for p, _ in req.unsupported_values()} == {"echo", "best_of", "suffix"}
+    assert req.prompts() == [[1, 2], [3]]
+    assert [p for p, _ in CompletionRequest.model_validate({"model": "m", "prompt": []}).unsupported_values()] == [
+        "prompt"]
+    assert CompletionRequest.model_validate({"model": "m", "prompt": [5, 6]}).prompts() == [[5, 6]]
+    assert error_for(CompletionRequest, {"model": "m", "prompt": "x", "n": 0}).param == "n"
     chat = ChatCompletionRequest.model_validate({"model": "m", "messages": [{"role": "user", "content": "x"}],
                                                  "logit_bias": {"5": 1.0, "x": 2.0}, "frequency_penalty": 0.0})
     assert [p for p, _ in chat.unsupported_values()] == ["logit_bias"]

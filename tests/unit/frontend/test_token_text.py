@@ -36,3 +36,23 @@ def test_alternatives_are_read_in_the_same_context(tokenizer):
     assert texts.text(paris) == texts.text(paris)            # reading does not advance
     first = texts.advance(paris)
     assert first.strip() == "Paris" and first.startswith(" ")
+
+
+def test_special_tokens_are_skipped_unless_asked_for(tokenizer):
+    from splitserve.services.text.stop_checker import StopChecker
+    from splitserve.services.wire.sampling_params import SamplingParams
+
+    prompt = tokenizer.encode("Once upon a time")
+    words = tokenizer.encode("the end", add_special_tokens=False)
+    (eos,) = tokenizer.eos_token_ids
+    output = [*words, eos]
+    texts = {}
+    for skip in (True, False):
+        checker = StopChecker(tokenizer, SamplingParams(max_tokens=8), prompt, skip)
+        for t in output:
+            checker.add(t)
+        checker.finish()
+        texts[skip] = checker.detok.text
+    assert texts[True] == " the end"
+    assert texts[False] == " the end" + tokenizer.decode([eos], skip_special_tokens=False)
+    assert tokenizer.decode([eos], skip_special_tokens=False)          # the special token has a text
