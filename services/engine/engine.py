@@ -28,6 +28,7 @@ from splitserve.services.engine.kv_cache import KVCache
 from splitserve.services.engine.kv_events import KVEvent
 from splitserve.services.engine.model_runner import ModelRunner
 from splitserve.services.engine.loading.model_source import open_checkpoint
+from splitserve.services.engine.logits_controls import TokenHistory
 from splitserve.services.engine.sampler import SampledToken, sample, skip_draws
 from splitserve.services.wire.sampling_params import SamplingParams
 from splitserve.services.engine.scheduler import BlockReservation, ScheduledChunk, Scheduler
@@ -210,7 +211,8 @@ class LLMEngine:
         for chunk in decision.chunks:
             self.scheduler.advance(chunk)
         tokens = sample(logits.cpu(), [c.seq.params for c in sampled],
-                        [c.seq.generator for c in sampled])
+                        [c.seq.generator for c in sampled], [_history(c.seq) for c in sampled],
+                        self.eos_token_ids)
         outputs.extend(self._append_token(c.seq, t) for c, t in zip(sampled, tokens))
         self._publish_events()
         return outputs
@@ -271,6 +273,8 @@ class LLMEngine:
         vocab = self.model_config.vocab_size
         if any(not isinstance(t, int) or not 0 <= t < vocab for t in ids):
             raise InvalidRequestError(f"prompt token ids must be integers in [0, {vocab})")
+        if any(t >= vocab for t in params.logit_bias):
+            raise InvalidRequestError(f"logit_bias token ids must be in [0, {vocab})")
         if len(ids) >= self.max_model_len:
             raise InvalidRequestError(
                 f"prompt has {len(ids)} tokens but this model's context is {self.max_model_len} "
@@ -342,3 +346,12 @@ class LLMEngine:
             finished=seq.is_finished, finish_reason=seq.finish_reason,
             num_prompt_tokens=len(seq.prompt_token_ids), num_cached_tokens=seq.num_prefix_hit_tokens,
             num_output_tokens=len(seq.output_token_ids), logprobs=logprobs)
+
+
+def _history(seq: Sequence) -> TokenHistory:
+    """What a sequence's penalties count; the tokens are only gathered when a row asks."""
+    p = seq.params
+    if not (p.has_penalties or p.min_tokens):
+        return TokenHistory([], 0, len(seq.output_token_ids))
+    num_output = min(p.num_prior_output_tokens, len(seq.prompt_token_ids)) + len(seq.output_token_ids)
+    return TokenHistory(seq.all_token_ids, num_output, len(seq.output_token_ids))

@@ -1,17 +1,21 @@
 """Turn the last-position logits of a batch into next tokens.
 
+First the per-request logits controls (logits_controls.py: min_tokens,
+logit_bias, repetition/frequency/presence penalties), for greedy rows too.
 Greedy rows take the argmax. Sampling rows apply temperature, then top-k, top-p
 and min-p filtering, then draw with the sequence's own `torch.Generator`, so a
 seeded request gives the same tokens whatever else shares its batch (and,
 with `skip_draws`, on whichever worker it continues after a migration).
 Log-probabilities (when asked) are those of the model's distribution before
-any filtering, like OpenAI's `logprobs`.
+any filtering or penalty, like OpenAI's `logprobs` (vLLM's default
+`raw_logprobs`).
 """
 
 from __future__ import annotations
 
 import torch
 
+from splitserve.services.engine.logits_controls import TokenHistory, apply_logits_controls
 from splitserve.services.wire.outputs import SampledToken
 from splitserve.services.wire.sampling_params import SamplingParams
 
@@ -19,13 +23,18 @@ MIN_TEMPERATURE = 1e-4
 
 
 def sample(logits: torch.Tensor, params: list[SamplingParams],
-           generators: list[torch.Generator | None]) -> list[SampledToken]:
-    """logits: [N, vocab] float32, one row per sequence."""
-    tokens = logits.argmax(dim=-1)
+           generators: list[torch.Generator | None], histories: list[TokenHistory] | None = None,
+           eos_token_ids: frozenset[int] | set[int] = frozenset()) -> list[SampledToken]:
+    """logits: [N, vocab] float32, one row per sequence; `histories` (one per row) are the
+    tokens the penalties and min_tokens look at (None: rows without any history)."""
+    if histories is None:
+        histories = [TokenHistory([], 0, 0)] * len(params)
+    controlled = apply_logits_controls(logits, params, histories, eos_token_ids)
+    tokens = controlled.argmax(dim=-1)
     sampled_rows = [i for i, p in enumerate(params) if not p.greedy]
     if sampled_rows:
         rows = torch.tensor(sampled_rows, dtype=torch.long, device=logits.device)
-        probs = _filtered_probs(logits.index_select(0, rows), [params[i] for i in sampled_rows])
+        probs = _filtered_probs(controlled.index_select(0, rows), [params[i] for i in sampled_rows])
         for j, i in enumerate(sampled_rows):
             tokens[i] = torch.multinomial(probs[j], 1, generator=generators[i])[0]
     token_list = tokens.tolist()

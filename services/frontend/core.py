@@ -85,6 +85,12 @@ class SamplingRequest:
     max_tokens_param: str = "max_tokens"
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True      # for the text only: not a worker parameter
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    logit_bias: dict[int, float] = field(default_factory=dict)   # token id -> bias
+    min_tokens: int = 0
+    stop_token_ids: list[int] = field(default_factory=list)
 
 
 def new_request_id(prefix: str) -> str:
@@ -186,7 +192,12 @@ class Frontend:
         params = SamplingParams(
             max_tokens=max_tokens, temperature=d.temperature_or(s.temperature), top_p=d.top_p_or(s.top_p),
             top_k=d.top_k_or(s.top_k), min_p=d.min_p_or(s.min_p), seed=s.seed, stop=list(s.stop), ignore_eos=s.ignore_eos, logprobs=s.logprobs,
-            include_stop_str_in_output=s.include_stop_str_in_output)
+            include_stop_str_in_output=s.include_stop_str_in_output,
+            presence_penalty=s.presence_penalty or 0.0, frequency_penalty=s.frequency_penalty or 0.0,
+            repetition_penalty=d.repetition_penalty_or(s.repetition_penalty),
+            # Like vLLM's server: a bias beyond +-100 is clamped, not refused.
+            logit_bias={t: min(100.0, max(-100.0, b)) for t, b in s.logit_bias.items()},
+            min_tokens=s.min_tokens, stop_token_ids=list(s.stop_token_ids))
         try:
             params.validate()
         except InvalidRequestError as exc:

@@ -17,6 +17,10 @@ Why replay is exact:
   (sampler.skip_draws), so the new worker seeds the generator and skips one draw per
   forwarded token (`SamplingParams.num_prior_draws`): the continuation is the one the
   first worker would have sampled;
+- penalties and min_tokens: `num_prior_output_tokens` tells the new worker which of its
+  prompt tokens are output, so presence/frequency penalties count the same tokens
+  (repetition counts prompt + output either way), and min_tokens is reduced by the
+  forwarded tokens like max_tokens;
 - unseeded sampling: the continuation is a fresh sample from the same distribution,
   which is all an unseeded request promises;
 - stop strings: the frontend detokenizes the whole output (text/stop_checker.py) and
@@ -97,8 +101,9 @@ class Progress:
         return self.request_id if not self.num_migrations else f"{self.request_id}.m{self.num_migrations}"
 
     def worker_request(self) -> worker_pb2.TokenGenerateRequest:
-        """The next worker call: prompt + forwarded tokens, the remaining budget, the draws
-        a seeded generator has made so far.
+        """The next worker call: prompt + forwarded tokens, the remaining budget (max_tokens
+        and min_tokens), the draws a seeded generator has made so far, and how many prompt
+        tokens are output (presence/frequency penalties count them as the first worker did).
 
         Without stop strings: workers stop on token ids only and ignore them (text is the
         frontend's work), so sending them would only suggest that a worker judges them. A
@@ -107,7 +112,9 @@ class Progress:
         n = self.num_output_tokens
         params = replace(
             self.params, max_tokens=self.params.max_tokens - n, stop=[], include_stop_str_in_output=False,
-            num_prior_draws=self.params.num_prior_draws + (n if self.params.seed is not None else 0))
+            num_prior_draws=self.params.num_prior_draws + (n if self.params.seed is not None else 0),
+            min_tokens=max(0, self.params.min_tokens - n),
+            num_prior_output_tokens=self.params.num_prior_output_tokens + n)
         return worker_pb2.TokenGenerateRequest(request_id=self.attempt_id(), token_ids=self.prompt_ids + self.token_ids,
                                                params=params_to_proto(params))
 

@@ -2,16 +2,16 @@
 
 Like vLLM's OpenAI server with `--generation-config auto` (its default), the
 frontend takes the model authors' recommendations from the model folder's
-`generation_config.json` (temperature, top_p, top_k, min_p) as the defaults of
+`generation_config.json` (temperature, top_p, top_k, min_p, repetition_penalty) as the defaults of
 a request that omits them; a value the request sets always wins. `vllm` keeps
-the engine's neutral defaults (temperature 1, top_p 1, no top_k, no min_p); a
+the engine's neutral defaults (temperature 1, top_p 1, no top_k, no min_p, no
+repetition penalty); a
 folder path reads that folder's `generation_config.json` instead.
 
 Only keys present (and not null) override anything, as in vLLM's
 `get_diff_sampling_param`; `do_sample` is ignored there too (an OpenAI request
-with no temperature samples). `repetition_penalty` has no counterpart in the
-engine: a value other than 1 is reported at start-up and not applied, rather
-than silently pretending. A file that is not a JSON object, or a value of the
+with no temperature samples). A key the engine cannot honour would be reported
+at start-up as not applied (`not_applied`), rather than silently pretending. A file that is not a JSON object, or a value of the
 wrong type or out of range, stops the frontend at start with a message naming
 the file and the key: a server that quietly samples differently from what its
 operator asked is worse than one that does not start.
@@ -31,7 +31,7 @@ MODE_NEUTRAL = "vllm"       # the engine's neutral defaults; the file is ignored
 FILE_NAME = "generation_config.json"
 
 # The engine's neutral values: what a request that omits a parameter got before.
-NEUTRAL = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0}
+NEUTRAL = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "repetition_penalty": 1.0}
 
 
 class GenerationConfigError(SplitserveError):
@@ -46,6 +46,7 @@ class SamplingDefaults:
     top_p: float | None = None
     top_k: int | None = None
     min_p: float | None = None
+    repetition_penalty: float | None = None
     source: str = MODE_NEUTRAL                 # where they came from, for the start-up line
     not_applied: dict = field(default_factory=dict)   # keys the engine cannot honour
 
@@ -64,6 +65,9 @@ class SamplingDefaults:
 
     def min_p_or(self, requested: float | None) -> float:
         return _first(requested, self.min_p, NEUTRAL["min_p"])
+
+    def repetition_penalty_or(self, requested: float | None) -> float:
+        return _first(requested, self.repetition_penalty, NEUTRAL["repetition_penalty"])
 
     def startup_line(self) -> str:
         """One log line saying which defaults are in use and how to turn them off."""
@@ -124,9 +128,7 @@ def from_generation_config(data, origin: str) -> SamplingDefaults:
         if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < -1:
             raise GenerationConfigError(f"{origin}: top_k must be an integer >= 0 (or -1: off), got {top_k!r}")
         defaults.top_k = max(top_k, 0)      # vLLM spells "off" -1, the engine 0
-    penalty = _number(data, "repetition_penalty", origin, 0.0, math.inf, low_open=True)
-    if penalty is not None and penalty != 1.0:
-        defaults.not_applied["repetition_penalty"] = penalty
+    defaults.repetition_penalty = _number(data, "repetition_penalty", origin, 0.0, math.inf, low_open=True)
     return defaults
 
 

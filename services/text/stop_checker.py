@@ -28,6 +28,7 @@ class StopChecker:
     detok: IncrementalDetokenizer = field(init=False)
     emitted: int = 0                  # characters of detok.text already handed out
     final_text: str | None = None     # set when a stop string cut the text
+    num_tokens: int = 0               # output tokens added (stop strings wait for min_tokens)
 
     def __post_init__(self, prompt_ids: Sequence[int], skip_special_tokens: bool) -> None:
         self.detok = IncrementalDetokenizer.after(self.tokenizer, prompt_ids, skip_special_tokens)
@@ -37,7 +38,10 @@ class StopChecker:
         with FinishReason.STOP, the text where the stop string says)."""
         prev_len = len(self.detok.text)
         self.detok.add(token_id)
-        return bool(self.params.stop) and self._find_stop_string(prev_len)
+        self.num_tokens += 1
+        # Like vLLM, a stop string completed before min_tokens does not end the request.
+        return bool(self.params.stop) and self.num_tokens >= self.params.min_tokens and \
+            self._find_stop_string(prev_len)
 
     def finish(self) -> None:
         """The request ended: everything left becomes showable."""

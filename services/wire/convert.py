@@ -2,7 +2,7 @@
 
 Both sides import these, so the worker and the frontend agree on every field.
 The wire's zero values mean "unset" where the engine's default differs
-(top_p 0 -> 1.0). Conversions of engine-only types (a step's output, KV events)
+(top_p 0 -> 1.0, repetition_penalty 0 -> 1.0). Conversions of engine-only types (a step's output, KV events)
 stay with the worker (services/worker/convert.py).
 
 `stop` and `include_stop_str_in_output` still travel in both directions (old
@@ -40,7 +40,10 @@ def params_to_proto(p: SamplingParams) -> common_pb2.SamplingParams:
         max_tokens=p.max_tokens, temperature=p.temperature, top_k=p.top_k, top_p=p.top_p,
         min_p=p.min_p, stop=list(p.stop), stop_token_ids=list(p.stop_token_ids),
         ignore_eos=p.ignore_eos, include_stop_str_in_output=p.include_stop_str_in_output,
-        num_prior_draws=p.num_prior_draws)
+        num_prior_draws=p.num_prior_draws, presence_penalty=p.presence_penalty,
+        frequency_penalty=p.frequency_penalty, repetition_penalty=p.repetition_penalty,
+        logit_bias=[common_pb2.TokenBias(token_id=t, bias=b) for t, b in sorted(p.logit_bias.items())],
+        min_tokens=p.min_tokens, num_prior_output_tokens=p.num_prior_output_tokens)
     if p.seed is not None:
         msg.seed = p.seed
     if p.logprobs is not None:
@@ -56,6 +59,10 @@ def params_from_proto(msg: common_pb2.SamplingParams) -> SamplingParams:
         seed=msg.seed if msg.HasField("seed") else None,
         stop=list(msg.stop), stop_token_ids=list(msg.stop_token_ids), ignore_eos=msg.ignore_eos,
         logprobs=msg.logprobs if msg.HasField("logprobs") else None,
-        include_stop_str_in_output=msg.include_stop_str_in_output, num_prior_draws=msg.num_prior_draws)
+        include_stop_str_in_output=msg.include_stop_str_in_output, num_prior_draws=msg.num_prior_draws,
+        presence_penalty=msg.presence_penalty, frequency_penalty=msg.frequency_penalty,
+        repetition_penalty=msg.repetition_penalty or 1.0,
+        logit_bias={b.token_id: b.bias for b in msg.logit_bias},
+        min_tokens=msg.min_tokens, num_prior_output_tokens=msg.num_prior_output_tokens)
     params.validate()
     return params

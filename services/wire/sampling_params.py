@@ -1,7 +1,12 @@
-"""Per-request generation parameters, validated once at the door."""
+"""Per-request generation parameters, validated once at the door.
+
+Penalties, logit_bias and min_tokens have vLLM's meaning and ranges (its
+`vllm/sampling_params.py`); services/engine/logits_controls.py applies them.
+"""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from splitserve.errors import InvalidRequestError
@@ -23,8 +28,17 @@ class SamplingParams:
     # Draws a seeded request's generator already made elsewhere (tokens sampled before a
     # migration); the engine skips them so the request continues the same random stream.
     num_prior_draws: int = 0
+    presence_penalty: float = 0.0     # subtracted once from each token the output holds
+    frequency_penalty: float = 0.0    # subtracted per occurrence in the output
+    repetition_penalty: float = 1.0   # divides positive / multiplies negative logits of seen tokens
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    min_tokens: int = 0               # EOS and stop_token_ids are masked until this many
+    # The last this-many prompt tokens are output generated before a migration (the new
+    # worker gets them as prompt): presence/frequency penalties count them as output.
+    num_prior_output_tokens: int = 0
 
     MAX_LOGPROBS = 20
+    MAX_PENALTY = 2.0
 
     def validate(self) -> None:
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
@@ -41,8 +55,34 @@ class SamplingParams:
             raise InvalidRequestError(f"logprobs must be in [0, {self.MAX_LOGPROBS}], got {self.logprobs}")
         if not isinstance(self.num_prior_draws, int) or self.num_prior_draws < 0:
             raise InvalidRequestError(f"num_prior_draws must be an integer >= 0, got {self.num_prior_draws!r}")
+        self._validate_controls()
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise InvalidRequestError("stop must be a list of non-empty strings")
+
+    def _validate_controls(self) -> None:
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not -self.MAX_PENALTY <= value <= self.MAX_PENALTY:
+                raise InvalidRequestError(f"{name} must be in [-2, 2], got {value}")
+        if not (self.repetition_penalty > 0.0 and math.isfinite(self.repetition_penalty)):
+            raise InvalidRequestError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        if not isinstance(self.min_tokens, int) or not 0 <= self.min_tokens <= self.max_tokens:
+            raise InvalidRequestError(
+                f"min_tokens must be an integer in [0, max_tokens={self.max_tokens}], got {self.min_tokens!r}")
+        if not isinstance(self.num_prior_output_tokens, int) or self.num_prior_output_tokens < 0:
+            raise InvalidRequestError(
+                f"num_prior_output_tokens must be an integer >= 0, got {self.num_prior_output_tokens!r}")
+        for token_id, bias in self.logit_bias.items():
+            if isinstance(token_id, bool) or not isinstance(token_id, int) or token_id < 0:
+                raise InvalidRequestError(f"logit_bias keys must be token ids >= 0, got {token_id!r}")
+            if not math.isfinite(bias):
+                raise InvalidRequestError(f"logit_bias values must be finite numbers, got {bias!r}")
+        if any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
+            raise InvalidRequestError("stop_token_ids must be token ids >= 0")
+
+    @property
+    def has_penalties(self) -> bool:
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0)
 
     @property
     def greedy(self) -> bool:

@@ -45,12 +45,14 @@ def hf_greedy(
     *,
     dtype: torch.dtype = torch.float32,
     ignore_eos: bool = False,
+    repetition_penalty: float = 1.0,
 ) -> list[GreedyReference]:
     """Greedy-decode each prompt (token ids) with transformers from the checkpoint in `folder`.
 
     Stops at the checkpoint's EOS like `generate` does by default, or produces
     exactly `max_new_tokens` tokens when `ignore_eos` (EOS is then masked out,
-    via `min_new_tokens`, and never generated).
+    via `min_new_tokens`, and never generated). `repetition_penalty` is generate's
+    (RepetitionPenaltyLogitsProcessor over prompt + output).
     """
     from transformers import AutoModelForCausalLM
 
@@ -58,7 +60,8 @@ def hf_greedy(
         raise ValueError("max_new_tokens must be at least 1")
     model = AutoModelForCausalLM.from_pretrained(Path(folder), dtype=dtype).eval()
     eos_token_ids = _eos_token_ids(model)
-    return [_greedy_one(model, prompt_ids, max_new_tokens, ignore_eos, eos_token_ids) for prompt_ids in prompts]
+    return [_greedy_one(model, prompt_ids, max_new_tokens, ignore_eos, eos_token_ids, repetition_penalty)
+            for prompt_ids in prompts]
 
 
 def greedy_reference(model, prompt_ids: list[int], max_new_tokens: int, *,
@@ -76,7 +79,8 @@ def _eos_token_ids(model) -> list[int]:
     return [eos] if isinstance(eos, int) else list(eos)
 
 
-def _greedy_one(model, prompt_ids: list[int], max_new_tokens: int, ignore_eos: bool, eos_token_ids: list[int]):
+def _greedy_one(model, prompt_ids: list[int], max_new_tokens: int, ignore_eos: bool, eos_token_ids: list[int],
+                repetition_penalty: float = 1.0):
     if not prompt_ids:
         raise ValueError("empty prompt")
     input_ids = torch.tensor([prompt_ids], dtype=torch.long)
@@ -85,6 +89,7 @@ def _greedy_one(model, prompt_ids: list[int], max_new_tokens: int, ignore_eos: b
             input_ids,
             attention_mask=torch.ones_like(input_ids),
             do_sample=False,
+            repetition_penalty=repetition_penalty,
             max_new_tokens=max_new_tokens,
             min_new_tokens=max_new_tokens if ignore_eos else 0,
             eos_token_id=eos_token_ids or None,

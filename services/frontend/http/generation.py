@@ -356,7 +356,11 @@ def _sampling_fields(body, choice: int = 0) -> dict:
     return dict(temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, min_p=body.min_p,
                 seed=seed, stop=body.stop_list(), ignore_eos=body.ignore_eos,
                 include_stop_str_in_output=body.include_stop_str_in_output,
-                skip_special_tokens=body.skip_special_tokens)
+                skip_special_tokens=body.skip_special_tokens,
+                presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
+                repetition_penalty=body.repetition_penalty, min_tokens=body.min_tokens,
+                stop_token_ids=list(body.stop_token_ids or []),
+                logit_bias={int(k): v for k, v in (body.logit_bias or {}).items()})
 
 
 def _response_id(prefix: str, body) -> str:

@@ -3,10 +3,11 @@
 Models are strict (a string is not an integer) and forbid unknown fields: a
 parameter splitserve does not implement is rejected with a message naming it,
 never silently ignored. Fields that exist in the OpenAI API but only have one
-supported value (best_of = n, penalties, logit_bias) are accepted at that value
+supported value (best_of = n) are accepted at that value
 and rejected otherwise, by `unsupported_values`. `n` choices and lists of prompts
 on /v1/completions are served as one request per (prompt, choice), concurrently. A few vLLM-style
-extensions are accepted too: top_k, min_p, ignore_eos, return_token_ids.
+extensions are accepted too: top_k, min_p, ignore_eos, return_token_ids,
+repetition_penalty, min_tokens, stop_token_ids.
 """
 
 from __future__ import annotations
@@ -63,24 +64,25 @@ class _Common(_Strict):
     n: int | None = Field(default=None, ge=1, le=MAX_CHOICES)
     stop: StopText | Annotated[list[StopText], Field(max_length=MAX_STOP_SEQUENCES)] | None = None
     seed: Seed | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None
+    presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    logit_bias: dict[str, float] | None = None      # token id (as a string) -> bias, clamped to [-100, 100]
     user: str | None = None
     # extensions (vLLM-style)
     top_k: int | None = Field(default=None, ge=0, le=MAX_TOP_K)
     min_p: float | None = Field(default=None, ge=0.0, le=1.0)
     ignore_eos: bool = False
     return_token_ids: bool = False
+    repetition_penalty: float | None = Field(default=None, gt=0.0)
+    min_tokens: int = Field(default=0, ge=0)
+    stop_token_ids: list[Annotated[int, Field(ge=0, le=MAX_TOKEN_ID)]] | None = None
 
     def unsupported_values(self) -> list[tuple[str, str]]:
         """(param, message) for each parameter set to a value splitserve cannot honour."""
         problems = []
-        for name in ("presence_penalty", "frequency_penalty"):
-            if getattr(self, name) not in (None, 0, 0.0):
-                problems.append((name, f"{name} is not supported (only 0)"))
-        if self.logit_bias:
-            problems.append(("logit_bias", "logit_bias is not supported"))
+        bad_keys = [k for k in self.logit_bias or {} if not (k.isascii() and k.isdigit() and int(k) <= MAX_TOKEN_ID)]
+        if bad_keys:
+            problems.append(("logit_bias", f"logit_bias keys must be token ids (decimal strings), got {bad_keys[0]!r}"))
         if self.stream_options is not None and not self.stream:
             problems.append(("stream_options", "stream_options is only allowed with stream=true"))
         return problems

@@ -35,16 +35,21 @@ class Job:
     max_tokens: int
     seed: int | None = None          # None: greedy; else temperature 0.8 with this seed
     api: str = "sse"                 # sse | whole (HTTP, not streamed) | grpc (public Generate)
+    # Sampling controls (penalties, min_tokens, logit_bias as {token id: bias}), HTTP only.
+    controls: dict = field(default_factory=dict)
+    ignore_eos: bool = True
 
     def sampling(self) -> SamplingParams:
-        if self.seed is None:
-            return SamplingParams(max_tokens=self.max_tokens, ignore_eos=True)
-        return SamplingParams(max_tokens=self.max_tokens, ignore_eos=True, temperature=0.8, seed=self.seed)
+        extra = {} if self.seed is None else {"temperature": 0.8, "seed": self.seed}
+        return SamplingParams(max_tokens=self.max_tokens, ignore_eos=self.ignore_eos, **extra, **self.controls)
 
     def body(self) -> dict:
         extra = {"temperature": 0} if self.seed is None else {"temperature": 0.8, "seed": self.seed}
+        controls = dict(self.controls)
+        if "logit_bias" in controls:
+            controls["logit_bias"] = {str(t): b for t, b in controls["logit_bias"].items()}
         return dict(prompt=self.prompt, max_tokens=self.max_tokens, **extra,
-                    extra_body={"ignore_eos": True, "return_token_ids": True})
+                    extra_body={"ignore_eos": self.ignore_eos, "return_token_ids": True, **controls})
 
 
 @dataclass(slots=True)

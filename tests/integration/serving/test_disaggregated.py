@@ -112,6 +112,34 @@ def test_greedy_equals_aggregated_and_transformers(deployment, references):
 
 
 @pytest.mark.parametrize("deployment", DEFAULT, ids=_id, indirect=True)
+def test_sampling_controls_through_the_prefill_worker_equal_aggregated(deployment, llama_dir):
+    """The prefill worker samples the first token: logit_bias, min_tokens and the penalties must
+    hold there too, so a 1P+1D request gives the aggregated engine's tokens exactly."""
+    _, server = deployment
+    [decode], [prefill] = server.role("decode"), server.role("prefill")
+    engine = LLMEngine(EngineConfig(model=str(llama_dir), num_kv_blocks=256, num_threads=1))
+    client = openai.OpenAI(base_url=server.openai_url, api_key="unused", max_retries=0, timeout=60)
+    eos = min(engine.eos_token_ids)
+    before = worker_stats(prefill).num_prefills_served
+    # Fresh prompts, over the threshold: earlier tests' prompts are cached on the decode worker.
+    for prompt in (_prompt(40, 45), _prompt(41, 130), _prompt(42, 300)):
+        [plain] = engine.generate([prompt], SamplingParams(max_tokens=1))
+        controls = dict(logit_bias={plain.token_ids[0]: -100.0, eos: 100.0}, min_tokens=4,
+                        repetition_penalty=0.6, frequency_penalty=0.5, presence_penalty=-1.0)
+        [want] = engine.generate([prompt], SamplingParams(max_tokens=8, **controls))
+        assert want.token_ids[0] != plain.token_ids[0] and want.token_ids[4:] == [eos]
+        out = client.completions.create(
+            model=_model(server), prompt=prompt, max_tokens=8, temperature=0,
+            frequency_penalty=0.5, presence_penalty=-1.0,
+            logit_bias={str(t): b for t, b in controls["logit_bias"].items()},
+            extra_body={"return_token_ids": True, "min_tokens": 4, "repetition_penalty": 0.6})
+        assert list(out.choices[0].token_ids) == want.token_ids, len(prompt)
+    engine.close()
+    assert worker_stats(prefill).num_prefills_served == before + 3      # every prompt went remote
+    wait_idle(server.workers, 1.0)
+
+
+@pytest.mark.parametrize("deployment", DEFAULT, ids=_id, indirect=True)
 def test_conditional_disaggregation_from_counters(deployment):
     _, server = deployment
     [decode], [prefill] = server.role("decode"), server.role("prefill")

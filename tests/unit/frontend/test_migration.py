@@ -37,6 +37,18 @@ def test_next_worker_call_carries_forwarded_tokens_budget_and_draws():
     assert (params.seed, params.num_prior_draws, params.max_tokens) == (3, 2, 8)
 
 
+def test_next_worker_call_counts_forwarded_tokens_as_output_for_penalties_and_min_tokens():
+    first = SamplingParams(max_tokens=10, frequency_penalty=1.0, min_tokens=4, logit_bias={5: -3.0})
+    p = Progress("r", PROMPT, first, token_ids=[5, 6, 5])
+    params = params_from_proto(p.worker_request().params)
+    assert (params.num_prior_output_tokens, params.min_tokens, params.max_tokens) == (3, 1, 7)
+    assert params.frequency_penalty == 1.0 and params.logit_bias == {5: -3.0}
+    # A second migration: the earlier worker's prompt already held 3 output tokens.
+    again = Progress("r", PROMPT + [5, 6, 5], params, token_ids=[9, 9])
+    params = params_from_proto(again.worker_request().params)
+    assert (params.num_prior_output_tokens, params.min_tokens, params.max_tokens) == (5, 0, 5)
+
+
 def test_refusals():
     p = Progress("r", PROMPT, SamplingParams(max_tokens=10), token_ids=[5])
     assert MigrationPolicy(0).refusal(p, 100) is Refusal.DISABLED
@@ -96,3 +108,18 @@ def test_a_refused_migration_is_a_503_and_is_counted(llama_dir):
     with pytest.raises(_Refused) as info:          # no decode worker left to move it to, within --migration-wait
         asyncio.run(fe._route(req, Progress("r", PROMPT, req.params, num_migrations=1)))
     assert info.value.reason == "no_worker" and time.monotonic() - t0 >= 0.3
+
+
+def test_stop_strings_wait_for_min_tokens_like_vllm(frontend):
+    tok = frontend.tokenizer
+    output = tok.encode("red and blue and green", add_special_tokens=False)
+    ends = [i + 1 for i in range(len(output)) if tok.decode(output[:i + 1]).count(" and") == 1]
+    first_end = ends[0]                        # the token that completes the first " and"
+
+    def stops_at(min_tokens: int) -> int | None:
+        checker = StopChecker(tok, SamplingParams(max_tokens=40, stop=[" and"], min_tokens=min_tokens))
+        return next((i + 1 for i, t in enumerate(output) if checker.add(t)), None)
+
+    assert stops_at(0) == first_end
+    later = stops_at(first_end + 1)            # the first " and" is early: the second one stops it
+    assert later is not None and later > first_end and tok.decode(output[:later]).count(" and") == 2

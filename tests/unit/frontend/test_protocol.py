@@ -56,8 +56,24 @@ def test_unsupported_values_are_named():
     assert CompletionRequest.model_validate({"model": "m", "prompt": [5, 6]}).prompts() == [[5, 6]]
     assert error_for(CompletionRequest, {"model": "m", "prompt": "x", "n": 0}).param == "n"
     chat = ChatCompletionRequest.model_validate({"model": "m", "messages": [{"role": "user", "content": "x"}],
-                                                 "logit_bias": {"5": 1.0}, "frequency_penalty": 0.0})
+                                                 "logit_bias": {"5": 1.0, "x": 2.0}, "frequency_penalty": 0.0})
     assert [p for p, _ in chat.unsupported_values()] == ["logit_bias"]
+
+
+def test_penalties_logit_bias_and_min_tokens_are_accepted_in_range():
+    body = {"model": "m", "messages": [{"role": "user", "content": "x"}], "presence_penalty": -2.0,
+            "frequency_penalty": 2, "repetition_penalty": 1.3, "logit_bias": {"5": -100, "7": 3.5},
+            "min_tokens": 4, "stop_token_ids": [2, 9]}
+    chat = ChatCompletionRequest.model_validate(body)
+    assert chat.unsupported_values() == []
+    assert (chat.repetition_penalty, chat.min_tokens, chat.stop_token_ids) == (1.3, 4, [2, 9])
+    completion = CompletionRequest.model_validate({"model": "m", "prompt": "x", "repetition_penalty": 0.9,
+                                                   "min_tokens": 1, "logit_bias": {"3": 1.0}})
+    assert completion.unsupported_values() == [] and completion.min_tokens == 1
+    for field, value in [("presence_penalty", 2.5), ("frequency_penalty", -3), ("repetition_penalty", 0),
+                         ("min_tokens", -1), ("stop_token_ids.0", [-1])]:
+        body = {"model": "m", "prompt": "x", field.split(".")[0]: value}
+        assert error_for(CompletionRequest, body).param == field
 
 
 def test_chat_fields():

@@ -104,13 +104,19 @@ def test_a_path_may_name_the_folder_or_the_file(tmp_path):
         assert defaults.source.endswith("generation_config.json")
 
 
-def test_the_start_up_line_says_what_is_in_use_and_what_is_not_applied(tmp_path):
+def test_the_start_up_line_says_what_is_in_use(tmp_path):
     line = load_sampling_defaults(_folder(tmp_path, {"temperature": 0.2, "repetition_penalty": 1.1})).startup_line()
     assert "overridden by the model's generation config" in line and "temperature=0.2" in line
     assert "--generation-config vllm" in line
-    assert "not applied" in line and "repetition_penalty=1.1" in line
+    assert "repetition_penalty=1.1" in line and "not applied" not in line      # the engine applies it now
     assert "neutral defaults" in load_sampling_defaults("vllm").startup_line()
-    assert "not applied" not in load_sampling_defaults(_folder(tmp_path, {"repetition_penalty": 1.0})).startup_line()
+
+
+def test_the_models_repetition_penalty_is_the_default_of_a_request_that_omits_it(tokenizer, tmp_path):
+    endpoints = _endpoints(tokenizer, load_sampling_defaults(_folder(tmp_path, {"repetition_penalty": 1.1})))
+    assert _chat(endpoints).repetition_penalty == 1.1
+    assert _chat(endpoints, repetition_penalty=1.0).repetition_penalty == 1.0
+    assert _chat(_endpoints(tokenizer, None)).repetition_penalty == 1.0
 
 
 @pytest.mark.parametrize("content, message", [

@@ -40,7 +40,9 @@ def test_the_wire_package_imports_neither_torch_nor_the_engine():
 def test_sampling_params_survive_the_wire():
     params = SamplingParams(max_tokens=9, temperature=0.5, top_k=4, top_p=0.8, min_p=0.1, seed=0,
                             stop=["\n"], stop_token_ids=[7], ignore_eos=True, logprobs=0,
-                            include_stop_str_in_output=True, num_prior_draws=3)
+                            include_stop_str_in_output=True, num_prior_draws=3, presence_penalty=-0.5,
+                            frequency_penalty=1.5, repetition_penalty=1.2, logit_bias={3: -100.0, 11: 2.5},
+                            min_tokens=2, num_prior_output_tokens=4)
     assert params_from_proto(params_to_proto(params)) == params
     unset = params_from_proto(params_to_proto(SamplingParams()))
     assert unset == SamplingParams() and unset.seed is None and unset.logprobs is None

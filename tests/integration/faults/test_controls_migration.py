@@ -1,0 +1,80 @@
+"""Sampling controls survive a migration: a decode worker SIGKILLed mid-stream, its streams
+continued on another one, every output token for token as the unbroken run.
+
+The new worker gets prompt + forwarded tokens as its prompt; it must count the forwarded
+tokens as output for presence/frequency penalties (SamplingParams.num_prior_output_tokens)
+and against min_tokens. The engine-level checks show the counts matter: without
+`num_prior_output_tokens` the continuation differs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+from dataclasses import replace
+
+import pytest
+
+from splitserve.services.engine.config import EngineConfig
+from splitserve.services.engine.engine import LLMEngine
+from splitserve.services.wire.sampling_params import SamplingParams
+from splitserve.testing.models import EOS_TOKEN_ID
+from splitserve.testing.workers import wait_idle
+
+from .conftest import MODEL_NAME, expected_outputs, make_jobs, run_load, wait_progress
+
+PENALTIES = dict(frequency_penalty=0.5, presence_penalty=-1.0, repetition_penalty=0.8)
+PROMPT = [1, 415, 2936, 9060, 285, 1142, 28705]
+
+
+@pytest.fixture(scope="module")
+def engine(llama_dir):
+    e = LLMEngine(EngineConfig(model=str(llama_dir), num_kv_blocks=64, num_threads=1))
+    yield e
+    e.close()
+
+
+@pytest.mark.parametrize("cut", [2, 6])
+def test_resumed_request_counts_forwarded_tokens_as_output(engine, cut):
+    [whole] = engine.generate([PROMPT], SamplingParams(max_tokens=16, ignore_eos=True, **PENALTIES))
+    [plain] = engine.generate([PROMPT], SamplingParams(max_tokens=16, ignore_eos=True))
+    assert whole.token_ids != plain.token_ids
+    resumed_prompt = PROMPT + whole.token_ids[:cut]
+    resumed = SamplingParams(max_tokens=16 - cut, ignore_eos=True, num_prior_output_tokens=cut, **PENALTIES)
+    [rest] = engine.generate([resumed_prompt], resumed)
+    assert whole.token_ids[:cut] + rest.token_ids == whole.token_ids
+    [as_prompt] = engine.generate([resumed_prompt], replace(resumed, num_prior_output_tokens=0))
+    assert as_prompt.token_ids != rest.token_ids      # forwarded tokens counted as prompt: not the same run
+
+
+def test_sigkill_mid_stream_keeps_penalties_and_min_tokens_exact(cluster, llama_dir):
+    eos = EOS_TOKEN_ID
+    penalized = [replace(j, controls=PENALTIES) for j in make_jobs(6, seed=5, min_len=20, max_len=80, max_tokens=30)]
+    # EOS is the greedy token at every step (bias +100); min_tokens holds it back across the cut.
+    held = [replace(j, controls=dict(logit_bias={eos: 100.0}, min_tokens=20), ignore_eos=False)
+            for j in make_jobs(4, seed=6, min_len=20, max_len=80, max_tokens=30)]
+    jobs = penalized + held
+    expected = expected_outputs(llama_dir, jobs)
+    assert all(len(e) == 21 and e[-1] == eos and eos not in e[:-1] for e in expected[len(penalized):])
+    p0 = cluster.start_worker("p0", "prefill")
+    d0 = cluster.start_worker("d0", "decode", "--remote-prefill-threshold", "64", "--prefill-timeout", "20")
+    d1 = cluster.start_worker("d1", "decode", "--remote-prefill-threshold", "64", "--prefill-timeout", "20")
+    cluster.wait_workers()
+    front = cluster.start_frontend("--router", "round-robin", "--served-model-name", MODEL_NAME)
+    front.wait_ready()
+    served_by_d0 = {}
+
+    async def kill_d0(progress):
+        await wait_progress(progress, 3)
+        served_by_d0["n"] = d0.stats().num_running
+        d0.proc.process.send_signal(signal.SIGKILL)
+
+    outcomes = asyncio.run(run_load(front.openai_url, jobs, kill_d0))
+    assert d0.proc.process.wait(10) == -signal.SIGKILL
+    errors = [(i, o.error) for i, o in enumerate(outcomes) if not o.completed]
+    assert not errors, (errors, front.proc.tail(80))
+    wrong = [(i, o.token_ids, want) for i, (o, want) in enumerate(zip(outcomes, expected)) if o.token_ids != want]
+    assert not wrong, wrong[:3]
+    assert [o.finish_reason for o in outcomes] == ["length"] * len(penalized) + ["stop"] * len(held)
+    assert served_by_d0["n"] > 0 and front.metric("splitserve_migrations_total", outcome="migrated") >= 1
+    wait_idle([p0, d1], 2.0)

@@ -1,0 +1,133 @@
+"""Penalties, logit_bias, min_tokens and stop_token_ids through `splitserve serve --aggregated`
+with the official `openai` client, on the random-weight Llama checkpoint.
+
+Each control must have its effect (a large negative bias moves the greedy token,
+min_tokens holds EOS and stop tokens back) and give exactly the tokens of an
+independent reference: transformers' `generate(repetition_penalty=...)` for the
+repetition penalty, and a transformers greedy loop with OpenAI's presence/frequency
+formula for those two (transformers has no processor for them).
+"""
+
+from __future__ import annotations
+
+import openai
+import pytest
+import torch
+
+from splitserve.services.engine.config import EngineConfig
+from splitserve.services.engine.engine import LLMEngine
+from splitserve.services.wire.sampling_params import SamplingParams
+from splitserve.testing.oracle import assert_greedy_match, hf_greedy
+
+PROMPT_IDS = [1, 415, 2936, 9060, 285, 1142, 28705, 28740, 28734, 2421]
+CHAT = [{"role": "user", "content": "Name three colours."}]
+GREEDY = {"ignore_eos": True, "return_token_ids": True}
+
+
+@pytest.fixture(scope="module")
+def server(llama_server):
+    return llama_server
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.openai_url, api_key="unused", max_retries=0, timeout=60)
+
+
+@pytest.fixture(scope="module")
+def model_name(client) -> str:
+    return client.models.list().data[0].id
+
+
+@pytest.fixture(scope="module")
+def engine(llama_dir):
+    e = LLMEngine(EngineConfig(model=str(llama_dir), num_kv_blocks=128, num_threads=1))
+    yield e
+    e.close()
+
+
+def _complete(client, model_name, max_tokens: int, **extra):
+    out = client.completions.create(model=model_name, prompt=PROMPT_IDS, max_tokens=max_tokens, temperature=0,
+                                    extra_body={"return_token_ids": True, **extra})
+    return out.choices[0], out.usage
+
+
+def _greedy(engine, max_tokens: int, **params) -> list[int]:
+    [r] = engine.generate([PROMPT_IDS], SamplingParams(max_tokens=max_tokens, **params))
+    return r.token_ids
+
+
+def test_a_large_negative_logit_bias_moves_the_greedy_token(client, model_name, engine):
+    [first] = _greedy(engine, 1, ignore_eos=True)
+    choice, _ = _complete(client, model_name, 6, ignore_eos=True, logit_bias={str(first): -100})
+    assert choice.token_ids[0] != first
+    assert first not in choice.token_ids
+    assert choice.token_ids == _greedy(engine, 6, ignore_eos=True, logit_bias={first: -100.0})
+    # Beyond +-100 the bias is clamped like vLLM's, not refused: the same tokens.
+    clamped, _ = _complete(client, model_name, 6, ignore_eos=True, logit_bias={str(first): -1e6})
+    assert clamped.token_ids == choice.token_ids
+
+
+def test_min_tokens_holds_eos_back(client, model_name, engine):
+    eos = min(engine.eos_token_ids)
+    bias = {str(eos): 100}                          # EOS is the greedy token at every step
+    early, usage = _complete(client, model_name, 10, logit_bias=bias)
+    assert (early.token_ids, early.finish_reason, usage.completion_tokens) == ([eos], "stop", 1)
+    held, _ = _complete(client, model_name, 10, logit_bias=bias, min_tokens=5)
+    assert held.finish_reason == "stop" and held.token_ids[-1] == eos
+    assert len(held.token_ids) == 6 and eos not in held.token_ids[:5]
+    assert held.token_ids == _greedy(engine, 10, logit_bias={eos: 100.0}, min_tokens=5)
+
+
+def test_stop_token_ids_and_min_tokens(client, model_name, engine):
+    plain = _greedy(engine, 8, ignore_eos=True)
+    stop = plain[2]
+    choice, _ = _complete(client, model_name, 8, ignore_eos=True, stop_token_ids=[stop])
+    assert choice.finish_reason == "stop" and choice.token_ids == plain[:plain.index(stop) + 1]
+    held, _ = _complete(client, model_name, 8, ignore_eos=True, stop_token_ids=[stop], min_tokens=8)
+    assert stop not in held.token_ids and len(held.token_ids) == 8 and held.finish_reason == "length"
+    assert held.token_ids == _greedy(engine, 8, ignore_eos=True, stop_token_ids=[stop], min_tokens=8)
+
+
+def test_repetition_penalty_equals_transformers_generate(client, model_name, llama_dir):
+    [plain] = hf_greedy(llama_dir, [PROMPT_IDS], 16, ignore_eos=True)
+    [ref] = hf_greedy(llama_dir, [PROMPT_IDS], 16, ignore_eos=True, repetition_penalty=0.5)
+    assert ref.token_ids != plain.token_ids           # the penalty changes this greedy output
+    choice, _ = _complete(client, model_name, 16, ignore_eos=True, repetition_penalty=0.5)
+    assert_greedy_match(choice.token_ids, ref)
+
+
+def _openai_penalized_greedy(folder, prompt: list[int], n: int, presence: float, frequency: float) -> list[int]:
+    """transformers' logits, step by step, minus OpenAI's `count * frequency + (count > 0) * presence`."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    out: list[int] = []
+    with torch.inference_mode():
+        for _ in range(n):
+            logits = model(torch.tensor([prompt + out])).logits[0, -1].float()
+            for t in set(out):
+                logits[t] -= out.count(t) * frequency + presence
+            out.append(int(logits.argmax()))
+    return out
+
+
+def test_presence_and_frequency_penalties_equal_the_openai_formula(client, model_name, llama_dir, engine):
+    want = _openai_penalized_greedy(llama_dir, PROMPT_IDS, 16, -1.5, 0.5)
+    assert want != _greedy(engine, 16, ignore_eos=True)
+    choice, _ = _complete(client, model_name, 16, ignore_eos=True, presence_penalty=-1.5, frequency_penalty=0.5)
+    assert choice.token_ids == want
+
+
+def test_chat_carries_the_controls(client, model_name, engine):
+    prompt_ids = engine.tokenizer.apply_chat_template(CHAT)
+    params = dict(ignore_eos=True, repetition_penalty=0.6, frequency_penalty=0.5, presence_penalty=-1.0)
+    [want] = engine.generate([prompt_ids], SamplingParams(max_tokens=10, **params))
+    [plain] = engine.generate([prompt_ids], SamplingParams(max_tokens=10, ignore_eos=True))
+    assert want.token_ids != plain.token_ids
+    stream = client.chat.completions.create(
+        model=model_name, messages=CHAT, max_tokens=10, temperature=0, stream=True,
+        frequency_penalty=0.5, presence_penalty=-1.0,
+        extra_body={**GREEDY, "repetition_penalty": 0.6})
+    got = [t for chunk in stream for c in chunk.choices for t in (getattr(c, "token_ids", None) or [])]
+    assert got == want.token_ids
