@@ -210,13 +210,9 @@ class GenerationEndpoints:
                 async for chunk in sse(req.formatter, first, deltas):
                     await response.body(chunk, last=chunk.endswith(DONE))
             else:
-                payload = orjson.dumps(await collect(req.formatter, first, deltas))
-                await response.start(200, [(b"content-type", b"application/json"),
-                                           (b"content-length", b"%d" % len(payload))])
-                await response.body(payload, last=True)
+                await response.whole(await collect(req.formatter, first, deltas))
         finally:
             await deltas.aclose()
-
 
     async def _generate_choices(self, req: Prepared, response: "Response") -> None:
         """Several choices (n > 1, a list of prompts): every worker request runs concurrently; a
@@ -235,10 +231,7 @@ class GenerationEndpoints:
                 collected = await asyncio.gather(*(collect_deltas(f, s) for f, s in zip(firsts, streams)))
                 bodies = [c.formatter.full(d) for c, d in zip(req.choices, collected)]
                 usage = merged_usage([d[-1] for d in collected], [c.first_of_prompt for c in req.choices])
-                payload = orjson.dumps(merge_full(bodies, usage))
-                await response.start(200, [(b"content-type", b"application/json"),
-                                           (b"content-length", b"%d" % len(payload))])
-                await response.body(payload, last=True)
+                await response.whole(merge_full(bodies, usage))
                 return
             await response.start(200, _SSE_HEADERS)
             # aclosing: a client leaving mid-stream stops the pumps before the streams are closed.
@@ -265,6 +258,12 @@ class Response:
 
     async def body(self, data: bytes, last: bool) -> None:
         await self._send({"type": "http.response.body", "body": data, "more_body": not last})
+
+    async def whole(self, document: dict) -> None:
+        """A 200 with the whole JSON body."""
+        payload = orjson.dumps(document)
+        await self.start(200, [(b"content-type", b"application/json"), (b"content-length", b"%d" % len(payload))])
+        await self.body(payload, last=True)
 
     async def fail(self, error: APIError) -> None:
         """The error as a JSON response, or in-band when the stream has begun (as OpenAI does)."""
