@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from . import common_pb2 as splitserve_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dsplitserve/v1/inference.proto\x12\rsplitserve.v1\x1a\x1asplitserve/v1/common.proto\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"<\n\x0c\x43hatMessages\x12,\n\x08messages\x18\x01 \x03(\x0b\x32\x1a.splitserve.v1.ChatMessage\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\xb0\x03\n\x0fGenerateRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12,\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x17.splitserve.v1.TokenIdsH\x00\x12+\n\x04\x63hat\x18\x04 \x01(\x0b\x32\x1b.splitserve.v1.ChatMessagesH\x00\x12\x17\n\nmax_tokens\x18\x05 \x01(\rH\x01\x88\x01\x01\x12\x18\n\x0btemperature\x18\x06 \x01(\x01H\x02\x88\x01\x01\x12\x12\n\x05top_p\x18\x07 \x01(\x01H\x03\x88\x01\x01\x12\r\n\x05top_k\x18\x08 \x01(\r\x12\r\n\x05min_p\x18\t \x01(\x01\x12\x11\n\x04seed\x18\n \x01(\x03H\x04\x88\x01\x01\x12\x0c\n\x04stop\x18\x0b \x03(\t\x12\x12\n\nignore_eos\x18\x0c \x01(\x08\x12\x15\n\x08logprobs\x18\r \x01(\rH\x05\x88\x01\x01\x12\x15\n\rinclude_usage\x18\x0e \x01(\x08\x12\x12\n\nrequest_id\x18\x0f \x01(\tB\x08\n\x06promptB\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x07\n\x05_seedB\x0b\n\t_logprobs\"f\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x14\n\x0ctotal_tokens\x18\x03 \x01(\r\x12\x15\n\rcached_tokens\x18\x04 \x01(\r\"\xcf\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12-\n\x08logprobs\x18\x04 \x03(\x0b\x32\x1b.splitserve.v1.TokenLogprob\x12\x32\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x1b.splitserve.v1.FinishReason\x12#\n\x05usage\x18\x06 \x01(\x0b\x32\x14.splitserve.v1.Usage2Z\n\tInference\x12M\n\x08Generate\x12\x1e.splitserve.v1.GenerateRequest\x1a\x1f.splitserve.v1.GenerateResponse0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dsplitserve/v1/inference.proto\x12\rsplitserve.v1\x1a\x1asplitserve/v1/common.proto\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"<\n\x0c\x43hatMessages\x12,\n\x08messages\x18\x01 \x03(\x0b\x32\x1a.splitserve.v1.ChatMessage\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\xd0\x05\n\x0fGenerateRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12,\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x17.splitserve.v1.TokenIdsH\x00\x12+\n\x04\x63hat\x18\x04 \x01(\x0b\x32\x1b.splitserve.v1.ChatMessagesH\x00\x12\x17\n\nmax_tokens\x18\x05 \x01(\rH\x01\x88\x01\x01\x12\x18\n\x0btemperature\x18\x06 \x01(\x01H\x02\x88\x01\x01\x12\x12\n\x05top_p\x18\x07 \x01(\x01H\x03\x88\x01\x01\x12\r\n\x05top_k\x18\x08 \x01(\r\x12\r\n\x05min_p\x18\t \x01(\x01\x12\x11\n\x04seed\x18\n \x01(\x03H\x04\x88\x01\x01\x12\x0c\n\x04stop\x18\x0b \x03(\t\x12\x12\n\nignore_eos\x18\x0c \x01(\x08\x12\x15\n\x08logprobs\x18\r \x01(\rH\x05\x88\x01\x01\x12\x15\n\rinclude_usage\x18\x0e \x01(\x08\x12\x12\n\nrequest_id\x18\x0f \x01(\t\x12\x1d\n\x10presence_penalty\x18\x10 \x01(\x01H\x06\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x11 \x01(\x01H\x07\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x12 \x01(\x01H\x08\x88\x01\x01\x12,\n\nlogit_bias\x18\x13 \x03(\x0b\x32\x18.splitserve.v1.TokenBias\x12\x12\n\nmin_tokens\x18\x14 \x01(\r\x12\x16\n\x0estop_token_ids\x18\x15 \x03(\r\x12\"\n\x1ainclude_stop_str_in_output\x18\x16 \x01(\x08\x42\x08\n\x06promptB\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x07\n\x05_seedB\x0b\n\t_logprobsB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x15\n\x13_repetition_penalty\"f\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x14\n\x0ctotal_tokens\x18\x03 \x01(\r\x12\x15\n\rcached_tokens\x18\x04 \x01(\r\"\xcf\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12-\n\x08logprobs\x18\x04 \x03(\x0b\x32\x1b.splitserve.v1.TokenLogprob\x12\x32\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x1b.splitserve.v1.FinishReason\x12#\n\x05usage\x18\x06 \x01(\x0b\x32\x14.splitserve.v1.Usage2Z\n\tInference\x12M\n\x08Generate\x12\x1e.splitserve.v1.GenerateRequest\x1a\x1f.splitserve.v1.GenerateResponse0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -39,11 +39,11 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TOKENIDS']._serialized_start=184
   _globals['_TOKENIDS']._serialized_end=207
   _globals['_GENERATEREQUEST']._serialized_start=210
-  _globals['_GENERATEREQUEST']._serialized_end=642
-  _globals['_USAGE']._serialized_start=644
-  _globals['_USAGE']._serialized_end=746
-  _globals['_GENERATERESPONSE']._serialized_start=749
-  _globals['_GENERATERESPONSE']._serialized_end=956
-  _globals['_INFERENCE']._serialized_start=958
-  _globals['_INFERENCE']._serialized_end=1048
+  _globals['_GENERATEREQUEST']._serialized_end=930
+  _globals['_USAGE']._serialized_start=932
+  _globals['_USAGE']._serialized_end=1034
+  _globals['_GENERATERESPONSE']._serialized_start=1037
+  _globals['_GENERATERESPONSE']._serialized_end=1244
+  _globals['_INFERENCE']._serialized_start=1246
+  _globals['_INFERENCE']._serialized_end=1336
 # @@protoc_insertion_point(module_scope)

@@ -83,7 +83,13 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
             top_k=request.top_k or None, min_p=request.min_p or None,
             seed=request.seed if request.HasField("seed") else None,
             stop=list(request.stop), ignore_eos=request.ignore_eos,
-            logprobs=request.logprobs if request.HasField("logprobs") else None)
+            logprobs=request.logprobs if request.HasField("logprobs") else None,
+            presence_penalty=request.presence_penalty if request.HasField("presence_penalty") else None,
+            frequency_penalty=request.frequency_penalty if request.HasField("frequency_penalty") else None,
+            repetition_penalty=request.repetition_penalty if request.HasField("repetition_penalty") else None,
+            logit_bias={b.token_id: b.bias for b in request.logit_bias}, min_tokens=request.min_tokens,
+            stop_token_ids=list(request.stop_token_ids),
+            include_stop_str_in_output=request.include_stop_str_in_output)
         params = fe.sampling_params(sampling, len(prompt_ids))
         return GenerationRequest(request.request_id or new_request_id("grpc"), "grpc", prompt_ids, params)
 

@@ -565,3 +565,27 @@ def test_return_tokens_as_token_ids_and_continuous_usage(client, model_name):
         stream_options={"include_usage": True, "continuous_usage_stats": True})]
     counts = [c.usage.completion_tokens for c in chunks if c.choices]
     assert counts == sorted(counts) and counts[-1] == 5 and all(c.usage is not None for c in chunks)
+
+
+def test_public_grpc_takes_the_sampling_controls_as_http_does(server, client, model_name):
+    import grpc
+
+    from splitserve.proto.v1 import common_pb2, inference_pb2, inference_pb2_grpc
+
+    greedy = client.completions.create(model=model_name, prompt=PROMPT_IDS, max_tokens=6, temperature=0,
+                                       extra_body=GREEDY).choices[0].token_ids
+    controls = {"frequency_penalty": 1.5, "presence_penalty": -1.0, "repetition_penalty": 0.7,
+                "logit_bias": {str(greedy[0]): -100}, "min_tokens": 3}
+    http = client.completions.create(model=model_name, prompt=PROMPT_IDS, max_tokens=6, temperature=0,
+                                     extra_body={**GREEDY, **controls}).choices[0].token_ids
+    assert http[0] != greedy[0]                              # the bias took the greedy token away
+    with grpc.insecure_channel(server.grpc_address) as channel:
+        stub = inference_pb2_grpc.InferenceStub(channel)
+        request = inference_pb2.GenerateRequest(
+            token_ids=inference_pb2.TokenIds(ids=PROMPT_IDS), max_tokens=6, temperature=0, ignore_eos=True,
+            frequency_penalty=1.5, presence_penalty=-1.0, repetition_penalty=0.7, min_tokens=3,
+            logit_bias=[common_pb2.TokenBias(token_id=greedy[0], bias=-100)])
+        assert [t for r in stub.Generate(request, timeout=60) for t in r.token_ids] == http
+        with pytest.raises(grpc.RpcError) as info:
+            list(stub.Generate(inference_pb2.GenerateRequest(text="hi", presence_penalty=5), timeout=10))
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
