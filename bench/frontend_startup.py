@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import socket
 import statistics
 import subprocess
@@ -27,6 +26,8 @@ import time
 from pathlib import Path
 
 import httpx
+
+from splitserve.hardware import cpu_model
 
 PROBE = """
 import json, sys, time
@@ -77,13 +78,6 @@ def _time_to_health(model: Path) -> tuple[float, float]:
         proc.wait(30)
 
 
-def _cpu() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return platform.machine()
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--reps", type=int, default=5)
@@ -113,7 +107,7 @@ def main() -> None:
         commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                                 cwd=Path(__file__).parent).stdout.strip()
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps({"commit": commit, "cpu": _cpu(), "reps": args.reps, "median": med,
+        Path(args.out).write_text(json.dumps({"commit": commit, "cpu": cpu_model(), "reps": args.reps, "median": med,
                                               "torch_imported": torch_loaded, "runs": rows}, indent=2))
 
 

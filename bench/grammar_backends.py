@@ -19,11 +19,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import statistics
 import subprocess
 import time
 from pathlib import Path
+
+from splitserve.hardware import cpu_model
 
 SCHEMAS = {
     "flat": ({"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
@@ -44,13 +45,6 @@ SCHEMAS = {
         {"user": {"id": 7, "email": "ada@example.com", "roles": ["admin", "dev"]}, "active": True,
          "score": 0.75}),
 }
-
-
-def _cpu() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return platform.machine()
 
 
 def _smollm2_tokenizer():
@@ -158,7 +152,7 @@ def main() -> None:
     for turn, (name, (schema, instance)) in enumerate(SCHEMAS.items()):
         for backend in backends if turn % 2 else backends[::-1]:       # alternate who goes first
             results[backend.name][name] = measure(backend, hf, schema, instance, args.reps)
-    print(f"grammar backends on SmolLM2's tokenizer ({backends[0].vocab} tokens), 1 thread, {_cpu()}")
+    print(f"grammar backends on SmolLM2's tokenizer ({backends[0].vocab} tokens), 1 thread, {cpu_model()}")
     print(f"{'schema':<11} {'backend':<11} {'compile ms':>10} {'mask us':>8} {'p99 us':>7} {'batch16 us':>10}")
     for name in SCHEMAS:
         for b in backends:
@@ -176,7 +170,7 @@ def main() -> None:
                                 cwd=Path(__file__).parent).stdout.strip()
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps({
-            "commit": commit, "cpu": _cpu(), "versions": {"xgrammar": getattr(xgrammar, "__version__", "?"),
+            "commit": commit, "cpu": cpu_model(), "versions": {"xgrammar": getattr(xgrammar, "__version__", "?"),
                                                           "llguidance": getattr(llguidance, "__version__", "?")},
             "results": results}, indent=2))
 

@@ -30,6 +30,8 @@ from pathlib import Path
 import httpx
 import psutil
 
+from splitserve.hardware import cpu_model
+
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -148,15 +150,8 @@ def main() -> None:
         print(f"\n{role}: " + ", ".join(r["crossings"]))
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps({"commit": commit, "cpu": platform.processor() or _cpu(),
+        Path(args.out).write_text(json.dumps({"commit": commit, "cpu": platform.processor() or cpu_model(),
                                               "processes": report, "num_files": len(total_files)}, indent=2))
-
-
-def _cpu() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return platform.machine()
 
 
 if __name__ == "__main__":

@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import re
 import signal
 import statistics
@@ -29,26 +28,15 @@ import tempfile
 import time
 from pathlib import Path
 
+from splitserve.hardware import cpu_model
+from splitserve.net import free_port
+
 PHASE = re.compile(r"worker (\S+) ready \(transfer \w+\) .*process and imports ([\d.]+) s, model and KV cache "
                    r"([\d.]+) s, KV transfer ([\d.]+) s")
 
 
-def _cpu() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return platform.machine()
-
-
-def _free_port() -> int:
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def start_once(extra: list[str], env: dict[str, str], timeout: float = 600) -> dict:
-    port, gport = _free_port(), _free_port()
+    port, gport = free_port(), free_port()
     t0 = time.perf_counter()
     proc = subprocess.Popen([sys.executable, "-m", "splitserve", "serve", "--port", str(port), "--grpc-port",
                              str(gport), *extra], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
@@ -104,7 +92,7 @@ def main() -> None:
             runs[name].append(start_once(extra, dict(os.environ)))
     med = {name: _summary(r) for name, r in runs.items()}
     med["cold"] = _summary([cold])
-    print(f"splitserve serve (1P+1D, shipped SmolLM2) on {cores} cores: {_cpu()}")
+    print(f"splitserve serve (1P+1D, shipped SmolLM2) on {cores} cores: {cpu_model()}")
     print(f"{'run':<34} {'ready s':>8} {'imports':>8} {'model+KV':>9} {'transfer':>9}")
     for name, label in (("cold", "cold (model converted)"), ("default", "warm, default"),
                         ("all-cores", "warm, --threads all cores (baseline)")):
@@ -118,7 +106,7 @@ def main() -> None:
         commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                                 cwd=Path(__file__).parent).stdout.strip()
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps({"commit": commit, "cpu": _cpu(), "cores": cores, "reps": args.reps,
+        Path(args.out).write_text(json.dumps({"commit": commit, "cpu": cpu_model(), "cores": cores, "reps": args.reps,
                                               "median": med, "ratio_default_over_baseline": ratio,
                                               "runs": {**runs, "cold": [cold]}}, indent=2))
 
