@@ -253,6 +253,8 @@ class Frontend:
 
     def _excluded(self, progress: Progress) -> frozenset[str]:
         """The workers whose stream broke for this request, unless restarted since (a new instance)."""
+        if not progress.failed_worker_ids:
+            return frozenset()            # every request's first route: nothing to look up
         restarted = {w.worker_id for w in self.pool.ready("decode") if w.info is not None
                      and progress.failed_instances.get(w.worker_id, w.info.instance_id) != w.info.instance_id}
         return frozenset(progress.failed_worker_ids - restarted)

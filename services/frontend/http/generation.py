@@ -56,7 +56,6 @@ class Prepared:
 
     choices: list[Choice]
     stream: bool
-    include_usage: bool = False
 
     @property
     def gen(self) -> GenerationRequest:
@@ -109,7 +108,7 @@ class GenerationEndpoints:
                 fmt = CompletionFormatter(request_id, self.frontend.model_name, self.frontend.tokenizer, body,
                                           prompt_ids, index, echo)
                 choices.append(Choice(gen, fmt, first_of_prompt=j == 0))
-        return Prepared(choices, body.stream, _include_usage(body))
+        return Prepared(choices, body.stream)
 
     def prepare_chat(self, raw: bytes) -> Prepared:
         body = self._parse(raw, ChatCompletionRequest, "chat")
@@ -136,7 +135,7 @@ class GenerationEndpoints:
             gen = self._prepare("chat", _worker_id(request_id, body), prompt_ids, sampling, "messages", j)
             choices.append(Choice(gen, ChatFormatter(request_id, self.frontend.model_name, self.frontend.tokenizer,
                                                      body, prompt_ids, j, echo), first_of_prompt=j == 0))
-        return Prepared(choices, body.stream, _include_usage(body))
+        return Prepared(choices, body.stream)
 
     def _parse(self, raw: bytes, model: type[BaseModel], api: str):
         def parse():
@@ -197,13 +196,7 @@ class GenerationEndpoints:
             return
         deltas = self.frontend.generate(req.gen)
         try:
-            try:
-                first = await anext(deltas)
-            except APIError as error:
-                await response.fail(error)
-                return
-            except StopAsyncIteration:
-                await response.fail(APIError(502, "the worker ended the stream early", type="server_error"))
+            if (first := await _primed(response, anext(deltas))) is None:
                 return
             if req.stream:
                 await response.start(200, _SSE_HEADERS)
@@ -219,13 +212,7 @@ class GenerationEndpoints:
         stream interleaves their chunks as they come, each with its choice's index."""
         streams = [self.frontend.generate(c.gen) for c in req.choices]
         try:
-            try:                              # prime every choice: a refusal is still a 4xx
-                firsts = await asyncio.gather(*(anext(s) for s in streams))
-            except APIError as error:
-                await response.fail(error)
-                return
-            except StopAsyncIteration:
-                await response.fail(APIError(502, "the worker ended the stream early", type="server_error"))
+            if (firsts := await _primed(response, asyncio.gather(*(anext(s) for s in streams)))) is None:
                 return
             if not req.stream:
                 collected = await asyncio.gather(*(collect_deltas(f, s) for f, s in zip(firsts, streams)))
@@ -241,6 +228,18 @@ class GenerationEndpoints:
         finally:
             for s in streams:
                 await s.aclose()
+
+
+async def _primed(response: "Response", first):
+    """The worker's first message (or every choice's): awaited before any byte of the answer, so
+    that a refusal is still a proper 4xx; None once that refusal (or an empty stream's 502) is sent."""
+    try:
+        return await first
+    except APIError as error:
+        await response.fail(error)
+    except StopAsyncIteration:
+        await response.fail(APIError(502, "the worker ended the stream early", type="server_error"))
+    return None
 
 
 class Response:
@@ -380,10 +379,6 @@ def _truncated(prompt_ids: list[int], body) -> list[int]:
     return prompt_ids[-k:] if k and len(prompt_ids) > k else prompt_ids
 
 
-def _include_usage(body) -> bool:
-    return bool(body.stream_options and body.stream_options.include_usage)
-
-
 async def collect_deltas(first: Delta, deltas: AsyncIterator[Delta]) -> list[Delta]:
     collected = [first]
     if first.finish_reason is None:
@@ -441,10 +436,9 @@ async def sse_choices(req: Prepared, firsts: list[Delta], streams: list[AsyncIte
         for p in pumps:
             p.cancel()
         await asyncio.gather(*pumps, return_exceptions=True)
-    if req.include_usage:
-        final = fmts[0]._envelope(fmts[0].object_stream, [])
-        final["usage"] = merged_usage([d for d in lasts if d is not None], [c.first_of_prompt for c in req.choices])
-        pending += event(final)
+    if fmts[0].include_usage:
+        usage = merged_usage([d for d in lasts if d is not None], [c.first_of_prompt for c in req.choices])
+        pending += event(fmts[0].usage_chunk(usage))
     yield pending + DONE
 
 

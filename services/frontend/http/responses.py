@@ -63,9 +63,13 @@ class _Formatter:
     def closing(self) -> list[dict]:
         if not self.include_usage or self.last is None:
             return []
+        return [self.usage_chunk(_usage(self.last))]
+
+    def usage_chunk(self, usage: dict) -> dict:
+        """The stream's last chunk when include_usage: no choices, the request's usage."""
         final = self._envelope(self.object_stream, [])
-        final["usage"] = _usage(self.last)
-        return [final]
+        final["usage"] = usage
+        return final
 
     def _finish(self, deltas: list[Delta]) -> tuple[str, list[int], list[common_pb2.TokenLogprob], Delta]:
         text = "".join(d.text for d in deltas)
