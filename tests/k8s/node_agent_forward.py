@@ -48,12 +48,15 @@ class _Relay:
     _stop: threading.Event
     _conns: list[socket.socket]
 
-    def _serve(self, listener: socket.socket, name: str) -> None:
+    def _serve(self, listener: socket.socket, host: str, port: int, name: str) -> int:
+        """Bind `listener` to host:port (0: any), start accepting; the port it got."""
         listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind((host, port))
         listener.listen(64)
         listener.settimeout(0.5)          # so the accept loop sees stop()
         self._listener = listener
         threading.Thread(target=self._accept, name=name, daemon=True).start()
+        return listener.getsockname()[1]
 
     def _dial(self) -> socket.socket | None:
         raise NotImplementedError
@@ -108,11 +111,8 @@ class HostPortForward(_Relay):
         return f"{self.node_ip}:{self.listen_port}"
 
     def start(self) -> HostPortForward:
-        listener = socket_in_netns(self.netns)
-        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        listener.bind((self.node_ip, self.listen_port))
-        self.listen_port = listener.getsockname()[1]
-        self._serve(listener, f"forward-{self.address}")
+        self.listen_port = self._serve(socket_in_netns(self.netns), self.node_ip, self.listen_port,
+                                       f"forward-{self.netns}-{self.node_ip}")
         return self
 
     def _dial(self) -> socket.socket | None:
@@ -137,11 +137,8 @@ class IntoClusterForward(_Relay):
         return f"127.0.0.1:{self.port}"
 
     def start(self) -> IntoClusterForward:
-        listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        listener.bind(("127.0.0.1", self.port))
-        self.port = listener.getsockname()[1]
-        self._serve(listener, f"into-cluster-{self.port}")
+        self.port = self._serve(socket.socket(socket.AF_INET, socket.SOCK_STREAM), "127.0.0.1", self.port,
+                                f"into-cluster-{self.netns}")
         return self
 
     def _dial(self) -> socket.socket | None:

@@ -181,6 +181,17 @@ async def wait_progress(progress: list[int], at_least: int, timeout: float = 60.
             await asyncio.sleep(0.01)
 
 
+@pytest.fixture(scope="module")
+def engine(llama_dir):
+    """An in-process engine on the random Llama: the reference an unbroken request gives."""
+    from splitserve.services.engine.config import EngineConfig
+    from splitserve.services.engine.engine import LLMEngine
+
+    e = LLMEngine(EngineConfig(model=str(llama_dir), num_kv_blocks=64, num_threads=1))
+    yield e
+    e.close()
+
+
 @pytest.fixture
 def cluster(llama_dir):
     c = Cluster(llama_dir)

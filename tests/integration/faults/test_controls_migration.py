@@ -15,8 +15,6 @@ from dataclasses import replace
 
 import pytest
 
-from splitserve.services.engine.config import EngineConfig
-from splitserve.services.engine.engine import LLMEngine
 from splitserve.services.wire.sampling_params import SamplingParams
 from splitserve.testing.models import EOS_TOKEN_ID
 from splitserve.testing.workers import wait_idle
@@ -25,13 +23,6 @@ from .conftest import MODEL_NAME, expected_outputs, make_jobs, run_load, wait_pr
 
 PENALTIES = dict(frequency_penalty=0.5, presence_penalty=-1.0, repetition_penalty=0.8)
 PROMPT = [1, 415, 2936, 9060, 285, 1142, 28705]
-
-
-@pytest.fixture(scope="module")
-def engine(llama_dir):
-    e = LLMEngine(EngineConfig(model=str(llama_dir), num_kv_blocks=64, num_threads=1))
-    yield e
-    e.close()
 
 
 @pytest.mark.parametrize("cut", [2, 6])

@@ -7,19 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from splitserve.services.engine.config import EngineConfig
-from splitserve.services.engine.engine import LLMEngine
 from splitserve.services.engine.sampler import skip_draws
 from splitserve.services.wire.sampling_params import SamplingParams
 
 PROMPT = [1, 415, 2936, 9060, 285, 1142, 28705]
-
-
-@pytest.fixture(scope="module")
-def engine(llama_dir):
-    e = LLMEngine(EngineConfig(model=str(llama_dir), num_kv_blocks=64, num_threads=1))
-    yield e
-    e.close()
 
 
 def _params(max_tokens: int, num_prior_draws: int = 0) -> SamplingParams:
