@@ -212,7 +212,12 @@ class GenerationEndpoints:
         stream interleaves their chunks as they come, each with its choice's index."""
         streams = [self.frontend.generate(c.gen) for c in req.choices]
         try:
-            if (firsts := await _primed(response, asyncio.gather(*(anext(s) for s in streams)))) is None:
+            primes = [asyncio.ensure_future(anext(s)) for s in streams]
+            if (firsts := await _primed(response, asyncio.gather(*primes))) is None:
+                # One choice was refused: stop the others' first reads before their streams close.
+                for p in primes:
+                    p.cancel()
+                await asyncio.gather(*primes, return_exceptions=True)
                 return
             if not req.stream:
                 collected = await asyncio.gather(*(collect_deltas(f, s) for f, s in zip(firsts, streams)))
