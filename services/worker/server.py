@@ -24,7 +24,6 @@ from typing import TYPE_CHECKING
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from grpc_health.v1._async import HealthServicer
 
 from splitserve.errors import SplitserveError
 from splitserve.proto.v1 import worker_pb2_grpc
@@ -33,6 +32,7 @@ from splitserve.services.engine.config import EngineConfig
 from splitserve.services.engine.engine import LLMEngine
 from splitserve.tls import PLAINTEXT, TlsConfig
 
+from splitserve.services.worker.health import WorkerHealthServicer
 from splitserve.services.worker.service import Role, WorkerOptions, WorkerService
 from splitserve.services.worker.session_stream import SessionStreamServer
 from splitserve.services.worker.shutdown import drain
@@ -100,7 +100,7 @@ async def serve(config: WorkerServerConfig, stop: asyncio.Event | None = None,
             loop.add_signal_handler(sig, stop.set)
     wid = config.options.worker_id
     server = grpc.aio.server(options=GRPC_OPTIONS)
-    health = HealthServicer()
+    health = WorkerHealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
     service = WorkerService(config.options, health)
     worker_pb2_grpc.add_WorkerServicer_to_server(service, server)

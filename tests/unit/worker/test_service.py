@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from grpc_health.v1._async import HealthServicer
+from splitserve.services.worker.health import WorkerHealthServicer
 
 from splitserve.proto.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from splitserve.services.worker.server import build_transfer
@@ -57,7 +57,7 @@ async def serving(engine, attach: bool = True):
 
     Each test gets its own service over the module's engine (the engine keeps every
     service's KV event subscription; an old one only buffers events nobody reads)."""
-    health = HealthServicer()
+    health = WorkerHealthServicer()
     service = WorkerService(WorkerOptions("w-unit", Role.BOTH), health)
     server = grpc.aio.server()
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
