@@ -28,7 +28,7 @@ from splitserve.services.text.stop_checker import StopChecker
 from splitserve.services.text.tokenizer import Tokenizer
 from splitserve.services.wire.convert import finish_reason_from_proto
 from splitserve.services.wire.outputs import FinishReason
-from splitserve.services.wire.sampling_params import SamplingParams
+from splitserve.services.wire.sampling_params import SamplingParams, StructuredOutput
 
 from splitserve.services.frontend import metrics as m
 from splitserve.services.frontend.errors import APIError, from_grpc, invalid
@@ -91,6 +91,7 @@ class SamplingRequest:
     logit_bias: dict[int, float] = field(default_factory=dict)   # token id -> bias
     min_tokens: int = 0
     stop_token_ids: list[int] = field(default_factory=list)
+    structured: StructuredOutput | None = None     # response_format / guided_* / a forced tool call
 
 
 def new_request_id(prefix: str) -> str:
@@ -197,7 +198,7 @@ class Frontend:
             repetition_penalty=d.repetition_penalty_or(s.repetition_penalty),
             # Like vLLM's server: a bias beyond +-100 is clamped, not refused.
             logit_bias={t: min(100.0, max(-100.0, b)) for t, b in s.logit_bias.items()},
-            min_tokens=s.min_tokens, stop_token_ids=list(s.stop_token_ids))
+            min_tokens=s.min_tokens, stop_token_ids=list(s.stop_token_ids), structured=s.structured)
         try:
             params.validate()
         except InvalidRequestError as exc:

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from splitserve.proto.v1 import common_pb2
 from splitserve.services.wire.outputs import FinishReason
-from splitserve.services.wire.sampling_params import SamplingParams
+from splitserve.services.wire.sampling_params import SamplingParams, StructuredOutput
 
 _FINISH_TO_PROTO = {
     None: common_pb2.FINISH_REASON_UNSPECIFIED,
@@ -48,6 +48,8 @@ def params_to_proto(p: SamplingParams) -> common_pb2.SamplingParams:
         msg.seed = p.seed
     if p.logprobs is not None:
         msg.logprobs = p.logprobs
+    if p.structured is not None:
+        msg.structured.kind, msg.structured.spec = p.structured.kind, p.structured.spec
     return msg
 
 
@@ -63,6 +65,7 @@ def params_from_proto(msg: common_pb2.SamplingParams) -> SamplingParams:
         presence_penalty=msg.presence_penalty, frequency_penalty=msg.frequency_penalty,
         repetition_penalty=msg.repetition_penalty or 1.0,
         logit_bias={b.token_id: b.bias for b in msg.logit_bias},
-        min_tokens=msg.min_tokens, num_prior_output_tokens=msg.num_prior_output_tokens)
+        min_tokens=msg.min_tokens, num_prior_output_tokens=msg.num_prior_output_tokens,
+        structured=StructuredOutput(msg.structured.kind, msg.structured.spec) if msg.HasField("structured") else None)
     params.validate()
     return params

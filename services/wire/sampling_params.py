@@ -12,6 +12,18 @@ from dataclasses import dataclass, field
 from splitserve.errors import InvalidRequestError
 
 
+STRUCTURED_KINDS = ("json_schema", "json_object", "regex", "choice", "grammar", "structural_tag")
+
+
+@dataclass(slots=True, frozen=True)
+class StructuredOutput:
+    """A grammar the output must match (services/engine/grammar.py compiles it with xgrammar)."""
+
+    kind: str          # one of STRUCTURED_KINDS
+    spec: str          # the JSON schema text ("" for json_object: any JSON object), the regex,
+                       # the JSON list of choices, the EBNF grammar, the structural tag JSON
+
+
 @dataclass(slots=True)
 class SamplingParams:
     max_tokens: int = 16
@@ -36,6 +48,7 @@ class SamplingParams:
     # The last this-many prompt tokens are output generated before a migration (the new
     # worker gets them as prompt): presence/frequency penalties count them as output.
     num_prior_output_tokens: int = 0
+    structured: StructuredOutput | None = None
 
     MAX_LOGPROBS = 20
     MAX_PENALTY = 2.0
@@ -79,6 +92,9 @@ class SamplingParams:
                 raise InvalidRequestError(f"logit_bias values must be finite numbers, got {bias!r}")
         if any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             raise InvalidRequestError("stop_token_ids must be token ids >= 0")
+        if self.structured is not None and self.structured.kind not in STRUCTURED_KINDS:
+            raise InvalidRequestError(f"structured output kind must be one of {', '.join(STRUCTURED_KINDS)}, "
+                                      f"got {self.structured.kind!r}")
 
     @property
     def has_penalties(self) -> bool:
