@@ -35,6 +35,7 @@ from splitserve.services.frontend.core import Delta, Frontend, GenerationRequest
 from splitserve.services.frontend.limits import PromptBound, check_prompt_tokens
 from splitserve.services.frontend.http.protocol import ChatCompletionRequest, CompletionRequest
 from splitserve.services.frontend.http.responses import ChatFormatter, CompletionFormatter, merge_full, merged_usage
+from splitserve.services.frontend.http.structured import requested_structure
 
 log = logging.getLogger(__name__)
 
@@ -91,6 +92,7 @@ class GenerationEndpoints:
         body = self._parse(raw, CompletionRequest, "completions")
         choices: list[Choice] = []
         request_id = _response_id("cmpl", body)
+        structured = self._refusing("completions", lambda: requested_structure(body))
         for p, prompt in enumerate(body.prompts()):
             if isinstance(prompt, str):
                 self._check_length("completions", len(prompt), "prompt")
@@ -102,7 +104,8 @@ class GenerationEndpoints:
             for j in range(body.num_choices):
                 index = p * body.num_choices + j
                 sampling = SamplingRequest(max_tokens=body.max_tokens, default_max_tokens=16,
-                                           logprobs=body.logprobs, **_sampling_fields(body, j))
+                                           logprobs=body.logprobs, structured=structured,
+                                           **_sampling_fields(body, j))
                 gen = self._prepare("completions", _worker_id(request_id, body), prompt_ids, sampling, "prompt",
                                     index)
                 fmt = CompletionFormatter(request_id, self.frontend.model_name, self.frontend.tokenizer, body,
@@ -126,12 +129,13 @@ class GenerationEndpoints:
         # echo: the reply starts with the last message when it is the assistant's (vLLM's rule).
         echo = messages[-1]["content"] if body.echo and messages[-1]["role"] == "assistant" else ""
         request_id = _response_id("chatcmpl", body)
+        structured = self._refusing("chat", lambda: requested_structure(body))
         choices = []
         for j in range(body.num_choices):
             sampling = SamplingRequest(
                 max_tokens=body.requested_max_tokens(), default_max_tokens=None,
                 max_tokens_param="max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens",
-                logprobs=body.num_logprobs(), **_sampling_fields(body, j))
+                logprobs=body.num_logprobs(), structured=structured, **_sampling_fields(body, j))
             gen = self._prepare("chat", _worker_id(request_id, body), prompt_ids, sampling, "messages", j)
             choices.append(Choice(gen, ChatFormatter(request_id, self.frontend.model_name, self.frontend.tokenizer,
                                                      body, prompt_ids, j, echo), first_of_prompt=j == 0))
