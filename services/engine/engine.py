@@ -175,13 +175,16 @@ class LLMEngine:
 
     # -- disaggregated decode side ----------------------------------------------
     def reserve_remote_prefill(self, request_id: str, prompt: list[int], params: SamplingParams,
-                               fence_writes: bool = False) -> BlockReservation | None:
+                               fence_writes: bool = False, forks: list[tuple[str, SamplingParams]] = ()
+                               ) -> BlockReservation | None:
         """Hold KV blocks for a prompt another worker will fill; None when the pool is full.
+        `forks`: more samples (as add_request's), forked from these blocks once they are filled.
 
         `fence_writes`: when the reservation is cancelled or aborted, the blocks granted to
         the writer stay out of the pool until `release_transfer(request_id)` (the caller
         knows when no write can land any more)."""
         seq = self._new_sequence(request_id, prompt, params, False, None)
+        seq.forks = [self._new_sequence(rid, seq.prompt_token_ids, p, False, None) for rid, p in forks]
         if fence_writes:
             seq.transfer = TransferUse.RECEIVE
         if seq.generator is not None and params.seed is not None:
@@ -197,6 +200,12 @@ class LLMEngine:
         if seq is None:
             return None
         self.scheduler.cache_computed_blocks(seq)
+        if seq.forks:
+            # The prefill worker sent KV and this request's first token, not the logits: the
+            # siblings recompute the last prompt token (into their own copy of its block).
+            siblings, seq.forks = seq.forks, []
+            self.scheduler.fork(seq, siblings, len(seq.prompt_token_ids) - 1)
+            self._count_forks()
         token = first_token if isinstance(first_token, SampledToken) else SampledToken(first_token)
         output = self._append_token(seq, token)
         self._publish_events()
@@ -268,10 +277,13 @@ class LLMEngine:
                 self.scheduler.fork(seq, siblings)
                 seqs.extend(siblings)
                 rows.extend([row] * len(siblings))
+        self._count_forks()
+        return seqs, rows
+
+    def _count_forks(self) -> None:
         s, sch = self.stats, self.scheduler
         s.num_forks, s.num_forked_blocks, s.num_fork_copies = (
             sch.num_forks, sch.num_forked_blocks, sch.num_fork_copies)
-        return seqs, rows
 
     def generate(self, prompts: list[list[int]] | list[str], params: SamplingParams | list[SamplingParams]
                  ) -> list[GenerationResult]:

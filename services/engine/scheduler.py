@@ -188,14 +188,18 @@ class Scheduler:
             self.pool.release([src, dst])
 
     # -- forks (n > 1) -------------------------------------------------------------
-    def fork(self, parent: Sequence, siblings: list[Sequence]) -> None:
-        """`parent` just computed its whole prompt (and nothing more): each sibling shares its
-        full blocks and gets its own copy of the partial last block, then runs beside it
-        (or, with no block left for the copy, waits to be recomputed from the prefix cache)."""
-        num_tokens = parent.num_computed_tokens
+    def fork(self, parent: Sequence, siblings: list[Sequence], num_tokens: int | None = None) -> None:
+        """`parent` holds its whole prompt's KV (and nothing more): each sibling shares the blocks
+        wholly below `num_tokens` (default: the prompt) and gets its own copy of the prompt's
+        block holding position `num_tokens`, if any, then runs beside it, computing from
+        `num_tokens` on (or, with no block left for the copy, waits to be recomputed from the
+        prefix cache). `num_tokens` one short of the prompt: the sibling recomputes the last
+        prompt token for its own logits (a fork after a remote prefill, which sent KV only)."""
+        num_prompt = len(parent.prompt_token_ids)
+        num_tokens = num_prompt if num_tokens is None else num_tokens
         num_full = num_tokens // self.block_size
         shared = parent.block_ids[:num_full]
-        partial = parent.block_ids[num_full:self._blocks_for(num_tokens)]
+        partial = parent.block_ids[num_full:self._blocks_for(num_prompt)]
         for sib in siblings:
             copy = self.pool.allocate(len(partial))
             if copy is None:

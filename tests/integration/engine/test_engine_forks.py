@@ -127,3 +127,40 @@ def test_fork_ids_must_be_distinct(engine):
     with pytest.raises(InvalidRequestError, match="distinct"):
         engine.add_request("x", [1, 2, 3], params_for(0), forks=[("x", params_for(1))])
     assert not engine.has_unfinished()
+
+
+@pytest.mark.parametrize("prompt_len", [37, 48, 49])
+def test_forks_after_a_remote_prefill_share_its_blocks_and_sample_like_separate_requests(llama_dir,
+                                                                                        prompt_len):
+    """The decode side reserves for the prompt, another engine fills it (a copy per layer, as
+    test_disaggregation_hooks does), and the siblings fork when the KV has arrived: each
+    recomputes only the last prompt token, into its own copy of that token's block."""
+    prefill, decode = make_engine(llama_dir), make_engine(llama_dir, prefix_caching=False)
+    prompt = list(range(300, 300 + prompt_len))
+    forks = [(f"r{i}", params_for(i)) for i in range(1, 4)]
+    reservation = decode.reserve_remote_prefill("r0", prompt, params_for(0), forks=forks)
+
+    def push(ready):
+        src, dst = prefill.runner.kv.tensor[ready.layer], decode.runner.kv.tensor[ready.layer]
+        for offset, block_id in enumerate(ready.block_ids):
+            dst[:, reservation.block_ids[ready.first_block + offset]] = src[:, block_id]
+
+    prefill.add_request("r0", prompt, params_for(0, max_tokens=1), prefill_only=True, on_layer_done=push)
+    first = None
+    while prefill.has_unfinished():
+        for out in prefill.step():
+            [first] = out.new_token_ids
+    assert prefill.release_transfer("r0")
+    assert prefill.stats.num_prompt_tokens_computed == prompt_len          # one prefill
+    tokens = {"r0": list(decode.complete_remote_prefill("r0", first).new_token_ids)}
+    while decode.has_unfinished():
+        for out in decode.step():
+            tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+    s = decode.stats
+    assert s.num_forks == 3 and s.num_forked_blocks == 3 * ((prompt_len - 1) // BS)
+    assert s.num_fork_copies == 3
+    assert s.num_prompt_tokens_computed == 3                                # the siblings' last token
+    alone = [run_alone(prefill, prompt, i) for i in range(4)]
+    assert [tokens[f"r{i}"] for i in range(4)] == alone
+    for eng in (prefill, decode):
+        assert all(c == 0 for c in eng.pool.ref_counts) and not eng.has_unfinished()
