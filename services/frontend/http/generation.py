@@ -208,9 +208,14 @@ class GenerationEndpoints:
             await deltas.aclose()
 
     async def _generate_choices(self, req: Prepared, response: "Response") -> None:
-        """Several choices (n > 1, a list of prompts): every worker request runs concurrently; a
-        stream interleaves their chunks as they come, each with its choice's index."""
-        streams = [self.frontend.generate(c.gen) for c in req.choices]
+        """Several choices (n > 1, a list of prompts): the n choices of each prompt are one worker
+        request (forks.py: one prefill, shared KV blocks), prompts run concurrently; a stream
+        interleaves the choices' chunks as they come, each with its choice's index."""
+        streams, calls = [], []
+        for group in _by_prompt(req.choices):
+            group_streams, call = self.frontend.generate_forked([c.gen for c in group])
+            streams.extend(group_streams)
+            calls.extend([call] if call is not None else [])
         try:
             primes = [asyncio.ensure_future(anext(s)) for s in streams]
             if (firsts := await _primed(response, asyncio.gather(*primes))) is None:
@@ -233,6 +238,19 @@ class GenerationEndpoints:
         finally:
             for s in streams:
                 await s.aclose()
+            for call in calls:
+                call.close()
+
+
+def _by_prompt(choices: list[Choice]) -> list[list[Choice]]:
+    """The choices in runs of one prompt each (its n choices follow its first)."""
+    groups: list[list[Choice]] = []
+    for c in choices:
+        if c.first_of_prompt or not groups:
+            groups.append([c])
+        else:
+            groups[-1].append(c)
+    return groups
 
 
 async def _primed(response: "Response", first):

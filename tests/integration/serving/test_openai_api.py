@@ -418,6 +418,28 @@ def test_n_seeded_choices_differ_and_repeat(client, model_name):
     assert single.choices[0].token_ids == first.choices[0].token_ids
 
 
+def test_n_choices_prefill_the_prompt_once_and_share_its_kv_blocks(client, model_name, server):
+    """n = 4 is one worker request: one prefill of the prompt, whose 2 full blocks the other 3
+    samples share by reference and whose partial third block each gets a copy of (the
+    worker's fork counters); each choice is still the sample its seed gives alone."""
+    [worker] = server.worker_addresses
+    prompt = list(range(2000, 2040))                 # 40 tokens: 2 full blocks of 16 + 8, not cached
+    kwargs = dict(model=model_name, prompt=prompt, max_tokens=6, temperature=1.0, extra_body=GREEDY)
+    before = worker_stats(worker)
+    out = client.completions.create(n=4, seed=21, **kwargs)
+    after = worker_stats(worker)
+    assert [c.index for c in out.choices] == [0, 1, 2, 3]
+    assert after.num_requests - before.num_requests == 1
+    assert after.num_prompt_tokens_computed - before.num_prompt_tokens_computed == 40
+    assert after.num_forks - before.num_forks == 3
+    assert after.num_forked_kv_blocks - before.num_forked_kv_blocks == 3 * 2
+    assert after.num_fork_copies - before.num_fork_copies == 3
+    assert (out.usage.prompt_tokens, out.usage.completion_tokens) == (40, 4 * 6)
+    alone = [client.completions.create(n=1, seed=21 + i, **kwargs).choices[0].token_ids for i in range(4)]
+    assert [c.token_ids for c in out.choices] == alone
+    wait_idle({"worker": worker}, 5.0)
+
+
 def test_batched_prompts_come_back_in_order_each_as_alone(client, model_name):
     prompts = [PROMPT_IDS, PROMPT_IDS[:4], [1, 22, 333, 4444]]
     out = client.completions.create(model=model_name, prompt=prompts, max_tokens=5, temperature=0, n=2,
