@@ -199,7 +199,8 @@ BAD_BODIES = [
      "chat/completions", 400, "max_completion_tokens"),
     ({"model": "MODEL", "prompt": "hi", "n": 0}, "completions", 400, "n"),
     ({"model": "MODEL", "prompt": "hi", "n": 17}, "completions", 400, "n"),
-    ({"model": "MODEL", "prompt": "hi", "best_of": 3}, "completions", 400, "best_of"),
+    ({"model": "MODEL", "prompt": "hi", "n": 3, "best_of": 2}, "completions", 400, "best_of"),
+    ({"model": "MODEL", "prompt": "hi", "best_of": 3, "stream": True}, "completions", 400, "best_of"),
     ({"model": "MODEL", "prompt": "hi", "echo": True, "logprobs": 1}, "completions", 400, "echo"),
     ({"model": "MODEL", "prompt": "hi", "presence_penalty": 2.5}, "completions", 400, "presence_penalty"),
     ({"model": "MODEL", "prompt": "hi", "logit_bias": {"x": 1.0}}, "completions", 400, "logit_bias"),
@@ -438,6 +439,25 @@ def test_n_choices_prefill_the_prompt_once_and_share_its_kv_blocks(client, model
     alone = [client.completions.create(n=1, seed=21 + i, **kwargs).choices[0].token_ids for i in range(4)]
     assert [c.token_ids for c in out.choices] == alone
     wait_idle({"worker": worker}, 5.0)
+
+
+def test_best_of_returns_the_n_samples_with_the_highest_cumulative_logprob(client, model_name):
+    """best_of=4, n=2 samples what n=4 samples (seed + i) and returns the two most likely of
+    them, best first; without logprobs asked, none are shown, and usage counts those two."""
+    kwargs = dict(model=model_name, prompt=[PROMPT_IDS, PROMPT_IDS[:6]], max_tokens=6, temperature=1.0, seed=5,
+                  extra_body=GREEDY)
+    all_four = client.completions.create(n=4, logprobs=0, **kwargs)
+    best = client.completions.create(n=2, best_of=4, **kwargs)
+    want = []
+    for p in range(2):
+        samples = all_four.choices[4 * p:4 * p + 4]
+        ranked = sorted(samples, key=lambda c: -sum(c.logprobs.token_logprobs))
+        assert len({sum(c.logprobs.token_logprobs) for c in samples}) == 4      # no ties to order
+        want += [c.token_ids for c in ranked[:2]]
+    assert [c.index for c in best.choices] == [0, 1, 2, 3]
+    assert [c.token_ids for c in best.choices] == want
+    assert all(c.logprobs is None for c in best.choices)
+    assert (best.usage.prompt_tokens, best.usage.completion_tokens) == (len(PROMPT_IDS) + 6, 4 * 6)
 
 
 def test_batched_prompts_come_back_in_order_each_as_alone(client, model_name):
