@@ -374,6 +374,10 @@ class Frontend:
                     return
                 delta = self._delta(req, progress, run, item, call.request_id)
                 run.finished = delta.finish_reason is not None
+                if run.finished:
+                    # Now, not when this generator is closed: a reader stops at the last delta,
+                    # and the worker's sample (a stop string ended it here) should stop too.
+                    call.release(choice)
                 yield delta
                 if run.finished:
                     return

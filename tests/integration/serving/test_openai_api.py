@@ -441,6 +441,28 @@ def test_n_choices_prefill_the_prompt_once_and_share_its_kv_blocks(client, model
     wait_idle({"worker": worker}, 5.0)
 
 
+def test_a_choice_stopped_by_its_stop_string_stops_its_sample_alone(client, model_name, server):
+    """The frontend judges stop strings: when one of the n choices meets one, that sample alone
+    is aborted on the worker (one abort counted) while the others run to max_tokens."""
+    [worker] = server.worker_addresses
+    kwargs = dict(model=model_name, prompt=PROMPT_IDS, max_tokens=40, temperature=1.0, seed=9, n=4,
+                  extra_body=GREEDY)
+    texts = [c.text for c in client.completions.create(**kwargs).choices]
+    found = [(k, texts[k][i:i + 4]) for k in range(4) for i in range(0, 12)
+             if texts[k][i:i + 4].strip() and not any(texts[k][i:i + 4] in t for j, t in enumerate(texts) if j != k)]
+    assert found, texts
+    stopped, stop = found[0]
+    before = worker_stats(worker)
+    out = client.completions.create(stop=[stop], **kwargs)
+    wait_idle({"worker": worker}, 5.0)
+    after = worker_stats(worker)
+    assert [c.finish_reason for c in out.choices] == ["stop" if k == stopped else "length" for k in range(4)]
+    assert [c.text for k, c in enumerate(out.choices) if k != stopped] == [t for k, t in enumerate(texts)
+                                                                          if k != stopped]
+    assert after.num_aborted - before.num_aborted == 1
+    assert after.num_generated_tokens - before.num_generated_tokens < 4 * 40
+
+
 def test_best_of_returns_the_n_samples_with_the_highest_cumulative_logprob(client, model_name):
     """best_of=4, n=2 samples what n=4 samples (seed + i) and returns the two most likely of
     them, best first; without logprobs asked, none are shown, and usage counts those two."""
