@@ -333,7 +333,7 @@ class LLMEngine:
     def _new_sequence(self, request_id: str, prompt: list[int] | str, params: SamplingParams,
                       prefill_only: bool, on_layer_done: LayerCallback | None) -> Sequence:
         params.validate()
-        if self.scheduler.find(request_id) is not None:
+        if self.scheduler.find(request_id) is not None or self.scheduler.find_fork(request_id) is not None:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         if not ids:

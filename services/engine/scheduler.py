@@ -24,7 +24,8 @@ Several samples of one prompt (n > 1) prefill it once: when the first sequence's
 completes, `fork` gives each sibling the prompt's full blocks by reference and a copy of the
 last partial block (copy-on-write, made before the next step writes: `block_copies`). A
 sibling that finds no block for its copy waits instead and is recomputed from the prefix
-cache, like a preempted sequence.
+cache, like a preempted sequence. Forked siblings join the running batch beyond
+max_num_seqs if need be: they were admitted with their parent.
 """
 
 from __future__ import annotations

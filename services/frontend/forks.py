@@ -126,7 +126,6 @@ def forkable(reqs: list[GenerationRequest]) -> bool:
     first = reqs[0]
     for i, r in enumerate(reqs):
         seed = None if first.params.seed is None else first.params.seed + i
-        if r.prompt_ids != first.prompt_ids or replace(r.params, seed=seed) != r.params \
-                or replace(first.params, seed=seed) != r.params:
+        if r.prompt_ids != first.prompt_ids or replace(first.params, seed=seed) != r.params:
             return False
     return True

@@ -164,3 +164,19 @@ def test_forks_after_a_remote_prefill_share_its_blocks_and_sample_like_separate_
     assert [tokens[f"r{i}"] for i in range(4)] == alone
     for eng in (prefill, decode):
         assert all(c == 0 for c in eng.pool.ref_counts) and not eng.has_unfinished()
+
+
+def test_forks_under_tensor_parallelism_copy_on_every_rank(llama_dir):
+    """TP=2: each rank holds half the KV heads, so each must copy its own shard of the
+    partial block (the copies travel with the broadcast batch) for the samples to be right."""
+    engine = LLMEngine(EngineConfig(model=str(llama_dir), dtype="float32", num_kv_blocks=64,
+                                    block_size=BS, tensor_parallel_size=2, enable_prefix_caching=False))
+    try:
+        prompt = list(range(600, 637))
+        forked = run_forked(engine, prompt, 3)
+        assert engine.stats.num_fork_copies == 2 and engine.stats.num_prompt_tokens_computed == 37
+        alone = [run_alone(engine, prompt, i) for i in range(3)]
+        assert [forked[f"fork-{i}"] for i in range(3)] == alone
+        assert all(c == 0 for c in engine.pool.ref_counts)
+    finally:
+        engine.close()
