@@ -28,7 +28,7 @@ from splitserve.services.engine.kv_cache import KVCache
 from splitserve.services.engine.kv_events import KVEvent
 from splitserve.services.engine.model_runner import ModelRunner
 from splitserve.services.engine.loading.model_source import open_checkpoint
-from splitserve.services.engine.logits_controls import TokenHistory
+from splitserve.services.engine.logits_controls import TokenCounts, TokenHistory
 from splitserve.services.engine.sampler import SampledToken, sample, skip_draws
 from splitserve.services.wire.sampling_params import SamplingParams
 from splitserve.services.engine.scheduler import BlockReservation, ScheduledChunk, Scheduler
@@ -211,7 +211,7 @@ class LLMEngine:
         for chunk in decision.chunks:
             self.scheduler.advance(chunk)
         tokens = sample(logits.cpu(), [c.seq.params for c in sampled],
-                        [c.seq.generator for c in sampled], [_history(c.seq) for c in sampled],
+                        [c.seq.generator for c in sampled], [_history(c.seq, self.model_config.vocab_size) for c in sampled],
                         self.eos_token_ids)
         outputs.extend(self._append_token(c.seq, t) for c, t in zip(sampled, tokens))
         self._publish_events()
@@ -275,6 +275,7 @@ class LLMEngine:
             raise InvalidRequestError(f"prompt token ids must be integers in [0, {vocab})")
         if any(t >= vocab for t in params.logit_bias):
             raise InvalidRequestError(f"logit_bias token ids must be in [0, {vocab})")
+        params.check_vocab(vocab)
         if len(ids) >= self.max_model_len:
             raise InvalidRequestError(
                 f"prompt has {len(ids)} tokens but this model's context is {self.max_model_len} "
@@ -327,6 +328,8 @@ class LLMEngine:
 
     def _append_token(self, seq: Sequence, token: SampledToken) -> RequestOutput:
         seq.output_token_ids.append(token.token_id)
+        if seq.token_counts is not None:
+            seq.token_counts.add(token.token_id)
         if token.logprob is not None:
             seq.output_logprobs.append(token.top_logprobs or {})
         self.stats.num_generated_tokens += 1
@@ -348,10 +351,20 @@ class LLMEngine:
             num_output_tokens=len(seq.output_token_ids), logprobs=logprobs)
 
 
-def _history(seq: Sequence) -> TokenHistory:
-    """What a sequence's penalties count; the tokens are only gathered when a row asks."""
+def _history(seq: Sequence, vocab: int) -> TokenHistory:
+    """What a sequence's controls look at: its penalty counts (built on first use from prompt +
+    output, then kept by `_append_token`) and, for bad words, the output's last tokens (output
+    generated before a migration is the prompt's last `num_prior_output_tokens`)."""
     p = seq.params
-    if not (p.has_penalties or p.min_tokens):
-        return TokenHistory([], 0, len(seq.output_token_ids))
-    num_output = min(p.num_prior_output_tokens, len(seq.prompt_token_ids)) + len(seq.output_token_ids)
-    return TokenHistory(seq.all_token_ids, num_output, len(seq.output_token_ids))
+    num_generated = len(seq.output_token_ids)
+    prior = min(p.num_prior_output_tokens, len(seq.prompt_token_ids))
+    if p.has_penalties and seq.token_counts is None:
+        seq.token_counts = TokenCounts.of(seq.all_token_ids, prior + num_generated, vocab)
+    tail = None
+    if p.bad_words:
+        k = max(len(w) for w in p.bad_words) - 1
+        tail = seq.output_token_ids[-k:] if k else []
+        if len(tail) < k and prior:
+            tail = seq.prompt_token_ids[len(seq.prompt_token_ids) - prior:][-(k - len(tail)):] + tail
+    return TokenHistory([], prior + num_generated, num_generated,
+                        seq.token_counts if p.has_penalties else None, tail)
