@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 
 from splitserve.errors import InvalidRequestError
 from splitserve.proto.v1 import common_pb2, worker_pb2
+from splitserve.services.text.bad_words import bad_word_token_ids
 from splitserve.services.text.stop_checker import StopChecker
 from splitserve.services.text.tokenizer import Tokenizer
 from splitserve.services.wire.convert import finish_reason_from_proto
@@ -92,6 +93,8 @@ class SamplingRequest:
     min_tokens: int = 0
     stop_token_ids: list[int] = field(default_factory=list)
     structured: StructuredOutput | None = None     # response_format / guided_* / a forced tool call
+    allowed_token_ids: list[int] = field(default_factory=list)
+    bad_words: list[str] = field(default_factory=list)   # text: tokenized here (text/bad_words.py)
 
 
 def new_request_id(prefix: str) -> str:
@@ -198,7 +201,9 @@ class Frontend:
             repetition_penalty=d.repetition_penalty_or(s.repetition_penalty),
             # Like vLLM's server: a bias beyond +-100 is clamped, not refused.
             logit_bias={t: min(100.0, max(-100.0, b)) for t, b in s.logit_bias.items()},
-            min_tokens=s.min_tokens, stop_token_ids=list(s.stop_token_ids), structured=s.structured)
+            min_tokens=s.min_tokens, stop_token_ids=list(s.stop_token_ids), structured=s.structured,
+            allowed_token_ids=list(s.allowed_token_ids),
+            bad_words=bad_word_token_ids(self.tokenizer, s.bad_words) if s.bad_words else [])
         try:
             params.validate()
         except InvalidRequestError as exc:

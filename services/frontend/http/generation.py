@@ -363,7 +363,8 @@ def _sampling_fields(body, choice: int = 0) -> dict:
                 presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
                 repetition_penalty=body.repetition_penalty, min_tokens=body.min_tokens,
                 stop_token_ids=list(body.stop_token_ids or []),
-                logit_bias={int(k): v for k, v in (body.logit_bias or {}).items()})
+                logit_bias={int(k): v for k, v in (body.logit_bias or {}).items()},
+                allowed_token_ids=list(body.allowed_token_ids or []), bad_words=list(body.bad_words or []))
 
 
 def _response_id(prefix: str, body) -> str:

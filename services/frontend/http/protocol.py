@@ -7,7 +7,7 @@ supported value (best_of = n) are accepted at that value
 and rejected otherwise, by `unsupported_values`. `n` choices and lists of prompts
 on /v1/completions are served as one request per (prompt, choice), concurrently. A few vLLM-style
 extensions are accepted too: top_k, min_p, ignore_eos, return_token_ids,
-repetition_penalty, min_tokens, stop_token_ids.
+repetition_penalty, min_tokens, stop_token_ids, allowed_token_ids, bad_words.
 """
 
 from __future__ import annotations
@@ -123,8 +123,6 @@ NOT_YET = {
     "tools": "tool calling is not supported yet",
     "tool_choice": "tool calling is not supported yet",
     "prompt_logprobs": "prompt logprobs are not computed yet; logprobs of generated tokens are",
-    "allowed_token_ids": "allowed_token_ids is not supported yet (use logit_bias)",
-    "bad_words": "bad_words is not supported yet (use logit_bias or stop)",
     "cache_salt": "cache_salt is not supported yet: the prefix cache is shared by every request of a worker",
 }
 
@@ -160,8 +158,8 @@ class _VllmExtensions(_Strict):
     tools: list[Any] | None = None
     tool_choice: str | dict[str, Any] | None = None
     prompt_logprobs: int | None = None
-    allowed_token_ids: list[int] | None = None
-    bad_words: list[str] | None = None
+    allowed_token_ids: list[Annotated[int, Field(ge=0, le=MAX_TOKEN_ID)]] | None = None  # the worker checks the vocab
+    bad_words: list[Annotated[str, Field(min_length=1)]] | None = None
     cache_salt: str | None = None
 
     def extension_problems(self) -> list[tuple[str, str]]:
@@ -169,8 +167,9 @@ class _VllmExtensions(_Strict):
                     if getattr(self, name, None) is not None]
         # tool_choice "none" and an empty tools list change nothing: clients send them by default.
         problems += [(name, why) for name, why in NOT_YET.items() if getattr(self, name, None) not in (None, [])
-                     and not (name == "tool_choice" and self.tool_choice == "none")
-                     and not (name == "bad_words" and not self.bad_words)]
+                     and not (name == "tool_choice" and self.tool_choice == "none")]
+        if self.allowed_token_ids == []:
+            problems.append(("allowed_token_ids", "allowed_token_ids must not be empty: no token could be sampled"))
         if self.priority != 0:
             problems.append(("priority", "priority scheduling is not enabled: every request has priority 0"))
         if self.use_beam_search:

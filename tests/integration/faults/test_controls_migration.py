@@ -38,6 +38,21 @@ def test_resumed_request_counts_forwarded_tokens_as_output(engine, cut):
     assert as_prompt.token_ids != rest.token_ids      # forwarded tokens counted as prompt: not the same run
 
 
+@pytest.mark.parametrize("cut", [1, 5])
+def test_resumed_request_checks_bad_words_against_forwarded_output(engine, cut):
+    """A two-token bad word whose first token the first worker generated: the new worker (which
+    gets that token as prompt) must still ban the second, as the unbroken run did."""
+    [plain] = engine.generate([PROMPT], SamplingParams(max_tokens=12, ignore_eos=True))
+    word = plain.token_ids[cut - 1:cut + 1]
+    [whole] = engine.generate([PROMPT], SamplingParams(max_tokens=12, ignore_eos=True, bad_words=[word]))
+    assert whole.token_ids[:cut] == plain.token_ids[:cut] and whole.token_ids[cut] != word[1]
+    resumed = SamplingParams(max_tokens=12 - cut, ignore_eos=True, bad_words=[word], num_prior_output_tokens=cut)
+    [rest] = engine.generate([PROMPT + whole.token_ids[:cut]], resumed)
+    assert whole.token_ids[:cut] + rest.token_ids == whole.token_ids
+    [as_prompt] = engine.generate([PROMPT + whole.token_ids[:cut]], replace(resumed, num_prior_output_tokens=0))
+    assert as_prompt.token_ids[0] == word[1]          # the prompt is not output: the word is not checked
+
+
 def test_sigkill_mid_stream_keeps_penalties_and_min_tokens_exact(cluster, llama_dir):
     eos = EOS_TOKEN_ID
     penalized = [replace(j, controls=PENALTIES) for j in make_jobs(6, seed=5, min_len=20, max_len=80, max_tokens=30)]

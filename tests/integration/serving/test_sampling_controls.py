@@ -131,3 +131,42 @@ def test_chat_carries_the_controls(client, model_name, engine):
         extra_body={**GREEDY, "repetition_penalty": 0.6})
     got = [t for chunk in stream for c in chunk.choices for t in (getattr(c, "token_ids", None) or [])]
     assert got == want.token_ids
+
+
+def test_allowed_token_ids_confine_the_output(client, model_name, engine):
+    plain = _greedy(engine, 8, ignore_eos=True)
+    allowed = sorted({plain[1] + 1, plain[3] + 2, 7})      # not the greedy tokens
+    choice, _ = _complete(client, model_name, 8, ignore_eos=True, allowed_token_ids=allowed)
+    assert set(choice.token_ids) <= set(allowed) and choice.token_ids != plain
+    assert choice.token_ids == _greedy(engine, 8, ignore_eos=True, allowed_token_ids=allowed)
+    sampled = client.completions.create(model=model_name, prompt=PROMPT_IDS, max_tokens=8, temperature=1.5,
+                                        seed=3, extra_body={"return_token_ids": True, "ignore_eos": True,
+                                                            "allowed_token_ids": allowed})
+    assert set(sampled.choices[0].token_ids) <= set(allowed)
+
+
+def test_allowed_token_ids_outside_the_vocabulary_are_a_400(client, model_name, engine):
+    vocab = engine.model_config.vocab_size
+    with pytest.raises(openai.BadRequestError, match="allowed_token_ids"):
+        _complete(client, model_name, 2, allowed_token_ids=[vocab + 3])
+    with pytest.raises(openai.BadRequestError, match="allowed_token_ids"):
+        _complete(client, model_name, 2, allowed_token_ids=[])
+
+
+def test_bad_words_never_complete_in_the_output(client, model_name, engine):
+    """A word the greedy output holds (as the tokenizer encodes it there) is banned: its tokens
+    never appear in that order, and the output is the engine's with those sequences banned."""
+    plain = _greedy(engine, 12, ignore_eos=True)
+    word = engine.tokenizer.decode(plain[2:4])
+    choice, _ = _complete(client, model_name, 12, ignore_eos=True, bad_words=[word])
+    from splitserve.services.text.bad_words import bad_word_token_ids
+
+    sequences = bad_word_token_ids(engine.tokenizer, [word])
+    assert sequences and choice.token_ids != plain
+    out = choice.token_ids
+    for seq in sequences:
+        assert not any(out[i:i + len(seq)] == seq for i in range(len(out)))
+    assert out == _greedy(engine, 12, ignore_eos=True, bad_words=sequences)
+    chat = client.chat.completions.create(model=model_name, messages=CHAT, max_tokens=4, temperature=0,
+                                          extra_body={**GREEDY, "bad_words": [word]})
+    assert chat.choices[0].finish_reason == "length"
