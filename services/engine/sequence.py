@@ -69,7 +69,6 @@ class Sequence:
     # The penalties' token counts (logits_controls.TokenCounts), built when first needed and
     # then kept by the engine as tokens are accepted; they survive a preemption (same tokens).
     token_counts: object | None = None
-    cache_salt: str = ""                           # enters the block hashes: shares only same-salt blocks
 
     @property
     def num_tokens(self) -> int:

@@ -95,6 +95,7 @@ class SamplingRequest:
     structured: StructuredOutput | None = None     # response_format / guided_* / a forced tool call
     allowed_token_ids: list[int] = field(default_factory=list)
     bad_words: list[str] = field(default_factory=list)   # text: tokenized here (text/bad_words.py)
+    cache_salt: str = ""
 
 
 def new_request_id(prefix: str) -> str:
@@ -203,7 +204,8 @@ class Frontend:
             logit_bias={t: min(100.0, max(-100.0, b)) for t, b in s.logit_bias.items()},
             min_tokens=s.min_tokens, stop_token_ids=list(s.stop_token_ids), structured=s.structured,
             allowed_token_ids=list(s.allowed_token_ids),
-            bad_words=bad_word_token_ids(self.tokenizer, s.bad_words) if s.bad_words else [])
+            bad_words=bad_word_token_ids(self.tokenizer, s.bad_words) if s.bad_words else [],
+            cache_salt=s.cache_salt)
         try:
             params.validate()
         except InvalidRequestError as exc:
@@ -266,7 +268,8 @@ class Frontend:
         return frozenset(progress.failed_worker_ids - restarted)
 
     async def _route(self, req: GenerationRequest, progress: Progress) -> Route:
-        request = RouteRequest(progress.attempt_id(), progress.prompt_ids + progress.token_ids)
+        request = RouteRequest(progress.attempt_id(), progress.prompt_ids + progress.token_ids,
+                               progress.params.cache_salt)
         route = self.router.route(request, exclude=self._excluded(progress))
         if route is None and not progress.num_migrations:
             raise _Refused("no_worker", APIError(503, "no worker is ready to serve this request; retry shortly",

@@ -116,7 +116,7 @@ class Progress:
             min_tokens=max(0, self.params.min_tokens - n),
             num_prior_output_tokens=self.params.num_prior_output_tokens + n)
         return worker_pb2.TokenGenerateRequest(request_id=self.attempt_id(), token_ids=self.prompt_ids + self.token_ids,
-                                               params=params_to_proto(params))
+                                               params=params_to_proto(params), cache_salt=params.cache_salt)
 
 
 @dataclass(slots=True, frozen=True)

@@ -57,8 +57,9 @@ def params_to_proto(p: SamplingParams) -> common_pb2.SamplingParams:
     return msg
 
 
-def params_from_proto(msg: common_pb2.SamplingParams) -> SamplingParams:
-    """Validated engine parameters; raises InvalidRequestError."""
+def params_from_proto(msg: common_pb2.SamplingParams, cache_salt: str = "") -> SamplingParams:
+    """Validated engine parameters; raises InvalidRequestError. `cache_salt` is the request's
+    (it travels on TokenGenerateRequest / PrefillRequest, not in SamplingParams)."""
     params = SamplingParams(
         max_tokens=msg.max_tokens, temperature=msg.temperature, top_k=msg.top_k,
         top_p=msg.top_p or 1.0, min_p=msg.min_p,
@@ -72,6 +73,6 @@ def params_from_proto(msg: common_pb2.SamplingParams) -> SamplingParams:
         min_tokens=msg.min_tokens, num_prior_output_tokens=msg.num_prior_output_tokens,
         structured=StructuredOutput(msg.structured.kind, msg.structured.spec) if msg.HasField("structured") else None,
         allowed_token_ids=list(msg.allowed_token_ids), bad_words=[list(w.token_ids) for w in msg.bad_words],
-        prompt_logprobs=msg.prompt_logprobs if msg.HasField("prompt_logprobs") else None)
+        prompt_logprobs=msg.prompt_logprobs if msg.HasField("prompt_logprobs") else None, cache_salt=cache_salt)
     params.validate()
     return params

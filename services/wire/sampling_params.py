@@ -55,9 +55,14 @@ class SamplingParams:
     allowed_token_ids: list[int] = field(default_factory=list)   # empty: any token may be sampled
     bad_words: list[list[int]] = field(default_factory=list)     # token sequences never to complete
     prompt_logprobs: int | None = None  # top-n logprobs per prompt token; None: none
+    # vLLM's cache_salt: prefix-cache blocks are shared only among requests with the same salt.
+    # Not a sampling parameter: it travels on the worker request (TokenGenerateRequest /
+    # PrefillRequest.cache_salt, the request's KV identity), and rides here inside a process.
+    cache_salt: str = ""
 
     MAX_LOGPROBS = 20
     MAX_PENALTY = 2.0
+    MAX_CACHE_SALT = 1024
 
     def validate(self) -> None:
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
@@ -99,6 +104,8 @@ class SamplingParams:
         if any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             raise InvalidRequestError("stop_token_ids must be token ids >= 0")
         self._validate_token_masks()
+        if not isinstance(self.cache_salt, str) or len(self.cache_salt) > self.MAX_CACHE_SALT:
+            raise InvalidRequestError(f"cache_salt must be a string of at most {self.MAX_CACHE_SALT} characters")
         if self.structured is not None and self.structured.kind not in STRUCTURED_KINDS:
             raise InvalidRequestError(f"structured output kind must be one of {', '.join(STRUCTURED_KINDS)}, "
                                       f"got {self.structured.kind!r}")

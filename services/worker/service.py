@@ -186,7 +186,7 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         self.counters.num_in_flight += 1
         try:
             loop = self._engine_loop()
-            params = params_from_proto(request.params)
+            params = params_from_proto(request.params, request.cache_salt)
             token_ids = list(request.token_ids)
             self.counters.num_requests += 1
             peers = [request.prefill_peer.address] if request.HasField("prefill_peer") else []
@@ -202,7 +202,7 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
     async def _generate(self, loop: EngineLoop, request_id: str, token_ids: list[int], params,
                         peers: list[str]):
         remote = self.remote
-        if peers and self._disaggregates() and await remote.worth_it(token_ids):
+        if peers and self._disaggregates() and await remote.worth_it(token_ids, params.cache_salt):
             outcome = await remote.run(request_id, token_ids, params, peers, self._count_retry)
             if outcome.first_token is not None:
                 self.counters.num_remote_prefills += 1
@@ -227,7 +227,7 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
             loop = self._engine_loop()
             if not request.request_id:
                 raise InvalidRequestError("Prefill needs a request_id")
-            params = params_from_proto(request.params)
+            params = params_from_proto(request.params, request.cache_salt)
             t = request.target
             other_ranks = tuple(TransferEndpoint(r.agent_name, r.agent_metadata, t.layout_hash, r.incarnation)
                                 for r in t.other_ranks)      # a TP decode worker's ranks 1..M-1

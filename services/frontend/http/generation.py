@@ -364,7 +364,8 @@ def _sampling_fields(body, choice: int = 0) -> dict:
                 repetition_penalty=body.repetition_penalty, min_tokens=body.min_tokens,
                 stop_token_ids=list(body.stop_token_ids or []),
                 logit_bias={int(k): v for k, v in (body.logit_bias or {}).items()},
-                allowed_token_ids=list(body.allowed_token_ids or []), bad_words=list(body.bad_words or []))
+                allowed_token_ids=list(body.allowed_token_ids or []), bad_words=list(body.bad_words or []),
+                cache_salt=body.cache_salt or "")
 
 
 def _response_id(prefix: str, body) -> str:

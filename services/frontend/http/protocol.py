@@ -7,7 +7,7 @@ supported value (best_of = n) are accepted at that value
 and rejected otherwise, by `unsupported_values`. `n` choices and lists of prompts
 on /v1/completions are served as one request per (prompt, choice), concurrently. A few vLLM-style
 extensions are accepted too: top_k, min_p, ignore_eos, return_token_ids,
-repetition_penalty, min_tokens, stop_token_ids, allowed_token_ids, bad_words.
+repetition_penalty, min_tokens, stop_token_ids, allowed_token_ids, bad_words, cache_salt.
 """
 
 from __future__ import annotations
@@ -123,7 +123,6 @@ NOT_YET = {
     "tools": "tool calling is not supported yet",
     "tool_choice": "tool calling is not supported yet",
     "prompt_logprobs": "prompt logprobs are not computed yet; logprobs of generated tokens are",
-    "cache_salt": "cache_salt is not supported yet: the prefix cache is shared by every request of a worker",
 }
 
 
@@ -160,7 +159,7 @@ class _VllmExtensions(_Strict):
     prompt_logprobs: int | None = None
     allowed_token_ids: list[Annotated[int, Field(ge=0, le=MAX_TOKEN_ID)]] | None = None  # the worker checks the vocab
     bad_words: list[Annotated[str, Field(min_length=1)]] | None = None
-    cache_salt: str | None = None
+    cache_salt: Annotated[str, Field(min_length=1, max_length=1024)] | None = None   # vLLM: non-empty
 
     def extension_problems(self) -> list[tuple[str, str]]:
         problems = [(name, f"{name} is not supported: {why}") for name, why in REFUSED_EXTENSIONS.items()

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import grpc
 
 from splitserve.proto.v1 import worker_pb2, worker_pb2_grpc
-from splitserve.router.hashing import block_hashes
+from splitserve.router.hashing import block_hashes, salted_key
 from splitserve.services.engine.engine import LLMEngine
 from splitserve.services.engine.scheduler import BlockReservation
 from splitserve.services.wire.sampling_params import SamplingParams
@@ -45,10 +45,10 @@ GRPC_OPTIONS = [("grpc.max_receive_message_length", 64 * 2**20),
                 ("grpc.max_send_message_length", 64 * 2**20)]
 
 
-def num_cached_prompt_tokens(engine: LLMEngine, token_ids: list[int]) -> int:
-    """Leading prompt tokens this engine's prefix cache holds now (engine thread only)."""
+def num_cached_prompt_tokens(engine: LLMEngine, token_ids: list[int], cache_salt: str = "") -> int:
+    """Leading prompt tokens this engine's prefix cache holds now for that salt (engine thread only)."""
     bs = engine.config.block_size
-    hashes = block_hashes(token_ids, bs, engine.scheduler.extra_key)
+    hashes = block_hashes(token_ids, bs, salted_key(engine.scheduler.extra_key, cache_salt))
     return len(engine.pool.cached_prefix(hashes)) * bs
 
 
@@ -94,8 +94,8 @@ class RemotePrefill:
     timeout_s: float               # the whole remote prefill, every attempt included
     fences: WriteFences            # its clock times the deadline too (the fences' expiry)
 
-    async def worth_it(self, token_ids: list[int]) -> bool:
-        num_cached = await self.loop.call(lambda e: num_cached_prompt_tokens(e, token_ids))
+    async def worth_it(self, token_ids: list[int], cache_salt: str = "") -> bool:
+        num_cached = await self.loop.call(lambda e: num_cached_prompt_tokens(e, token_ids, cache_salt))
         uncached = len(token_ids) - num_cached
         return uncached > 0 and uncached >= self.threshold_tokens
 
@@ -159,7 +159,8 @@ class RemotePrefill:
                 other_ranks=[worker_pb2.TransferAgent(agent_name=r.agent_name, agent_metadata=r.agent_metadata,
                                                       incarnation=r.incarnation) for r in ep.other_ranks])
             request = worker_pb2.PrefillRequest(request_id=request_id, token_ids=token_ids,
-                                                params=params_to_proto(params), target=target)
+                                                params=params_to_proto(params), target=target,
+                                                cache_salt=params.cache_salt)
             async with asyncio.timeout(timeout_s):
                 await self.peers.stub(address).Prefill(request)
                 payload = await self.receiver.wait_complete(request_id)

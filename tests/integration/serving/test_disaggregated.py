@@ -140,6 +140,37 @@ def test_sampling_controls_through_the_prefill_worker_equal_aggregated(deploymen
 
 
 @pytest.mark.parametrize("deployment", DEFAULT, ids=_id, indirect=True)
+def test_cache_salt_keeps_prefix_hits_and_routing_per_salt(deployment):
+    """A prompt prefilled remotely under one salt is cached on the decode worker for that salt
+    only: the same prompt under another salt is uncached there (remote prefill again, no
+    cached tokens), under the first salt it is a local prefix hit."""
+    _, server = deployment
+    [decode], [prefill] = server.role("decode"), server.role("prefill")
+    client = openai.OpenAI(base_url=server.openai_url, api_key="unused", max_retries=0, timeout=60)
+    prompt = _prompt(50, THRESHOLD + 60)
+
+    def run(salt: str):
+        out = client.completions.create(model=_model(server), prompt=prompt, max_tokens=3, temperature=0,
+                                        extra_body={"ignore_eos": True, "return_token_ids": True,
+                                                    "cache_salt": salt})
+        return list(out.choices[0].token_ids), out.usage.prompt_tokens_details.cached_tokens
+
+    before = worker_stats(decode)
+    first = run("tenant-a")
+    d1 = worker_stats(decode)
+    assert d1.num_remote_prefills == before.num_remote_prefills + 1 and first[1] == 0
+    other = run("tenant-b")
+    d2 = worker_stats(decode)
+    assert d2.num_remote_prefills == d1.num_remote_prefills + 1          # uncached for this salt
+    assert other == (first[0], 0)
+    again = run("tenant-a")
+    d3 = worker_stats(decode)
+    assert d3.num_remote_prefills == d2.num_remote_prefills and d3.num_local_prefills == d2.num_local_prefills + 1
+    assert again[0] == first[0] and again[1] == (len(prompt) // 16) * 16
+    wait_idle(server.workers, 1.0)
+
+
+@pytest.mark.parametrize("deployment", DEFAULT, ids=_id, indirect=True)
 def test_conditional_disaggregation_from_counters(deployment):
     _, server = deployment
     [decode], [prefill] = server.role("decode"), server.role("prefill")

@@ -170,3 +170,20 @@ def test_bad_words_never_complete_in_the_output(client, model_name, engine):
     chat = client.chat.completions.create(model=model_name, messages=CHAT, max_tokens=4, temperature=0,
                                           extra_body={**GREEDY, "bad_words": [word]})
     assert chat.choices[0].finish_reason == "length"
+
+
+def test_cache_salt_separates_prefix_cache_hits(client, model_name):
+    prompt = [(7 * i + 3) % 30000 + 2 for i in range(70)]          # fresh: 4 full blocks of 16
+
+    def cached(**extra) -> int:
+        out = client.completions.create(model=model_name, prompt=prompt, max_tokens=2, temperature=0,
+                                        extra_body={"ignore_eos": True, **extra})
+        return out.usage.prompt_tokens_details.cached_tokens
+
+    assert cached(cache_salt="tenant-a") == 0
+    assert cached(cache_salt="tenant-b") == 0                     # another salt: no shared blocks
+    assert cached() == 0                                          # unsalted: nor these
+    assert cached(cache_salt="tenant-a") == 64                    # same salt: its 4 blocks
+    assert cached() == 64
+    with pytest.raises(openai.BadRequestError, match="cache_salt"):
+        cached(cache_salt="")
