@@ -26,9 +26,10 @@ from splitserve.services.engine.config import EngineConfig, ModelConfig
 from splitserve.services.engine.model.forward_batch import LayerReport
 from splitserve.services.engine.kv_cache import KVCache
 from splitserve.services.engine.kv_events import KVEvent
-from splitserve.services.engine.model_runner import ModelRunner
+from splitserve.services.engine.model_runner import ModelRunner, prompt_logit_positions
 from splitserve.services.engine.loading.model_source import open_checkpoint
 from splitserve.services.engine.logits_controls import TokenCounts, TokenHistory
+from splitserve.services.engine.prompt_logprobs import score_prompt_tokens
 from splitserve.services.engine.sampler import SampledToken, sample, skip_draws
 from splitserve.services.wire.sampling_params import SamplingParams
 from splitserve.services.engine.scheduler import BlockReservation, ScheduledChunk, Scheduler
@@ -53,6 +54,7 @@ class GenerationResult:
     num_prompt_tokens: int
     num_cached_tokens: int
     logprobs: list[SampledToken] = field(default_factory=list)
+    prompt_logprobs: list[SampledToken] | None = None     # params.prompt_logprobs: tokens 1.. of the prompt
 
 
 @dataclass(slots=True)
@@ -156,13 +158,16 @@ class LLMEngine:
             skip_draws(seq.generator, 1, self.model_config.vocab_size)
         return self.scheduler.reserve_remote(seq)
 
-    def complete_remote_prefill(self, request_id: str, first_token: int | SampledToken
-                                ) -> RequestOutput | None:
+    def complete_remote_prefill(self, request_id: str, first_token: int | SampledToken,
+                                prompt_logprobs: list[SampledToken] | None = None) -> RequestOutput | None:
         """The reserved blocks now hold the prompt's KV: decode continues from `first_token`
-        (a token id, or the prefill side's SampledToken to keep its logprobs)."""
+        (a token id, or the prefill side's SampledToken to keep its logprobs); `prompt_logprobs`
+        are the prefill side's, sent on with the first token."""
         seq = self.scheduler.complete_remote(request_id)
         if seq is None:
             return None
+        if prompt_logprobs is not None:
+            seq.prompt_logprobs = list(prompt_logprobs)
         self.scheduler.cache_computed_blocks(seq)
         token = first_token if isinstance(first_token, SampledToken) else SampledToken(first_token)
         output = self._append_token(seq, token)
@@ -205,12 +210,16 @@ class LLMEngine:
         if not decision.chunks:
             return outputs
         reports = self._layer_reports(decision.chunks)
-        logits = self.runner.execute(decision.chunks, self._layer_callback(decision.chunks, reports), reports)
+        scored = [(c.seq, prompt_logit_positions(c)) for c in decision.chunks]   # before advance
+        logits = self.runner.execute(decision.chunks, self._layer_callback(decision.chunks, reports), reports).cpu()
         self._count(decision.chunks, len(decision.preempted))
         sampled = [c for c in decision.chunks if c.completes]
         for chunk in decision.chunks:
             self.scheduler.advance(chunk)
-        tokens = sample(logits.cpu(), [c.seq.params for c in sampled],
+        if len(logits) > len(sampled):
+            score_prompt_tokens(logits[len(sampled):], [(s, r) for s, r in scored if r])
+            logits = logits[:len(sampled)]
+        tokens = sample(logits, [c.seq.params for c in sampled],
                         [c.seq.generator for c in sampled], [_history(c.seq, self.model_config.vocab_size) for c in sampled],
                         self.eos_token_ids)
         outputs.extend(self._append_token(c.seq, t) for c, t in zip(sampled, tokens))
@@ -233,6 +242,8 @@ class LLMEngine:
                     continue   # a request added through add_request, not ours to collect
                 r.token_ids.extend(out.new_token_ids)
                 r.logprobs.extend(out.logprobs)
+                if out.prompt_logprobs is not None:
+                    r.prompt_logprobs = out.prompt_logprobs
                 r.num_prompt_tokens, r.num_cached_tokens = out.num_prompt_tokens, out.num_cached_tokens
                 if out.finished:
                     r.finish_reason = out.finish_reason
@@ -344,7 +355,10 @@ class LLMEngine:
         return self._output(seq, [token.token_id], [token] if token.logprob is not None else [])
 
     def _output(self, seq: Sequence, new_ids: list[int], logprobs: list[SampledToken]) -> RequestOutput:
-        return RequestOutput(
+        prompt_logprobs = None
+        if new_ids and seq.params.prompt_logprobs is not None and not seq.prompt_logprobs_sent:
+            prompt_logprobs, seq.prompt_logprobs_sent = seq.prompt_logprobs, True
+        return RequestOutput(prompt_logprobs=prompt_logprobs,
             request_id=seq.request_id, new_token_ids=new_ids,
             finished=seq.is_finished, finish_reason=seq.finish_reason,
             num_prompt_tokens=len(seq.prompt_token_ids), num_cached_tokens=seq.num_prefix_hit_tokens,

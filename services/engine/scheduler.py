@@ -302,6 +302,8 @@ class Scheduler:
         tokens = seq.all_token_ids
         seq.block_hashes = block_hashes(tokens, self.block_size, self.hash_key(seq), seq.block_hashes)
         hits = self.pool.cached_prefix(seq.block_hashes)
+        if not allow_full and seq.needs_prompt_logits:
+            return []
         if not allow_full:
             # At least one token must be computed to produce logits for sampling.
             hits = hits[:(len(tokens) - 1) // self.block_size]

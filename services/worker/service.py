@@ -206,7 +206,7 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
             outcome = await remote.run(request_id, token_ids, params, peers, self._count_retry)
             if outcome.first_token is not None:
                 self.counters.num_remote_prefills += 1
-                start = remote.complete(request_id, outcome.first_token)
+                start = remote.complete(request_id, outcome.first_token, outcome.prompt_logprobs)
                 async for out in loop.stream(request_id, start):
                     yield output_to_proto(out, prefilled_remotely=True)
                 return
@@ -240,7 +240,8 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
             self.counters.num_prefills_served += 1
             response = worker_pb2.PrefillResponse(
                 first_token_id=out.new_token_ids[0], num_prompt_tokens=out.num_prompt_tokens,
-                num_cached_tokens=out.num_cached_tokens)
+                num_cached_tokens=out.num_cached_tokens,
+                prompt_logprobs=[logprob_to_proto(t) for t in out.prompt_logprobs or []])
             if out.logprobs:
                 response.first_logprob.CopyFrom(logprob_to_proto(out.logprobs[0]))
             return response
