@@ -66,6 +66,9 @@ class Delta:
     num_prompt_tokens: int
     num_cached_tokens: int
     num_output_tokens: int
+    # With the first token, when params.prompt_logprobs was set: prompt tokens 1.. (none for
+    # a one-token prompt); None in every other delta.
+    prompt_logprobs: list[common_pb2.TokenLogprob] | None = None
 
 
 @dataclass(slots=True)
@@ -96,6 +99,7 @@ class SamplingRequest:
     allowed_token_ids: list[int] = field(default_factory=list)
     bad_words: list[str] = field(default_factory=list)   # text: tokenized here (text/bad_words.py)
     cache_salt: str = ""
+    prompt_logprobs: int | None = None
 
 
 def new_request_id(prefix: str) -> str:
@@ -205,7 +209,7 @@ class Frontend:
             min_tokens=s.min_tokens, stop_token_ids=list(s.stop_token_ids), structured=s.structured,
             allowed_token_ids=list(s.allowed_token_ids),
             bad_words=bad_word_token_ids(self.tokenizer, s.bad_words) if s.bad_words else [],
-            cache_salt=s.cache_salt)
+            cache_salt=s.cache_salt, prompt_logprobs=s.prompt_logprobs)
         try:
             params.validate()
         except InvalidRequestError as exc:
@@ -378,8 +382,11 @@ class Frontend:
             progress.num_cached_tokens = min(resp.num_cached_tokens, len(progress.prompt_ids))
         if reason is not None:
             run.checker.finish()
+        prompt_logprobs = list(resp.prompt_logprobs) if req.params.prompt_logprobs is not None and token_ids \
+            and progress.num_output_tokens == len(token_ids) else None         # the request's first tokens
         return Delta(run.checker.take_text(), token_ids, logprobs, reason.value if reason is not None else None,
-                     len(progress.prompt_ids), progress.num_cached_tokens, progress.num_output_tokens)
+                     len(progress.prompt_ids), progress.num_cached_tokens, progress.num_output_tokens,
+                     prompt_logprobs)
 
 
 @dataclass(slots=True)

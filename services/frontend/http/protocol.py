@@ -7,7 +7,8 @@ supported value (best_of = n) are accepted at that value
 and rejected otherwise, by `unsupported_values`. `n` choices and lists of prompts
 on /v1/completions are served as one request per (prompt, choice), concurrently. A few vLLM-style
 extensions are accepted too: top_k, min_p, ignore_eos, return_token_ids,
-repetition_penalty, min_tokens, stop_token_ids, allowed_token_ids, bad_words, cache_salt.
+repetition_penalty, min_tokens, stop_token_ids, allowed_token_ids, bad_words, cache_salt,
+prompt_logprobs.
 """
 
 from __future__ import annotations
@@ -122,7 +123,6 @@ NOT_YET = {
     "guided_whitespace_pattern": "structured outputs are not supported yet",
     "tools": "tool calling is not supported yet",
     "tool_choice": "tool calling is not supported yet",
-    "prompt_logprobs": "prompt logprobs are not computed yet; logprobs of generated tokens are",
 }
 
 
@@ -156,7 +156,7 @@ class _VllmExtensions(_Strict):
     guided_whitespace_pattern: str | None = None
     tools: list[Any] | None = None
     tool_choice: str | dict[str, Any] | None = None
-    prompt_logprobs: int | None = None
+    prompt_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
     allowed_token_ids: list[Annotated[int, Field(ge=0, le=MAX_TOKEN_ID)]] | None = None  # the worker checks the vocab
     bad_words: list[Annotated[str, Field(min_length=1)]] | None = None
     cache_salt: Annotated[str, Field(min_length=1, max_length=1024)] | None = None   # vLLM: non-empty
@@ -238,9 +238,6 @@ class CompletionRequest(_Common, _VllmExtensions):
             problems.append(("prompt", f"at most {MAX_PROMPTS} prompts per request, got {len(prompts)}"))
         elif len(prompts) * self.num_choices > MAX_CHOICES * 4:
             problems.append(("n", f"prompts x n must be at most {MAX_CHOICES * 4}, got {len(prompts) * self.num_choices}"))
-        if self.echo and self.logprobs is not None:
-            problems.append(("echo", "echo with logprobs needs the prompt's logprobs, which the workers do not "
-                                     "compute; send echo or logprobs"))
         if self.suffix:
             problems.append(("suffix", "suffix (insertion) is not supported: the served models are not "
                                        "fill-in-the-middle models"))

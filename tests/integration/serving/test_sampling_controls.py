@@ -187,3 +187,47 @@ def test_cache_salt_separates_prefix_cache_hits(client, model_name):
     assert cached() == 64
     with pytest.raises(openai.BadRequestError, match="cache_salt"):
         cached(cache_salt="")
+
+
+def _prompt_reference(engine, prompt: list[int], n: int):
+    [r] = engine.generate([prompt], SamplingParams(max_tokens=1, prompt_logprobs=n))
+    return r.prompt_logprobs
+
+
+def test_prompt_logprobs_on_completions_and_chat(client, model_name, engine):
+    want = _prompt_reference(engine, PROMPT_IDS, 2)
+    out = client.completions.create(model=model_name, prompt=PROMPT_IDS, max_tokens=2, temperature=0,
+                                    extra_body={"prompt_logprobs": 2})
+    got = out.choices[0].model_extra["prompt_logprobs"]
+    assert len(got) == len(PROMPT_IDS) and got[0] is None
+    for token_id, item, ref in zip(PROMPT_IDS[1:], got[1:], want):
+        first = next(iter(item))                                   # the prompt token comes first
+        assert first == str(token_id) and item[first]["rank"] == ref.rank
+        assert item[first]["logprob"] == pytest.approx(ref.logprob, abs=1e-4)
+        tops = {k: v for k, v in item.items() if v["rank"] <= 2}
+        assert {int(k) for k in tops} >= set(ref.top_logprobs) - {token_id} and len(item) in (2, 3)
+    prompt_ids = engine.tokenizer.apply_chat_template(CHAT)
+    chat = client.chat.completions.create(model=model_name, messages=CHAT, max_tokens=2, temperature=0,
+                                          extra_body={"prompt_logprobs": 0})
+    got = chat.model_extra["prompt_logprobs"]
+    assert len(got) == len(prompt_ids) and got[0] is None
+    assert [next(iter(item)) for item in got[1:]] == [str(t) for t in prompt_ids[1:]]
+    assert all(len(item) == 1 for item in got[1:])                # top 0: the prompt token only
+
+
+def test_echo_with_logprobs_scores_the_echoed_prompt(client, model_name, engine):
+    want = _prompt_reference(engine, PROMPT_IDS, 1)
+    out = client.completions.create(model=model_name, prompt=PROMPT_IDS, max_tokens=3, temperature=0,
+                                    echo=True, logprobs=1, extra_body={"ignore_eos": True})
+    lp = out.choices[0].logprobs
+    n = len(PROMPT_IDS)
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == n + 3
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert lp.token_logprobs[1:n] == pytest.approx([e.logprob for e in want], abs=1e-4)
+    assert all(len(t) == 1 for t in lp.top_logprobs[1:])
+    assert lp.text_offset == sorted(lp.text_offset)
+    assert out.choices[0].text.startswith(engine.tokenizer.decode(PROMPT_IDS))
+    streamed = client.completions.create(model=model_name, prompt=PROMPT_IDS, max_tokens=3, temperature=0,
+                                         echo=True, logprobs=1, stream=True, extra_body={"ignore_eos": True})
+    values = [v for chunk in streamed for c in chunk.choices if c.logprobs for v in c.logprobs.token_logprobs]
+    assert values[:n] == lp.token_logprobs[:n] and len(values) == n + 3

@@ -36,8 +36,9 @@ def test_completion_schema_errors(data, param, code):
 def test_fields_not_supported_yet_say_so():
     chat = ChatCompletionRequest.model_validate({
         "model": "m", "messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}],
-        "tool_choice": "auto", "response_format": {"type": "json_object"}, "prompt_logprobs": 1})
-    assert {p for p, _ in chat.unsupported_values()} == {"tools", "tool_choice", "response_format", "prompt_logprobs"}
+        "tool_choice": "auto", "response_format": {"type": "json_object"}, "prompt_logprobs": 1,
+        "allowed_token_ids": [3], "bad_words": ["x"], "cache_salt": "s"})
+    assert {p for p, _ in chat.unsupported_values()} == {"tools", "tool_choice", "response_format"}
     quiet = ChatCompletionRequest.model_validate({     # what clients send by default changes nothing
         "model": "m", "messages": [{"role": "user", "content": "x"}], "tools": [], "tool_choice": "none",
         "bad_words": []})
@@ -49,7 +50,7 @@ def test_unsupported_values_are_named():
     assert req.unsupported_values() == [] and req.prompts() == ["a", "b"] and req.num_choices == 3
     req = CompletionRequest.model_validate({"model": "m", "prompt": [[1, 2], [3]], "echo": True, "logprobs": 1,
                                             "best_of": 4, "suffix": "x"})
-    assert {p for p, _ in req.unsupported_values()} == {"echo", "best_of", "suffix"}
+    assert {p for p, _ in req.unsupported_values()} == {"best_of", "suffix"}     # echo + logprobs: served
     assert req.prompts() == [[1, 2], [3]]
     assert [p for p, _ in CompletionRequest.model_validate({"model": "m", "prompt": []}).unsupported_values()] == [
         "prompt"]
