@@ -167,6 +167,8 @@ class _VllmExtensions(_Strict):
         # tool_choice "none" and an empty tools list change nothing: clients send them by default.
         problems += [(name, why) for name, why in NOT_YET.items() if getattr(self, name, None) not in (None, [])
                      and not (name == "tool_choice" and self.tool_choice == "none")]
+        if self.prompt_logprobs and getattr(self, "stream", False):     # vLLM's rule and words
+            problems.append(("prompt_logprobs", "`prompt_logprobs` are not available when `stream=True`."))
         if self.allowed_token_ids == []:
             problems.append(("allowed_token_ids", "allowed_token_ids must not be empty: no token could be sampled"))
         if self.priority != 0:

@@ -39,6 +39,10 @@ def test_fields_not_supported_yet_say_so():
         "tool_choice": "auto", "response_format": {"type": "json_object"}, "prompt_logprobs": 1,
         "allowed_token_ids": [3], "bad_words": ["x"], "cache_salt": "s"})
     assert {p for p, _ in chat.unsupported_values()} == {"tools", "tool_choice", "response_format"}
+    streamed = CompletionRequest.model_validate({"model": "m", "prompt": "x", "stream": True, "prompt_logprobs": 2})
+    assert [p for p, _ in streamed.unsupported_values()] == ["prompt_logprobs"]      # as vLLM: whole responses only
+    assert CompletionRequest.model_validate({"model": "m", "prompt": "x", "stream": True,
+                                             "prompt_logprobs": 0}).unsupported_values() == []
     quiet = ChatCompletionRequest.model_validate({     # what clients send by default changes nothing
         "model": "m", "messages": [{"role": "user", "content": "x"}], "tools": [], "tool_choice": "none",
         "bad_words": []})
