@@ -219,8 +219,9 @@ class LLMEngine:
         if len(logits) > len(sampled):
             score_prompt_tokens(logits[len(sampled):], [(s, r) for s, r in scored if r])
             logits = logits[:len(sampled)]
+        vocab = self.model_config.vocab_size
         tokens = sample(logits, [c.seq.params for c in sampled],
-                        [c.seq.generator for c in sampled], [_history(c.seq, self.model_config.vocab_size) for c in sampled],
+                        [c.seq.generator for c in sampled], [_history(c.seq, vocab) for c in sampled],
                         self.eos_token_ids)
         outputs.extend(self._append_token(c.seq, t) for c, t in zip(sampled, tokens))
         self._publish_events()

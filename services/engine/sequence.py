@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from splitserve.services.engine.logits_controls import TokenCounts
 from splitserve.services.wire.outputs import FinishReason, SampledToken
 from splitserve.services.wire.sampling_params import SamplingParams
 
@@ -68,7 +69,7 @@ class Sequence:
     transfer: TransferUse | None = None            # a KV transfer uses the blocks (asked at finish)
     # The penalties' token counts (logits_controls.TokenCounts), built when first needed and
     # then kept by the engine as tokens are accepted; they survive a preemption (same tokens).
-    token_counts: object | None = None
+    token_counts: TokenCounts | None = None
     # params.prompt_logprobs: the entries of prompt tokens 1.. computed so far (prefill chunks
     # append in order; a recompute after preemption finds them there), sent with the first token.
     prompt_logprobs: list[SampledToken] = field(default_factory=list)

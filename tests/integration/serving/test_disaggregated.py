@@ -181,7 +181,7 @@ def test_cache_salt_keeps_prefix_hits_and_routing_per_salt(deployment):
                                                     "cache_salt": salt})
         return list(out.choices[0].token_ids), out.usage.prompt_tokens_details.cached_tokens
 
-    before = worker_stats(decode)
+    before, p_before = worker_stats(decode), worker_stats(prefill)
     first = run("tenant-a")
     d1 = worker_stats(decode)
     assert d1.num_remote_prefills == before.num_remote_prefills + 1 and first[1] == 0
@@ -193,6 +193,7 @@ def test_cache_salt_keeps_prefix_hits_and_routing_per_salt(deployment):
     d3 = worker_stats(decode)
     assert d3.num_remote_prefills == d2.num_remote_prefills and d3.num_local_prefills == d2.num_local_prefills + 1
     assert again[0] == first[0] and again[1] == (len(prompt) // 16) * 16
+    assert worker_stats(prefill).num_prefills_served == p_before.num_prefills_served + 2   # a and b
     wait_idle(server.workers, 1.0)
 
 
