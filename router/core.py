@@ -29,7 +29,7 @@ from itertools import repeat
 from splitserve.router.index import KvIndex
 from splitserve.router.load import LoadTracker
 from splitserve.router.metrics import RouterMetrics
-from splitserve.router.hashing import ChainHasher
+from splitserve.router.hashing import ChainHasher, salted_key
 from splitserve.router.policies import CandidateTable, Decision, Policy
 
 log = logging.getLogger(__name__)
@@ -90,10 +90,13 @@ class RouterCore:
         distinct = set(self.specs.values())
         return distinct.pop() if len(distinct) == 1 else None
 
-    def _chain(self, request_id: str | None, token_ids: list[int], spec: WorkerSpec) -> list[bytes]:
-        """The prompt's hash chain for `spec`, computed once per request (both legs, re-routes)."""
+    def _chain(self, request_id: str | None, token_ids: list[int], spec: WorkerSpec,
+               cache_salt: str = "") -> list[bytes]:
+        """The prompt's hash chain for `spec` (salted as the worker will salt it: a request with
+        a cache_salt overlaps only its salt's blocks), computed once per request (both legs,
+        re-routes; a request's salt does not change)."""
         if request_id is None:
-            return self._hash(token_ids, spec.block_size, spec.extra_key)
+            return self._hash(token_ids, spec.block_size, salted_key(spec.extra_key, cache_salt))
         entry = self._chains.get(request_id)
         if entry is None or (entry[0] is not token_ids and entry[0] != token_ids):
             if len(self._chains) >= MAX_CACHED_CHAINS:
@@ -101,11 +104,11 @@ class RouterCore:
             entry = self._chains[request_id] = (token_ids, {})
         hashes = entry[1].get(spec)
         if hashes is None:
-            hashes = entry[1][spec] = self._hash(token_ids, spec.block_size, spec.extra_key)
+            hashes = entry[1][spec] = self._hash(token_ids, spec.block_size, salted_key(spec.extra_key, cache_salt))
         return hashes
 
     def candidates(self, token_ids: list[int], worker_ids: list[str],
-                   request_id: str | None = None) -> tuple[CandidateTable, int]:
+                   request_id: str | None = None, cache_salt: str = "") -> tuple[CandidateTable, int]:
         """(candidates, the prompt's number of full blocks for the first worker's block size).
 
         Overlaps come from one index walk per distinct worker spec; workers the walk
@@ -117,23 +120,23 @@ class RouterCore:
         specs = self.specs
         first = specs.get(worker_ids[0], DEFAULT_SPEC)
         if self._one_spec is first and all(map(specs.__contains__, worker_ids)):   # the usual case
-            hashes = self._chain(request_id, token_ids, first)
+            hashes = self._chain(request_id, token_ids, first, cache_salt)
             overlaps = self.index.overlaps(hashes)
             overlap = list(map(overlaps.get, worker_ids, repeat(0))) if overlaps else [0] * len(worker_ids)
             pending, decode = self.load.columns(worker_ids, first.block_size)
         else:
             wspecs = [specs.get(w, DEFAULT_SPEC) for w in worker_ids]
-            by_spec = {s: self.index.overlaps(self._chain(request_id, token_ids, s)) for s in set(wspecs)}
+            by_spec = {s: self.index.overlaps(self._chain(request_id, token_ids, s, cache_salt)) for s in set(wspecs)}
             overlap = [by_spec[s].get(w, 0) for w, s in zip(worker_ids, wspecs)]
-            hashes = self._chain(request_id, token_ids, first)
+            hashes = self._chain(request_id, token_ids, first, cache_salt)
             pending, decode = self.load.columns(worker_ids, [s.block_size for s in wspecs])
         return CandidateTable(worker_ids, overlap, pending, decode, self.index.num_held(worker_ids)), len(hashes)
 
     def route(self, request_id: str, token_ids: list[int], decode_ids: list[str],
-              prefill_ids: list[str]) -> RouteDecision | None:
+              prefill_ids: list[str], cache_salt: str = "") -> RouteDecision | None:
         now = self.clock()
         self.index.expire(now, EXPIRE_RUNS_PER_ROUTE)
-        decode_cands, num_blocks = self.candidates(token_ids, decode_ids, request_id)
+        decode_cands, num_blocks = self.candidates(token_ids, decode_ids, request_id, cache_salt)
         decode = self.decode_policy.choose(num_blocks, decode_cands)
         if decode is None:
             self._chains.pop(request_id, None)
@@ -145,10 +148,10 @@ class RouterCore:
             if uncached_tokens < self.remote_prefill_threshold:
                 reason = f"local prefill ({uncached_tokens} uncached tokens < {self.remote_prefill_threshold})"
             else:
-                prefill_cands, pblocks = self.candidates(token_ids, prefill_ids, request_id)
+                prefill_cands, pblocks = self.candidates(token_ids, prefill_ids, request_id, cache_salt)
                 prefill = self.prefill_policy.choose(pblocks, prefill_cands)
                 reason = "remote prefill" if prefill else "local prefill (no prefill worker)"
-        self._book(request_id, token_ids, decode, prefill, uncached_tokens, now)
+        self._book(request_id, token_ids, decode, prefill, uncached_tokens, now, cache_salt)
         result = RouteDecision(decode, prefill, reason)
         if log.isEnabledFor(logging.DEBUG):
             log.debug("request %s: decode %s; prefill %s; %s", request_id, decode.explain(),
@@ -160,7 +163,7 @@ class RouterCore:
         return result
 
     def _book(self, request_id: str, token_ids: list[int], decode: Decision, prefill: Decision | None,
-              uncached_tokens: int, now: float) -> None:
+              uncached_tokens: int, now: float, cache_salt: str = "") -> None:
         """Apply a decision: predict the prompt on the chosen worker(s) and count the request's load."""
         deadline = now + self.prediction_ttl_s
         prefill_id, prefill_tokens = None, uncached_tokens
@@ -170,11 +173,12 @@ class RouterCore:
             p_overlap = prefill.winner.candidate.overlap_blocks
             prefill_tokens = len(token_ids) - p_overlap * pspec.block_size
             if self.predict:
-                self.index.predict(prefill_id, self._chain(request_id, token_ids, pspec)[p_overlap:], deadline)
+                self.index.predict(prefill_id, self._chain(request_id, token_ids, pspec, cache_salt)[p_overlap:],
+                                   deadline)
         decode_id = decode.winner.worker_id
         dspec = self.specs.get(decode_id, DEFAULT_SPEC)
         d_overlap = decode.winner.candidate.overlap_blocks
-        chain = self._chain(request_id, token_ids, dspec)
+        chain = self._chain(request_id, token_ids, dspec, cache_salt)
         if self.predict:
             self.index.predict(decode_id, chain[d_overlap:], deadline)
         num_new_blocks = -(-len(token_ids) // dspec.block_size) - d_overlap

@@ -22,6 +22,17 @@ import struct
 from itertools import islice
 
 ROOT_HASH = b"\x00" * 32
+SALT_MARK = b"\x00cache_salt\x00"
+
+
+def salted_key(extra_key: bytes, cache_salt: str) -> bytes:
+    """The extra key of a request with vLLM's `cache_salt`: its blocks hash apart from every
+    other salt's (and from unsalted ones), so they are shared only within one salt. "" is
+    no salt: the key is unchanged. The engine's prefix cache and the router both call this."""
+    if not cache_salt:
+        return extra_key
+    salt = cache_salt.encode()
+    return extra_key + SALT_MARK + struct.pack("<I", len(salt)) + salt
 
 
 def hash_block(parent: bytes | None, token_ids: list[int] | tuple[int, ...], extra_key: bytes = b"") -> bytes:

@@ -33,9 +33,10 @@ from splitserve.services.engine.config import EngineConfig, ModelConfig
 from splitserve.services.engine.model.forward_batch import LayerReport
 from splitserve.services.engine.kv_cache import KVCache
 from splitserve.services.engine.kv_events import KVEvent
-from splitserve.services.engine.model_runner import ModelRunner
+from splitserve.services.engine.model_runner import ModelRunner, prompt_logit_positions
 from splitserve.services.engine.loading.model_source import open_checkpoint
-from splitserve.services.engine.logits_controls import TokenHistory
+from splitserve.services.engine.logits_controls import TokenCounts, TokenHistory
+from splitserve.services.engine.prompt_logprobs import score_prompt_tokens
 from splitserve.services.engine.sampler import SampledToken, sample, skip_draws
 from splitserve.services.wire.sampling_params import SamplingParams
 from splitserve.services.engine.scheduler import BlockReservation, ScheduledChunk, Scheduler
@@ -61,6 +62,7 @@ class GenerationResult:
     num_prompt_tokens: int
     num_cached_tokens: int
     logprobs: list[SampledToken] = field(default_factory=list)
+    prompt_logprobs: list[SampledToken] | None = None     # params.prompt_logprobs: tokens 1.. of the prompt
 
 
 @dataclass(slots=True)
@@ -194,18 +196,23 @@ class LLMEngine:
             skip_draws(seq.generator, 1, self.model_config.vocab_size)
         return self.scheduler.reserve_remote(seq)
 
-    def complete_remote_prefill(self, request_id: str, first_token: int | SampledToken
-                                ) -> RequestOutput | None:
+    def complete_remote_prefill(self, request_id: str, first_token: int | SampledToken,
+                                prompt_logprobs: list[SampledToken] | None = None) -> RequestOutput | None:
         """The reserved blocks now hold the prompt's KV: decode continues from `first_token`
-        (a token id, or the prefill side's SampledToken to keep its logprobs)."""
+        (a token id, or the prefill side's SampledToken to keep its logprobs); `prompt_logprobs`
+        are the prefill side's, sent on with the first token."""
         seq = self.scheduler.complete_remote(request_id)
         if seq is None:
             return None
+        if prompt_logprobs is not None:
+            seq.prompt_logprobs = list(prompt_logprobs)
         self.scheduler.cache_computed_blocks(seq)
         if seq.forks:
             # The prefill worker sent KV and this request's first token, not the logits: the
             # siblings recompute the last prompt token (into their own copy of its block).
             siblings, seq.forks = seq.forks, []
+            for sibling in siblings:
+                sibling.prompt_logprobs = list(seq.prompt_logprobs)
             self.scheduler.fork(seq, siblings, len(seq.prompt_token_ids) - 1)
             self._count_forks()
         token = first_token if isinstance(first_token, SampledToken) else SampledToken(first_token)
@@ -249,21 +256,25 @@ class LLMEngine:
         if not decision.chunks:
             return outputs
         reports = self._layer_reports(decision.chunks)
+        scored = [(c.seq, prompt_logit_positions(c)) for c in decision.chunks]   # before advance
         try:
             logits = self.runner.execute(decision.chunks, self._layer_callback(decision.chunks, reports),
-                                         reports, decision.block_copies)
+                                         reports, decision.block_copies).cpu()
         finally:
             self.scheduler.copies_done(decision.block_copies)
         self._count(decision.chunks, len(decision.preempted))
         sampled = [c.seq for c in decision.chunks if c.completes]
         for chunk in decision.chunks:
             self.scheduler.advance(chunk)
+        if len(logits) > len(sampled):
+            score_prompt_tokens(logits[len(sampled):], [(s, r) for s, r in scored if r])
+            logits = logits[:len(sampled)]
         sampled, rows = self._fork_prefilled(sampled)
-        logits = logits.cpu()
         if len(rows) != logits.shape[0]:
             logits = logits.index_select(0, torch.tensor(rows, dtype=torch.long))
+        vocab = self.model_config.vocab_size
         tokens = sample(logits, [s.params for s in sampled], [s.generator for s in sampled],
-                        [_history(s) for s in sampled], self.eos_token_ids,
+                        [_history(s, vocab) for s in sampled], self.eos_token_ids,
                         [s.grammar for s in sampled])
         outputs.extend(self._append_token(s, t) for s, t in zip(sampled, tokens))
         self._publish_events()
@@ -277,6 +288,8 @@ class LLMEngine:
         for row, seq in enumerate(sampled):
             if seq.forks and not seq.output_token_ids:
                 siblings, seq.forks = seq.forks, []
+                for sibling in siblings:        # the prompt's, computed once by this sequence
+                    sibling.prompt_logprobs = list(seq.prompt_logprobs)
                 self.scheduler.fork(seq, siblings)
                 seqs.extend(siblings)
                 rows.extend([row] * len(siblings))
@@ -304,6 +317,8 @@ class LLMEngine:
                     continue   # a request added through add_request, not ours to collect
                 r.token_ids.extend(out.new_token_ids)
                 r.logprobs.extend(out.logprobs)
+                if out.prompt_logprobs is not None:
+                    r.prompt_logprobs = out.prompt_logprobs
                 r.num_prompt_tokens, r.num_cached_tokens = out.num_prompt_tokens, out.num_cached_tokens
                 if out.finished:
                     r.finish_reason = out.finish_reason
@@ -346,6 +361,7 @@ class LLMEngine:
             raise InvalidRequestError(f"prompt token ids must be integers in [0, {vocab})")
         if any(t >= vocab for t in params.logit_bias):
             raise InvalidRequestError(f"logit_bias token ids must be in [0, {vocab})")
+        params.check_vocab(vocab)
         if len(ids) >= self.max_model_len:
             raise InvalidRequestError(
                 f"prompt has {len(ids)} tokens but this model's context is {self.max_model_len} "
@@ -402,6 +418,8 @@ class LLMEngine:
 
     def _append_token(self, seq: Sequence, token: SampledToken) -> RequestOutput:
         seq.output_token_ids.append(token.token_id)
+        if seq.token_counts is not None:
+            seq.token_counts.add(token.token_id)
         if token.logprob is not None:
             seq.output_logprobs.append(token.top_logprobs or {})
         self.stats.num_generated_tokens += 1
@@ -418,7 +436,10 @@ class LLMEngine:
         return self._output(seq, [token.token_id], [token] if token.logprob is not None else [])
 
     def _output(self, seq: Sequence, new_ids: list[int], logprobs: list[SampledToken]) -> RequestOutput:
-        return RequestOutput(
+        prompt_logprobs = None
+        if new_ids and seq.params.prompt_logprobs is not None and not seq.prompt_logprobs_sent:
+            prompt_logprobs, seq.prompt_logprobs_sent = seq.prompt_logprobs, True
+        return RequestOutput(prompt_logprobs=prompt_logprobs,
             request_id=seq.request_id, new_token_ids=new_ids,
             finished=seq.is_finished, finish_reason=seq.finish_reason,
             num_prompt_tokens=len(seq.prompt_token_ids), num_cached_tokens=seq.num_prefix_hit_tokens,
@@ -435,10 +456,20 @@ def _grammar_stop(seq: Sequence, token_id: int) -> FinishReason | None:
     return FinishReason.STOP if matcher.is_terminated() else None
 
 
-def _history(seq: Sequence) -> TokenHistory:
-    """What a sequence's penalties count; the tokens are only gathered when a row asks."""
+def _history(seq: Sequence, vocab: int) -> TokenHistory:
+    """What a sequence's controls look at: its penalty counts (built on first use from prompt +
+    output, then kept by `_append_token`) and, for bad words, the output's last tokens (output
+    generated before a migration is the prompt's last `num_prior_output_tokens`)."""
     p = seq.params
-    if not (p.has_penalties or p.min_tokens):
-        return TokenHistory([], 0, len(seq.output_token_ids))
-    num_output = min(p.num_prior_output_tokens, len(seq.prompt_token_ids)) + len(seq.output_token_ids)
-    return TokenHistory(seq.all_token_ids, num_output, len(seq.output_token_ids))
+    num_generated = len(seq.output_token_ids)
+    prior = min(p.num_prior_output_tokens, len(seq.prompt_token_ids))
+    if p.has_penalties and seq.token_counts is None:
+        seq.token_counts = TokenCounts.of(seq.all_token_ids, prior + num_generated, vocab)
+    tail = None
+    if p.bad_words:
+        k = max(len(w) for w in p.bad_words) - 1
+        tail = seq.output_token_ids[-k:] if k else []
+        if len(tail) < k and prior:
+            tail = seq.prompt_token_ids[len(seq.prompt_token_ids) - prior:][-(k - len(tail)):] + tail
+    return TokenHistory([], prior + num_generated, num_generated,
+                        seq.token_counts if p.has_penalties else None, tail)

@@ -27,6 +27,7 @@ def build_forward_batch(chunks: list[ScheduledChunk], block_size: int,
     decode_tables: list[list[int]] = []
     decode_lens: list[int] = []
     prefills: list[PrefillSegment] = []
+    prompt_rows: list[int] = []
     for chunk in chunks:
         seq, start, n = chunk.seq, chunk.start, chunk.num_tokens
         query_start = len(input_ids)
@@ -43,6 +44,8 @@ def build_forward_batch(chunks: list[ScheduledChunk], block_size: int,
                                            torch.tensor(blocks[:num_blocks], dtype=torch.long)))
         if chunk.completes:
             sample_indices.append(query_start + n - 1)
+        prompt_rows.extend(query_start + p - start for p in prompt_logit_positions(chunk))
+    sample_indices.extend(prompt_rows)     # after the sampled rows: engine.step splits them off
     width = max((len(t) for t in decode_tables), default=0)
     table = torch.zeros(len(decode_tables), width, dtype=torch.long)
     for row, t in enumerate(decode_tables):
@@ -55,6 +58,16 @@ def build_forward_batch(chunks: list[ScheduledChunk], block_size: int,
         sample_indices=as_long(sample_indices),
     )
     return batch.to(device)
+
+
+def prompt_logit_positions(chunk: ScheduledChunk) -> range:
+    """The chunk's positions whose logits score the next prompt token (prompt_logprobs): each
+    position p < len(prompt) - 1 not scored yet (a recompute after preemption skips them)."""
+    seq = chunk.seq
+    if not seq.needs_prompt_logits:
+        return range(0)
+    first = max(chunk.start, len(seq.prompt_logprobs))
+    return range(first, max(first, min(chunk.start + chunk.num_tokens, len(seq.prompt_token_ids) - 1)))
 
 
 def _token_range(prompt: list[int], output: list[int], start: int, end: int) -> list[int]:

@@ -34,7 +34,7 @@ import bisect
 from collections import deque
 from dataclasses import dataclass, field
 
-from splitserve.router.hashing import block_hashes
+from splitserve.router.hashing import block_hashes, salted_key
 from splitserve.services.engine.block_pool import BlockPool
 from splitserve.services.engine.sequence import FinishReason, Sequence, SequenceStatus, TransferUse
 
@@ -305,7 +305,7 @@ class Scheduler:
             # Hashes of blocks beyond the computed ones stay: tokens are only appended, and
             # _blocks_being_computed reads them.
             seq.block_hashes = block_hashes(tokens[:num_full * self.block_size], self.block_size,
-                                            self.extra_key, seq.block_hashes)
+                                            self.hash_key(seq), seq.block_hashes)
         for b in range(seq.num_cached_blocks, num_full):
             parent = seq.block_hashes[b - 1] if b else None
             self.pool.cache_block(seq.block_ids[b], seq.block_hashes[b], parent,
@@ -361,10 +361,16 @@ class Scheduler:
     def _blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
+    def hash_key(self, seq: Sequence) -> bytes:
+        """The extra key of `seq`'s block hashes: the engine's, salted by its cache_salt."""
+        return salted_key(self.extra_key, seq.params.cache_salt)
+
     def _prefix_hits(self, seq: Sequence, allow_full: bool) -> list[int]:
         tokens = seq.all_token_ids
-        seq.block_hashes = block_hashes(tokens, self.block_size, self.extra_key, seq.block_hashes)
+        seq.block_hashes = block_hashes(tokens, self.block_size, self.hash_key(seq), seq.block_hashes)
         hits = self.pool.cached_prefix(seq.block_hashes)
+        if not allow_full and seq.needs_prompt_logits:
+            return []
         if not allow_full:
             # At least one token must be computed to produce logits for sampling.
             hits = hits[:(len(tokens) - 1) // self.block_size]

@@ -9,7 +9,8 @@ from typing import Any
 
 import torch
 
-from splitserve.services.wire.outputs import FinishReason
+from splitserve.services.engine.logits_controls import TokenCounts
+from splitserve.services.wire.outputs import FinishReason, SampledToken
 from splitserve.services.wire.sampling_params import SamplingParams
 
 
@@ -72,6 +73,13 @@ class Sequence:
     # prefill completes, then each forks from its blocks (scheduler.fork) and samples its own
     # first token from the same logits.
     forks: list["Sequence"] = field(default_factory=list)
+    # The penalties' token counts (logits_controls.TokenCounts), built when first needed and
+    # then kept by the engine as tokens are accepted; they survive a preemption (same tokens).
+    token_counts: TokenCounts | None = None
+    # params.prompt_logprobs: the entries of prompt tokens 1.. computed so far (prefill chunks
+    # append in order; a recompute after preemption finds them there), sent with the first token.
+    prompt_logprobs: list[SampledToken] = field(default_factory=list)
+    prompt_logprobs_sent: bool = False
 
     @property
     def num_tokens(self) -> int:
@@ -84,6 +92,13 @@ class Sequence:
     @property
     def num_pending_tokens(self) -> int:
         return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def needs_prompt_logits(self) -> bool:
+        """Prompt logprobs asked and not all computed: its prefill must run without prefix-cache
+        reads (cached blocks have no logits; vLLM recomputes such requests too)."""
+        return (self.params.prompt_logprobs is not None
+                and len(self.prompt_logprobs) < len(self.prompt_token_ids) - 1)
 
     @property
     def is_finished(self) -> bool:

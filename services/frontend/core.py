@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 
 from splitserve.errors import InvalidRequestError
 from splitserve.proto.v1 import common_pb2, worker_pb2
+from splitserve.services.text.bad_words import bad_word_token_ids
 from splitserve.services.text.stop_checker import StopChecker
 from splitserve.services.text.tokenizer import Tokenizer
 from splitserve.services.wire.convert import finish_reason_from_proto
@@ -66,6 +67,9 @@ class Delta:
     num_prompt_tokens: int
     num_cached_tokens: int
     num_output_tokens: int
+    # With the first token, when params.prompt_logprobs was set: prompt tokens 1.. (none for
+    # a one-token prompt); None in every other delta.
+    prompt_logprobs: list[common_pb2.TokenLogprob] | None = None
 
 
 @dataclass(slots=True)
@@ -93,6 +97,10 @@ class SamplingRequest:
     min_tokens: int = 0
     stop_token_ids: list[int] = field(default_factory=list)
     structured: StructuredOutput | None = None     # response_format / guided_* / a forced tool call
+    allowed_token_ids: list[int] = field(default_factory=list)
+    bad_words: list[str] = field(default_factory=list)   # text: tokenized here (text/bad_words.py)
+    cache_salt: str = ""
+    prompt_logprobs: int | None = None
 
 
 def new_request_id(prefix: str) -> str:
@@ -199,7 +207,10 @@ class Frontend:
             repetition_penalty=d.repetition_penalty_or(s.repetition_penalty),
             # Like vLLM's server: a bias beyond +-100 is clamped, not refused.
             logit_bias={t: min(100.0, max(-100.0, b)) for t, b in s.logit_bias.items()},
-            min_tokens=s.min_tokens, stop_token_ids=list(s.stop_token_ids), structured=s.structured)
+            min_tokens=s.min_tokens, stop_token_ids=list(s.stop_token_ids), structured=s.structured,
+            allowed_token_ids=list(s.allowed_token_ids),
+            bad_words=bad_word_token_ids(self.tokenizer, s.bad_words) if s.bad_words else [],
+            cache_salt=s.cache_salt, prompt_logprobs=s.prompt_logprobs)
         try:
             params.validate()
         except InvalidRequestError as exc:
@@ -276,7 +287,8 @@ class Frontend:
         return frozenset(progress.failed_worker_ids - restarted)
 
     async def route(self, req: GenerationRequest, progress: Progress) -> Route:
-        request = RouteRequest(progress.attempt_id(), progress.prompt_ids + progress.token_ids)
+        request = RouteRequest(progress.attempt_id(), progress.prompt_ids + progress.token_ids,
+                               progress.params.cache_salt)
         route = self.router.route(request, exclude=self._excluded(progress))
         if route is None and not progress.num_migrations:
             raise _Refused("no_worker", APIError(503, "no worker is ready to serve this request; retry shortly",
@@ -417,8 +429,11 @@ class Frontend:
             progress.num_cached_tokens = min(resp.num_cached_tokens, len(progress.prompt_ids))
         if reason is not None:
             run.checker.finish()
+        prompt_logprobs = list(resp.prompt_logprobs) if req.params.prompt_logprobs is not None and token_ids \
+            and progress.num_output_tokens == len(token_ids) else None         # the request's first tokens
         return Delta(run.checker.take_text(), token_ids, logprobs, reason.value if reason is not None else None,
-                     len(progress.prompt_ids), progress.num_cached_tokens, progress.num_output_tokens)
+                     len(progress.prompt_ids), progress.num_cached_tokens, progress.num_output_tokens,
+                     prompt_logprobs)
 
 
 @dataclass(slots=True)

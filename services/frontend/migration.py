@@ -114,9 +114,11 @@ class Progress:
             self.params, max_tokens=self.params.max_tokens - n, stop=[], include_stop_str_in_output=False,
             num_prior_draws=self.params.num_prior_draws + (n if self.params.seed is not None else 0),
             min_tokens=max(0, self.params.min_tokens - n),
-            num_prior_output_tokens=self.params.num_prior_output_tokens + n)
+            num_prior_output_tokens=self.params.num_prior_output_tokens + n,
+            # Sent with the first token: once any token was forwarded, the client has them.
+            prompt_logprobs=self.params.prompt_logprobs if not n else None)
         return worker_pb2.TokenGenerateRequest(request_id=self.attempt_id(), token_ids=self.prompt_ids + self.token_ids,
-                                               params=params_to_proto(params))
+                                               params=params_to_proto(params), cache_salt=params.cache_salt)
 
 
 @dataclass(slots=True, frozen=True)

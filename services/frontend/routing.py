@@ -29,6 +29,7 @@ from splitserve.services.frontend.workers.pool import WorkerHandle, WorkerPool
 class RouteRequest:
     request_id: str
     token_ids: list[int]
+    cache_salt: str = ""        # the worker salts its block hashes with it: so does the router
 
 
 @dataclass(slots=True, frozen=True)
@@ -61,7 +62,8 @@ class PoolRouter:
     def route(self, request: RouteRequest, exclude: frozenset[str] = frozenset()) -> Route | None:
         decoders = {w.worker_id: w for w in self.pool.ready("decode") if w.worker_id not in exclude}
         prefillers = {w.worker_id: w for w in self.pool.ready("prefill") if w.worker_id not in exclude}
-        decision = self.core.route(request.request_id, request.token_ids, list(decoders), list(prefillers))
+        decision = self.core.route(request.request_id, request.token_ids, list(decoders), list(prefillers),
+                                   request.cache_salt)
         if decision is None:
             return None
         prefill = prefillers[decision.prefill.winner.worker_id] if decision.prefill else None

@@ -43,7 +43,11 @@ def params_to_proto(p: SamplingParams) -> common_pb2.SamplingParams:
         num_prior_draws=p.num_prior_draws, presence_penalty=p.presence_penalty,
         frequency_penalty=p.frequency_penalty, repetition_penalty=p.repetition_penalty,
         logit_bias=[common_pb2.TokenBias(token_id=t, bias=b) for t, b in sorted(p.logit_bias.items())],
-        min_tokens=p.min_tokens, num_prior_output_tokens=p.num_prior_output_tokens)
+        min_tokens=p.min_tokens, num_prior_output_tokens=p.num_prior_output_tokens,
+        allowed_token_ids=list(p.allowed_token_ids),
+        bad_words=[common_pb2.TokenSequence(token_ids=w) for w in p.bad_words])
+    if p.prompt_logprobs is not None:
+        msg.prompt_logprobs = p.prompt_logprobs
     if p.seed is not None:
         msg.seed = p.seed
     if p.logprobs is not None:
@@ -53,8 +57,9 @@ def params_to_proto(p: SamplingParams) -> common_pb2.SamplingParams:
     return msg
 
 
-def params_from_proto(msg: common_pb2.SamplingParams) -> SamplingParams:
-    """Validated engine parameters; raises InvalidRequestError."""
+def params_from_proto(msg: common_pb2.SamplingParams, cache_salt: str = "") -> SamplingParams:
+    """Validated engine parameters; raises InvalidRequestError. `cache_salt` is the request's
+    (it travels on TokenGenerateRequest / PrefillRequest, not in SamplingParams)."""
     params = SamplingParams(
         max_tokens=msg.max_tokens, temperature=msg.temperature, top_k=msg.top_k,
         top_p=msg.top_p or 1.0, min_p=msg.min_p,
@@ -66,6 +71,8 @@ def params_from_proto(msg: common_pb2.SamplingParams) -> SamplingParams:
         repetition_penalty=msg.repetition_penalty or 1.0,
         logit_bias={b.token_id: b.bias for b in msg.logit_bias},
         min_tokens=msg.min_tokens, num_prior_output_tokens=msg.num_prior_output_tokens,
-        structured=StructuredOutput(msg.structured.kind, msg.structured.spec) if msg.HasField("structured") else None)
+        structured=StructuredOutput(msg.structured.kind, msg.structured.spec) if msg.HasField("structured") else None,
+        allowed_token_ids=list(msg.allowed_token_ids), bad_words=[list(w.token_ids) for w in msg.bad_words],
+        prompt_logprobs=msg.prompt_logprobs if msg.HasField("prompt_logprobs") else None, cache_salt=cache_salt)
     params.validate()
     return params

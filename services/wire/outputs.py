@@ -29,6 +29,7 @@ class SampledToken:
     token_id: int
     logprob: float | None = None
     top_logprobs: dict[int, float] | None = None
+    rank: int | None = None            # 1: the most likely token (prompt logprobs compute it)
 
 
 @dataclass(slots=True)
@@ -41,3 +42,6 @@ class RequestOutput:
     num_cached_tokens: int
     num_output_tokens: int
     logprobs: list[SampledToken] = field(default_factory=list)
+    # With the first token only, when params.prompt_logprobs was set: one entry per prompt token
+    # from the second on (the first has no logprob), the token's logprob and the top-n.
+    prompt_logprobs: list[SampledToken] | None = None

@@ -1,7 +1,10 @@
 """Per-request generation parameters, validated once at the door.
 
-Penalties, logit_bias and min_tokens have vLLM's meaning and ranges (its
-`vllm/sampling_params.py`); services/engine/logits_controls.py applies them.
+Penalties, logit_bias, min_tokens, allowed_token_ids and bad_words have vLLM's
+meaning and ranges (its `vllm/sampling_params.py`); services/engine/logits_controls.py
+applies them. bad_words arrive here as token sequences: the frontend owns the
+tokenizer (`bad_word_token_ids`, vLLM's `update_from_tokenizer`), the engine the
+vocabulary bound (ids beyond it are refused where the vocabulary is known).
 """
 
 from __future__ import annotations
@@ -49,9 +52,17 @@ class SamplingParams:
     # worker gets them as prompt): presence/frequency penalties count them as output.
     num_prior_output_tokens: int = 0
     structured: StructuredOutput | None = None
+    allowed_token_ids: list[int] = field(default_factory=list)   # empty: any token may be sampled
+    bad_words: list[list[int]] = field(default_factory=list)     # token sequences never to complete
+    prompt_logprobs: int | None = None  # top-n logprobs per prompt token; None: none
+    # vLLM's cache_salt: prefix-cache blocks are shared only among requests with the same salt.
+    # Not a sampling parameter: it travels on the worker request (TokenGenerateRequest /
+    # PrefillRequest.cache_salt, the request's KV identity), and rides here inside a process.
+    cache_salt: str = ""
 
     MAX_LOGPROBS = 20
     MAX_PENALTY = 2.0
+    MAX_CACHE_SALT = 1024
 
     def validate(self) -> None:
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
@@ -92,9 +103,33 @@ class SamplingParams:
                 raise InvalidRequestError(f"logit_bias values must be finite numbers, got {bias!r}")
         if any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             raise InvalidRequestError("stop_token_ids must be token ids >= 0")
+        self._validate_token_masks()
+        if not isinstance(self.cache_salt, str) or len(self.cache_salt) > self.MAX_CACHE_SALT:
+            raise InvalidRequestError(f"cache_salt must be a string of at most {self.MAX_CACHE_SALT} characters")
         if self.structured is not None and self.structured.kind not in STRUCTURED_KINDS:
             raise InvalidRequestError(f"structured output kind must be one of {', '.join(STRUCTURED_KINDS)}, "
                                       f"got {self.structured.kind!r}")
+
+    def _validate_token_masks(self) -> None:
+        if any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in self.allowed_token_ids):
+            raise InvalidRequestError("allowed_token_ids must be token ids >= 0")
+        for word in self.bad_words:
+            if not word or any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in word):
+                raise InvalidRequestError("each bad word must be a non-empty list of token ids >= 0")
+        if self.prompt_logprobs is not None and not (
+                isinstance(self.prompt_logprobs, int) and 0 <= self.prompt_logprobs <= self.MAX_LOGPROBS):
+            raise InvalidRequestError(f"prompt_logprobs must be in [0, {self.MAX_LOGPROBS}], "
+                                      f"got {self.prompt_logprobs!r}")
+
+    def check_vocab(self, vocab_size: int) -> None:
+        """Refuse token ids the model does not have (the worker knows its vocabulary)."""
+        named = [("allowed_token_ids", self.allowed_token_ids),
+                 ("bad_words", [t for word in self.bad_words for t in word])]
+        for name, ids in named:
+            bad = [t for t in ids if t >= vocab_size]
+            if bad:
+                raise InvalidRequestError(f"{name} holds token id {bad[0]}, outside the vocabulary "
+                                          f"[0, {vocab_size})")
 
     @property
     def has_penalties(self) -> bool:

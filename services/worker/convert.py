@@ -17,8 +17,12 @@ from splitserve.services.wire.outputs import RequestOutput, SampledToken
 def logprob_to_proto(token: SampledToken) -> common_pb2.TokenLogprob:
     top = sorted((token.top_logprobs or {}).items(), key=lambda kv: -kv[1])
     return common_pb2.TokenLogprob(
-        token_id=token.token_id, logprob=token.logprob or 0.0,
+        token_id=token.token_id, logprob=token.logprob or 0.0, rank=token.rank or 0,
         top=[common_pb2.TopLogprob(token_id=t, logprob=lp) for t, lp in top])
+
+
+def logprob_from_proto(msg: common_pb2.TokenLogprob) -> SampledToken:
+    return SampledToken(msg.token_id, msg.logprob, {t.token_id: t.logprob for t in msg.top}, msg.rank or None)
 
 
 def encode_first_token(token: SampledToken) -> bytes:
@@ -42,7 +46,8 @@ def output_to_proto(out: RequestOutput, prefilled_remotely: bool = False,
         token_ids=out.new_token_ids, logprobs=[logprob_to_proto(t) for t in out.logprobs],
         finished=out.finished, finish_reason=finish_reason_to_proto(out.finish_reason),
         num_prompt_tokens=out.num_prompt_tokens, num_cached_tokens=out.num_cached_tokens,
-        num_output_tokens=out.num_output_tokens, prefilled_remotely=prefilled_remotely, choice=choice)
+        num_output_tokens=out.num_output_tokens, prefilled_remotely=prefilled_remotely, choice=choice,
+        prompt_logprobs=[logprob_to_proto(t) for t in out.prompt_logprobs or []])
 
 
 def event_to_proto(event: KVEvent) -> worker_pb2.KvEvent:

@@ -205,7 +205,7 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         self.counters.num_in_flight += 1
         try:
             loop = self._engine_loop()
-            params = params_from_proto(request.params)
+            params = params_from_proto(request.params, request.cache_salt)
             await compile_grammar(loop, params)
             token_ids = list(request.token_ids)
             self.counters.num_requests += 1
@@ -228,11 +228,11 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         forks = [(ids[i], choice_params(params, i)) for i in range(1, n)]
         choice = {rid: i for i, rid in enumerate(ids)}
         remote = self.remote
-        if peers and self._disaggregates() and await remote.worth_it(token_ids):
+        if peers and self._disaggregates() and await remote.worth_it(token_ids, params.cache_salt):
             outcome = await remote.run(ids[0], token_ids, params, peers, self._count_retry, forks)
             if outcome.first_token is not None:
                 self.counters.num_remote_prefills += 1
-                start = remote.complete(ids[0], outcome.first_token)
+                start = remote.complete(ids[0], outcome.first_token, outcome.prompt_logprobs)
                 async for out in loop.stream(ids[0], start, ids[1:]):
                     yield output_to_proto(out, prefilled_remotely=True, choice=choice[out.request_id])
                 return
@@ -263,7 +263,7 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
             loop = self._engine_loop()
             if not request.request_id:
                 raise InvalidRequestError("Prefill needs a request_id")
-            params = params_from_proto(request.params)
+            params = params_from_proto(request.params, request.cache_salt)
             await compile_grammar(loop, params)
             t = request.target
             other_ranks = tuple(TransferEndpoint(r.agent_name, r.agent_metadata, t.layout_hash, r.incarnation)
@@ -277,7 +277,8 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
             self.counters.num_prefills_served += 1
             response = worker_pb2.PrefillResponse(
                 first_token_id=out.new_token_ids[0], num_prompt_tokens=out.num_prompt_tokens,
-                num_cached_tokens=out.num_cached_tokens)
+                num_cached_tokens=out.num_cached_tokens,
+                prompt_logprobs=[logprob_to_proto(t) for t in out.prompt_logprobs or []])
             if out.logprobs:
                 response.first_logprob.CopyFrom(logprob_to_proto(out.logprobs[0]))
             return response

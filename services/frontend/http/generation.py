@@ -397,7 +397,18 @@ def _sampling_fields(body, choice: int = 0) -> dict:
                 presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
                 repetition_penalty=body.repetition_penalty, min_tokens=body.min_tokens,
                 stop_token_ids=list(body.stop_token_ids or []),
-                logit_bias={int(k): v for k, v in (body.logit_bias or {}).items()})
+                logit_bias={int(k): v for k, v in (body.logit_bias or {}).items()},
+                allowed_token_ids=list(body.allowed_token_ids or []), bad_words=list(body.bad_words or []),
+                cache_salt=body.cache_salt or "", prompt_logprobs=_prompt_logprobs(body))
+
+
+def _prompt_logprobs(body) -> int | None:
+    """How many alternatives the workers compute per prompt token: vLLM's prompt_logprobs, and
+    /v1/completions' echo with logprobs (the echoed tokens get theirs); None: neither."""
+    wanted = [body.prompt_logprobs] if body.prompt_logprobs is not None else []
+    if isinstance(body, CompletionRequest) and body.echo and body.logprobs is not None:
+        wanted.append(body.logprobs)
+    return max(wanted) if wanted else None
 
 
 def _response_id(prefix: str, body) -> str:

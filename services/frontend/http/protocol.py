@@ -9,7 +9,8 @@ prompt and returns the n with the highest cumulative logprob (vLLM's v0 semantic
 streamed. `n` choices and lists of prompts
 on /v1/completions are served as one request per (prompt, choice), concurrently. A few vLLM-style
 extensions are accepted too: top_k, min_p, ignore_eos, return_token_ids,
-repetition_penalty, min_tokens, stop_token_ids.
+repetition_penalty, min_tokens, stop_token_ids, allowed_token_ids, bad_words, cache_salt,
+prompt_logprobs.
 """
 
 from __future__ import annotations
@@ -116,10 +117,6 @@ REFUSED_EXTENSIONS = {
 NOT_YET = {
     "tools": "tool calling is not supported yet",
     "tool_choice": "tool calling is not supported yet",
-    "prompt_logprobs": "prompt logprobs are not computed yet; logprobs of generated tokens are",
-    "allowed_token_ids": "allowed_token_ids is not supported yet (use logit_bias)",
-    "bad_words": "bad_words is not supported yet (use logit_bias or stop)",
-    "cache_salt": "cache_salt is not supported yet: the prefix cache is shared by every request of a worker",
 }
 
 
@@ -155,18 +152,21 @@ class _VllmExtensions(_Strict):
     # Not yet (NOT_YET): in the schema so that the 400 says so and what to do instead.
     tools: list[Any] | None = None
     tool_choice: str | dict[str, Any] | None = None
-    prompt_logprobs: int | None = None
-    allowed_token_ids: list[int] | None = None
-    bad_words: list[str] | None = None
-    cache_salt: str | None = None
+    prompt_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+    allowed_token_ids: list[Annotated[int, Field(ge=0, le=MAX_TOKEN_ID)]] | None = None  # the worker checks the vocab
+    bad_words: list[Annotated[str, Field(min_length=1)]] | None = None
+    cache_salt: Annotated[str, Field(min_length=1, max_length=1024)] | None = None   # vLLM: non-empty
 
     def extension_problems(self) -> list[tuple[str, str]]:
         problems = [(name, f"{name} is not supported: {why}") for name, why in REFUSED_EXTENSIONS.items()
                     if getattr(self, name, None) is not None]
         # tool_choice "none" and an empty tools list change nothing: clients send them by default.
         problems += [(name, why) for name, why in NOT_YET.items() if getattr(self, name, None) not in (None, [])
-                     and not (name == "tool_choice" and self.tool_choice == "none")
-                     and not (name == "bad_words" and not self.bad_words)]
+                     and not (name == "tool_choice" and self.tool_choice == "none")]
+        if self.prompt_logprobs and getattr(self, "stream", False):     # vLLM's rule and words
+            problems.append(("prompt_logprobs", "`prompt_logprobs` are not available when `stream=True`."))
+        if self.allowed_token_ids == []:
+            problems.append(("allowed_token_ids", "allowed_token_ids must not be empty: no token could be sampled"))
         if self.priority != 0:
             problems.append(("priority", "priority scheduling is not enabled: every request has priority 0"))
         if self.use_beam_search:
@@ -238,9 +238,6 @@ class CompletionRequest(_Common, _VllmExtensions):
             what = "best_of" if self.best_of else "n"
             problems.append((what, f"prompts x {what} must be at most {MAX_CHOICES * 4}, "
                                    f"got {len(prompts) * self.num_samples}"))
-        if self.echo and self.logprobs is not None:
-            problems.append(("echo", "echo with logprobs needs the prompt's logprobs, which the workers do not "
-                                     "compute; send echo or logprobs"))
         if self.suffix:
             problems.append(("suffix", "suffix (insertion) is not supported: the served models are not "
                                        "fill-in-the-middle models"))

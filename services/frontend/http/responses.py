@@ -15,6 +15,7 @@ from splitserve.proto.v1 import common_pb2
 from splitserve.services.text.tokenizer import Tokenizer
 
 from splitserve.services.frontend.core import Delta
+from splitserve.services.frontend.http.prompt_logprobs import echoed_logprobs, vllm_prompt_logprobs
 from splitserve.services.frontend.http.protocol import ChatCompletionRequest, CompletionRequest
 from splitserve.services.text.token_text import TokenTexts
 
@@ -42,6 +43,13 @@ class _Formatter:
         self.return_token_ids = body.return_token_ids
         self.tokens_as_ids = bool(getattr(body, "return_tokens_as_token_ids", False))
         self.last: Delta | None = None
+        self.prompt_ids = prompt_ids
+        self.num_prompt_logprobs = getattr(body, "prompt_logprobs", None)    # vLLM's: whole responses carry them
+
+    def _prompt_logprobs(self, deltas: list[Delta]) -> list[dict | None]:
+        entries = [lp for d in deltas for lp in (d.prompt_logprobs or [])]
+        return vllm_prompt_logprobs(self.tokenizer, self.prompt_ids, entries, self.num_prompt_logprobs or 0,
+                                    self.tokens_as_ids)
 
     def _token_texts(self, lp: common_pb2.TokenLogprob) -> tuple[str, list[str]]:
         """The chosen token's text and its alternatives', in the text before it (vLLM's
@@ -121,6 +129,8 @@ class ChatFormatter(_Formatter):
         if self.return_token_ids:
             choice["token_ids"] = token_ids
         out = self._envelope(self.object_full, [choice])
+        if self.num_prompt_logprobs is not None:
+            out["prompt_logprobs"] = self._prompt_logprobs(deltas)        # vLLM: on the response
         out["usage"] = _usage(last)
         return out
 
@@ -135,18 +145,25 @@ class CompletionFormatter(_Formatter):
         self.logprobs = body.logprobs
         self.offset = 0
         self.echo_text = echo_text      # `echo`: the prompt, before the first generated text
+        # echo with logprobs: the echoed prompt tokens lead the logprobs (OpenAI's shape).
+        self.echo_logprobs_due = bool(body.echo and body.logprobs is not None)
 
-    def _logprobs(self, logprobs: list[common_pb2.TokenLogprob]) -> dict | None:
+    def _logprobs(self, logprobs: list[common_pb2.TokenLogprob],
+                  prompt_entries: list[common_pb2.TokenLogprob] | None = None) -> dict | None:
         if self.logprobs is None:
             return None
-        tokens, tops, offsets = [], [], []
+        tokens, tops, offsets, values = [], [], [], []
+        if self.echo_logprobs_due and prompt_entries is not None:
+            self.echo_logprobs_due = False
+            tokens, values, tops, offsets, self.offset = echoed_logprobs(
+                self.tokenizer, self.prompt_ids, prompt_entries, self.logprobs, self.tokens_as_ids)
         for lp in logprobs:
             text, top_texts = self._token_texts(lp)
             tokens.append(text)
             tops.append({t: top.logprob for t, top in zip(top_texts, lp.top)})
             offsets.append(self.offset)
             self.offset += len(text)
-        return {"tokens": tokens, "token_logprobs": [lp.logprob for lp in logprobs], "top_logprobs": tops,
+        return {"tokens": tokens, "token_logprobs": values + [lp.logprob for lp in logprobs], "top_logprobs": tops,
                 "text_offset": offsets}
 
     def opening(self) -> list[dict]:
@@ -157,7 +174,8 @@ class CompletionFormatter(_Formatter):
         if not delta.text and not delta.token_ids and delta.finish_reason is None:
             return []
         text, self.echo_text = self.echo_text + delta.text, ""
-        choice = {"index": self.index, "text": text, "logprobs": self._logprobs(delta.logprobs),
+        choice = {"index": self.index, "text": text,
+                  "logprobs": self._logprobs(delta.logprobs, _first_prompt_entries([delta])),
                   "finish_reason": delta.finish_reason}
         if self.return_token_ids:
             choice["token_ids"] = delta.token_ids
@@ -165,13 +183,21 @@ class CompletionFormatter(_Formatter):
 
     def full(self, deltas: list[Delta]) -> dict:
         text, token_ids, logprobs, last = self._finish(deltas)
-        choice = {"index": self.index, "text": self.echo_text + text, "logprobs": self._logprobs(logprobs),
+        choice = {"index": self.index, "text": self.echo_text + text,
+                  "logprobs": self._logprobs(logprobs, _first_prompt_entries(deltas)),
                   "finish_reason": last.finish_reason}
+        if self.num_prompt_logprobs is not None:
+            choice["prompt_logprobs"] = self._prompt_logprobs(deltas)     # vLLM: on the choice
         if self.return_token_ids:
             choice["token_ids"] = token_ids
         out = self._envelope(self.object_full, [choice])
         out["usage"] = _usage(last)
         return out
+
+
+def _first_prompt_entries(deltas: list[Delta]) -> list[common_pb2.TokenLogprob] | None:
+    """The prompt's entries when these deltas hold the request's first tokens, else None."""
+    return next((list(d.prompt_logprobs) for d in deltas if d.prompt_logprobs is not None), None)
 
 
 def merged_usage(lasts: list[Delta], first_of_prompt: list[bool]) -> dict:

@@ -35,14 +35,14 @@ from dataclasses import dataclass
 import grpc
 
 from splitserve.proto.v1 import worker_pb2, worker_pb2_grpc
-from splitserve.router.hashing import block_hashes
+from splitserve.router.hashing import block_hashes, salted_key
 from splitserve.services.engine.engine import LLMEngine
 from splitserve.services.engine.scheduler import BlockReservation
 from splitserve.services.wire.sampling_params import SamplingParams
 from splitserve.tls import PLAINTEXT, TlsConfig
 
 from splitserve.services.wire.convert import params_to_proto
-from splitserve.services.worker.convert import decode_first_token
+from splitserve.services.worker.convert import decode_first_token, logprob_from_proto
 from splitserve.services.worker.engine_loop import EngineLoop
 from splitserve.services.worker.kv.transfer import GRANT_GRACE_S, KVReceiver, TransferError
 from splitserve.services.worker.kv.write_fences import WriteFences
@@ -54,10 +54,10 @@ GRPC_OPTIONS = [("grpc.max_receive_message_length", 64 * 2**20),
                 ("grpc.max_send_message_length", 64 * 2**20)]
 
 
-def num_cached_prompt_tokens(engine: LLMEngine, token_ids: list[int]) -> int:
-    """Leading prompt tokens this engine's prefix cache holds now (engine thread only)."""
+def num_cached_prompt_tokens(engine: LLMEngine, token_ids: list[int], cache_salt: str = "") -> int:
+    """Leading prompt tokens this engine's prefix cache holds now for that salt (engine thread only)."""
     bs = engine.config.block_size
-    hashes = block_hashes(token_ids, bs, engine.scheduler.extra_key)
+    hashes = block_hashes(token_ids, bs, salted_key(engine.scheduler.extra_key, cache_salt))
     return len(engine.pool.cached_prefix(hashes)) * bs
 
 
@@ -90,6 +90,7 @@ class PrefillOutcome:
 
     first_token: SampledToken | None
     num_failures: int
+    prompt_logprobs: list[SampledToken] | None = None   # the prefill worker's, when params asked
 
 
 @dataclass(slots=True)
@@ -103,8 +104,8 @@ class RemotePrefill:
     timeout_s: float               # the whole remote prefill, every attempt included
     fences: WriteFences            # its clock times the deadline too (the fences' expiry)
 
-    async def worth_it(self, token_ids: list[int]) -> bool:
-        num_cached = await self.loop.call(lambda e: num_cached_prompt_tokens(e, token_ids))
+    async def worth_it(self, token_ids: list[int], cache_salt: str = "") -> bool:
+        num_cached = await self.loop.call(lambda e: num_cached_prompt_tokens(e, token_ids, cache_salt))
         uncached = len(token_ids) - num_cached
         return uncached > 0 and uncached >= self.threshold_tokens
 
@@ -136,8 +137,9 @@ class RemotePrefill:
                 if attempt:
                     on_retry()
                 try:
-                    token = await self._attempt(request_id, token_ids, params, reservation, address, left, fences)
-                    return PrefillOutcome(token, failures)
+                    token, prompt_logprobs = await self._attempt(request_id, token_ids, params, reservation,
+                                                                 address, left, fences)
+                    return PrefillOutcome(token, failures, prompt_logprobs)
                 except (grpc.aio.AioRpcError, TransferError, asyncio.TimeoutError) as exc:
                     failures += 1
                     log.warning("request %s: remote prefill on %s failed (%s); %s", request_id, address,
@@ -157,7 +159,7 @@ class RemotePrefill:
 
     async def _attempt(self, request_id: str, token_ids: list[int], params: SamplingParams,
                        reservation: BlockReservation, address: str, timeout_s: float,
-                       fences: list[asyncio.Task]) -> SampledToken:
+                       fences: list[asyncio.Task]) -> tuple[SampledToken, list[SampledToken] | None]:
         bs = self.loop.engine.config.block_size
         num_cached_blocks = reservation.num_cached_tokens // bs
         try:
@@ -170,21 +172,27 @@ class RemotePrefill:
                 other_ranks=[worker_pb2.TransferAgent(agent_name=r.agent_name, agent_metadata=r.agent_metadata,
                                                       incarnation=r.incarnation) for r in ep.other_ranks])
             request = worker_pb2.PrefillRequest(request_id=request_id, token_ids=token_ids,
-                                                params=params_to_proto(params), target=target)
+                                                params=params_to_proto(params), target=target,
+                                                cache_salt=params.cache_salt)
             async with asyncio.timeout(timeout_s):
-                await self.peers.stub(address).Prefill(request)
+                response = await self.peers.stub(address).Prefill(request)
                 payload = await self.receiver.wait_complete(request_id)
-            return decode_first_token(payload)
+            prompt_logprobs = None
+            if params.prompt_logprobs is not None:
+                prompt_logprobs = [logprob_from_proto(t) for t in response.prompt_logprobs]
+            return decode_first_token(payload), prompt_logprobs
         except BaseException:           # failed or cancelled: the worker may still be writing
             fences.append(self.fences.ask(address, request_id))
             raise
         finally:
             self.receiver.release(request_id)
 
-    def complete(self, request_id: str, first_token: SampledToken):
-        """The `start` function for EngineLoop.stream: join the batch from the first token."""
+    def complete(self, request_id: str, first_token: SampledToken,
+                 prompt_logprobs: list[SampledToken] | None = None):
+        """The `start` function for EngineLoop.stream: join the batch from the first token (and
+        the prompt logprobs the prefill worker computed, sent on with it)."""
         def start(engine: LLMEngine) -> list[RequestOutput]:
-            out = engine.complete_remote_prefill(request_id, first_token)
+            out = engine.complete_remote_prefill(request_id, first_token, prompt_logprobs)
             if out is None:
                 engine.release_transfer(request_id)    # aborted meanwhile; every write has landed
                 raise TransferError(f"request {request_id!r} lost its reservation (aborted?)")

@@ -38,15 +38,35 @@ def test_resumed_request_counts_forwarded_tokens_as_output(engine, cut):
     assert as_prompt.token_ids != rest.token_ids      # forwarded tokens counted as prompt: not the same run
 
 
-def test_sigkill_mid_stream_keeps_penalties_and_min_tokens_exact(cluster, llama_dir):
+@pytest.mark.parametrize("cut", [1, 5])
+def test_resumed_request_checks_bad_words_against_forwarded_output(engine, cut):
+    """A two-token bad word whose first token the first worker generated: the new worker (which
+    gets that token as prompt) must still ban the second, as the unbroken run did."""
+    [plain] = engine.generate([PROMPT], SamplingParams(max_tokens=12, ignore_eos=True))
+    word = plain.token_ids[cut - 1:cut + 1]
+    [whole] = engine.generate([PROMPT], SamplingParams(max_tokens=12, ignore_eos=True, bad_words=[word]))
+    assert whole.token_ids[:cut] == plain.token_ids[:cut] and whole.token_ids[cut] != word[1]
+    resumed = SamplingParams(max_tokens=12 - cut, ignore_eos=True, bad_words=[word], num_prior_output_tokens=cut)
+    [rest] = engine.generate([PROMPT + whole.token_ids[:cut]], resumed)
+    assert whole.token_ids[:cut] + rest.token_ids == whole.token_ids
+    [as_prompt] = engine.generate([PROMPT + whole.token_ids[:cut]], replace(resumed, num_prior_output_tokens=0))
+    assert as_prompt.token_ids[0] == word[1]          # the prompt is not output: the word is not checked
+
+
+def test_sigkill_mid_stream_keeps_penalties_min_tokens_and_allowed_tokens_exact(cluster, llama_dir):
     eos = EOS_TOKEN_ID
     penalized = [replace(j, controls=PENALTIES) for j in make_jobs(6, seed=5, min_len=20, max_len=80, max_tokens=30)]
     # EOS is the greedy token at every step (bias +100); min_tokens holds it back across the cut.
     held = [replace(j, controls=dict(logit_bias={eos: 100.0}, min_tokens=20), ignore_eos=False)
             for j in make_jobs(4, seed=6, min_len=20, max_len=80, max_tokens=30)]
-    jobs = penalized + held
+    # Only these may be sampled (greedy among them), before and after the cut.
+    allowed = list(range(300, 340)) + [eos]
+    masked = [replace(j, controls=dict(allowed_token_ids=allowed, frequency_penalty=0.4))
+              for j in make_jobs(3, seed=7, min_len=20, max_len=80, max_tokens=30)]
+    jobs = penalized + held + masked
     expected = expected_outputs(llama_dir, jobs)
-    assert all(len(e) == 21 and e[-1] == eos and eos not in e[:-1] for e in expected[len(penalized):])
+    assert all(set(e) <= set(allowed) for e in expected[len(penalized) + len(held):])
+    assert all(len(e) == 21 and e[-1] == eos and eos not in e[:-1] for e in expected[len(penalized):-len(masked)])
     p0 = cluster.start_worker("p0", "prefill")
     d0 = cluster.start_worker("d0", "decode", "--remote-prefill-threshold", "64", "--prefill-timeout", "20")
     d1 = cluster.start_worker("d1", "decode", "--remote-prefill-threshold", "64", "--prefill-timeout", "20")
@@ -66,6 +86,7 @@ def test_sigkill_mid_stream_keeps_penalties_and_min_tokens_exact(cluster, llama_
     assert not errors, (errors, front.proc.tail(80))
     wrong = [(i, o.token_ids, want) for i, (o, want) in enumerate(zip(outcomes, expected)) if o.token_ids != want]
     assert not wrong, wrong[:3]
-    assert [o.finish_reason for o in outcomes] == ["length"] * len(penalized) + ["stop"] * len(held)
+    assert [o.finish_reason for o in outcomes] == ["length"] * len(penalized) + ["stop"] * len(held) + \
+        ["length"] * len(masked)
     assert served_by_d0["n"] > 0 and front.metric("splitserve_migrations_total", outcome="migrated") >= 1
     wait_idle([p0, d1], 2.0)

@@ -140,6 +140,64 @@ def test_sampling_controls_through_the_prefill_worker_equal_aggregated(deploymen
 
 
 @pytest.mark.parametrize("deployment", DEFAULT, ids=_id, indirect=True)
+def test_prompt_logprobs_come_from_the_prefill_worker(deployment, llama_dir):
+    """The prefill worker computes the prompt's logprobs and the decode worker sends them on
+    with the first token: the aggregated engine's, also when the prompt was cached before."""
+    _, server = deployment
+    [prefill] = server.role("prefill")
+    engine = LLMEngine(EngineConfig(model=str(llama_dir), num_kv_blocks=256, num_threads=1))
+    client = openai.OpenAI(base_url=server.openai_url, api_key="unused", max_retries=0, timeout=60)
+    prompt = _prompt(60, THRESHOLD + 50)
+    [want] = engine.generate([prompt], SamplingParams(max_tokens=2, prompt_logprobs=1))
+    engine.close()
+    before = worker_stats(prefill).num_prefills_served
+    for _ in range(2):              # the second time the prompt is cached on both workers
+        out = client.completions.create(model=_model(server), prompt=prompt, max_tokens=2, temperature=0,
+                                        echo=True, logprobs=1, extra_body={"prompt_logprobs": 1})
+        choice = out.choices[0]
+        got = choice.model_extra["prompt_logprobs"]
+        assert len(got) == len(prompt) and got[0] is None
+        assert [item[str(t)]["logprob"] for t, item in zip(prompt[1:], got[1:])] == pytest.approx(
+            [e.logprob for e in want.prompt_logprobs], abs=1e-4)
+        assert choice.logprobs.token_logprobs[1:len(prompt)] == pytest.approx(
+            [e.logprob for e in want.prompt_logprobs], abs=1e-4)
+    assert worker_stats(prefill).num_prefills_served >= before + 1
+    wait_idle(server.workers, 1.0)
+
+
+@pytest.mark.parametrize("deployment", DEFAULT, ids=_id, indirect=True)
+def test_cache_salt_keeps_prefix_hits_and_routing_per_salt(deployment):
+    """A prompt prefilled remotely under one salt is cached on the decode worker for that salt
+    only: the same prompt under another salt is uncached there (remote prefill again, no
+    cached tokens), under the first salt it is a local prefix hit."""
+    _, server = deployment
+    [decode], [prefill] = server.role("decode"), server.role("prefill")
+    client = openai.OpenAI(base_url=server.openai_url, api_key="unused", max_retries=0, timeout=60)
+    prompt = _prompt(50, THRESHOLD + 60)
+
+    def run(salt: str):
+        out = client.completions.create(model=_model(server), prompt=prompt, max_tokens=3, temperature=0,
+                                        extra_body={"ignore_eos": True, "return_token_ids": True,
+                                                    "cache_salt": salt})
+        return list(out.choices[0].token_ids), out.usage.prompt_tokens_details.cached_tokens
+
+    before, p_before = worker_stats(decode), worker_stats(prefill)
+    first = run("tenant-a")
+    d1 = worker_stats(decode)
+    assert d1.num_remote_prefills == before.num_remote_prefills + 1 and first[1] == 0
+    other = run("tenant-b")
+    d2 = worker_stats(decode)
+    assert d2.num_remote_prefills == d1.num_remote_prefills + 1          # uncached for this salt
+    assert other == (first[0], 0)
+    again = run("tenant-a")
+    d3 = worker_stats(decode)
+    assert d3.num_remote_prefills == d2.num_remote_prefills and d3.num_local_prefills == d2.num_local_prefills + 1
+    assert again[0] == first[0] and again[1] == (len(prompt) // 16) * 16
+    assert worker_stats(prefill).num_prefills_served == p_before.num_prefills_served + 2   # a and b
+    wait_idle(server.workers, 1.0)
+
+
+@pytest.mark.parametrize("deployment", DEFAULT, ids=_id, indirect=True)
 def test_conditional_disaggregation_from_counters(deployment):
     _, server = deployment
     [decode], [prefill] = server.role("decode"), server.role("prefill")

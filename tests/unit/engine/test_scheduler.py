@@ -274,3 +274,23 @@ def test_transfer_holds_of_both_kinds_leave_the_pool_all_free_in_any_order():
     assert not s.transfer_done("unknown") and s.pool.num_used_blocks == 3
     assert s.transfer_done("p")
     assert_idle(s)
+
+
+def test_cache_salt_shares_blocks_only_within_one_salt():
+    """vLLM's cache_salt: a prompt computed under one salt is a prefix-cache hit for the same
+    salt only; unsalted requests share with each other, never with salted ones."""
+    s = make(num_blocks=32)
+    prompt = list(range(12))                                   # 3 full blocks
+
+    def run(rid: str, arrival: int, salt: str) -> int:
+        q = Sequence(rid, list(prompt), SamplingParams(max_tokens=1, cache_salt=salt), arrival)
+        s.add(q)
+        drain(s)
+        return q.num_prefix_hit_tokens
+
+    assert run("a", 1, "tenant-a") == 0
+    assert run("b", 2, "tenant-b") == 0                       # another salt: computed again
+    assert run("plain", 3, "") == 0                           # no salt: not the salted blocks either
+    assert run("a2", 4, "tenant-a") == 8                      # same salt: the cached blocks (all but the last)
+    assert run("plain2", 5, "") == 8
+    assert_idle(s)

@@ -49,6 +49,20 @@ def test_next_worker_call_counts_forwarded_tokens_as_output_for_penalties_and_mi
     assert (params.num_prior_output_tokens, params.min_tokens, params.max_tokens) == (5, 0, 5)
 
 
+def test_next_worker_call_keeps_token_masks_and_salt_and_asks_prompt_logprobs_only_before_any_token():
+    first = SamplingParams(max_tokens=10, allowed_token_ids=[5, 6, 9], bad_words=[[6, 5]], prompt_logprobs=2,
+                           cache_salt="tenant")
+    before_any = Progress("r", PROMPT, first)
+    call = before_any.worker_request()
+    assert call.cache_salt == "tenant" and params_from_proto(call.params).prompt_logprobs == 2
+    p = Progress("r", PROMPT, first, token_ids=[5, 6])
+    call = p.worker_request()
+    params = params_from_proto(call.params, call.cache_salt)
+    assert params.allowed_token_ids == [5, 6, 9] and params.bad_words == [[6, 5]]
+    assert params.cache_salt == "tenant" and params.num_prior_output_tokens == 2
+    assert params.prompt_logprobs is None        # the client got them with the first token
+
+
 def test_refusals():
     p = Progress("r", PROMPT, SamplingParams(max_tokens=10), token_ids=[5])
     assert MigrationPolicy(0).refusal(p, 100) is Refusal.DISABLED

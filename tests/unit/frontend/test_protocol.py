@@ -36,8 +36,13 @@ def test_completion_schema_errors(data, param, code):
 def test_fields_not_supported_yet_say_so():
     chat = ChatCompletionRequest.model_validate({
         "model": "m", "messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}],
-        "tool_choice": "auto", "prompt_logprobs": 1})
-    assert {p for p, _ in chat.unsupported_values()} == {"tools", "tool_choice", "prompt_logprobs"}
+        "tool_choice": "auto", "prompt_logprobs": 1, "allowed_token_ids": [3], "bad_words": ["x"],
+        "cache_salt": "s"})
+    assert {p for p, _ in chat.unsupported_values()} == {"tools", "tool_choice"}
+    streamed = CompletionRequest.model_validate({"model": "m", "prompt": "x", "stream": True, "prompt_logprobs": 2})
+    assert [p for p, _ in streamed.unsupported_values()] == ["prompt_logprobs"]      # as vLLM: whole responses only
+    assert CompletionRequest.model_validate({"model": "m", "prompt": "x", "stream": True,
+                                             "prompt_logprobs": 0}).unsupported_values() == []
     quiet = ChatCompletionRequest.model_validate({     # what clients send by default changes nothing
         "model": "m", "messages": [{"role": "user", "content": "x"}], "tools": [], "tool_choice": "none",
         "bad_words": []})
@@ -49,7 +54,7 @@ def test_unsupported_values_are_named():
     assert req.unsupported_values() == [] and req.prompts() == ["a", "b"] and req.num_choices == 3
     req = CompletionRequest.model_validate({"model": "m", "prompt": [[1, 2], [3]], "echo": True, "logprobs": 1,
                                             "best_of": 4, "suffix": "x"})
-    assert {p for p, _ in req.unsupported_values()} == {"echo", "suffix"}
+    assert {p for p, _ in req.unsupported_values()} == {"suffix"}     # echo + logprobs: served
     assert req.prompts() == [[1, 2], [3]] and req.num_samples == 4 and req.num_choices == 1
     for body, why in (({"n": 3, "best_of": 2}, "between n (3) and 16"), ({"best_of": 17}, "between n"),
                       ({"n": 2, "best_of": 3, "stream": True}, "cannot be streamed")):

@@ -176,3 +176,21 @@ def test_core_spreads_new_prefixes_over_equally_idle_workers():
         assert d.decode.winner.worker_id == homes[t] and d.decode.winner.candidate.overlap_blocks == 64
         core.on_finished(f"t{t}q")
     assert core.load.num_requests() == 0
+
+
+def test_a_salted_request_overlaps_only_blocks_of_its_salt():
+    """The router salts its hash chain exactly as the worker salts its block hashes
+    (router.hashing.salted_key), so KV-aware routing holds per salt."""
+    from splitserve.router.hashing import salted_key
+
+    core = _core()
+    prompt = list(range(160))
+    core.index.stored("d0", block_hashes(prompt, 16, b"m|x|")[:9])                       # unsalted
+    core.index.stored("d1", block_hashes(prompt, 16, salted_key(b"m|x|", "tenant-a"))[:9])
+    salted = core.route("r1", prompt, ["d0", "d1"], [], cache_salt="tenant-a")
+    assert salted.decode.winner.worker_id == "d1" and salted.decode.winner.candidate.overlap_blocks == 9
+    plain = core.route("r2", prompt, ["d0", "d1"], [])
+    assert plain.decode.winner.worker_id == "d0" and plain.decode.winner.candidate.overlap_blocks == 9
+    other = core.route("r3", prompt, ["d0", "d1"], [], cache_salt="tenant-b")
+    assert other.decode.winner.candidate.overlap_blocks == 0
+    assert salted_key(b"m|x|", "") == b"m|x|" and salted_key(b"k", "a") != salted_key(b"k", "b")
