@@ -35,6 +35,7 @@ from splitserve.services.frontend.core import Delta, Frontend, GenerationRequest
 from splitserve.services.frontend.limits import PromptBound, check_prompt_tokens
 from splitserve.services.frontend.http.protocol import ChatCompletionRequest, CompletionRequest
 from splitserve.services.frontend.http.responses import ChatFormatter, CompletionFormatter, merge_full, merged_usage
+from splitserve.services.frontend.tools.choice import template_message, tool_setup
 
 log = logging.getLogger(__name__)
 
@@ -112,12 +113,13 @@ class GenerationEndpoints:
 
     def prepare_chat(self, raw: bytes) -> Prepared:
         body = self._parse(raw, ChatCompletionRequest, "chat")
-        messages = [{"role": "system" if msg.role == "developer" else msg.role, "content": msg.text()}
-                    for msg in body.messages]
+        tools, structured = self._refusing("chat", lambda: tool_setup(body, self.frontend.tool_parser))
+        messages = [template_message(msg) for msg in body.messages]
         self._check_length("chat", sum(len(msg["content"]) for msg in messages), "messages")
         variables = {**(body.chat_template_kwargs or {}),
                      **({"documents": body.documents} if body.documents is not None else {}),
-                     **({"reasoning_effort": body.reasoning_effort} if body.reasoning_effort else {})}
+                     **({"reasoning_effort": body.reasoning_effort} if body.reasoning_effort else {}),
+                     **(tools.template_variables() if tools else {})}
         prompt_ids = self._refusing("chat", lambda: self.frontend.chat_prompt(
             messages, add_generation_prompt=body.add_generation_prompt,
             continue_final_message=body.continue_final_message, add_special_tokens=body.add_special_tokens,
@@ -132,9 +134,12 @@ class GenerationEndpoints:
                 max_tokens=body.requested_max_tokens(), default_max_tokens=None,
                 max_tokens_param="max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens",
                 logprobs=body.num_logprobs(), **_sampling_fields(body, j))
+            if structured is not None:        # tool_choice required / named (vLLM: over response_format)
+                sampling.structured = structured
             gen = self._prepare("chat", _worker_id(request_id, body), prompt_ids, sampling, "messages", j)
             choices.append(Choice(gen, ChatFormatter(request_id, self.frontend.model_name, self.frontend.tokenizer,
-                                                     body, prompt_ids, j, echo), first_of_prompt=j == 0))
+                                                     body, prompt_ids, j, echo, tools.output() if tools else None),
+                                  first_of_prompt=j == 0))
         return Prepared(choices, body.stream)
 
     def _parse(self, raw: bytes, model: type[BaseModel], api: str):

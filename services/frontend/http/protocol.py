@@ -16,6 +16,9 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from splitserve.services.frontend.tools.choice import tool_problems
+from splitserve.services.frontend.tools.schema import AssistantToolCall, Tool, ToolChoice
+
 MAX_TOP_LOGPROBS = 20
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 MAX_STOP_SEQUENCES = 16
@@ -43,9 +46,12 @@ class TextPart(_Strict):
 
 
 class ChatMessage(_Strict):
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[AssistantToolCall] | None = None     # an assistant's calls, sent back
+    tool_call_id: str | None = None                       # a tool message: the call it answers
+    refusal: str | None = None                            # in assistant messages clients send back
 
     def text(self) -> str:
         if self.content is None:
@@ -120,8 +126,6 @@ NOT_YET = {
     "structural_tag": "structured outputs are not supported yet",
     "guided_decoding_backend": "structured outputs are not supported yet",
     "guided_whitespace_pattern": "structured outputs are not supported yet",
-    "tools": "tool calling is not supported yet",
-    "tool_choice": "tool calling is not supported yet",
     "prompt_logprobs": "prompt logprobs are not computed yet; logprobs of generated tokens are",
     "allowed_token_ids": "allowed_token_ids is not supported yet (use logit_bias)",
     "bad_words": "bad_words is not supported yet (use logit_bias or stop)",
@@ -157,8 +161,6 @@ class _VllmExtensions(_Strict):
     structural_tag: str | None = None
     guided_decoding_backend: str | None = None
     guided_whitespace_pattern: str | None = None
-    tools: list[Any] | None = None
-    tool_choice: str | dict[str, Any] | None = None
     prompt_logprobs: int | None = None
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
@@ -167,9 +169,7 @@ class _VllmExtensions(_Strict):
     def extension_problems(self) -> list[tuple[str, str]]:
         problems = [(name, f"{name} is not supported: {why}") for name, why in REFUSED_EXTENSIONS.items()
                     if getattr(self, name, None) is not None]
-        # tool_choice "none" and an empty tools list change nothing: clients send them by default.
         problems += [(name, why) for name, why in NOT_YET.items() if getattr(self, name, None) not in (None, [])
-                     and not (name == "tool_choice" and self.tool_choice == "none")
                      and not (name == "bad_words" and not self.bad_words)]
         if self.priority != 0:
             problems.append(("priority", "priority scheduling is not enabled: every request has priority 0"))
@@ -200,9 +200,11 @@ class ChatCompletionRequest(_Common, _VllmExtensions):
     reasoning_effort: Literal["low", "medium", "high"] | None = None   # a template variable
     include_reasoning: bool = True
     parallel_tool_calls: bool | None = None
+    tools: list[Tool] | None = None          # tools/choice.py: the template's `tools`, the choice
+    tool_choice: ToolChoice | None = None
 
     def unsupported_values(self) -> list[tuple[str, str]]:
-        problems = super().unsupported_values() + self.extension_problems()
+        problems = super().unsupported_values() + self.extension_problems() + tool_problems(self)
         if self.continue_final_message and self.add_generation_prompt:
             problems.append(("continue_final_message", "continue_final_message needs add_generation_prompt=false"))
         if self.continue_final_message and self.messages[-1].role != "assistant":
