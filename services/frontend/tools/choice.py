@@ -39,7 +39,17 @@ def tool_problems(body) -> list[tuple[str, str]]:
             choice.function.name not in {t.function.name for t in tools}:
         problems.append(("tool_choice", "The tool specified in `tool_choice` does not match any of the "
                                         "specified `tools`"))
-    for i, message in enumerate(body.messages):
+    names = [t.function.name for t in tools or []]
+    if len(set(names)) < len(names):
+        problems.append(("tools", "each tool must have its own function name"))
+    return problems + message_problems(body.messages)
+
+
+def message_problems(messages) -> list[tuple[str, str]]:
+    """(param, message) for tool calls a conversation may not carry (templates read their
+    arguments as objects, so they must be JSON)."""
+    problems = []
+    for i, message in enumerate(messages):
         if message.tool_calls and message.role != "assistant":
             problems.append((f"messages.{i}.tool_calls", "only an assistant message may have tool_calls"))
         for call in message.tool_calls or []:
@@ -130,7 +140,10 @@ def required_schema(parameters: dict[str, dict | None]) -> dict:
     branches, defs = [], {}
     for name, schema in parameters.items():
         schema = copy.deepcopy(schema) if schema else dict(_EMPTY_OBJECT)
-        for def_name, definition in schema.pop("$defs", {}).items():
+        tool_defs = schema.pop("$defs", {})
+        if not isinstance(tool_defs, dict):
+            raise ValueError(f"the $defs of tool {name!r} must be an object")
+        for def_name, definition in tool_defs.items():
             if defs.setdefault(def_name, definition) != definition:
                 raise ValueError(f"Tool definition '{def_name}' has multiple schemas, which is not supported.")
         branches.append({"properties": {"name": {"type": "string", "enum": [name]}, "parameters": schema},

@@ -80,6 +80,21 @@ def test_tools_and_tool_messages_reach_the_template(tokenizer):
     assert req.gen.params.structured is None          # auto: parsed, not forced
 
 
+def test_tokenize_counts_the_prompt_a_chat_with_tools_sends(tokenizer):
+    from splitserve.services.frontend.http.tokenization import parse_tokenize, tokenize
+
+    history = [*USER, {"role": "assistant", "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "now", "arguments": "{}"}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "noon"}]
+    endpoints = _endpoints(tokenizer, "hermes")
+    chat = endpoints.prepare_chat(orjson.dumps({"model": MODEL, "messages": history, "tools": [CLOCK]}))
+    counted = tokenize(endpoints.frontend, parse_tokenize(orjson.dumps({"messages": history, "tools": [CLOCK]})))
+    assert counted["tokens"] == chat.gen.prompt_ids
+    with pytest.raises(APIError):
+        parse_tokenize(orjson.dumps({"messages": [{"role": "assistant", "tool_calls": [
+            {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{"}}]}]}))
+
+
 def test_tool_choice_none_renders_the_tools_and_reads_content(tokenizer):
     req = prepare(tokenizer, tools=[WEATHER], tool_choice="none")
     assert req.gen.params.structured is None and req.formatter.tools is None
@@ -99,6 +114,7 @@ def test_auto_needs_the_server_flags(tokenizer):
     ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "other"}}}, "tool_choice"),
     ({"tools": [WEATHER], "tool_choice": "sometimes"}, "tool_choice"),
     ({"tools": [{"type": "custom", "custom": {"name": "x"}}]}, "tools"),
+    ({"tools": [WEATHER, WEATHER], "tool_choice": "required"}, "tools"),
     ({"messages": [{"role": "user", "content": "x", "tool_calls": [
         {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}]}, "messages.0.tool_calls"),
     ({"messages": [{"role": "assistant", "tool_calls": [
