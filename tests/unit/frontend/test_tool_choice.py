@@ -233,3 +233,44 @@ def test_auto_tool_choice_without_a_parser_is_a_startup_error():
 
     with pytest.raises(SplitserveError, match="--tool-call-parser"):
         check_tool_args(build_parser().parse_args(["serve", "--enable-auto-tool-choice"]))
+
+
+# Qwen 2.5's template, its tool parts (tools into the system message, calls as <tool_call> JSON,
+# results as <tool_response> in a user turn).
+QWEN_TEMPLATE = """{%- if tools %}<|im_start|>system
+# Tools
+<tools>{% for tool in tools %}
+{{ tool | tojson }}{% endfor %}
+</tools><|im_end|>
+{% endif %}{%- for message in messages %}
+{%- if message.role == "user" or (message.role == "assistant" and not message.tool_calls) %}
+{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' }}
+{%- elif message.role == "assistant" %}{{- '<|im_start|>assistant' }}
+{%- for tool_call in message.tool_calls %}{%- if tool_call.function is defined %}{%- set tool_call = tool_call.function %}{%- endif %}
+{{- '\\n<tool_call>\\n{"name": "' }}{{- tool_call.name }}{{- '", "arguments": ' }}{{- tool_call.arguments | tojson }}{{- '}\\n</tool_call>' }}
+{%- endfor %}{{- '<|im_end|>\\n' }}
+{%- elif message.role == "tool" %}{{- '<|im_start|>user\\n<tool_response>\\n' + message.content + '\\n</tool_response><|im_end|>\\n' }}
+{%- endif %}{%- endfor %}{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"""
+
+
+def test_a_parsed_call_sent_back_renders_as_the_model_wrote_it(llama_dir):
+    """Hermes output -> tool_calls -> the next request's assistant message -> the template
+    writes the same <tool_call> text again (the conversation the model sees is its own)."""
+    tok = Tokenizer(open_checkpoint(str(llama_dir)))
+    tok.chat_template = QWEN_TEMPLATE
+    written = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>'
+    fmt = prepare(tok, "hermes", tools=[WEATHER]).formatter
+    message = fmt.full([_delta(written, "stop")])["choices"][0]["message"]
+    history = [*USER, message, {"role": "tool", "tool_call_id": message["tool_calls"][0]["id"], "content": "9 C"}]
+    req = prepare(tok, "hermes", tools=[WEATHER], messages=history)
+    text = tok.render_chat([template_message_of(m) for m in history], variables={"tools": [WEATHER]})
+    assert f"<|im_start|>assistant\n{written}<|im_end|>\n" in text
+    assert "<tool_response>\n9 C\n</tool_response>" in text and '"name": "get_weather", "description"' in text
+    assert req.gen.prompt_ids == tok.encode(text, add_special_tokens=False)
+
+
+def template_message_of(message: dict) -> dict:
+    from splitserve.services.frontend.http.protocol import ChatMessage
+    from splitserve.services.frontend.tools.choice import template_message
+
+    return template_message(ChatMessage.model_validate(message))
