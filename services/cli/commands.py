@@ -150,6 +150,7 @@ def _apply_frontend_security(config, args: argparse.Namespace) -> None:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    check_tool_args(args)
     if args.on_ray:
         from splitserve.services.ray_serve.launch import run_on_ray
 
@@ -159,7 +160,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from splitserve.services.launch.local import run_serve
 
     _security_args.check_serve_args(args)
-    check_tool_args(args)
     return run_serve(args)
 
 
