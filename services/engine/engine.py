@@ -22,6 +22,7 @@ import torch
 from splitserve.errors import InvalidRequestError
 
 from splitserve.services.engine.block_pool import BlockPool
+from splitserve.services.engine.grammar import StructuredOutputs
 from splitserve.services.engine.config import EngineConfig, ModelConfig
 from splitserve.services.engine.model.forward_batch import LayerReport
 from splitserve.services.engine.kv_cache import KVCache
@@ -98,6 +99,7 @@ class LLMEngine:
         self.max_model_len = min(config.max_model_len or mc.max_position_embeddings,
                                  mc.max_position_embeddings, num_blocks * config.block_size)
         self.eos_token_ids = set(mc.eos_token_ids) | self.tokenizer.eos_token_ids
+        self.structured_outputs = StructuredOutputs(self.tokenizer, mc.vocab_size, self.eos_token_ids)
         self.stats = EngineStats()
         self._rng = random.Random(config.seed)
         self._arrivals = 0
@@ -212,7 +214,7 @@ class LLMEngine:
             self.scheduler.advance(chunk)
         tokens = sample(logits.cpu(), [c.seq.params for c in sampled],
                         [c.seq.generator for c in sampled], [_history(c.seq) for c in sampled],
-                        self.eos_token_ids)
+                        self.eos_token_ids, [c.seq.grammar for c in sampled])
         outputs.extend(self._append_token(c.seq, t) for c, t in zip(sampled, tokens))
         self._publish_events()
         return outputs
@@ -285,9 +287,13 @@ class LLMEngine:
             generator = torch.Generator().manual_seed(seed)
             if params.seed is not None:
                 skip_draws(generator, params.num_prior_draws, self.model_config.vocab_size)
+        grammar = None
+        if params.structured is not None:
+            prior = ids[len(ids) - params.num_prior_output_tokens:] if params.num_prior_output_tokens else []
+            grammar = self.structured_outputs.state(params.structured, prior)
         self._arrivals += 1
         return Sequence(request_id, ids, params, self._arrivals, prefill_only=prefill_only,
-                        on_layer_done=on_layer_done, generator=generator)
+                        on_layer_done=on_layer_done, generator=generator, grammar=grammar)
 
     def _layer_reports(self, chunks: list[ScheduledChunk]) -> list[LayerReport]:
         """The step's sequences that report each layer (prefill-only ones with a callback)."""
@@ -331,6 +337,8 @@ class LLMEngine:
             seq.output_logprobs.append(token.top_logprobs or {})
         self.stats.num_generated_tokens += 1
         reason = token_stop_reason(seq.params, self.eos_token_ids, token.token_id, len(seq.output_token_ids))
+        if seq.grammar is not None and reason is None and not seq.prefill_only:
+            reason = _grammar_stop(seq, token.token_id)
         if seq.prefill_only:
             reason = FinishReason.PREFILL_DONE   # the decode worker judges the first token
         if reason is None and seq.num_tokens >= self.max_model_len:
@@ -346,6 +354,16 @@ class LLMEngine:
             finished=seq.is_finished, finish_reason=seq.finish_reason,
             num_prompt_tokens=len(seq.prompt_token_ids), num_cached_tokens=seq.num_prefix_hit_tokens,
             num_output_tokens=len(seq.output_token_ids), logprobs=logprobs)
+
+
+def _grammar_stop(seq: Sequence, token_id: int) -> FinishReason | None:
+    """Advance the sequence's grammar; STOP once it is complete (its end token accepted, as
+    with ignore_eos) or, should a token the mask allowed be refused, there."""
+    matcher = seq.grammar.matcher
+    if not matcher.accept_token(token_id):
+        log.warning("request %s: token %d was refused by its grammar; stopping", seq.request_id, token_id)
+        return FinishReason.STOP
+    return FinishReason.STOP if matcher.is_terminated() else None
 
 
 def _history(seq: Sequence) -> TokenHistory:

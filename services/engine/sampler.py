@@ -1,7 +1,8 @@
 """Turn the last-position logits of a batch into next tokens.
 
 First the per-request logits controls (logits_controls.py: min_tokens,
-logit_bias, repetition/frequency/presence penalties), for greedy rows too.
+logit_bias, repetition/frequency/presence penalties), then the grammar masks of
+structured outputs (grammar.py), for greedy rows too.
 Greedy rows take the argmax. Sampling rows apply temperature, then top-k, top-p
 and min-p filtering, then draw with the sequence's own `torch.Generator`, so a
 seeded request gives the same tokens whatever else shares its batch (and,
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import torch
 
+from splitserve.services.engine.grammar import apply_masks
 from splitserve.services.engine.logits_controls import TokenHistory, apply_logits_controls
 from splitserve.services.wire.outputs import SampledToken
 from splitserve.services.wire.sampling_params import SamplingParams
@@ -24,12 +26,18 @@ MIN_TEMPERATURE = 1e-4
 
 def sample(logits: torch.Tensor, params: list[SamplingParams],
            generators: list[torch.Generator | None], histories: list[TokenHistory] | None = None,
-           eos_token_ids: frozenset[int] | set[int] = frozenset()) -> list[SampledToken]:
+           eos_token_ids: frozenset[int] | set[int] = frozenset(), grammars: list | None = None
+           ) -> list[SampledToken]:
     """logits: [N, vocab] float32, one row per sequence; `histories` (one per row) are the
-    tokens the penalties and min_tokens look at (None: rows without any history)."""
+    tokens the penalties and min_tokens look at (None: rows without any history);
+    `grammars` the rows' grammar.GrammarState (None, or None for a row: unconstrained)."""
     if histories is None:
         histories = [TokenHistory([], 0, 0)] * len(params)
     controlled = apply_logits_controls(logits, params, histories, eos_token_ids)
+    if grammars is not None and any(g is not None for g in grammars):
+        if controlled is logits:
+            controlled = logits.clone()         # the raw logits give the logprobs
+        apply_masks(controlled, logits, grammars)
     tokens = controlled.argmax(dim=-1)
     sampled_rows = [i for i, p in enumerate(params) if not p.greedy]
     if sampled_rows:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -66,6 +67,7 @@ class Sequence:
     generator: torch.Generator | None = None
     num_preemptions: int = 0
     transfer: TransferUse | None = None            # a KV transfer uses the blocks (asked at finish)
+    grammar: Any = None                            # structured output: its grammar.GrammarState
 
     @property
     def num_tokens(self) -> int:

@@ -49,6 +49,11 @@ class Tokenizer:
         self._template: jinja2.Template | None = None
 
     @property
+    def backend(self) -> HFTokenizer:
+        """The `tokenizers.Tokenizer` itself (structured outputs read its vocabulary)."""
+        return self._tok
+
+    @property
     def vocab_size(self) -> int:
         return self._tok.get_vocab_size(with_added_tokens=True)
 

@@ -25,6 +25,7 @@ from splitserve.services.engine.engine import LLMEngine
 from splitserve.tls import PLAINTEXT, TlsConfig
 
 from splitserve.services.wire.convert import params_from_proto
+from splitserve.services.wire.sampling_params import SamplingParams
 from splitserve.services.worker.convert import event_to_proto, logprob_to_proto, output_to_proto
 from splitserve.services.worker.engine_loop import EngineLoop, EngineStoppedError
 from splitserve.services.worker.kv.prefill_server import serve_prefill
@@ -86,6 +87,13 @@ def _status_of(exc: BaseException) -> grpc.StatusCode:
     if isinstance(exc, RecoverableError):
         return grpc.StatusCode.INVALID_ARGUMENT
     return grpc.StatusCode.INTERNAL
+
+
+async def compile_grammar(loop: EngineLoop, params: SamplingParams) -> None:
+    """A structured request's grammar, compiled (or found in the cache) on a thread before the
+    request is queued, so that compiling never holds up the engine's steps."""
+    if params.structured is not None:
+        await asyncio.to_thread(loop.engine.structured_outputs.compile, params.structured)
 
 
 class WorkerService(worker_pb2_grpc.WorkerServicer):
@@ -187,6 +195,7 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         try:
             loop = self._engine_loop()
             params = params_from_proto(request.params)
+            await compile_grammar(loop, params)
             token_ids = list(request.token_ids)
             self.counters.num_requests += 1
             peers = [request.prefill_peer.address] if request.HasField("prefill_peer") else []
@@ -228,6 +237,7 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
             if not request.request_id:
                 raise InvalidRequestError("Prefill needs a request_id")
             params = params_from_proto(request.params)
+            await compile_grammar(loop, params)
             t = request.target
             other_ranks = tuple(TransferEndpoint(r.agent_name, r.agent_metadata, t.layout_hash, r.incarnation)
                                 for r in t.other_ranks)      # a TP decode worker's ranks 1..M-1

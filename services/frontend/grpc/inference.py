@@ -13,6 +13,7 @@ import grpc
 from splitserve.proto.v1 import inference_pb2, inference_pb2_grpc
 from splitserve.services.wire.convert import finish_reason_to_proto
 from splitserve.services.wire.outputs import FinishReason
+from splitserve.services.wire.sampling_params import StructuredOutput
 
 from splitserve.services.frontend.errors import APIError, invalid
 from splitserve.services.frontend.core import Frontend, GenerationRequest, SamplingRequest, new_request_id
@@ -89,7 +90,9 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
             repetition_penalty=request.repetition_penalty if request.HasField("repetition_penalty") else None,
             logit_bias={b.token_id: b.bias for b in request.logit_bias}, min_tokens=request.min_tokens,
             stop_token_ids=list(request.stop_token_ids),
-            include_stop_str_in_output=request.include_stop_str_in_output)
+            include_stop_str_in_output=request.include_stop_str_in_output,
+            structured=StructuredOutput(request.structured.kind, request.structured.spec)
+            if request.HasField("structured") else None)
         params = fe.sampling_params(sampling, len(prompt_ids))
         return GenerationRequest(request.request_id or new_request_id("grpc"), "grpc", prompt_ids, params)
 

@@ -35,6 +35,7 @@ from splitserve.services.frontend.core import Delta, Frontend, GenerationRequest
 from splitserve.services.frontend.limits import PromptBound, check_prompt_tokens
 from splitserve.services.frontend.http.protocol import ChatCompletionRequest, CompletionRequest
 from splitserve.services.frontend.http.responses import ChatFormatter, CompletionFormatter, merge_full, merged_usage
+from splitserve.services.frontend.http.structured import requested_structure
 from splitserve.services.frontend.tools.choice import template_message, tool_setup
 
 log = logging.getLogger(__name__)
@@ -92,6 +93,7 @@ class GenerationEndpoints:
         body = self._parse(raw, CompletionRequest, "completions")
         choices: list[Choice] = []
         request_id = _response_id("cmpl", body)
+        structured = self._refusing("completions", lambda: requested_structure(body))
         for p, prompt in enumerate(body.prompts()):
             if isinstance(prompt, str):
                 self._check_length("completions", len(prompt), "prompt")
@@ -103,7 +105,8 @@ class GenerationEndpoints:
             for j in range(body.num_choices):
                 index = p * body.num_choices + j
                 sampling = SamplingRequest(max_tokens=body.max_tokens, default_max_tokens=16,
-                                           logprobs=body.logprobs, **_sampling_fields(body, j))
+                                           logprobs=body.logprobs, structured=structured,
+                                           **_sampling_fields(body, j))
                 gen = self._prepare("completions", _worker_id(request_id, body), prompt_ids, sampling, "prompt",
                                     index)
                 fmt = CompletionFormatter(request_id, self.frontend.model_name, self.frontend.tokenizer, body,
@@ -113,7 +116,7 @@ class GenerationEndpoints:
 
     def prepare_chat(self, raw: bytes) -> Prepared:
         body = self._parse(raw, ChatCompletionRequest, "chat")
-        tools, structured = self._refusing("chat", lambda: tool_setup(body, self.frontend.tool_parser))
+        tools, forced = self._refusing("chat", lambda: tool_setup(body, self.frontend.tool_parser))
         messages = [template_message(msg) for msg in body.messages]
         self._check_length("chat", sum(len(msg["content"]) for msg in messages), "messages")
         variables = {**(body.chat_template_kwargs or {}),
@@ -128,14 +131,14 @@ class GenerationEndpoints:
         # echo: the reply starts with the last message when it is the assistant's (vLLM's rule).
         echo = messages[-1]["content"] if body.echo and messages[-1]["role"] == "assistant" else ""
         request_id = _response_id("chatcmpl", body)
+        structured = self._refusing("chat", lambda: requested_structure(body))
+        structured = forced or structured     # tool_choice required / named: over response_format (vLLM)
         choices = []
         for j in range(body.num_choices):
             sampling = SamplingRequest(
                 max_tokens=body.requested_max_tokens(), default_max_tokens=None,
                 max_tokens_param="max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens",
-                logprobs=body.num_logprobs(), **_sampling_fields(body, j))
-            if structured is not None:        # tool_choice required / named (vLLM: over response_format)
-                sampling.structured = structured
+                logprobs=body.num_logprobs(), structured=structured, **_sampling_fields(body, j))
             gen = self._prepare("chat", _worker_id(request_id, body), prompt_ids, sampling, "messages", j)
             choices.append(Choice(gen, ChatFormatter(request_id, self.frontend.model_name, self.frontend.tokenizer,
                                                      body, prompt_ids, j, echo, tools.output() if tools else None),

@@ -118,14 +118,6 @@ REFUSED_EXTENSIONS = {
 # Fields that will be implemented (structured outputs, tools, prompt logprobs, token masks) and
 # are refused until then, each with what to do instead.
 NOT_YET = {
-    "response_format": "structured outputs are not supported yet; describe the format in the prompt",
-    "guided_json": "structured outputs are not supported yet",
-    "guided_regex": "structured outputs are not supported yet",
-    "guided_choice": "structured outputs are not supported yet",
-    "guided_grammar": "structured outputs are not supported yet",
-    "structural_tag": "structured outputs are not supported yet",
-    "guided_decoding_backend": "structured outputs are not supported yet",
-    "guided_whitespace_pattern": "structured outputs are not supported yet",
     "prompt_logprobs": "prompt logprobs are not computed yet; logprobs of generated tokens are",
     "allowed_token_ids": "allowed_token_ids is not supported yet (use logit_bias)",
     "bad_words": "bad_words is not supported yet (use logit_bias or stop)",
@@ -152,15 +144,17 @@ class _VllmExtensions(_Strict):
     kv_transfer_params: dict[str, Any] | None = None
     vllm_xargs: dict[str, Any] | None = None
     prompt_embeds: str | list[Any] | None = None
-    # Not yet (NOT_YET): in the schema so that the 400 says so and what to do instead.
+    # Structured outputs (structured.py turns them into one StructuredOutput).
     response_format: dict[str, Any] | None = None
     guided_json: str | dict[str, Any] | None = None
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
     structural_tag: str | None = None
+    structured_outputs: dict[str, Any] | None = None
     guided_decoding_backend: str | None = None
     guided_whitespace_pattern: str | None = None
+    # Not yet (NOT_YET): in the schema so that the 400 says so and what to do instead.
     prompt_logprobs: int | None = None
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None

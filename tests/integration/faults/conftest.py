@@ -10,6 +10,7 @@ identical to a run without any fault.
 from __future__ import annotations
 
 import asyncio
+import json
 import random
 from dataclasses import dataclass, field
 
@@ -21,7 +22,7 @@ from splitserve.proto.v1 import common_pb2, inference_pb2, inference_pb2_grpc
 
 from splitserve.services.engine.config import EngineConfig
 from splitserve.services.engine.engine import LLMEngine
-from splitserve.services.wire.sampling_params import SamplingParams
+from splitserve.services.wire.sampling_params import SamplingParams, StructuredOutput
 from splitserve.testing.cluster import Cluster
 
 MODEL_NAME = "llama"      # the served name: the checkpoint folder's name
@@ -38,9 +39,12 @@ class Job:
     # Sampling controls (penalties, min_tokens, logit_bias as {token id: bias}), HTTP only.
     controls: dict = field(default_factory=dict)
     ignore_eos: bool = True
+    schema: dict | None = None       # structured output: the JSON schema (sent as response_format)
 
     def sampling(self) -> SamplingParams:
         extra = {} if self.seed is None else {"temperature": 0.8, "seed": self.seed}
+        if self.schema is not None:
+            extra["structured"] = StructuredOutput("json_schema", json.dumps(self.schema))
         return SamplingParams(max_tokens=self.max_tokens, ignore_eos=self.ignore_eos, **extra, **self.controls)
 
     def body(self) -> dict:
@@ -48,6 +52,8 @@ class Job:
         controls = dict(self.controls)
         if "logit_bias" in controls:
             controls["logit_bias"] = {str(t): b for t, b in controls["logit_bias"].items()}
+        if self.schema is not None:
+            controls["response_format"] = {"type": "json_schema", "json_schema": {"name": "job", "schema": self.schema}}
         return dict(prompt=self.prompt, max_tokens=self.max_tokens, **extra,
                     extra_body={"ignore_eos": self.ignore_eos, "return_token_ids": True, **controls})
 

@@ -589,3 +589,10 @@ def test_public_grpc_takes_the_sampling_controls_as_http_does(server, client, mo
         with pytest.raises(grpc.RpcError) as info:
             list(stub.Generate(inference_pb2.GenerateRequest(text="hi", presence_penalty=5), timeout=10))
         assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        choice = common_pb2.StructuredOutput(kind="choice", spec='["north", "south"]')
+        replies = stub.Generate(inference_pb2.GenerateRequest(text="Go", max_tokens=20, structured=choice), timeout=60)
+        assert "".join(r.text for r in replies) in ("north", "south")
+        with pytest.raises(grpc.RpcError) as info:
+            bad = common_pb2.StructuredOutput(kind="regex", spec="[a-")
+            list(stub.Generate(inference_pb2.GenerateRequest(text="Go", structured=bad), timeout=10))
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "invalid regex" in info.value.details()
