@@ -118,7 +118,7 @@ class ToolSetup:
         if self.mode == "named":
             return StructuredOutput("json_schema", json.dumps(self.parameters[self.name] or _EMPTY_OBJECT))
         if self.mode == "required":
-            return StructuredOutput("json_schema", json.dumps(required_schema(self.parameters)))
+            return StructuredOutput("json_schema", json.dumps(required_schema(self.parameters, self.parallel)))
         return None
 
     def output(self) -> "ToolOutput | None":
@@ -133,10 +133,11 @@ class ToolSetup:
         return ToolOutput(self, whole, stream())
 
 
-def required_schema(parameters: dict[str, dict | None]) -> dict:
+def required_schema(parameters: dict[str, dict | None], parallel: bool = True) -> dict:
     """vLLM's schema of `tool_choice="required"`: an array of at least one call, each call one of
     the tools (its name as an enum, its parameters' schema); the tools' `$defs` are hoisted to
-    the top (a name with two different definitions cannot be)."""
+    the top (a name with two different definitions cannot be). `parallel_tool_calls=false`:
+    exactly one call (maxItems 1), so the model is not left to add calls that are dropped."""
     branches, defs = [], {}
     for name, schema in parameters.items():
         schema = copy.deepcopy(schema) if schema else dict(_EMPTY_OBJECT)
@@ -149,6 +150,8 @@ def required_schema(parameters: dict[str, dict | None]) -> dict:
         branches.append({"properties": {"name": {"type": "string", "enum": [name]}, "parameters": schema},
                          "required": ["name", "parameters"]})
     out: dict = {"type": "array", "minItems": 1, "items": {"type": "object", "anyOf": branches}}
+    if not parallel:
+        out["maxItems"] = 1
     if defs:
         out["$defs"] = defs
     return out

@@ -83,14 +83,23 @@ def extract_llama3_json(text: str) -> Extracted:
 
 
 def extract_required(text: str) -> Extracted:
-    """`tool_choice="required"`: the output is a JSON array of {"name", "parameters"}."""
+    """`tool_choice="required"`: the output is a JSON array of {"name", "parameters"}. One cut
+    short (max_tokens) still has the calls that were written whole, as its stream sent them."""
     try:
         items = json.loads(text)
         if not isinstance(items, list) or not items:
             raise ValueError("not a list of calls")
         return Extracted(None, [_call(item, ("parameters",)) for item in items])
     except ValueError:
-        return Extracted(text, [])
+        pass
+    scanner = CallScanner(object_depth=1, argument_keys=("parameters",))
+    scanner.feed(text)
+    try:
+        calls = [ToolCall(name, json.dumps(json.loads(args), ensure_ascii=False))
+                 for name, args in scanner.complete_calls()]
+    except ValueError:
+        calls = []
+    return Extracted(None if calls else text, calls)
 
 
 def extract_named(text: str, name: str) -> Extracted:

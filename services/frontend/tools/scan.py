@@ -71,6 +71,14 @@ class CallScanner:
         """At the end of the output: a call whose object closed without arguments gets `{}`."""
         return self._deltas()
 
+    def complete_calls(self) -> list[tuple[str, str]]:
+        """(name, arguments' JSON text) of each call whose object closed, in order."""
+        out = []
+        for call in self.calls:
+            if call.closed and call.name is not None:
+                out.append((call.name, self.text[call.args_start:call.args_end] if call.args_end >= 0 else "{}"))
+        return out
+
     # -- the syntax -------------------------------------------------------------------
     def _step(self, pos: int, ch: str) -> None:
         member_depth = self.object_depth + 1

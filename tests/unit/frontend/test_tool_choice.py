@@ -142,6 +142,8 @@ def test_required_forces_vllms_array_of_calls(tokenizer):
             {"properties": {"name": {"type": "string", "enum": ["now"]},
                             "parameters": {"type": "object", "properties": {}}}, "required": ["name", "parameters"]}]}}
     assert req.choices[0].formatter.tools is not req.choices[1].formatter.tools      # one reader per choice
+    single = prepare(tokenizer, tools=[WEATHER, CLOCK], tool_choice="required", parallel_tool_calls=False)
+    assert json.loads(single.gen.params.structured.spec)["maxItems"] == 1
 
 
 def test_named_choice_forces_the_functions_parameters(tokenizer):

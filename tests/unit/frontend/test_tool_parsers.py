@@ -112,6 +112,9 @@ def test_required_array_whole_and_streamed():
     for pieces in _cuts(REQUIRED):
         assert _streamed(p.RequiredStream(), pieces) == ("", _calls(whole))
     assert p.extract_required("[]").calls == [] and p.extract_required('{"name": "x"}').calls == []
+    cut = REQUIRED[:REQUIRED.index('"noop"') + 10]               # max_tokens ended it in the second call
+    assert _calls(p.extract_required(cut)) == _calls(whole)[:1] and p.extract_required(cut).content is None
+    assert p.extract_required('[{"name": "add", "parameters": {"a"').content is not None   # no call whole
 
 
 def test_named_choice_streams_its_output_as_the_arguments():
