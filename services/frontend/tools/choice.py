@@ -50,6 +50,9 @@ def message_problems(messages) -> list[tuple[str, str]]:
     arguments as objects, so they must be JSON)."""
     problems = []
     for i, message in enumerate(messages):
+        if message.role == "tool" and not message.tool_call_id:
+            problems.append((f"messages.{i}.tool_call_id", "a tool message must say which call it answers "
+                                                           "(tool_call_id)"))
         if message.tool_calls and message.role != "assistant":
             problems.append((f"messages.{i}.tool_calls", "only an assistant message may have tool_calls"))
         for call in message.tool_calls or []:

@@ -115,6 +115,7 @@ def test_auto_needs_the_server_flags(tokenizer):
     ({"tools": [WEATHER], "tool_choice": "sometimes"}, "tool_choice"),
     ({"tools": [{"type": "custom", "custom": {"name": "x"}}]}, "tools"),
     ({"tools": [WEATHER, WEATHER], "tool_choice": "required"}, "tools"),
+    ({"messages": [{"role": "tool", "content": "18 C"}]}, "messages.0.tool_call_id"),
     ({"messages": [{"role": "user", "content": "x", "tool_calls": [
         {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}]}, "messages.0.tool_calls"),
     ({"messages": [{"role": "assistant", "tool_calls": [
