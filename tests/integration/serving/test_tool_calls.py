@@ -7,7 +7,9 @@ grammar), so even a model that was never taught these tools answers with calls w
 arguments validate against the tools' schemas; the streamed call folds into the same calls
 with the client's `chat.completions.stream()` helper, strict `pydantic_function_tool`s parse
 into their models, and finish_reason is OpenAI's. A conversation that carries earlier calls
-and tool results is accepted, and `auto` without the server's flags is vLLM's 400.
+and tool results is accepted, and `auto` without the server's flags is vLLM's 400. Over one
+prefill and one decode worker (the first token sampled on the prefill worker, under the
+grammar) a greedy required call is the aggregated worker's.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import pytest
 from pydantic import BaseModel
 
 from splitserve.testing.cluster import Cluster
+from splitserve.testing.workers import worker_stats
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "Current weather in a city", "strict": True,
@@ -53,6 +56,22 @@ def cluster(smollm2_dir):
         c.plain = c.start_frontend()
         c.auto.wait_ready()
         c.plain.wait_ready()
+        yield c
+    finally:
+        c.close()
+
+
+@pytest.fixture(scope="module")
+def disaggregated(smollm2_dir):
+    """1 prefill + 1 decode worker: every prompt is prefilled remotely (threshold 1 token), so the
+    grammar's first token is sampled on the prefill worker."""
+    c = Cluster(smollm2_dir, kv_cache_gib=0.1)
+    try:
+        c.start_worker("prefill-0", "prefill")
+        c.start_worker("decode-0", "decode", "--remote-prefill-threshold", "1")
+        c.wait_workers()
+        c.front = c.start_frontend("--remote-prefill-threshold", "1")
+        c.front.wait_ready()
         yield c
     finally:
         c.close()
@@ -170,3 +189,19 @@ def test_auto_reads_content_with_the_parser_and_is_refused_without_it(cluster, c
     named = plain.chat.completions.create(model=model, messages=ASK, tools=[WEATHER], max_tokens=60,
                                           tool_choice={"type": "function", "function": {"name": "get_weather"}})
     assert named.choices[0].message.tool_calls[0].function.name == "get_weather"   # needs no parser
+
+
+def test_required_over_one_prefill_and_one_decode_worker_is_the_same_call(client, model, disaggregated):
+    remote = openai.OpenAI(base_url=disaggregated.front.openai_url, api_key="unused", max_retries=0, timeout=300)
+    ask = [{"role": "user", "content": "Which city is the capital of Italy? Then tell me its weather."}]
+    prefill = disaggregated.workers["prefill-0"].address
+    before = worker_stats(prefill).num_prefills_served
+    with remote.chat.completions.stream(model=model, messages=ask, tools=[WEATHER, TIME], tool_choice="required",
+                                        max_tokens=120, temperature=0) as stream:
+        split = stream.get_final_completion().choices[0]
+    assert worker_stats(prefill).num_prefills_served == before + 1
+    local = client.chat.completions.create(model=model, messages=ask, tools=[WEATHER, TIME], tool_choice="required",
+                                           max_tokens=120, temperature=0).choices[0]
+    assert split.finish_reason == local.finish_reason == "tool_calls"
+    assert [(c.function.name, _validated(c)) for c in split.message.tool_calls] == \
+        [(c.function.name, json.loads(c.function.arguments)) for c in local.message.tool_calls]
