@@ -205,3 +205,12 @@ def test_required_over_one_prefill_and_one_decode_worker_is_the_same_call(client
     assert split.finish_reason == local.finish_reason == "tool_calls"
     assert [(c.function.name, _validated(c)) for c in split.message.tool_calls] == \
         [(c.function.name, json.loads(c.function.arguments)) for c in local.message.tool_calls]
+
+
+def test_a_tool_schema_the_grammar_cannot_take_is_a_400(client, model):
+    bad = {"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"x": {"type": "no-such-type"}}}}}
+    for choice in ("required", {"type": "function", "function": {"name": "f"}}):
+        with pytest.raises(openai.BadRequestError):
+            client.chat.completions.create(model=model, messages=ASK, tools=[bad], tool_choice=choice, max_tokens=8)
+    assert client.chat.completions.create(model=model, messages=ASK, max_tokens=2).choices   # still serving
