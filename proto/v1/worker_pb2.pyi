@@ -28,21 +28,23 @@ class PrefillPeer(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., address: _Optional[str] = ...) -> None: ...
 
 class TokenGenerateRequest(_message.Message):
-    __slots__ = ("request_id", "token_ids", "params", "prefill_peer", "alternate_prefill_peers")
+    __slots__ = ("request_id", "token_ids", "params", "prefill_peer", "alternate_prefill_peers", "n")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     PARAMS_FIELD_NUMBER: _ClassVar[int]
     PREFILL_PEER_FIELD_NUMBER: _ClassVar[int]
     ALTERNATE_PREFILL_PEERS_FIELD_NUMBER: _ClassVar[int]
+    N_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     params: _common_pb2.SamplingParams
     prefill_peer: PrefillPeer
     alternate_prefill_peers: _containers.RepeatedCompositeFieldContainer[PrefillPeer]
-    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., prefill_peer: _Optional[_Union[PrefillPeer, _Mapping]] = ..., alternate_prefill_peers: _Optional[_Iterable[_Union[PrefillPeer, _Mapping]]] = ...) -> None: ...
+    n: int
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., prefill_peer: _Optional[_Union[PrefillPeer, _Mapping]] = ..., alternate_prefill_peers: _Optional[_Iterable[_Union[PrefillPeer, _Mapping]]] = ..., n: _Optional[int] = ...) -> None: ...
 
 class TokenGenerateResponse(_message.Message):
-    __slots__ = ("token_ids", "logprobs", "finished", "finish_reason", "num_prompt_tokens", "num_cached_tokens", "num_output_tokens", "prefilled_remotely")
+    __slots__ = ("token_ids", "logprobs", "finished", "finish_reason", "num_prompt_tokens", "num_cached_tokens", "num_output_tokens", "prefilled_remotely", "choice")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     FINISHED_FIELD_NUMBER: _ClassVar[int]
@@ -51,6 +53,7 @@ class TokenGenerateResponse(_message.Message):
     NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_OUTPUT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     PREFILLED_REMOTELY_FIELD_NUMBER: _ClassVar[int]
+    CHOICE_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     logprobs: _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenLogprob]
     finished: bool
@@ -59,7 +62,8 @@ class TokenGenerateResponse(_message.Message):
     num_cached_tokens: int
     num_output_tokens: int
     prefilled_remotely: bool
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprob, _Mapping]]] = ..., finished: _Optional[bool] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., num_prompt_tokens: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ..., num_output_tokens: _Optional[int] = ..., prefilled_remotely: _Optional[bool] = ...) -> None: ...
+    choice: int
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprob, _Mapping]]] = ..., finished: _Optional[bool] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., num_prompt_tokens: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ..., num_output_tokens: _Optional[int] = ..., prefilled_remotely: _Optional[bool] = ..., choice: _Optional[int] = ...) -> None: ...
 
 class SessionRequest(_message.Message):
     __slots__ = ("generate", "abort_request_id")
@@ -236,7 +240,7 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class StatsResponse(_message.Message):
-    __slots__ = ("worker_id", "role", "draining", "num_kv_blocks", "num_used_kv_blocks", "num_cached_kv_blocks", "kv_usage", "num_running", "num_waiting", "num_remote_prefill", "num_in_flight", "num_steps", "num_computed_tokens", "num_prompt_tokens_computed", "num_prefix_hit_tokens", "num_generated_tokens", "num_preemptions", "num_finished", "num_aborted", "num_requests", "num_local_prefills", "num_remote_prefills", "num_prefills_served", "num_errors", "last_kv_event_seq", "num_prefill_retries", "num_prefill_fallbacks", "num_transfer_reservations", "num_held_prefills", "num_fenced_kv_blocks", "num_fences_confirmed", "num_fences_waited_out", "num_fences_served")
+    __slots__ = ("worker_id", "role", "draining", "num_kv_blocks", "num_used_kv_blocks", "num_cached_kv_blocks", "kv_usage", "num_running", "num_waiting", "num_remote_prefill", "num_in_flight", "num_steps", "num_computed_tokens", "num_prompt_tokens_computed", "num_prefix_hit_tokens", "num_generated_tokens", "num_preemptions", "num_finished", "num_aborted", "num_requests", "num_local_prefills", "num_remote_prefills", "num_prefills_served", "num_errors", "last_kv_event_seq", "num_prefill_retries", "num_prefill_fallbacks", "num_transfer_reservations", "num_held_prefills", "num_fenced_kv_blocks", "num_fences_confirmed", "num_fences_waited_out", "num_fences_served", "num_forks", "num_forked_kv_blocks", "num_fork_copies")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     DRAINING_FIELD_NUMBER: _ClassVar[int]
@@ -270,6 +274,9 @@ class StatsResponse(_message.Message):
     NUM_FENCES_CONFIRMED_FIELD_NUMBER: _ClassVar[int]
     NUM_FENCES_WAITED_OUT_FIELD_NUMBER: _ClassVar[int]
     NUM_FENCES_SERVED_FIELD_NUMBER: _ClassVar[int]
+    NUM_FORKS_FIELD_NUMBER: _ClassVar[int]
+    NUM_FORKED_KV_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    NUM_FORK_COPIES_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     role: WorkerRole
     draining: bool
@@ -303,7 +310,10 @@ class StatsResponse(_message.Message):
     num_fences_confirmed: int
     num_fences_waited_out: int
     num_fences_served: int
-    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[_Union[WorkerRole, str]] = ..., draining: _Optional[bool] = ..., num_kv_blocks: _Optional[int] = ..., num_used_kv_blocks: _Optional[int] = ..., num_cached_kv_blocks: _Optional[int] = ..., kv_usage: _Optional[float] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_remote_prefill: _Optional[int] = ..., num_in_flight: _Optional[int] = ..., num_steps: _Optional[int] = ..., num_computed_tokens: _Optional[int] = ..., num_prompt_tokens_computed: _Optional[int] = ..., num_prefix_hit_tokens: _Optional[int] = ..., num_generated_tokens: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., num_finished: _Optional[int] = ..., num_aborted: _Optional[int] = ..., num_requests: _Optional[int] = ..., num_local_prefills: _Optional[int] = ..., num_remote_prefills: _Optional[int] = ..., num_prefills_served: _Optional[int] = ..., num_errors: _Optional[int] = ..., last_kv_event_seq: _Optional[int] = ..., num_prefill_retries: _Optional[int] = ..., num_prefill_fallbacks: _Optional[int] = ..., num_transfer_reservations: _Optional[int] = ..., num_held_prefills: _Optional[int] = ..., num_fenced_kv_blocks: _Optional[int] = ..., num_fences_confirmed: _Optional[int] = ..., num_fences_waited_out: _Optional[int] = ..., num_fences_served: _Optional[int] = ...) -> None: ...
+    num_forks: int
+    num_forked_kv_blocks: int
+    num_fork_copies: int
+    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[_Union[WorkerRole, str]] = ..., draining: _Optional[bool] = ..., num_kv_blocks: _Optional[int] = ..., num_used_kv_blocks: _Optional[int] = ..., num_cached_kv_blocks: _Optional[int] = ..., kv_usage: _Optional[float] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_remote_prefill: _Optional[int] = ..., num_in_flight: _Optional[int] = ..., num_steps: _Optional[int] = ..., num_computed_tokens: _Optional[int] = ..., num_prompt_tokens_computed: _Optional[int] = ..., num_prefix_hit_tokens: _Optional[int] = ..., num_generated_tokens: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., num_finished: _Optional[int] = ..., num_aborted: _Optional[int] = ..., num_requests: _Optional[int] = ..., num_local_prefills: _Optional[int] = ..., num_remote_prefills: _Optional[int] = ..., num_prefills_served: _Optional[int] = ..., num_errors: _Optional[int] = ..., last_kv_event_seq: _Optional[int] = ..., num_prefill_retries: _Optional[int] = ..., num_prefill_fallbacks: _Optional[int] = ..., num_transfer_reservations: _Optional[int] = ..., num_held_prefills: _Optional[int] = ..., num_fenced_kv_blocks: _Optional[int] = ..., num_fences_confirmed: _Optional[int] = ..., num_fences_waited_out: _Optional[int] = ..., num_fences_served: _Optional[int] = ..., num_forks: _Optional[int] = ..., num_forked_kv_blocks: _Optional[int] = ..., num_fork_copies: _Optional[int] = ...) -> None: ...
 
 class DescribeRequest(_message.Message):
     __slots__ = ()

@@ -8,6 +8,12 @@ them while the next layer computes), and a decode worker reserves blocks for a
 prompt that another worker fills, then joins it to the batch with its first token.
 Outputs are token ids: a request stops on token ids, max_tokens or the context
 limit (stopping.py); text and stop strings are the frontend's (services/text/).
+
+A request may carry `forks`: sibling samples of the same prompt (n > 1, best_of), each
+an ordinary request id of its own. The prompt is prefilled once; when that prefill
+completes the siblings take its KV blocks (scheduler.fork: full blocks by reference, the
+partial last one copied) and every sample draws its first token from the same last-position
+logits with its own generator.
 """
 
 from __future__ import annotations
@@ -33,7 +39,8 @@ from splitserve.services.engine.logits_controls import TokenHistory
 from splitserve.services.engine.sampler import SampledToken, sample, skip_draws
 from splitserve.services.wire.sampling_params import SamplingParams
 from splitserve.services.engine.scheduler import BlockReservation, ScheduledChunk, Scheduler
-from splitserve.services.engine.sequence import FinishReason, LayerCallback, LayerReady, Sequence, TransferUse
+from splitserve.services.engine.sequence import (FinishReason, LayerCallback, LayerReady, Sequence,
+                                                 SequenceStatus, TransferUse)
 from splitserve.services.engine.stopping import token_stop_reason
 from splitserve.services.engine.parallel.tensor_parallel import TensorParallelGroup
 from splitserve.services.engine.rank import build_rank
@@ -66,6 +73,9 @@ class EngineStats:
     num_preemptions: int = 0
     num_finished: int = 0
     num_aborted: int = 0
+    num_forks: int = 0                  # samples that took a sibling's prompt KV instead of prefilling
+    num_forked_blocks: int = 0          # full KV blocks those forks shared by reference
+    num_fork_copies: int = 0            # partial last blocks copied for them (copy-on-write)
 
 
 class LLMEngine:
@@ -115,8 +125,17 @@ class LLMEngine:
 
     # -- requests ----------------------------------------------------------------
     def add_request(self, request_id: str, prompt: list[int] | str, params: SamplingParams,
-                    *, prefill_only: bool = False, on_layer_done: LayerCallback | None = None) -> None:
+                    *, prefill_only: bool = False, on_layer_done: LayerCallback | None = None,
+                    forks: list[tuple[str, SamplingParams]] = ()) -> None:
+        """Queue a request; `forks` are (request id, params) of more samples of the same prompt,
+        which share its prefill (each is then a request of its own: outputs, abort)."""
+        if forks and prefill_only:
+            raise InvalidRequestError("a prefill-only request cannot fork")
+        ids = [request_id, *(rid for rid, _ in forks)]
+        if len(set(ids)) != len(ids):
+            raise InvalidRequestError("forked request ids must be distinct")
         seq = self._new_sequence(request_id, prompt, params, prefill_only, on_layer_done)
+        seq.forks = [self._new_sequence(rid, seq.prompt_token_ids, p, False, None) for rid, p in forks]
         if prefill_only:
             seq.transfer = TransferUse.SEND     # its blocks stay for the sender: release_transfer
         self.scheduler.add(seq)
@@ -130,10 +149,24 @@ class LLMEngine:
         """
         seq = self.scheduler.find(request_id)
         if seq is None:
+            found = self.scheduler.find_fork(request_id)
+            if found is not None:
+                parent, seq = found
+                parent.forks.remove(seq)
+                seq.status = SequenceStatus.FINISHED
+                seq.finish_reason = FinishReason.ABORT
+                self.stats.num_aborted += 1
+                self._pending_outputs.append(self._output(seq, [], []))
+                return True
             hold = self.scheduler.transfer_owned.get(request_id)
             if hold is None or hold.use is not TransferUse.SEND:
                 return False
             return self.scheduler.transfer_done(request_id)
+        if seq.forks:
+            # The siblings still wait for this prefill: the first of them takes it over.
+            heir, *rest = seq.forks
+            seq.forks, heir.forks = [], rest
+            self.scheduler.add(heir)
         self.scheduler.finish(seq, FinishReason.ABORT)
         self.stats.num_aborted += 1
         self._pending_outputs.append(self._output(seq, [], []))
@@ -144,13 +177,16 @@ class LLMEngine:
 
     # -- disaggregated decode side ----------------------------------------------
     def reserve_remote_prefill(self, request_id: str, prompt: list[int], params: SamplingParams,
-                               fence_writes: bool = False) -> BlockReservation | None:
+                               fence_writes: bool = False, forks: list[tuple[str, SamplingParams]] = ()
+                               ) -> BlockReservation | None:
         """Hold KV blocks for a prompt another worker will fill; None when the pool is full.
+        `forks`: more samples (as add_request's), forked from these blocks once they are filled.
 
         `fence_writes`: when the reservation is cancelled or aborted, the blocks granted to
         the writer stay out of the pool until `release_transfer(request_id)` (the caller
         knows when no write can land any more)."""
         seq = self._new_sequence(request_id, prompt, params, False, None)
+        seq.forks = [self._new_sequence(rid, seq.prompt_token_ids, p, False, None) for rid, p in forks]
         if fence_writes:
             seq.transfer = TransferUse.RECEIVE
         if seq.generator is not None and params.seed is not None:
@@ -166,6 +202,12 @@ class LLMEngine:
         if seq is None:
             return None
         self.scheduler.cache_computed_blocks(seq)
+        if seq.forks:
+            # The prefill worker sent KV and this request's first token, not the logits: the
+            # siblings recompute the last prompt token (into their own copy of its block).
+            siblings, seq.forks = seq.forks, []
+            self.scheduler.fork(seq, siblings, len(seq.prompt_token_ids) - 1)
+            self._count_forks()
         token = first_token if isinstance(first_token, SampledToken) else SampledToken(first_token)
         output = self._append_token(seq, token)
         self._publish_events()
@@ -207,17 +249,44 @@ class LLMEngine:
         if not decision.chunks:
             return outputs
         reports = self._layer_reports(decision.chunks)
-        logits = self.runner.execute(decision.chunks, self._layer_callback(decision.chunks, reports), reports)
+        try:
+            logits = self.runner.execute(decision.chunks, self._layer_callback(decision.chunks, reports),
+                                         reports, decision.block_copies)
+        finally:
+            self.scheduler.copies_done(decision.block_copies)
         self._count(decision.chunks, len(decision.preempted))
-        sampled = [c for c in decision.chunks if c.completes]
+        sampled = [c.seq for c in decision.chunks if c.completes]
         for chunk in decision.chunks:
             self.scheduler.advance(chunk)
-        tokens = sample(logits.cpu(), [c.seq.params for c in sampled],
-                        [c.seq.generator for c in sampled], [_history(c.seq) for c in sampled],
-                        self.eos_token_ids, [c.seq.grammar for c in sampled])
-        outputs.extend(self._append_token(c.seq, t) for c, t in zip(sampled, tokens))
+        sampled, rows = self._fork_prefilled(sampled)
+        logits = logits.cpu()
+        if len(rows) != logits.shape[0]:
+            logits = logits.index_select(0, torch.tensor(rows, dtype=torch.long))
+        tokens = sample(logits, [s.params for s in sampled], [s.generator for s in sampled],
+                        [_history(s) for s in sampled], self.eos_token_ids,
+                        [s.grammar for s in sampled])
+        outputs.extend(self._append_token(s, t) for s, t in zip(sampled, tokens))
         self._publish_events()
         return outputs
+
+    def _fork_prefilled(self, sampled: list[Sequence]) -> tuple[list[Sequence], list[int]]:
+        """Fork the siblings of each sequence whose prompt just completed; returns every
+        sequence that samples now and the logits row each samples from (siblings share
+        their parent's row)."""
+        seqs, rows = list(sampled), list(range(len(sampled)))
+        for row, seq in enumerate(sampled):
+            if seq.forks and not seq.output_token_ids:
+                siblings, seq.forks = seq.forks, []
+                self.scheduler.fork(seq, siblings)
+                seqs.extend(siblings)
+                rows.extend([row] * len(siblings))
+        self._count_forks()
+        return seqs, rows
+
+    def _count_forks(self) -> None:
+        s, sch = self.stats, self.scheduler
+        s.num_forks, s.num_forked_blocks, s.num_fork_copies = (
+            sch.num_forks, sch.num_forked_blocks, sch.num_fork_copies)
 
     def generate(self, prompts: list[list[int]] | list[str], params: SamplingParams | list[SamplingParams]
                  ) -> list[GenerationResult]:
@@ -267,7 +336,7 @@ class LLMEngine:
     def _new_sequence(self, request_id: str, prompt: list[int] | str, params: SamplingParams,
                       prefill_only: bool, on_layer_done: LayerCallback | None) -> Sequence:
         params.validate()
-        if self.scheduler.find(request_id) is not None:
+        if self.scheduler.find(request_id) is not None or self.scheduler.find_fork(request_id) is not None:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         if not ids:

@@ -126,8 +126,10 @@ def apply_masks(logits: torch.Tensor, raw: torch.Tensor, grammars: list[GrammarS
         grammars[i].matcher.fill_next_token_bitmask(bitmask, i)
         if grammars[i].json_mask is not None:
             bitmask[i] &= grammars[i].json_mask
-    xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=vocab, indices=rows)
-    dead = [i for i in rows if bool(torch.isneginf(logits[i]).all())]
+    indices = rows if len(rows) < len(grammars) else None
+    xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=vocab, indices=indices)
+    index = torch.tensor(rows, dtype=torch.long)
+    dead = index[~(logits.index_select(0, index) > float("-inf")).any(dim=1)].tolist()
     if dead:
         logits[dead] = raw[dead]
         xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=vocab, indices=dead)

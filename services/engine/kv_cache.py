@@ -34,6 +34,13 @@ class KVCache:
         kv[0].view(-1, *k.shape[1:]).index_copy_(0, slot_mapping, k)
         kv[1].view(-1, *v.shape[1:]).index_copy_(0, slot_mapping, v)
 
+    def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        """Copy whole blocks (K and V, every layer) from source to destination ids."""
+        if copies:
+            src = torch.tensor([s for s, _ in copies], dtype=torch.long, device=self.tensor.device)
+            dst = torch.tensor([d for _, d in copies], dtype=torch.long, device=self.tensor.device)
+            self.tensor.index_copy_(2, dst, self.tensor.index_select(2, src))
+
     def gather(self, layer: int, block_tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """block_tables [B, M] → keys, values [B, kv_heads, M * block_size, d]."""
         b, m = block_tables.shape

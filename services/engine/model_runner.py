@@ -75,12 +75,14 @@ class ModelRunner:
         self.broadcast = broadcast
 
     def execute(self, chunks: list[ScheduledChunk], layer_done: Callable[[int], None] | None = None,
-                layer_reports: list[LayerReport] | None = None) -> torch.Tensor:
+                layer_reports: list[LayerReport] | None = None,
+                block_copies: list[tuple[int, int]] | None = None) -> torch.Tensor:
         """Run one step; returns float32 logits for the chunks that complete their tokens.
 
         `layer_reports` go to the other TP ranks with the batch (their layer hooks push
         their share of those sequences' KV); `layer_done` is this rank's callback."""
         batch = build_forward_batch(chunks, self.kv.block_size, self.device)
+        batch.block_copies = block_copies or []
         if self.broadcast is not None:
             batch.layer_reports = layer_reports or []
             self.broadcast(batch)

@@ -19,6 +19,13 @@ blocks the transfer keeps; those move to `transfer_owned` and return to the pool
 only at `transfer_done`, the transfer's word that it no longer touches them (the
 contract of vLLM's KV connector: `request_finished` delays the free, the worker's
 `finished_sending` frees).
+
+Several samples of one prompt (n > 1) prefill it once: when the first sequence's prefill
+completes, `fork` gives each sibling the prompt's full blocks by reference and a copy of the
+last partial block (copy-on-write, made before the next step writes: `block_copies`). A
+sibling that finds no block for its copy waits instead and is recomputed from the prefix
+cache, like a preempted sequence. Forked siblings join the running batch beyond
+max_num_seqs if need be: they were admitted with their parent.
 """
 
 from __future__ import annotations
@@ -49,6 +56,7 @@ class ScheduledChunk:
 class SchedulerOutput:
     chunks: list[ScheduledChunk] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
+    block_copies: list[tuple[int, int]] = field(default_factory=list)   # (src, dst), before the step
 
     @property
     def num_tokens(self) -> int:
@@ -87,16 +95,30 @@ class Scheduler:
         self.transfer_owned: dict[str, TransferHold] = {}
         self.num_preemptions = 0
         self.num_prefix_hit_tokens = 0
+        # Copy-on-write copies not yet run; both blocks hold an extra reference until then, so
+        # neither can be reused (or written by a transfer) before the copy reads or writes it.
+        self.pending_copies: list[tuple[int, int]] = []
+        self.num_forks = 0                  # sequences that took a sibling's prompt blocks
+        self.num_forked_blocks = 0          # full blocks shared by reference at a fork
+        self.num_fork_copies = 0            # partial blocks copied at a fork
 
     # -- queries -----------------------------------------------------------------
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.pending_copies)
 
     def find(self, request_id: str) -> Sequence | None:
         """A sequence that is waiting, running or reserved (not finished ones)."""
         for seq in (*self.running, *self.waiting, *self.remote.values()):
             if seq.request_id == request_id:
                 return seq
+        return None
+
+    def find_fork(self, request_id: str) -> tuple[Sequence, Sequence] | None:
+        """(parent, sibling) for a sibling still waiting for its parent's prefill."""
+        for seq in (*self.running, *self.waiting, *self.remote.values()):
+            for sibling in seq.forks:
+                if sibling.request_id == request_id:
+                    return seq, sibling
         return None
 
     # -- admission ---------------------------------------------------------------
@@ -153,7 +175,52 @@ class Scheduler:
             self._admit_waiting(out, budget)
         # Single-token chunks first: the model attends them as one decode batch.
         out.chunks.sort(key=lambda c: c.num_tokens != 1)
+        if out.chunks:
+            out.block_copies, self.pending_copies = self.pending_copies, []
+        else:
+            # Nothing runs, so no sequence is left to read the copies: drop them.
+            self.copies_done(self.pending_copies)
+            self.pending_copies = []
         return out
+
+    def copies_done(self, copies: list[tuple[int, int]]) -> None:
+        """The model ran these copies (or they are moot): drop the references they held."""
+        for src, dst in copies:
+            self.pool.release([src, dst])
+
+    # -- forks (n > 1) -------------------------------------------------------------
+    def fork(self, parent: Sequence, siblings: list[Sequence], num_tokens: int | None = None) -> None:
+        """`parent` holds its whole prompt's KV (and nothing more): each sibling shares the blocks
+        wholly below `num_tokens` (default: the prompt) and gets its own copy of the prompt's
+        block holding position `num_tokens`, if any, then runs beside it, computing from
+        `num_tokens` on (or, with no block left for the copy, waits to be recomputed from the
+        prefix cache). `num_tokens` one short of the prompt: the sibling recomputes the last
+        prompt token for its own logits (a fork after a remote prefill, which sent KV only)."""
+        num_prompt = len(parent.prompt_token_ids)
+        num_tokens = num_prompt if num_tokens is None else num_tokens
+        num_full = num_tokens // self.block_size
+        shared = parent.block_ids[:num_full]
+        partial = parent.block_ids[num_full:self._blocks_for(num_prompt)]
+        for sib in siblings:
+            copy = self.pool.allocate(len(partial))
+            if copy is None:
+                sib.status = SequenceStatus.WAITING
+                self._enqueue_waiting(sib)
+                continue
+            if partial:
+                self.pool.take_refs([partial[0], copy[0]])   # held until the copy ran
+                self.pending_copies.append((partial[0], copy[0]))
+                self.num_fork_copies += 1
+            self.pool.take_refs(shared)
+            self.num_forks += 1
+            self.num_forked_blocks += len(shared)
+            sib.block_ids = shared + copy
+            sib.block_hashes = parent.block_hashes[:num_full]
+            sib.num_cached_blocks = min(parent.num_cached_blocks, num_full)
+            sib.num_computed_tokens = num_tokens
+            sib.num_prefix_hit_tokens = parent.num_prefix_hit_tokens
+            sib.status = SequenceStatus.RUNNING
+            bisect.insort(self.running, sib, key=lambda s: s.arrival)
 
     def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
         """Admit waiting sequences in arrival order while blocks, budget and seats last. A sequence

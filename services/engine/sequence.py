@@ -68,6 +68,10 @@ class Sequence:
     num_preemptions: int = 0
     transfer: TransferUse | None = None            # a KV transfer uses the blocks (asked at finish)
     grammar: Any = None                            # structured output: its grammar.GrammarState
+    # Sibling samples of the same prompt (n > 1): not queued anywhere until this sequence's
+    # prefill completes, then each forks from its blocks (scheduler.fork) and samples its own
+    # first token from the same logits.
+    forks: list["Sequence"] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:

@@ -32,6 +32,7 @@ from splitserve.services.wire.sampling_params import SamplingParams, StructuredO
 
 from splitserve.services.frontend import metrics as m
 from splitserve.services.frontend.errors import APIError, from_grpc, invalid
+from splitserve.services.frontend.forks import ENDED, ForkedCall, forkable
 from splitserve.services.frontend.fault_metrics import OUTCOME_MIGRATED, OUTCOME_RETRIED, PHASE_BEFORE_FIRST_TOKEN, PHASE_STREAMING
 from splitserve.services.frontend.metrics import FrontendMetrics
 from splitserve.services.frontend.migration import MigrationPolicy, Progress, Refusal, breaks_stream
@@ -207,9 +208,20 @@ class Frontend:
         return params
 
     # -- generate ------------------------------------------------------------------
-    async def generate(self, req: GenerationRequest) -> AsyncIterator[Delta]:
+    def generate_forked(self, reqs: list[GenerationRequest]) -> tuple[list[AsyncIterator[Delta]], ForkedCall | None]:
+        """The deltas of several samples of one prompt (n > 1), sent as one worker request that
+        prefills the prompt once (forks.py); choices that are not such samples run apart.
+        The ForkedCall (None when apart) is to be closed once the streams are."""
+        if len(reqs) < 2 or not forkable(reqs):
+            return [self.generate(r) for r in reqs], None
+        call = ForkedCall(reqs)
+        return [self.generate(r, (call, i)) for i, r in enumerate(reqs)], call
+
+    async def generate(self, req: GenerationRequest, fork: tuple[ForkedCall, int] | None = None
+                       ) -> AsyncIterator[Delta]:
         """Stream the request's deltas; when a worker's stream breaks, continue on another
-        decode worker (migration.py) so the caller sees one uninterrupted stream."""
+        decode worker (migration.py) so the caller sees one uninterrupted stream. `fork`: this
+        request is choice i of a ForkedCall, whose shared stream is its first attempt."""
         progress = Progress(req.request_id, req.prompt_ids, req.params)
         run = _Run(StopChecker(self.tokenizer, req.params, req.prompt_ids, req.skip_special_tokens))
         faults = self.metrics.faults
@@ -218,13 +230,16 @@ class Frontend:
         self.num_in_flight += 1
         try:
             while True:
-                route = await self._route(req, progress)
-                async with contextlib.aclosing(self._attempt(req, route, progress, run)) as deltas:
+                if fork is not None:
+                    attempt, fork = self._forked_attempt(req, *fork, progress, run), None
+                else:
+                    attempt = self._attempt(req, await self.route(req, progress), progress, run)
+                async with contextlib.aclosing(attempt) as deltas:
                     async for delta in deltas:
                         yield delta
                 if run.finished:
                     return
-                self._migrate(req, progress, run.broken, route.decode.worker_id)
+                self._migrate(req, progress, run.broken, run.worker_id)
         except _Refused as refused:
             status, failure = m.STATUS_UNAVAILABLE, refused.reason
             raise refused.error from None
@@ -261,7 +276,7 @@ class Frontend:
                      and progress.failed_instances.get(w.worker_id, w.info.instance_id) != w.info.instance_id}
         return frozenset(progress.failed_worker_ids - restarted)
 
-    async def _route(self, req: GenerationRequest, progress: Progress) -> Route:
+    async def route(self, req: GenerationRequest, progress: Progress) -> Route:
         request = RouteRequest(progress.attempt_id(), progress.prompt_ids + progress.token_ids)
         route = self.router.route(request, exclude=self._excluded(progress))
         if route is None and not progress.num_migrations:
@@ -312,16 +327,10 @@ class Frontend:
         """One worker call. Ends with run.finished, or run.broken set (migrate), or raises the
         worker's refusal of the request as an APIError."""
         message = progress.worker_request()
-        if route.prefill is not None:
-            message.prefill_peer.CopyFrom(worker_pb2.PrefillPeer(worker_id=route.prefill.worker_id,
-                                                                 address=route.prefill.address))
-            # The decode worker tries these when the chosen one fails, then prefills locally.
-            message.alternate_prefill_peers.extend(
-                worker_pb2.PrefillPeer(worker_id=w.worker_id, address=w.address)
-                for w in self.pool.ready("prefill") if w is not route.prefill)
+        self.add_prefill_peers(message, route)
         log.info("request %s: %d prompt tokens -> %s (%s)", message.request_id, len(message.token_ids),
                  route.decode.worker_id, route.reason)
-        run.broken, run.first_of_attempt = "", True
+        run.broken, run.first_of_attempt, run.worker_id = "", True, route.decode.worker_id
         try:
             async with contextlib.aclosing(route.decode.generate(message)) as responses:
                 async for resp in responses:
@@ -332,12 +341,50 @@ class Frontend:
                         return
             run.broken = "the worker ended the stream without finishing the request"
         except WorkerCallError as exc:
-            if not breaks_stream(exc):
-                run.failure = exc.code().name.lower()
-                raise from_grpc(exc) from None
-            run.broken = f"{exc.code().name}: {exc.details()}"
+            self._broken_or_refused(run, exc)
         finally:
             self.router.on_finished(message.request_id)
+
+    def add_prefill_peers(self, message: worker_pb2.TokenGenerateRequest, route: Route) -> None:
+        if route.prefill is not None:
+            message.prefill_peer.CopyFrom(worker_pb2.PrefillPeer(worker_id=route.prefill.worker_id,
+                                                                 address=route.prefill.address))
+            # The decode worker tries these when the chosen one fails, then prefills locally.
+            message.alternate_prefill_peers.extend(
+                worker_pb2.PrefillPeer(worker_id=w.worker_id, address=w.address)
+                for w in self.pool.ready("prefill") if w is not route.prefill)
+
+    @staticmethod
+    def _broken_or_refused(run: "_Run", exc: WorkerCallError) -> None:
+        """A failed worker call: mark the stream broken (migrate), or raise the refusal."""
+        if not breaks_stream(exc):
+            run.failure = exc.code().name.lower()
+            raise from_grpc(exc) from None
+        run.broken = f"{exc.code().name}: {exc.details()}"
+
+    async def _forked_attempt(self, req: GenerationRequest, call: ForkedCall, choice: int,
+                              progress: Progress, run: "_Run") -> AsyncIterator[Delta]:
+        """Choice `choice`'s part of a ForkedCall, as `_attempt` reads a call of its own."""
+        run.broken, run.first_of_attempt = "", True
+        try:
+            run.worker_id = (await call.start(self, progress)).decode.worker_id
+            inbox = call.inboxes[choice]
+            while (item := await inbox.get()) is not ENDED:
+                if isinstance(item, WorkerCallError):
+                    self._broken_or_refused(run, item)
+                    return
+                delta = self._delta(req, progress, run, item, call.request_id)
+                run.finished = delta.finish_reason is not None
+                if run.finished:
+                    # Now, not when this generator is closed: a reader stops at the last delta,
+                    # and the worker's sample (a stop string ended it here) should stop too.
+                    call.release(choice)
+                yield delta
+                if run.finished:
+                    return
+            run.broken = "the worker ended the stream without finishing the request"
+        finally:
+            call.release(choice)
 
     def _delta(self, req: GenerationRequest, progress: Progress, run: "_Run",
                resp: worker_pb2.TokenGenerateResponse, attempt_id: str) -> Delta:
@@ -384,6 +431,7 @@ class _Run:
     first_of_attempt: bool = True
     finished: bool = False
     broken: str = ""              # why the last attempt's stream broke
+    worker_id: str = ""           # the decode worker of the last attempt
     failure: str = ""             # the worker's refusal (gRPC status, lower case)
 
 

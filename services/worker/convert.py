@@ -36,12 +36,13 @@ def decode_first_token(payload: bytes) -> SampledToken:
     return SampledToken(msg.token_id, msg.logprob.logprob, {t.token_id: t.logprob for t in msg.logprob.top})
 
 
-def output_to_proto(out: RequestOutput, prefilled_remotely: bool = False) -> worker_pb2.TokenGenerateResponse:
+def output_to_proto(out: RequestOutput, prefilled_remotely: bool = False,
+                    choice: int = 0) -> worker_pb2.TokenGenerateResponse:
     return worker_pb2.TokenGenerateResponse(
         token_ids=out.new_token_ids, logprobs=[logprob_to_proto(t) for t in out.logprobs],
         finished=out.finished, finish_reason=finish_reason_to_proto(out.finish_reason),
         num_prompt_tokens=out.num_prompt_tokens, num_cached_tokens=out.num_cached_tokens,
-        num_output_tokens=out.num_output_tokens, prefilled_remotely=prefilled_remotely)
+        num_output_tokens=out.num_output_tokens, prefilled_remotely=prefilled_remotely, choice=choice)
 
 
 def event_to_proto(event: KVEvent) -> worker_pb2.KvEvent:

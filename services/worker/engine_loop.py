@@ -91,15 +91,18 @@ class EngineLoop:
         self._submit(job)
         return await asyncio.wrap_future(future)
 
-    async def stream(self, request_id: str,
-                     start: Callable[[LLMEngine], list[RequestOutput] | None]) -> AsyncIterator[RequestOutput]:
+    async def stream(self, request_id: str, start: Callable[[LLMEngine], list[RequestOutput] | None],
+                     siblings: list[str] = ()) -> AsyncIterator[RequestOutput]:
         """Run `start(engine)` (which adds the request) and yield the request's outputs.
 
         `start` may return outputs it produced itself (complete_remote_prefill
         does). The last output yielded has `finished` set. Leaving the iteration
         early (the caller was cancelled, or stopped reading) aborts the request,
-        so its blocks are freed by the next step.
+        so its blocks are freed by the next step. `siblings`: the ids of the request's
+        forks (n > 1), whose outputs come on this stream too; it ends once every one
+        has finished, and leaving early aborts those that have not.
         """
+        ids = [request_id, *siblings]
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
 
         def job() -> None:
@@ -108,22 +111,24 @@ class EngineLoop:
             except Exception as exc:
                 stream.put(exc)
                 return
-            self._streams[request_id] = stream
+            for rid in ids:
+                self._streams[rid] = stream
             self._dispatch(outputs)
 
         self._submit(job)
-        finished = False
+        unfinished = set(ids)
         try:
-            while not finished:
+            while unfinished:
                 item = await stream.queue.get()
                 if isinstance(item, BaseException):
-                    finished = True
+                    unfinished.clear()      # start failed, or every stream was failed (and aborted)
                     raise item
-                finished = item.finished
+                if item.finished:
+                    unfinished.discard(item.request_id)
                 yield item
         finally:
-            if not finished:
-                self.abort(request_id)
+            for rid in unfinished:
+                self.abort(rid)
 
     def post(self, fn: Callable[[LLMEngine], object]) -> None:
         """Run `fn(engine)` on the engine thread between steps (fire and forget; safe to

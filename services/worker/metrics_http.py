@@ -72,6 +72,12 @@ COUNTERS = (    # names without `_total`: the exposition appends it
     ("splitserve_worker_fences_waited_out", "num_fences_waited_out",
      "Given-up remote prefills whose blocks waited for the grant's end, unconfirmed (decode role)"),
     ("splitserve_worker_fences_served", "num_fences_served", "FenceTransfer calls answered (prefill role)"),
+    ("splitserve_worker_forks", "num_forks",
+     "Samples of a prompt (n > 1) that took its KV blocks from a sibling instead of prefilling it"),
+    ("splitserve_worker_forked_kv_blocks", "num_forked_kv_blocks",
+     "Full KV blocks shared by reference with those forked samples"),
+    ("splitserve_worker_fork_copies", "num_fork_copies",
+     "Partial last KV blocks copied for forked samples (copy-on-write)"),
 )
 
 _ROLE_NAMES = {worker_pb2.WORKER_ROLE_PREFILL: "prefill", worker_pb2.WORKER_ROLE_DECODE: "decode",

@@ -13,7 +13,7 @@ import asyncio
 import enum
 import logging
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import grpc
 from grpc_health.v1 import health_pb2
@@ -77,6 +77,17 @@ class WorkerCounters:
     num_fences_served: int = 0
     num_errors: int = 0
     num_in_flight: int = 0
+
+
+def fork_id(request_id: str, choice: int) -> str:
+    """The engine id of sample `choice` of a request with n > 1."""
+    return f"{request_id}/{choice}"
+
+
+def choice_params(params, choice: int):
+    """Sample `choice`'s parameters: seed + choice when seeded (so n seeded samples differ and
+    each is reproducible, as the frontend's separate requests were)."""
+    return replace(params, seed=params.seed + choice if params.seed is not None else None)
 
 
 def _status_of(exc: BaseException) -> grpc.StatusCode:
@@ -200,7 +211,8 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
             self.counters.num_requests += 1
             peers = [request.prefill_peer.address] if request.HasField("prefill_peer") else []
             peers += [p.address for p in request.alternate_prefill_peers if p.address not in peers]
-            async for response in self._generate(loop, request_id, token_ids, params, peers):
+            async for response in self._generate(loop, request_id, token_ids, params, peers,
+                                                 max(1, request.n)):
                 yield response
         finally:
             self.counters.num_in_flight -= 1
@@ -209,21 +221,36 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         return self.options.role is Role.DECODE and self.receiver is not None and bool(self.receiver.backend)
 
     async def _generate(self, loop: EngineLoop, request_id: str, token_ids: list[int], params,
-                        peers: list[str]):
+                        peers: list[str], n: int = 1):
+        """One request's messages; n > 1 samples of the prompt run as engine forks (one prefill,
+        shared KV blocks) with engine ids "<request_id>/<i>", each message tagged with i."""
+        ids = [request_id] if n == 1 else [fork_id(request_id, i) for i in range(n)]
+        forks = [(ids[i], choice_params(params, i)) for i in range(1, n)]
+        choice = {rid: i for i, rid in enumerate(ids)}
         remote = self.remote
         if peers and self._disaggregates() and await remote.worth_it(token_ids):
-            outcome = await remote.run(request_id, token_ids, params, peers, self._count_retry)
+            outcome = await remote.run(ids[0], token_ids, params, peers, self._count_retry, forks)
             if outcome.first_token is not None:
                 self.counters.num_remote_prefills += 1
-                start = remote.complete(request_id, outcome.first_token)
-                async for out in loop.stream(request_id, start):
-                    yield output_to_proto(out, prefilled_remotely=True)
+                start = remote.complete(ids[0], outcome.first_token)
+                async for out in loop.stream(ids[0], start, ids[1:]):
+                    yield output_to_proto(out, prefilled_remotely=True, choice=choice[out.request_id])
                 return
             if outcome.num_failures:
                 self.counters.num_prefill_fallbacks += 1
         self.counters.num_local_prefills += 1
-        async for out in loop.stream(request_id, lambda e: e.add_request(request_id, token_ids, params)):
-            yield output_to_proto(out)
+        add = lambda e: e.add_request(ids[0], token_ids, params, forks=forks)  # noqa: E731
+        async for out in loop.stream(ids[0], add, ids[1:]):
+            yield output_to_proto(out, choice=choice[out.request_id])
+
+    def abort_choice(self, request_id: str, running: set[str] | dict) -> bool:
+        """A session's abort of one sample "<request_id>/<i>" of a running request of `running`;
+        False when `request_id` names no such sample."""
+        parent, sep, index = request_id.rpartition("/")
+        if not sep or parent not in running or not index.isdigit() or self.loop is None:
+            return False
+        self.loop.abort(request_id)
+        return True
 
     def _count_retry(self) -> None:
         self.counters.num_prefill_retries += 1
@@ -317,7 +344,8 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
             num_held_prefills=engine.num_held_requests, num_fenced_kv_blocks=engine.num_fenced_blocks,
             num_fences_confirmed=self.fences.num_confirmed if self.fences is not None else 0,
             num_fences_waited_out=self.fences.num_waited_out if self.fences is not None else 0,
-            num_fences_served=c.num_fences_served)
+            num_fences_served=c.num_fences_served, num_forks=s.num_forks,
+            num_forked_kv_blocks=s.num_forked_blocks, num_fork_copies=s.num_fork_copies)
 
     async def Describe(self, request, context):
         try:

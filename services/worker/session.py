@@ -67,6 +67,8 @@ class GenerateSession:
                     task = self.running.get(request.abort_request_id)
                     if task is not None:
                         task.cancel()
+                    else:                # one sample of a request with n > 1, or nothing
+                        self.service.abort_choice(request.abort_request_id, self.running)
         finally:
             self.reading = False
             self._end_if_idle()

@@ -73,6 +73,7 @@ class CausalLM:
     def forward(self, batch: ForwardBatch, kv: KVCache,
                 layer_done: LayerDone | None = None) -> torch.Tensor:
         """Run all layers; returns the final hidden states of `batch.sample_indices` (normed)."""
+        kv.copy_blocks(batch.block_copies)   # before any write: a fork's copy-on-write blocks
         x = F.embedding(batch.input_ids, self.w.embed)
         # Per-step inputs shared by every layer: computed once here, not per layer.
         step = _StepInputs(self.rotary.lookup(batch.positions), self._decode_mask(batch, kv))

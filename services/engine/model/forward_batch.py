@@ -46,6 +46,10 @@ class ForwardBatch:
     prefills: list[PrefillSegment]
     sample_indices: torch.Tensor     # [S] long: tokens whose logits are needed
     layer_reports: list[LayerReport] = field(default_factory=list)   # set for the other TP ranks
+    # (source, destination) block copies to make before this step writes anything: the
+    # copy-on-write of a forked prompt's last partial block (scheduler.fork); every rank
+    # copies its own shard.
+    block_copies: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -63,4 +67,5 @@ class ForwardBatch:
             prefills=[PrefillSegment(p.query_start, p.query_len, p.context_len, move(p.block_ids))
                       for p in self.prefills],
             sample_indices=move(self.sample_indices), layer_reports=self.layer_reports,
+            block_copies=self.block_copies,
         )

@@ -34,7 +34,8 @@ from splitserve.services.frontend.errors import APIError, from_validation_error,
 from splitserve.services.frontend.core import Delta, Frontend, GenerationRequest, SamplingRequest, new_request_id
 from splitserve.services.frontend.limits import PromptBound, check_prompt_tokens
 from splitserve.services.frontend.http.protocol import ChatCompletionRequest, CompletionRequest
-from splitserve.services.frontend.http.responses import ChatFormatter, CompletionFormatter, merge_full, merged_usage
+from splitserve.services.frontend.http.responses import (ChatFormatter, CompletionFormatter, best_samples, merge_full,
+                                                         merged_usage)
 from splitserve.services.frontend.http.structured import requested_structure
 from splitserve.services.frontend.tools.choice import template_message, tool_setup
 
@@ -58,6 +59,7 @@ class Prepared:
 
     choices: list[Choice]
     stream: bool
+    keep_best: int = 0    # best_of > n: of each prompt's samples, return the n (this) most likely
 
     @property
     def gen(self) -> GenerationRequest:
@@ -102,17 +104,20 @@ class GenerationEndpoints:
             prompt_ids = _truncated(prompt_ids, body)
             echo = "" if not body.echo else prompt if isinstance(prompt, str) else \
                 self.frontend.tokenizer.decode(prompt_ids)
-            for j in range(body.num_choices):
-                index = p * body.num_choices + j
+            ranked = body.num_samples > body.num_choices
+            for j in range(body.num_samples):
+                index = p * body.num_samples + j      # best_of > n: renumbered once ranked
+                # Ranking needs each sampled token's logprob, which the response shows only if asked.
+                logprobs = 0 if ranked and body.logprobs is None else body.logprobs
                 sampling = SamplingRequest(max_tokens=body.max_tokens, default_max_tokens=16,
-                                           logprobs=body.logprobs, structured=structured,
+                                           logprobs=logprobs, structured=structured,
                                            **_sampling_fields(body, j))
                 gen = self._prepare("completions", _worker_id(request_id, body), prompt_ids, sampling, "prompt",
                                     index)
                 fmt = CompletionFormatter(request_id, self.frontend.model_name, self.frontend.tokenizer, body,
                                           prompt_ids, index, echo)
                 choices.append(Choice(gen, fmt, first_of_prompt=j == 0))
-        return Prepared(choices, body.stream)
+        return Prepared(choices, body.stream, body.num_choices if ranked else 0)
 
     def prepare_chat(self, raw: bytes) -> Prepared:
         body = self._parse(raw, ChatCompletionRequest, "chat")
@@ -216,9 +221,14 @@ class GenerationEndpoints:
             await deltas.aclose()
 
     async def _generate_choices(self, req: Prepared, response: "Response") -> None:
-        """Several choices (n > 1, a list of prompts): every worker request runs concurrently; a
-        stream interleaves their chunks as they come, each with its choice's index."""
-        streams = [self.frontend.generate(c.gen) for c in req.choices]
+        """Several choices (n > 1, a list of prompts): the n choices of each prompt are one worker
+        request (forks.py: one prefill, shared KV blocks), prompts run concurrently; a stream
+        interleaves the choices' chunks as they come, each with its choice's index."""
+        streams, calls = [], []
+        for group in _by_prompt(req.choices):
+            group_streams, call = self.frontend.generate_forked([c.gen for c in group])
+            streams.extend(group_streams)
+            calls.extend([call] if call is not None else [])
         try:
             primes = [asyncio.ensure_future(anext(s)) for s in streams]
             if (firsts := await _primed(response, asyncio.gather(*primes))) is None:
@@ -229,8 +239,15 @@ class GenerationEndpoints:
                 return
             if not req.stream:
                 collected = await asyncio.gather(*(collect_deltas(f, s) for f, s in zip(firsts, streams)))
-                bodies = [c.formatter.full(d) for c, d in zip(req.choices, collected)]
-                usage = merged_usage([d[-1] for d in collected], [c.first_of_prompt for c in req.choices])
+                choices, first_of_prompt = req.choices, [c.first_of_prompt for c in req.choices]
+                if req.keep_best:
+                    kept = best_samples([d for d in collected], first_of_prompt, req.keep_best)
+                    choices, collected = [choices[i] for i in kept], [collected[i] for i in kept]
+                    for rank, c in enumerate(choices):
+                        c.formatter.index = rank
+                    first_of_prompt = [rank % req.keep_best == 0 for rank in range(len(choices))]
+                bodies = [c.formatter.full(d) for c, d in zip(choices, collected)]
+                usage = merged_usage([d[-1] for d in collected], first_of_prompt)
                 await response.whole(merge_full(bodies, usage))
                 return
             await response.start(200, _SSE_HEADERS)
@@ -241,6 +258,19 @@ class GenerationEndpoints:
         finally:
             for s in streams:
                 await s.aclose()
+            for call in calls:
+                call.close()
+
+
+def _by_prompt(choices: list[Choice]) -> list[list[Choice]]:
+    """The choices in runs of one prompt each (its n choices follow its first)."""
+    groups: list[list[Choice]] = []
+    for c in choices:
+        if c.first_of_prompt or not groups:
+            groups.append([c])
+        else:
+            groups[-1].append(c)
+    return groups
 
 
 async def _primed(response: "Response", first):

@@ -3,8 +3,10 @@
 Models are strict (a string is not an integer) and forbid unknown fields: a
 parameter splitserve does not implement is rejected with a message naming it,
 never silently ignored. Fields that exist in the OpenAI API but only have one
-supported value (best_of = n) are accepted at that value
-and rejected otherwise, by `unsupported_values`. `n` choices and lists of prompts
+supported value are accepted at that value
+and rejected otherwise, by `unsupported_values`; best_of >= n generates best_of samples per
+prompt and returns the n with the highest cumulative logprob (vLLM's v0 semantics), not
+streamed. `n` choices and lists of prompts
 on /v1/completions are served as one request per (prompt, choice), concurrently. A few vLLM-style
 extensions are accepted too: top_k, min_p, ignore_eos, return_token_ids,
 repetition_penalty, min_tokens, stop_token_ids.
@@ -234,18 +236,30 @@ class CompletionRequest(_Common, _VllmExtensions):
             problems.append(("prompt", "prompt must not be an empty list"))
         elif len(prompts) > MAX_PROMPTS:
             problems.append(("prompt", f"at most {MAX_PROMPTS} prompts per request, got {len(prompts)}"))
-        elif len(prompts) * self.num_choices > MAX_CHOICES * 4:
-            problems.append(("n", f"prompts x n must be at most {MAX_CHOICES * 4}, got {len(prompts) * self.num_choices}"))
+        elif len(prompts) * self.num_samples > MAX_CHOICES * 4:
+            what = "best_of" if self.best_of else "n"
+            problems.append((what, f"prompts x {what} must be at most {MAX_CHOICES * 4}, "
+                                   f"got {len(prompts) * self.num_samples}"))
         if self.echo and self.logprobs is not None:
             problems.append(("echo", "echo with logprobs needs the prompt's logprobs, which the workers do not "
                                      "compute; send echo or logprobs"))
         if self.suffix:
             problems.append(("suffix", "suffix (insertion) is not supported: the served models are not "
                                        "fill-in-the-middle models"))
-        if self.best_of not in (None, self.num_choices):
-            problems.append(("best_of", "best_of must equal n: ranking extra completions by their likelihood "
-                                        "is not supported"))
+        if self.best_of is not None and not self.num_choices <= self.best_of <= MAX_CHOICES:
+            problems.append(("best_of", f"best_of must be between n ({self.num_choices}) and {MAX_CHOICES}, "
+                                        f"got {self.best_of}"))
+        elif self.stream and self.num_samples != self.num_choices:
+            problems.append(("best_of", "best_of > n cannot be streamed: which n of the best_of samples are "
+                                        "returned is only known once all have finished; send stream=false "
+                                        "(or best_of = n)"))
         return problems
+
+    @property
+    def num_samples(self) -> int:
+        """Samples generated per prompt: best_of (the n with the highest cumulative logprob are
+        returned), else n."""
+        return self.best_of or self.num_choices
 
     def prompts(self) -> list[str | list[int]]:
         """The request's prompts: one, or the list (of strings or of token-id lists) it sent."""

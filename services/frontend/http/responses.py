@@ -191,6 +191,18 @@ def merged_usage(lasts: list[Delta], first_of_prompt: list[bool]) -> dict:
             "prompt_tokens_details": {"cached_tokens": cached}}
 
 
+def best_samples(collected: list[list[Delta]], first_of_prompt: list[bool], n: int) -> list[int]:
+    """best_of: of each prompt's samples (a run starting at a first_of_prompt), the indexes of
+    the `n` with the highest cumulative logprob of their sampled tokens, best first, prompt by
+    prompt (vLLM's v0 ranking; the logprobs are the model's, before sampling filters)."""
+    kept: list[int] = []
+    starts = [i for i, first in enumerate(first_of_prompt) if first] + [len(collected)]
+    for start, end in zip(starts, starts[1:]):
+        score = {i: sum(lp.logprob for d in collected[i] for lp in d.logprobs) for i in range(start, end)}
+        kept += sorted(score, key=lambda i: -score[i])[:n]
+    return kept
+
+
 def merge_full(bodies: list[dict], usage: dict) -> dict:
     """One response body from each choice's whole body (in index order)."""
     out = dict(bodies[0])

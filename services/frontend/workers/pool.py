@@ -88,6 +88,11 @@ class WorkerHandle:
             self.session = self._new_session()
         return self.session.generate(message)
 
+    async def abort_sample(self, request_id: str) -> None:
+        """Stop one sample ("<request_id>/<i>") of a request with n > 1 (session.abort)."""
+        if self.session is not None:
+            await self.session.abort(request_id)
+
     def _new_session(self) -> WorkerSession:
         """Over the worker's session stream when it has one (Describe), else over gRPC."""
         port = self.info.session_port if self.info is not None else 0

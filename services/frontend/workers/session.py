@@ -116,6 +116,7 @@ class WorkerSession:
         request_id = message.request_id
         inbox = requests.inboxes[request_id] = asyncio.Queue()
         ended = False            # the worker is done with it (finished or failed): no abort
+        num_open = max(1, message.n)     # samples not finished yet (n > 1: one `finished` each)
         try:
             try:
                 await requests.link.write(worker_pb2.SessionRequest(generate=message))
@@ -131,7 +132,8 @@ class WorkerSession:
                     ended = True
                     raise WorkerCallError(_STATUS_BY_VALUE.get(item.error.code, grpc.StatusCode.UNKNOWN),
                                           item.error.message)
-                ended = item.output.finished
+                num_open -= item.output.finished
+                ended = num_open == 0
                 yield item.output
                 if ended:
                     return
@@ -142,6 +144,16 @@ class WorkerSession:
                     await requests.link.write(worker_pb2.SessionRequest(abort_request_id=request_id))
                 except WorkerCallError:
                     pass            # the link is gone, and its requests with it
+
+    async def abort(self, request_id: str) -> None:
+        """Stop one sample "<request_id>/<i>" of a request with n > 1 running on this session
+        (its `finished` message still comes); nothing when the link is gone."""
+        requests = self._current
+        if requests is not None and requests.failure is None and requests.link is not None:
+            try:
+                await requests.link.write(worker_pb2.SessionRequest(abort_request_id=request_id))
+            except WorkerCallError:
+                pass
 
     async def close(self) -> None:
         if self._current is not None:

@@ -14,6 +14,15 @@ back. Its granted blocks stay owned by the transfer (scheduler.transfer_owned)
 until `WriteFences` (write_fences.py) knows no write into them can land, so a
 cancelled or failed request leaves no block behind once its fence is released.
 The prefill half is prefill_server.py.
+
+Several samples of one prompt (n > 1) send one Prefill: the prefill worker computes the
+prompt once and samples the first request's first token, as for n = 1. The other samples
+fork on this (decode) worker once the KV has arrived (engine.complete_remote_prefill):
+they share the received blocks and each recomputes only the last prompt token, into its
+own copy of that token's block, for its own logits. Sampling all n first tokens on the
+prefill worker instead would need n parameter sets and n tokens in the Prefill call and in
+the transfer's completion payload (and its seeded draws skipped per sample here); one
+recomputed token per sample costs less than that protocol and keeps it unchanged.
 """
 
 from __future__ import annotations
@@ -100,15 +109,17 @@ class RemotePrefill:
         return uncached > 0 and uncached >= self.threshold_tokens
 
     async def run(self, request_id: str, token_ids: list[int], params: SamplingParams,
-                  addresses: list[str], on_retry: Callable[[], None]) -> PrefillOutcome:
+                  addresses: list[str], on_retry: Callable[[], None],
+                  forks: list[tuple[str, SamplingParams]] = ()) -> PrefillOutcome:
         """Reserve, then try each prefill worker in turn until one fills the reservation.
+        `forks`: the request's other samples (n > 1), forked here once the KV arrived.
 
         Returns the first token with the reservation still held (complete it next),
         or None with the reservation given back (prefill locally). Cancellation
         gives the reservation back too.
         """
         reservation = await self.loop.call(
-            lambda e: e.reserve_remote_prefill(request_id, token_ids, params, fence_writes=True))
+            lambda e: e.reserve_remote_prefill(request_id, token_ids, params, fence_writes=True, forks=forks))
         if reservation is None:
             log.info("request %s: no free blocks for a remote prefill; prefilling locally", request_id)
             return PrefillOutcome(None, 0)

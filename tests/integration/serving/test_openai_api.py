@@ -199,7 +199,8 @@ BAD_BODIES = [
      "chat/completions", 400, "max_completion_tokens"),
     ({"model": "MODEL", "prompt": "hi", "n": 0}, "completions", 400, "n"),
     ({"model": "MODEL", "prompt": "hi", "n": 17}, "completions", 400, "n"),
-    ({"model": "MODEL", "prompt": "hi", "best_of": 3}, "completions", 400, "best_of"),
+    ({"model": "MODEL", "prompt": "hi", "n": 3, "best_of": 2}, "completions", 400, "best_of"),
+    ({"model": "MODEL", "prompt": "hi", "best_of": 3, "stream": True}, "completions", 400, "best_of"),
     ({"model": "MODEL", "prompt": "hi", "echo": True, "logprobs": 1}, "completions", 400, "echo"),
     ({"model": "MODEL", "prompt": "hi", "presence_penalty": 2.5}, "completions", 400, "presence_penalty"),
     ({"model": "MODEL", "prompt": "hi", "logit_bias": {"x": 1.0}}, "completions", 400, "logit_bias"),
@@ -416,6 +417,69 @@ def test_n_seeded_choices_differ_and_repeat(client, model_name):
     # Choice 0 is the sample a single request with the same seed gets.
     single = client.completions.create(**{**kwargs, "n": 1})
     assert single.choices[0].token_ids == first.choices[0].token_ids
+
+
+def test_n_choices_prefill_the_prompt_once_and_share_its_kv_blocks(client, model_name, server):
+    """n = 4 is one worker request: one prefill of the prompt, whose 2 full blocks the other 3
+    samples share by reference and whose partial third block each gets a copy of (the
+    worker's fork counters); each choice is still the sample its seed gives alone."""
+    [worker] = server.worker_addresses
+    prompt = list(range(2000, 2040))                 # 40 tokens: 2 full blocks of 16 + 8, not cached
+    kwargs = dict(model=model_name, prompt=prompt, max_tokens=6, temperature=1.0, extra_body=GREEDY)
+    before = worker_stats(worker)
+    out = client.completions.create(n=4, seed=21, **kwargs)
+    after = worker_stats(worker)
+    assert [c.index for c in out.choices] == [0, 1, 2, 3]
+    assert after.num_requests - before.num_requests == 1
+    assert after.num_prompt_tokens_computed - before.num_prompt_tokens_computed == 40
+    assert after.num_forks - before.num_forks == 3
+    assert after.num_forked_kv_blocks - before.num_forked_kv_blocks == 3 * 2
+    assert after.num_fork_copies - before.num_fork_copies == 3
+    assert (out.usage.prompt_tokens, out.usage.completion_tokens) == (40, 4 * 6)
+    alone = [client.completions.create(n=1, seed=21 + i, **kwargs).choices[0].token_ids for i in range(4)]
+    assert [c.token_ids for c in out.choices] == alone
+    wait_idle({"worker": worker}, 5.0)
+
+
+def test_a_choice_stopped_by_its_stop_string_stops_its_sample_alone(client, model_name, server):
+    """The frontend judges stop strings: when one of the n choices meets one, that sample alone
+    is aborted on the worker (one abort counted) while the others run to max_tokens."""
+    [worker] = server.worker_addresses
+    kwargs = dict(model=model_name, prompt=PROMPT_IDS, max_tokens=40, temperature=1.0, seed=9, n=4,
+                  extra_body=GREEDY)
+    texts = [c.text for c in client.completions.create(**kwargs).choices]
+    found = [(k, texts[k][i:i + 4]) for k in range(4) for i in range(0, 12)
+             if texts[k][i:i + 4].strip() and not any(texts[k][i:i + 4] in t for j, t in enumerate(texts) if j != k)]
+    assert found, texts
+    stopped, stop = found[0]
+    before = worker_stats(worker)
+    out = client.completions.create(stop=[stop], **kwargs)
+    wait_idle({"worker": worker}, 5.0)
+    after = worker_stats(worker)
+    assert [c.finish_reason for c in out.choices] == ["stop" if k == stopped else "length" for k in range(4)]
+    assert [c.text for k, c in enumerate(out.choices) if k != stopped] == [t for k, t in enumerate(texts)
+                                                                          if k != stopped]
+    assert after.num_aborted - before.num_aborted == 1
+    assert after.num_generated_tokens - before.num_generated_tokens < 4 * 40
+
+
+def test_best_of_returns_the_n_samples_with_the_highest_cumulative_logprob(client, model_name):
+    """best_of=4, n=2 samples what n=4 samples (seed + i) and returns the two most likely of
+    them, best first; without logprobs asked, none are shown, and usage counts those two."""
+    kwargs = dict(model=model_name, prompt=[PROMPT_IDS, PROMPT_IDS[:6]], max_tokens=6, temperature=1.0, seed=5,
+                  extra_body=GREEDY)
+    all_four = client.completions.create(n=4, logprobs=0, **kwargs)
+    best = client.completions.create(n=2, best_of=4, **kwargs)
+    want = []
+    for p in range(2):
+        samples = all_four.choices[4 * p:4 * p + 4]
+        ranked = sorted(samples, key=lambda c: -sum(c.logprobs.token_logprobs))
+        assert len({sum(c.logprobs.token_logprobs) for c in samples}) == 4      # no ties to order
+        want += [c.token_ids for c in ranked[:2]]
+    assert [c.index for c in best.choices] == [0, 1, 2, 3]
+    assert [c.token_ids for c in best.choices] == want
+    assert all(c.logprobs is None for c in best.choices)
+    assert (best.usage.prompt_tokens, best.usage.completion_tokens) == (len(PROMPT_IDS) + 6, 4 * 6)
 
 
 def test_batched_prompts_come_back_in_order_each_as_alone(client, model_name):

@@ -106,7 +106,7 @@ def test_a_refused_migration_is_a_503_and_is_counted(llama_dir):
     assert fe.metrics.registry.get_sample_value("splitserve_migrations_total", {"outcome": "refused_disabled"}) == 1
     t0 = time.monotonic()
     with pytest.raises(_Refused) as info:          # no decode worker left to move it to, within --migration-wait
-        asyncio.run(fe._route(req, Progress("r", PROMPT, req.params, num_migrations=1)))
+        asyncio.run(fe.route(req, Progress("r", PROMPT, req.params, num_migrations=1)))
     assert info.value.reason == "no_worker" and time.monotonic() - t0 >= 0.3
 
 

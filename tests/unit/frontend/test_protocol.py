@@ -48,8 +48,15 @@ def test_unsupported_values_are_named():
     assert req.unsupported_values() == [] and req.prompts() == ["a", "b"] and req.num_choices == 3
     req = CompletionRequest.model_validate({"model": "m", "prompt": [[1, 2], [3]], "echo": True, "logprobs": 1,
                                             "best_of": 4, "suffix": "x"})
-    assert {p for p, _ in req.unsupported_values()} == {"echo", "best_of", "suffix"}
-    assert req.prompts() == [[1, 2], [3]]
+    assert {p for p, _ in req.unsupported_values()} == {"echo", "suffix"}
+    assert req.prompts() == [[1, 2], [3]] and req.num_samples == 4 and req.num_choices == 1
+    for body, why in (({"n": 3, "best_of": 2}, "between n (3) and 16"), ({"best_of": 17}, "between n"),
+                      ({"n": 2, "best_of": 3, "stream": True}, "cannot be streamed")):
+        [(param, message)] = CompletionRequest.model_validate({"model": "m", "prompt": "x", **body}
+                                                              ).unsupported_values()
+        assert param == "best_of" and why in message
+    streamed = CompletionRequest.model_validate({"model": "m", "prompt": "x", "n": 2, "best_of": 2, "stream": True})
+    assert streamed.unsupported_values() == [] and streamed.num_samples == 2
     assert [p for p, _ in CompletionRequest.model_validate({"model": "m", "prompt": []}).unsupported_values()] == [
         "prompt"]
     assert CompletionRequest.model_validate({"model": "m", "prompt": [5, 6]}).prompts() == [[5, 6]]
