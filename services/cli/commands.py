@@ -112,6 +112,7 @@ def cmd_frontend(args: argparse.Namespace) -> int:
     config.migration_limit, config.drain_timeout_s = args.migration_limit, args.drain_timeout
     config.migration_wait_s = args.migration_wait
     config.generation_config = args.generation_config
+    config.tool_call_parser = check_tool_args(args)
     _apply_frontend_security(config, args)
     # uvloop: about a quarter of a millisecond less added latency per request, and less CPU
     # (bench/serving.py, frontend overhead).
@@ -149,6 +150,7 @@ def _apply_frontend_security(config, args: argparse.Namespace) -> None:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    check_tool_args(args)
     if args.on_ray:
         from splitserve.services.ray_serve.launch import run_on_ray
 
@@ -159,6 +161,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     _security_args.check_serve_args(args)
     return run_serve(args)
+
+
+def check_tool_args(args: argparse.Namespace) -> str | None:
+    """The parser of tool_choice="auto" (None: auto is refused); vLLM's rule for the two flags."""
+    if args.enable_auto_tool_choice and not args.tool_call_parser:
+        raise SplitserveError("--enable-auto-tool-choice needs --tool-call-parser (hermes or llama3_json)")
+    return args.tool_call_parser if args.enable_auto_tool_choice else None
 
 
 def cmd_bench(args: argparse.Namespace) -> int:

@@ -161,6 +161,16 @@ def _add_migration_arg(p: argparse.ArgumentParser) -> None:
                         "(default: %(default)s)")
 
 
+def _add_tool_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help='tool_choice="auto" (the default when a request sends tools): find tool calls in the '
+                        "model's output with --tool-call-parser (as vLLM's flag; without it such requests get "
+                        "400; required and named choices need no parser)")
+    p.add_argument("--tool-call-parser", default=None, choices=["hermes", "llama3_json"],
+                   help="how the model writes tool calls: hermes (Hermes, Qwen 2.5/3: <tool_call>{...}"
+                        "</tool_call>) or llama3_json (Llama 3.x: {\"name\": ..., \"parameters\": ...})")
+
+
 def _add_generation_config_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument("--generation-config", default="auto", metavar="auto|vllm|FOLDER",
                    help="defaults for the sampling parameters a request omits (temperature, top_p, top_k, "
@@ -215,6 +225,7 @@ def _add_frontend_parser(sub) -> None:
     p.add_argument("--served-model-name", default=None,
                    help="model name clients use (default: the workers' model name)")
     _add_generation_config_arg(p)
+    _add_tool_args(p)
     p.add_argument("--worker", action="append", default=None, metavar="ROLE=HOST:PORT",
                    help="a worker, e.g. both=127.0.0.1:50051 (repeatable; roles: both, decode, prefill); "
                         "or find them with --etcd")
@@ -265,6 +276,7 @@ def _add_serve_parser(sub) -> None:
                    help="public gRPC port (default: HTTP port + 1; 0: any free port)")
     p.add_argument("--served-model-name", default=None, help="model name clients use")
     _add_generation_config_arg(p)
+    _add_tool_args(p)
     p.add_argument("--ready-timeout", type=float, default=600.0, metavar="S",
                    help="give up when not ready after this many seconds (default: %(default)s)")
     _add_migration_arg(p)

@@ -118,6 +118,7 @@ class Frontend:
         self.served_model_name = served_model_name
         self.migration = migration or MigrationPolicy()
         self.sampling_defaults = sampling_defaults or SamplingDefaults()   # for omitted parameters
+        self.tool_parser: str | None = None   # --tool-call-parser with --enable-auto-tool-choice
         self.draining = False          # shutting down: refuse new requests, finish running ones
         self.num_in_flight = 0
 

@@ -73,6 +73,7 @@ class FrontendConfig:
     # Defaults of omitted sampling parameters: auto (the model's generation_config.json),
     # vllm (the engine's neutral ones) or a folder holding a generation_config.json.
     generation_config: str = MODE_AUTO
+    tool_call_parser: str | None = None     # tool_choice="auto" reads calls with it (None: refused)
 
 
 def build_frontend(config: FrontendConfig, pool: WorkerPool) -> tuple[Frontend, Guard]:
@@ -94,6 +95,7 @@ def build_frontend(config: FrontendConfig, pool: WorkerPool) -> tuple[Frontend, 
         raise SplitserveError(str(exc)) from None
     frontend = Frontend(tokenizer, pool, router, metrics, config.served_model_name,
                         MigrationPolicy(config.migration_limit, config.migration_wait_s), defaults)
+    frontend.tool_parser = config.tool_call_parser
     router.feeds.stats_listeners.append(metrics.faults.workers.update)
     metrics.registry.register(WorkerRestarts(lambda: pool.workers))
     return frontend, Guard(config.api_keys, config.limits, metrics.rejected)

@@ -45,6 +45,8 @@ def frontend_argv(args: argparse.Namespace, model: str, host: str, port: int, gr
             "--drain-timeout", str(DRAIN_S), "--generation-config", args.generation_config]
     for address, worker in zip(worker_addresses, plan):
         argv += ["--worker", f"{worker.role}={address}"]
+    if args.enable_auto_tool_choice:
+        argv += ["--enable-auto-tool-choice", "--tool-call-parser", args.tool_call_parser]
     served_name = args.served_model_name or default_served_name(args.model)
     if served_name:
         argv += ["--served-model-name", served_name]

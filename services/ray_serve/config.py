@@ -146,7 +146,8 @@ def config_from_args(args: argparse.Namespace) -> RayServeConfig:
                             temperature=args.router_temperature, remote_prefill_threshold=threshold)
     ingress = IngressSettings(model=args.model, router=router,
                               served_model_name=args.served_model_name or default_served_name(args.model),
-                              migration_limit=getattr(args, "migration_limit", None))
+                              migration_limit=getattr(args, "migration_limit", None),
+                              tool_call_parser=args.tool_call_parser if args.enable_auto_tool_choice else None)
     if args.aggregated:
         return RayServeConfig(ingress=ingress, decode=pool("both"), ingress_replicas=args.frontends,
                               http_port=args.port)

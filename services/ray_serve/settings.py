@@ -60,6 +60,7 @@ class IngressSettings:
     router: RouterSettings
     served_model_name: str | None = None
     migration_limit: int | None = None
+    tool_call_parser: str | None = None     # tool_choice="auto" (--enable-auto-tool-choice); None: refused
 
 
 @dataclass(slots=True, frozen=True)

@@ -37,6 +37,7 @@ from splitserve.services.frontend.http.protocol import ChatCompletionRequest, Co
 from splitserve.services.frontend.http.responses import (ChatFormatter, CompletionFormatter, best_samples, merge_full,
                                                          merged_usage)
 from splitserve.services.frontend.http.structured import requested_structure
+from splitserve.services.frontend.tools.choice import template_message, tool_setup
 
 log = logging.getLogger(__name__)
 
@@ -120,12 +121,13 @@ class GenerationEndpoints:
 
     def prepare_chat(self, raw: bytes) -> Prepared:
         body = self._parse(raw, ChatCompletionRequest, "chat")
-        messages = [{"role": "system" if msg.role == "developer" else msg.role, "content": msg.text()}
-                    for msg in body.messages]
+        tools, forced = self._refusing("chat", lambda: tool_setup(body, self.frontend.tool_parser))
+        messages = [template_message(msg) for msg in body.messages]
         self._check_length("chat", sum(len(msg["content"]) for msg in messages), "messages")
         variables = {**(body.chat_template_kwargs or {}),
                      **({"documents": body.documents} if body.documents is not None else {}),
-                     **({"reasoning_effort": body.reasoning_effort} if body.reasoning_effort else {})}
+                     **({"reasoning_effort": body.reasoning_effort} if body.reasoning_effort else {}),
+                     **(tools.template_variables() if tools else {})}
         prompt_ids = self._refusing("chat", lambda: self.frontend.chat_prompt(
             messages, add_generation_prompt=body.add_generation_prompt,
             continue_final_message=body.continue_final_message, add_special_tokens=body.add_special_tokens,
@@ -135,6 +137,7 @@ class GenerationEndpoints:
         echo = messages[-1]["content"] if body.echo and messages[-1]["role"] == "assistant" else ""
         request_id = _response_id("chatcmpl", body)
         structured = self._refusing("chat", lambda: requested_structure(body))
+        structured = forced or structured     # tool_choice required / named: over response_format (vLLM)
         choices = []
         for j in range(body.num_choices):
             sampling = SamplingRequest(
@@ -143,7 +146,8 @@ class GenerationEndpoints:
                 logprobs=body.num_logprobs(), structured=structured, **_sampling_fields(body, j))
             gen = self._prepare("chat", _worker_id(request_id, body), prompt_ids, sampling, "messages", j)
             choices.append(Choice(gen, ChatFormatter(request_id, self.frontend.model_name, self.frontend.tokenizer,
-                                                     body, prompt_ids, j, echo), first_of_prompt=j == 0))
+                                                     body, prompt_ids, j, echo, tools.output() if tools else None),
+                                  first_of_prompt=j == 0))
         return Prepared(choices, body.stream)
 
     def _parse(self, raw: bytes, model: type[BaseModel], api: str):

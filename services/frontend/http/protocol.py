@@ -19,6 +19,9 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from splitserve.services.frontend.tools.choice import tool_problems
+from splitserve.services.frontend.tools.schema import AssistantToolCall, Tool, ToolChoice
+
 MAX_TOP_LOGPROBS = 20
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 MAX_STOP_SEQUENCES = 16
@@ -46,9 +49,12 @@ class TextPart(_Strict):
 
 
 class ChatMessage(_Strict):
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[AssistantToolCall] | None = None     # an assistant's calls, sent back
+    tool_call_id: str | None = None                       # a tool message: the call it answers
+    refusal: str | None = None                            # in assistant messages clients send back
 
     def text(self) -> str:
         if self.content is None:
@@ -112,14 +118,6 @@ REFUSED_EXTENSIONS = {
 }
 
 
-# Fields that will be implemented (structured outputs, tools, prompt logprobs, token masks) and
-# are refused until then, each with what to do instead.
-NOT_YET = {
-    "tools": "tool calling is not supported yet",
-    "tool_choice": "tool calling is not supported yet",
-}
-
-
 class _VllmExtensions(_Strict):
     """vLLM's extensions beyond OpenAI's schema, common to chat and completions."""
 
@@ -149,9 +147,7 @@ class _VllmExtensions(_Strict):
     structured_outputs: dict[str, Any] | None = None
     guided_decoding_backend: str | None = None
     guided_whitespace_pattern: str | None = None
-    # Not yet (NOT_YET): in the schema so that the 400 says so and what to do instead.
-    tools: list[Any] | None = None
-    tool_choice: str | dict[str, Any] | None = None
+    # Token controls and the prompt's logprobs (vLLM's extensions).
     prompt_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
     allowed_token_ids: list[Annotated[int, Field(ge=0, le=MAX_TOKEN_ID)]] | None = None  # the worker checks the vocab
     bad_words: list[Annotated[str, Field(min_length=1)]] | None = None
@@ -160,9 +156,6 @@ class _VllmExtensions(_Strict):
     def extension_problems(self) -> list[tuple[str, str]]:
         problems = [(name, f"{name} is not supported: {why}") for name, why in REFUSED_EXTENSIONS.items()
                     if getattr(self, name, None) is not None]
-        # tool_choice "none" and an empty tools list change nothing: clients send them by default.
-        problems += [(name, why) for name, why in NOT_YET.items() if getattr(self, name, None) not in (None, [])
-                     and not (name == "tool_choice" and self.tool_choice == "none")]
         if self.prompt_logprobs and getattr(self, "stream", False):     # vLLM's rule and words
             problems.append(("prompt_logprobs", "`prompt_logprobs` are not available when `stream=True`."))
         if self.allowed_token_ids == []:
@@ -196,9 +189,11 @@ class ChatCompletionRequest(_Common, _VllmExtensions):
     reasoning_effort: Literal["low", "medium", "high"] | None = None   # a template variable
     include_reasoning: bool = True
     parallel_tool_calls: bool | None = None
+    tools: list[Tool] | None = None          # tools/choice.py: the template's `tools`, the choice
+    tool_choice: ToolChoice | None = None
 
     def unsupported_values(self) -> list[tuple[str, str]]:
-        problems = super().unsupported_values() + self.extension_problems()
+        problems = super().unsupported_values() + self.extension_problems() + tool_problems(self)
         if self.continue_final_message and self.add_generation_prompt:
             problems.append(("continue_final_message", "continue_final_message needs add_generation_prompt=false"))
         if self.continue_final_message and self.messages[-1].role != "assistant":

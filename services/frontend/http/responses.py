@@ -17,6 +17,7 @@ from splitserve.services.text.tokenizer import Tokenizer
 from splitserve.services.frontend.core import Delta
 from splitserve.services.frontend.http.prompt_logprobs import echoed_logprobs, vllm_prompt_logprobs
 from splitserve.services.frontend.http.protocol import ChatCompletionRequest, CompletionRequest
+from splitserve.services.frontend.tools.choice import ToolOutput
 from splitserve.services.text.token_text import TokenTexts
 
 
@@ -91,10 +92,11 @@ class ChatFormatter(_Formatter):
     object_full = "chat.completion"
 
     def __init__(self, request_id, model, tokenizer, body: ChatCompletionRequest, prompt_ids: list[int],
-                 index: int = 0, echo_text: str = ""):
+                 index: int = 0, echo_text: str = "", tools: ToolOutput | None = None):
         super().__init__(request_id, model, tokenizer, body, prompt_ids, index)
         self.logprobs = body.logprobs
         self.echo_text = echo_text      # vLLM's chat `echo`: the reply starts with the last message
+        self.tools = tools              # the output read as content and tool calls (tools/choice.py)
 
     def _logprobs(self, logprobs: list[common_pb2.TokenLogprob]) -> dict | None:
         if not self.logprobs:
@@ -116,16 +118,22 @@ class ChatFormatter(_Formatter):
         self.last = delta
         if not delta.text and not delta.token_ids and delta.finish_reason is None:
             return []
-        choice = {"index": self.index, "delta": {"content": delta.text} if delta.text else {},
-                  "logprobs": self._logprobs(delta.logprobs), "finish_reason": delta.finish_reason}
+        message, finish_reason = {"content": delta.text} if delta.text else {}, delta.finish_reason
+        if self.tools is not None:
+            message, finish_reason = self.tools.delta(delta.text, finish_reason)
+        choice = {"index": self.index, "delta": message, "logprobs": self._logprobs(delta.logprobs),
+                  "finish_reason": finish_reason}
         if self.return_token_ids:
             choice["token_ids"] = delta.token_ids
         return [self._envelope(self.object_stream, [choice], delta)]
 
     def full(self, deltas: list[Delta]) -> dict:
         text, token_ids, logprobs, last = self._finish(deltas)
-        choice = {"index": self.index, "message": {"role": "assistant", "content": self.echo_text + text},
-                  "logprobs": self._logprobs(logprobs), "finish_reason": last.finish_reason}
+        message, finish_reason = {"role": "assistant", "content": self.echo_text + text}, last.finish_reason
+        if self.tools is not None:
+            message, finish_reason = self.tools.message(text, finish_reason)
+        choice = {"index": self.index, "message": message, "logprobs": self._logprobs(logprobs),
+                  "finish_reason": finish_reason}
         if self.return_token_ids:
             choice["token_ids"] = token_ids
         out = self._envelope(self.object_full, [choice])

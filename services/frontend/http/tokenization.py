@@ -26,6 +26,8 @@ from splitserve.services.frontend.core import Frontend
 from splitserve.services.frontend.errors import invalid
 from splitserve.services.frontend.http.generation import loads_body, parse_body
 from splitserve.services.frontend.http.protocol import MAX_TOKEN_ID, ChatMessage, _Strict
+from splitserve.services.frontend.tools.choice import message_problems, template_message
+from splitserve.services.frontend.tools.schema import Tool
 
 TokenId = Annotated[int, Field(ge=0, le=MAX_TOKEN_ID)]
 
@@ -48,17 +50,21 @@ class TokenizeChatRequest(_Strict):
     add_special_tokens: bool = False
     return_token_strs: bool = False
     chat_template_kwargs: dict[str, Any] | None = None      # variables for the template, as on chat
+    tools: list[Tool] | None = None                         # the template's `tools`, as on chat
 
     def unsupported_values(self) -> list[tuple[str, str]]:
         if self.continue_final_message and self.add_generation_prompt:
             return [("continue_final_message", "continue_final_message and add_generation_prompt cannot both "
                                                "be true (send add_generation_prompt=false)")]
-        return []
+        return message_problems(self.messages)
 
     def chat_messages(self) -> list[dict]:
         """The messages as the chat template reads them (the same mapping as /v1/chat/completions)."""
-        return [{"role": "system" if msg.role == "developer" else msg.role, "content": msg.text()}
-                for msg in self.messages]
+        return [template_message(msg) for msg in self.messages]
+
+    def template_variables(self) -> dict:
+        tools = {"tools": [t.model_dump(exclude_none=True) for t in self.tools]} if self.tools else {}
+        return {**(self.chat_template_kwargs or {}), **tools}
 
 
 class DetokenizeRequest(_Strict):
@@ -85,7 +91,7 @@ def tokenize(frontend: Frontend, body: TokenizeCompletionRequest | TokenizeChatR
         tokens = frontend.chat_prompt(
             body.chat_messages(), add_generation_prompt=body.add_generation_prompt,
             continue_final_message=body.continue_final_message, add_special_tokens=body.add_special_tokens,
-            variables=body.chat_template_kwargs)
+            variables=body.template_variables())
     else:
         tokens = frontend.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
     out = {"count": len(tokens), "max_model_len": frontend.max_model_len, "tokens": tokens, "token_strs": None}

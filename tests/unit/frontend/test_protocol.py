@@ -33,12 +33,11 @@ def test_completion_schema_errors(data, param, code):
     assert error.body()["error"]["type"] == "invalid_request_error"
 
 
-def test_fields_not_supported_yet_say_so():
+def test_the_vllm_extensions_are_accepted_and_prompt_logprobs_not_streamed():
     chat = ChatCompletionRequest.model_validate({
-        "model": "m", "messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}],
-        "tool_choice": "auto", "prompt_logprobs": 1, "allowed_token_ids": [3], "bad_words": ["x"],
-        "cache_salt": "s"})
-    assert {p for p, _ in chat.unsupported_values()} == {"tools", "tool_choice"}
+        "model": "m", "messages": [{"role": "user", "content": "x"}], "prompt_logprobs": 1,
+        "allowed_token_ids": [3], "bad_words": ["x"], "cache_salt": "s"})
+    assert chat.unsupported_values() == []
     streamed = CompletionRequest.model_validate({"model": "m", "prompt": "x", "stream": True, "prompt_logprobs": 2})
     assert [p for p, _ in streamed.unsupported_values()] == ["prompt_logprobs"]      # as vLLM: whole responses only
     assert CompletionRequest.model_validate({"model": "m", "prompt": "x", "stream": True,

@@ -137,6 +137,10 @@ def test_serve_flags_map_like_splitserve_serve():
     assert config.prefill.replicas == 2 and config.decode.replicas == 3
     assert config.ingress.router.policy == "least-loaded" and config.decode.worker.engine.kv_cache_gib == 0.1
     assert config.http_port == 8000 and config.ingress_replicas == 1
+    assert config.ingress.tool_call_parser is None
+    tools = build_parser().parse_args(["serve", "--on-ray", "--model", "/m", "--enable-auto-tool-choice",
+                                       "--tool-call-parser", "hermes"])
+    assert config_from_args(tools).ingress.tool_call_parser == "hermes"
 
 
 def test_security_flags_are_refused_not_ignored():
