@@ -27,7 +27,7 @@ from pathlib import Path
 
 import httpx
 
-from splitserve.hardware import cpu_model
+from splitserve.hardware import write_report
 
 PROBE = """
 import json, sys, time
@@ -104,11 +104,7 @@ def main() -> None:
     print(f"{'splitserve frontend to /health':<34} {med['process']['seconds']:>9.3f} {med['process']['rss_mib']:>8.1f}")
     print(f"torch imported by the frontend: {torch_loaded}")
     if args.out:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                                cwd=Path(__file__).parent).stdout.strip()
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps({"commit": commit, "cpu": cpu_model(), "reps": args.reps, "median": med,
-                                              "torch_imported": torch_loaded, "runs": rows}, indent=2))
+        write_report(args.out, {"reps": args.reps, "median": med, "torch_imported": torch_loaded, "runs": rows})
 
 
 if __name__ == "__main__":

@@ -20,11 +20,9 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
 import time
-from pathlib import Path
 
-from splitserve.hardware import cpu_model
+from splitserve.hardware import cpu_model, write_report
 
 SCHEMAS = {
     "flat": ({"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
@@ -164,15 +162,9 @@ def main() -> None:
               f"{x['mask_mean_us'] / g['mask_mean_us']:>8.2f} {x['mask_p99_us'] / g['mask_p99_us']:>7.2f} "
               f"{x['batch16_step_us'] / g['batch16_step_us']:>10.2f}")
     if args.out:
-        import llguidance
-        import xgrammar
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                                cwd=Path(__file__).parent).stdout.strip()
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps({
-            "commit": commit, "cpu": cpu_model(), "versions": {"xgrammar": getattr(xgrammar, "__version__", "?"),
-                                                          "llguidance": getattr(llguidance, "__version__", "?")},
-            "results": results}, indent=2))
+        from importlib.metadata import version
+        write_report(args.out, {"versions": {"xgrammar": version("xgrammar"), "llguidance": version("llguidance")},
+                                "results": results})
 
 
 if __name__ == "__main__":

@@ -17,7 +17,6 @@ cache, KV transfer) and the ready line.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import re
 import signal
@@ -26,9 +25,8 @@ import subprocess
 import sys
 import tempfile
 import time
-from pathlib import Path
 
-from splitserve.hardware import cpu_model
+from splitserve.hardware import cpu_model, write_report
 from splitserve.net import free_port
 
 PHASE = re.compile(r"worker (\S+) ready \(transfer \w+\) .*process and imports ([\d.]+) s, model and KV cache "
@@ -103,12 +101,8 @@ def main() -> None:
     print(f"{'ratio default / baseline':<34} {ratio:>8.2f}")
     print("first run's marks (s):", {k: round(v, 2) for k, v in runs["default"][0]["marks"].items()})
     if args.out:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                                cwd=Path(__file__).parent).stdout.strip()
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps({"commit": commit, "cpu": cpu_model(), "cores": cores, "reps": args.reps,
-                                              "median": med, "ratio_default_over_baseline": ratio,
-                                              "runs": {**runs, "cold": [cold]}}, indent=2))
+        write_report(args.out, {"cores": cores, "reps": args.reps, "median": med,
+                                "ratio_default_over_baseline": ratio, "runs": {**runs, "cold": [cold]}})
 
 
 if __name__ == "__main__":

@@ -19,11 +19,9 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import time
-from pathlib import Path
 
-from splitserve.hardware import cpu_model
+from splitserve.hardware import cpu_model, write_report
 
 ROW = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 24},
                                         "score": {"type": "integer", "minimum": 0, "maximum": 1000},
@@ -96,13 +94,9 @@ def main() -> None:
               f"{r['slower_pct']:>6.1f}%")
     if args.out:
         from importlib.metadata import version
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                                cwd=Path(__file__).parent).stdout.strip()
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps({
-            "commit": commit, "cpu": cpu_model(), "threads": args.threads, "tokens": args.tokens,
-            "rounds": args.rounds, "xgrammar": version("xgrammar"), "schema": SCHEMA,
-            "results": {str(b): r for b, r in results.items()}}, indent=2))
+        write_report(args.out, {"threads": args.threads, "tokens": args.tokens, "rounds": args.rounds,
+                                "xgrammar": version("xgrammar"), "schema": SCHEMA,
+                                "results": {str(b): r for b, r in results.items()}})
     engine.close()
 
 

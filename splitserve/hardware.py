@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import platform
+import subprocess
 from pathlib import Path
 
 
@@ -15,3 +17,12 @@ def cpu_model() -> str:
     except OSError:
         pass
     return platform.processor() or platform.machine()
+
+
+def write_report(path: str | Path, fields: dict) -> None:
+    """A benchmark's JSON report at `path`: the commit and the CPU, then `fields`."""
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                            cwd=Path(__file__).parent).stdout.strip()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"commit": commit, "cpu": cpu_model(), **fields}, indent=2))

@@ -25,16 +25,6 @@ def engine(llama_dir):
                                   max_num_batched_tokens=256))
 
 
-@pytest.fixture(autouse=True)
-def pool_is_idle_after(request):
-    yield
-    if "engine" in request.fixturenames:
-        eng = request.getfixturevalue("engine")
-        assert not eng.has_unfinished()
-        assert all(c == 0 for c in eng.pool.ref_counts)
-        assert eng.pool.num_free_blocks == eng.pool.num_blocks
-
-
 PROMPTS = [[1, 300, 301, 302], list(range(40, 90)), [1, 7]]
 
 

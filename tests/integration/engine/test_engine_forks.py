@@ -26,16 +26,6 @@ def engine(llama_dir):
     return make_engine(llama_dir)
 
 
-@pytest.fixture(autouse=True)
-def pool_is_idle_after(request):
-    yield
-    if "engine" in request.fixturenames:
-        eng = request.getfixturevalue("engine")
-        assert not eng.has_unfinished()
-        assert all(c == 0 for c in eng.pool.ref_counts)
-        assert eng.pool.num_free_blocks == eng.pool.num_blocks
-
-
 def params_for(i: int, **kw) -> SamplingParams:
     return SamplingParams(max_tokens=kw.pop("max_tokens", 10), temperature=1.0, seed=100 + i,
                           ignore_eos=True, **kw)

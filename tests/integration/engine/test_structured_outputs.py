@@ -37,14 +37,6 @@ def engine(llama_dir):
     e.close()
 
 
-@pytest.fixture(autouse=True)
-def pool_is_idle_after(request):
-    yield
-    if "engine" in request.fixturenames:
-        eng = request.getfixturevalue("engine")
-        assert not eng.has_unfinished() and eng.pool.num_free_blocks == eng.pool.num_blocks
-
-
 def _text(engine, spec: StructuredOutput, **params) -> tuple[str, str]:
     [r] = engine.generate([PROMPT], SamplingParams(max_tokens=MAX_TOKENS, structured=spec, **params))
     return engine.tokenizer.decode(r.token_ids), r.finish_reason.value

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import json
 import random
+import signal
 from dataclasses import dataclass, field
 
 import grpc
@@ -177,6 +178,22 @@ async def run_load(base_url: str, jobs: list[Job], trigger=None, stop_after: lis
             if side is not None:
                 await side
     return outcomes
+
+
+def run_killing(front, jobs: list[Job], victim, num_streams: int = 0) -> tuple[list[Outcome], int]:
+    """Run `jobs` at once through `front` and SIGKILL the worker `victim` once each of the first
+    `num_streams` (default: all) streams has 3 tokens; the outcomes, and how many requests the
+    victim was running when it was killed."""
+    running = {}
+
+    async def kill(progress):
+        await wait_progress(progress, 3, num_streams=num_streams)
+        running["n"] = victim.stats().num_running
+        victim.proc.process.send_signal(signal.SIGKILL)
+
+    outcomes = asyncio.run(run_load(front.openai_url, jobs, kill, grpc_address=f"127.0.0.1:{front.grpc_port}"))
+    assert victim.proc.process.wait(10) == -signal.SIGKILL
+    return outcomes, running["n"]
 
 
 async def wait_progress(progress: list[int], at_least: int, timeout: float = 60.0, num_streams: int = 0) -> None:

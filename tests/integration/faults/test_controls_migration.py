@@ -9,8 +9,6 @@ and against min_tokens. The engine-level checks show the counts matter: without
 
 from __future__ import annotations
 
-import asyncio
-import signal
 from dataclasses import replace
 
 import pytest
@@ -19,7 +17,7 @@ from splitserve.services.wire.sampling_params import SamplingParams
 from splitserve.testing.models import EOS_TOKEN_ID
 from splitserve.testing.workers import wait_idle
 
-from .conftest import MODEL_NAME, expected_outputs, make_jobs, run_load, wait_progress
+from .conftest import MODEL_NAME, expected_outputs, make_jobs, run_killing
 
 PENALTIES = dict(frequency_penalty=0.5, presence_penalty=-1.0, repetition_penalty=0.8)
 PROMPT = [1, 415, 2936, 9060, 285, 1142, 28705]
@@ -73,20 +71,12 @@ def test_sigkill_mid_stream_keeps_penalties_min_tokens_and_allowed_tokens_exact(
     cluster.wait_workers()
     front = cluster.start_frontend("--router", "round-robin", "--served-model-name", MODEL_NAME)
     front.wait_ready()
-    served_by_d0 = {}
-
-    async def kill_d0(progress):
-        await wait_progress(progress, 3)
-        served_by_d0["n"] = d0.stats().num_running
-        d0.proc.process.send_signal(signal.SIGKILL)
-
-    outcomes = asyncio.run(run_load(front.openai_url, jobs, kill_d0))
-    assert d0.proc.process.wait(10) == -signal.SIGKILL
+    outcomes, served_by_d0 = run_killing(front, jobs, d0)
     errors = [(i, o.error) for i, o in enumerate(outcomes) if not o.completed]
     assert not errors, (errors, front.proc.tail(80))
     wrong = [(i, o.token_ids, want) for i, (o, want) in enumerate(zip(outcomes, expected)) if o.token_ids != want]
     assert not wrong, wrong[:3]
     assert [o.finish_reason for o in outcomes] == ["length"] * len(penalized) + ["stop"] * len(held) + \
         ["length"] * len(masked)
-    assert served_by_d0["n"] > 0 and front.metric("splitserve_migrations_total", outcome="migrated") >= 1
+    assert served_by_d0 > 0 and front.metric("splitserve_migrations_total", outcome="migrated") >= 1
     wait_idle([p0, d1], 2.0)

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import signal
 from dataclasses import replace
 
 import jsonschema
@@ -20,7 +19,7 @@ import jsonschema
 from splitserve.testing.json_schemas import draw_schemas
 from splitserve.testing.workers import wait_idle
 
-from .conftest import MODEL_NAME, expected_outputs, make_jobs, run_load, wait_progress
+from .conftest import MODEL_NAME, expected_outputs, make_jobs, run_killing, run_load
 
 PREFILL_FLAGS = ("--remote-prefill-threshold", "64", "--prefill-timeout", "20")
 
@@ -68,15 +67,7 @@ def test_fifty_schemas_through_1p1d_then_a_sigkill_migration(cluster, llama_dir)
     jobs = [replace(j, prompt=[5] + j.prompt, schema=_six_rows_of(j.schema), max_tokens=1500) for j in jobs[:16]]
     expected = expected_outputs(llama_dir, jobs)
     assert min(len(e) for e in expected) >= 30, [len(e) for e in expected]
-    served_by_d0 = {}
-
-    async def kill_d0(progress):
-        await wait_progress(progress, 3)
-        served_by_d0["n"] = d0.stats().num_running
-        d0.proc.process.send_signal(signal.SIGKILL)
-
-    outcomes = asyncio.run(run_load(front.openai_url, jobs, kill_d0))
-    assert d0.proc.process.wait(10) == -signal.SIGKILL
+    outcomes, served_by_d0 = run_killing(front, jobs, d0)
     _check(outcomes, jobs, expected, front)
-    assert served_by_d0["n"] > 0 and front.metric("splitserve_migrations_total", outcome="migrated") >= 1
+    assert served_by_d0 > 0 and front.metric("splitserve_migrations_total", outcome="migrated") >= 1
     wait_idle([p0, d1], 2.0)

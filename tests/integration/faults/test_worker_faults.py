@@ -12,7 +12,7 @@ from dataclasses import replace
 
 from splitserve.testing.workers import wait_idle
 
-from .conftest import MODEL_NAME, expected_outputs, make_jobs, run_load, wait_progress
+from .conftest import MODEL_NAME, expected_outputs, make_jobs, run_killing, run_load, wait_progress
 
 FRONTEND = ["--router", "round-robin", "--served-model-name", MODEL_NAME]
 DECODE = ["--remote-prefill-threshold", "64", "--prefill-timeout", "20"]
@@ -58,20 +58,11 @@ def test_sigkill_decode_worker_mid_stream_migrates_32_streams(cluster, llama_dir
     cluster.wait_workers()
     front = cluster.start_frontend(*FRONTEND)
     front.wait_ready()
-    served_by_d0 = {}
-
-    async def kill_d0(progress):
-        await wait_progress(progress, 3, num_streams=len(streams))
-        served_by_d0["n"] = d0.stats().num_running
-        d0.proc.process.send_signal(signal.SIGKILL)
-
-    outcomes = asyncio.run(run_load(front.openai_url, jobs, kill_d0,
-                                    grpc_address=f"127.0.0.1:{front.grpc_port}"))
-    assert d0.proc.process.wait(10) == -signal.SIGKILL
+    outcomes, served_by_d0 = run_killing(front, jobs, d0, num_streams=len(streams))
     _report("SIGKILL decode worker", outcomes, expected, _leaked_blocks([p0, d1]), front)
     _assert_all_exact(outcomes, expected, jobs, front)
     migrated = front.metric("splitserve_migrations_total", outcome="migrated")
-    assert served_by_d0["n"] > 0 and migrated >= 1, (served_by_d0, migrated)
+    assert served_by_d0 > 0 and migrated >= 1, (served_by_d0, migrated)
     assert front.metric("splitserve_migrations_total", outcome="refused_limit") == 0
     wait_idle([p0, d1], 2.0)
 
