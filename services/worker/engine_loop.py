@@ -48,8 +48,13 @@ class _Stream:
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue
 
-    def put(self, item: RequestOutput | BaseException) -> None:
-        self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+    def put(self, item: RequestOutput | BaseException) -> bool:
+        """False when the reader's event loop is closed: nobody can read this stream any more."""
+        try:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+        except RuntimeError:            # "Event loop is closed"
+            return False
+        return True
 
 
 class EngineLoop:
@@ -207,7 +212,10 @@ class EngineLoop:
                 continue        # aborted by its caller, or added without a stream
             if out.finished:
                 del self._streams[out.request_id]
-            stream.put(out)
+            if not stream.put(out) and not out.finished:
+                # Its reader's event loop is gone (it never closed the stream): stop generating.
+                del self._streams[out.request_id]
+                self.engine.abort(out.request_id)
 
     def _abort(self, request_id: str) -> bool:
         if not self.engine.abort(request_id):

@@ -122,6 +122,18 @@ def test_leaving_the_stream_early_aborts_the_request(loop, engine):
     assert unfinished is False and aborted == aborted_before + 1
 
 
+def test_a_stream_whose_event_loop_closed_is_aborted_and_the_loop_carries_on(loop, engine):
+    """A reader whose event loop closed without closing its stream: the engine thread must not
+    die delivering to it (call_soon_threadsafe raises there); the request is aborted instead."""
+    reader = asyncio.new_event_loop()
+    reader.run_until_complete(asyncio.wait_for(anext(loop.stream("orphan", _add("orphan", 500))), 30))
+    reader.close()                                 # no shutdown_asyncgens: the stream stays open
+    after = asyncio.run(asyncio.wait_for(_collect(loop, "after", 3), 30))    # a dead engine thread: times out
+    assert loop.alive and len(after) >= 1 and after[-1].finished
+    assert asyncio.run(loop.call(lambda e: e.scheduler.find("orphan"))) is None
+    assert_engine_idle(engine)
+
+
 def test_a_failing_step_fails_every_open_stream_and_the_loop_carries_on(loop, engine, monkeypatch):
     real_step = engine.step
     failures = []
