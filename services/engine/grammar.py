@@ -30,6 +30,7 @@ from __future__ import annotations
 import json
 import re
 import threading
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -42,6 +43,7 @@ if TYPE_CHECKING:
     from splitserve.services.text.tokenizer import Tokenizer
 
 CACHE_LIMIT_BYTES = 256 * 2**20       # compiled grammars kept (xgrammar evicts the least recently used)
+MAX_COMPILED = 256                    # specs whose compiled grammar the engine thread finds by lookup
 _EBNF_SPECIAL = re.compile(r'(["\\])')
 _SOURCE_LOCATION = re.compile(r"^\[[\d:]+\] \S+:\d+: ")
 
@@ -67,10 +69,23 @@ class StructuredOutputs:
         self._lock = threading.Lock()
         self._compiler = None
         self._json_mask: torch.Tensor | None = None
+        # Compiled grammars by spec: the engine thread's second `compile` of a request (the
+        # worker's thread compiled it first) is a lookup, not a new Grammar from the schema text.
+        self._compiled: OrderedDict[StructuredOutput, Any] = OrderedDict()
 
     def compile(self, spec: StructuredOutput):
         """The compiled grammar of `spec` (cached); raises InvalidRequestError for a bad spec."""
-        return self._get_compiler().compile_grammar(grammar_of(spec))
+        with self._lock:
+            compiled = self._compiled.get(spec)
+            if compiled is not None:
+                self._compiled.move_to_end(spec)
+                return compiled
+        compiled = self._get_compiler().compile_grammar(grammar_of(spec))
+        with self._lock:
+            self._compiled[spec] = compiled
+            if len(self._compiled) > MAX_COMPILED:
+                self._compiled.popitem(last=False)
+        return compiled
 
     def state(self, spec: StructuredOutput, prior_output: list[int]) -> GrammarState:
         """A sequence's grammar at the state after `prior_output` (tokens generated before a
