@@ -5,11 +5,22 @@ cores) on loopback. Cases, each one layer (K and V) of a layer-major pool with
 16 KiB blocks (block_size 16, 8 KV heads, head dim 64, fp16):
 
 - contiguous one-layer transfers of 64 KiB, 1 MiB, 16 MiB and 256 MiB;
-- 1024 scattered 16 KiB blocks (512 random blocks → 512 other random blocks, K and V);
+- scattered, 512 blocks (K and V: 1024 block spans, 16 MiB), each with coalescing
+  off (one span per block) and on (one span per run of consecutive blocks;
+  kvtransfer/tp_slicing.py), in the same run:
+  - `scattered-random`: 512 random blocks → 512 other random blocks (no runs);
+  - `scattered-realistic`: the block tables of a real prefill and decode scheduler
+    (`BlockPool`, prefix caching) after a mixed load (bench/kv_workload.py): the
+    last request's 512 new blocks, source (prefill) → destination (decode);
 - a simulated 24-layer prefill: each layer computes a fixed time (torch matmuls,
   polling the connector in between, as an engine step would) and then posts that
   layer's WRITE; `exposed_ms` is the wait after the last layer, `layer_transfer_ms`
   one layer's transfer time alone.
+
+Runs: a run is a stretch of blocks consecutive on both sides, i.e. one NIXL
+descriptor per K/V (TCP coalesces each side on its own, so it has at most as many).
+The run-length distribution (run length → count) is reported for the measured
+realistic request and for every request of the simulated load.
 
 memcpy is a single-threaded `copy_` of the same number of bytes out of the
 sender's pool, run *in the sender process, on its core*, interleaved with the
@@ -18,23 +29,22 @@ ratio compares the two under the same machine load; this machine is shared and
 its speed drifts by tens of percent within a minute. GiB/s columns are best of
 `--repeats` (after a warm-up); the JSON also has the medians.
 
-Targets (issue 3): NIXL ≥ 0.8 × memcpy at ≥ 16 MiB; scattered ≥ 3 GiB/s (NIXL;
-a TCP transfer of 16 MiB is held to TCP's target); TCP ≥ 1.5 GiB/s at ≥ 16 MiB;
-exposed ≤ one layer's transfer time. The table says which hold in this run.
+Targets: NIXL ≥ 0.8 × memcpy and TCP ≥ 1.5 GiB/s at ≥ 16 MiB contiguous (issue 3);
+scattered with coalescing on, the same two (issue 20); exposed ≤ one layer's
+transfer time. The table says which hold in this run.
 
 `exposed_ms` is the wait after the last layer's WRITE was posted, as the issue
 defines it; `after_compute_ms` adds the time posting that last WRITE took
 (with UCX over cma the copy happens inside the post), i.e. everything after the
 last layer's compute.
 
-Usage: python bench/kvtransfer.py [--backends tcp nixl] [--repeats 5]
-Writes bench/results/kvtransfer.json.
+Usage: python bench/kvtransfer.py [--backends tcp nixl] [--repeats 5] [--out FILE]
+Writes bench/results/kvtransfer.json (with the commit and the CPU) unless --out says otherwise.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import random
 import statistics
@@ -42,14 +52,18 @@ from pathlib import Path
 
 import torch
 
+from kv_workload import Workload, simulate
+from splitserve.hardware import cpu_model, write_report
 from splitserve.kvtransfer.layout import KVLayout
 from splitserve.kvtransfer.peer import PeerProcess, layout_dict
+from splitserve.kvtransfer.tp_slicing import run_arrays, run_length_histogram
 
 GIB = 1 << 30
 BLOCK_BYTES = 16 << 10                     # K (or V) bytes of one block
 SIZES = {"64KiB": 64 << 10, "1MiB": 1 << 20, "16MiB": 16 << 20, "256MiB": 256 << 20}
 NUM_BLOCKS = (256 << 20) // (2 * BLOCK_BYTES)        # the largest case is the whole pool
 SCATTERED_BLOCKS = 512                                # × (K + V) = 1024 descriptors of 16 KiB
+WORKLOAD_REQUESTS = 300                               # the simulated load before the realistic request
 PREFILL_LAYERS, PREFILL_BLOCKS, COMPUTE_MS = 24, 64, 5.0
 
 
@@ -71,14 +85,27 @@ def start_pair(backend: str, layout: KVLayout, num_blocks: int, cores: list[int]
     return sender, receiver, reservation
 
 
-def bench_backend(backend: str, repeats: int, cores: list[int]) -> tuple[list[dict], dict]:
+def scattered_cases(workload: Workload) -> dict[str, tuple[list[int], list[int]]]:
+    """(src, dst) block ids of the scattered cases: random, and the workload's last request."""
+    rng = random.Random(0)
+    final = workload.transfers[-1]
+    return {"scattered-random": (rng.sample(range(NUM_BLOCKS), SCATTERED_BLOCKS),
+                                 rng.sample(range(NUM_BLOCKS), SCATTERED_BLOCKS)),
+            "scattered-realistic": (final.src[:SCATTERED_BLOCKS], final.dst[:SCATTERED_BLOCKS])}
+
+
+def bench_backend(backend: str, repeats: int, cores: list[int], workload: Workload) -> tuple[list[dict], dict]:
     records = []
     sender, receiver, reservation = start_pair(backend, bench_layout(1), NUM_BLOCKS, cores)
 
-    def measure(case: str, src: list[int], dst: list[int]) -> None:
+    def measure(case: str, src: list[int], dst: list[int], coalesce: bool = True) -> None:
+        for peer in (sender, receiver):
+            peer.call("set_coalesce", coalesce)
         t = sender.call("timed_writes_vs_memcpy", reservation, src, dst, repeats)
-        size = t["bytes"]
-        records.append(dict(backend=backend, case=case, bytes=size, gib_per_s=size / t["write_best_s"] / GIB,
+        size, counts = t["bytes"], run_arrays(src, dst)[2]
+        records.append(dict(backend=backend, case=case, coalesce=coalesce, bytes=size, blocks=len(src),
+                            runs=len(counts), mean_run=len(src) / len(counts),
+                            gib_per_s=size / t["write_best_s"] / GIB,
                             memcpy_gib_per_s=size / t["memcpy_best_s"] / GIB,
                             gib_per_s_median=size / t["write_median_s"] / GIB,
                             memcpy_gib_per_s_median=size / t["memcpy_median_s"] / GIB))
@@ -87,10 +114,9 @@ def bench_backend(backend: str, repeats: int, cores: list[int]) -> tuple[list[di
         for case, size in SIZES.items():
             n = size // (2 * BLOCK_BYTES)
             measure(case, list(range(n)), list(range(n)))
-        rng = random.Random(0)
-        src = rng.sample(range(NUM_BLOCKS), SCATTERED_BLOCKS)
-        dst = rng.sample(range(NUM_BLOCKS), SCATTERED_BLOCKS)
-        measure("scattered-1024x16KiB", src, dst)
+        for case, (src, dst) in scattered_cases(workload).items():
+            for coalesce in (False, True):
+                measure(case, src, dst, coalesce)
     finally:
         sender.close()
         receiver.close()
@@ -113,31 +139,60 @@ def bench_backend(backend: str, repeats: int, cores: list[int]) -> tuple[list[di
 
 
 def target(record: dict) -> tuple[str, bool] | None:
-    """The issue-3 target that applies to a record, and whether it holds; None if none applies."""
+    """The target that applies to a record (issue 3: contiguous; issue 20: scattered, coalesced),
+    and whether it holds; None if none applies."""
     gib, ratio = record["gib_per_s"], record["gib_per_s"] / record["memcpy_gib_per_s"]
-    if record["backend"] == "nixl" and record["case"].startswith("scattered"):
-        return "≥ 3 GiB/s", gib >= 3.0
-    if record["bytes"] < 16 << 20:
+    scattered = record["case"].startswith("scattered")
+    if (scattered and not record["coalesce"]) or (not scattered and record["bytes"] < 16 << 20):
         return None
     if record["backend"] == "nixl":
         return "≥ 0.8 × memcpy", ratio >= 0.8
     return "≥ 1.5 GiB/s", gib >= 1.5
 
 
-def print_table(records: list[dict], prefills: list[dict]) -> None:
+def histogram_summary(histogram: dict[int, int]) -> dict:
+    """Runs and blocks, mean run length, and the share of blocks in runs of ≥ 8 and ≥ 32 blocks."""
+    runs = sum(histogram.values())
+    blocks = sum(length * n for length, n in histogram.items())
+    share = {f"blocks_in_runs_ge_{k}": sum(length * n for length, n in histogram.items() if length >= k) / blocks
+             for k in (8, 32)}
+    return dict(runs=runs, blocks=blocks, mean_run=blocks / runs, **share,
+                histogram={str(length): n for length, n in histogram.items()})
+
+
+BUCKETS = ((1, 1), (2, 3), (4, 7), (8, 15), (16, 31), (32, 63), (64, 127), (128, 1 << 30))
+
+
+def print_table(records: list[dict], prefills: list[dict], runs: dict[str, dict]) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    table = Table(title="KV transfer (one layer, loopback, two processes)")
-    for column in ("backend", "case", "bytes", "GiB/s", "memcpy GiB/s", "× memcpy", "target", "pass"):
+    console = Console(width=max(Console().width, 140))
+    table = Table(title=f"KV transfer (one layer, loopback, two processes) on {cpu_model()}")
+    for column in ("backend", "case", "coalesce", "bytes", "runs", "mean run", "GiB/s", "memcpy GiB/s",
+                   "× memcpy", "target", "pass"):
         table.add_column(column, justify="right")
     for r in records:
         goal = target(r)
-        table.add_row(r["backend"], r["case"], f"{r['bytes']:,}", f"{r['gib_per_s']:.2f}",
-                      f"{r['memcpy_gib_per_s']:.2f}", f"{r['gib_per_s'] / r['memcpy_gib_per_s']:.2f}",
+        table.add_row(r["backend"], r["case"], "on" if r["coalesce"] else "off", f"{r['bytes']:,}", str(r["runs"]),
+                      f"{r['mean_run']:.1f}", f"{r['gib_per_s']:.2f}", f"{r['memcpy_gib_per_s']:.2f}",
+                      f"{r['gib_per_s'] / r['memcpy_gib_per_s']:.2f}",
                       goal[0] if goal else "-", ("yes" if goal[1] else "NO") if goal else "-")
-    console = Console(width=max(Console().width, 120))
     console.print(table)
+    run_table = Table(title="Run lengths (blocks consecutive on both sides): runs / share of blocks")
+    run_table.add_column("run length", justify="right")
+    run_table.add_column("realistic request", justify="right")
+    run_table.add_column(f"whole load ({runs['whole_load']['transfers']} requests)", justify="right")
+    for lo, hi in BUCKETS:
+        cells = []
+        for summary in runs.values():
+            hist = {int(k): v for k, v in summary["histogram"].items()}
+            n = sum(v for k, v in hist.items() if lo <= k <= hi)
+            b = sum(k * v for k, v in hist.items() if lo <= k <= hi)
+            cells.append(f"{n} / {b / summary['blocks']:.0%}")
+        run_table.add_row(str(lo) if lo == hi else f"{lo}-{hi}" if hi < 1 << 30 else f"≥ {lo}", *cells)
+    run_table.add_row("mean", *(f"{s['mean_run']:.1f}" for s in runs.values()))
+    console.print(run_table)
     prefill_table = Table(title=f"Simulated {PREFILL_LAYERS}-layer prefill, {COMPUTE_MS:.0f} ms compute per layer")
     for column in ("backend", "layer bytes", "layer transfer ms", "exposed ms", "exposed ≤ layer",
                    "after compute ms"):
@@ -153,18 +208,28 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--backends", nargs="+", default=["tcp", "nixl"])
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--workload-requests", type=int, default=WORKLOAD_REQUESTS,
+                        help="requests of the simulated load before the realistic one")
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "kvtransfer.json")
     args = parser.parse_args()
     torch.set_num_threads(1)
     cores = sorted(os.sched_getaffinity(0))[:2]
+    workload = simulate(NUM_BLOCKS, bench_layout(1).block_size, args.workload_requests, seed=0,
+                        final_blocks=SCATTERED_BLOCKS)
+    src, dst = scattered_cases(workload)["scattered-realistic"]
+    runs = {"realistic_request": histogram_summary(run_length_histogram(run_arrays(src, dst)[2])),
+            "whole_load": dict(transfers=len(workload.transfers), **histogram_summary(workload.histogram()))}
     records, prefills = [], []
     for backend in args.backends:
-        backend_records, prefill = bench_backend(backend, args.repeats, cores)
+        backend_records, prefill = bench_backend(backend, args.repeats, cores, workload)
         records += backend_records
         prefills.append(prefill)
-    print_table(records, prefills)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(dict(cores=cores, records=records + prefills), indent=2) + "\n")
+    print_table(records, prefills, runs)
+    write_report(args.out, dict(cores=cores, repeats=args.repeats, records=records + prefills,
+                                run_lengths=runs,
+                                workload=dict(requests=len(workload.transfers), pool_blocks=NUM_BLOCKS,
+                                              prefill_hit_blocks=workload.prefill_hit_blocks,
+                                              decode_hit_blocks=workload.decode_hit_blocks)))
     print(f"wrote {args.out}")
 
 

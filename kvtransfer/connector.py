@@ -145,8 +145,11 @@ class Connector(ABC):
     backend: ClassVar[str]
 
     def __init__(self, name: str, layout: KVLayout, *, timeout_s: float = 10.0, clock_margin_s: float = 0.05,
-                 registry=None, token: bytes = b""):
+                 registry=None, token: bytes = b"", coalesce: bool = True):
+        """`coalesce`: move each run of consecutive blocks as one span (tp_slicing.py); False moves
+        one span per block, for comparison (bench/kvtransfer.py). May be changed between writes."""
         self.name = name
+        self.coalesce = coalesce
         self.token = token                       # the deployment's shared secret (auth.py); b"": none
         self.layout = layout
         self.timeout_s = timeout_s

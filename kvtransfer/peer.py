@@ -42,14 +42,15 @@ class _Peer:
 
     def setup(self, backend: str, name: str, layout: dict, num_blocks: int, seed: int | None,
               timeout_s: float = 10.0, core: int | None = None, threads: int = 1, device: str = "cpu",
-              token: bytes = b""):
+              token: bytes = b"", coalesce: bool = True):
         from prometheus_client import CollectorRegistry
         if core is not None:
             os.sched_setaffinity(0, {core})
         torch.set_num_threads(threads)
         lay = KVLayout(**layout)
         self.registry = CollectorRegistry()
-        self.connector = make_connector(backend, name, lay, timeout_s=timeout_s, registry=self.registry, token=token)
+        self.connector = make_connector(backend, name, lay, timeout_s=timeout_s, registry=self.registry, token=token,
+                                        coalesce=coalesce)
         pool = empty_pool(lay.pool_shape(num_blocks), lay.torch_dtype, device)   # huge pages before first touch
         if seed is None:
             pool.zero_()
@@ -66,6 +67,10 @@ class _Peer:
 
     def fill(self, value: float) -> None:
         self.connector.pool.fill_(value)
+
+    def set_coalesce(self, on: bool) -> None:
+        """Coalesce runs of blocks (the default) or move one span per block; see Connector."""
+        self.connector.coalesce = on
 
     def metric(self, name: str, labels: dict) -> float | None:
         return self.registry.get_sample_value(name, labels)

@@ -22,7 +22,9 @@ not at the mercy of the I/O thread getting the GIL and the (shared) core.
 Speed: payload bytes go straight between the pools and the sockets. The
 sender gathers a request's runs of consecutive blocks (numpy, no per-block
 Python) into one `sendmsg` of memoryviews (writev); the receiver scatters with
-`recvmsg_into` (readv) straight into the destination runs. Socket buffers are
+`recvmsg_into` (readv) straight into the destination runs. Each side coalesces its
+own ids (runs need not line up across the two sides); `coalesce=False` sends and
+receives one view per block (for comparison). Socket buffers are
 8 MiB (as far as net.core.{w,r}mem_max allow) and a receiver waiting for a
 large payload sets SO_RCVLOWAT so it wakes once per chunk, not per segment.
 Mismatched TP (or a CUDA pool) goes through a contiguous staging tensor
@@ -31,11 +33,14 @@ Mismatched TP (or a CUDA pool) goes through a contiguous staging tensor
 
 from __future__ import annotations
 
+import array
 import asyncio
 import concurrent.futures
+import fcntl
 import logging
 import os
 import socket
+import termios
 import threading
 from collections import deque
 
@@ -46,7 +51,7 @@ from splitserve.kvtransfer.connector import AgentMetadata, Connector, Reservatio
 from splitserve.kvtransfer import auth
 from splitserve.kvtransfer.errors import (CODE_BY_ERROR, ERRORS_BY_CODE, LayoutMismatchError, PeerAuthError, PeerLostError, StalePeerError,
                      TransferError)
-from splitserve.kvtransfer.tp_slicing import HeadSlice, block_run_arrays, gather_slice, scatter_slice
+from splitserve.kvtransfer.tp_slicing import HeadSlice, gather_slice, layer_spans, scatter_slice, side_runs
 from splitserve.kvtransfer.wire import (CHALLENGE, CHALLENGE_MAGIC, FRAME_HEADER, HELLO, HELLO_MAGIC, KIND_NOTIFY, KIND_WRITE, REPLY_HEADER,
                    FrameHeader, encode_reply)
 
@@ -193,13 +198,12 @@ class TcpConnector(Connector):
         return [memoryview(staged.view(torch.uint8).reshape(-1).numpy())]
 
     def _run_views(self, layer: int, block_ids: np.ndarray) -> list[memoryview]:
-        """Views of the pool over `block_ids`' K rows then V rows, one per run of consecutive ids."""
+        """Views of the pool over `block_ids`' K rows then V rows, one per run of consecutive ids
+        (one per block when coalescing is off)."""
         bb, view = self.layout.block_bytes, self._pool_view
-        starts, counts = block_run_arrays(block_ids)
-        k_start = (layer * 2 * self.num_blocks + starts) * bb
-        offsets = np.concatenate((k_start, k_start + self.num_blocks * bb)).tolist()
-        ends = (np.concatenate((k_start, k_start + self.num_blocks * bb)) + np.tile(counts * bb, 2)).tolist()
-        return [view[a:b] for a, b in zip(offsets, ends)]
+        starts, counts = side_runs(block_ids, self.coalesce)
+        offsets, lengths = layer_spans(starts, counts, layer * 2 * self.num_blocks * bb, self.num_blocks, bb)
+        return [view[a:a + n] for a, n in zip(offsets.tolist(), lengths.tolist())]
 
     def _header(self, kind: int, reservation: Reservation, layer: int, hs: HeadSlice | None,
                 block_ids, num_bytes: int) -> FrameHeader:
@@ -258,7 +262,7 @@ class TcpConnector(Connector):
             while conn.queue:
                 frame = conn.queue[0]
                 while not frame.sent:
-                    batch = frame.views[frame.index:frame.index + IOV_MAX]
+                    batch = frame.views[frame.index:_batch_end(frame.views, frame.index, SOCKET_BUFFER)]
                     try:
                         sent = sock.sendmsg(batch) if len(batch) > 1 else sock.send(batch[0])
                     except (BlockingIOError, InterruptedError):
@@ -537,14 +541,36 @@ def _wake(waiter: asyncio.Future) -> None:
         waiter.set_result(None)
 
 
+def _readable_bytes(sock: socket.socket) -> int:
+    """Bytes the socket holds ready to read (FIONREAD)."""
+    count = array.array("i", [0])
+    fcntl.ioctl(sock.fileno(), termios.FIONREAD, count)
+    return count[0]
+
+
+def _batch_end(views: list[memoryview], i: int, nbytes: int) -> int:
+    """End of the shortest batch of views from `i` that holds `nbytes` (at least one view, at most IOV_MAX)."""
+    end, limit = i + 1, min(len(views), i + IOV_MAX)
+    nbytes -= views[i].nbytes
+    while nbytes > 0 and end < limit:
+        nbytes -= views[end].nbytes
+        end += 1
+    return end
+
+
 async def _recv_views(sock: socket.socket, views: list[memoryview]) -> None:
-    """Fill `views` in order from the socket (readv of up to IOV_MAX views per call)."""
+    """Fill `views` in order from the socket (readv of up to IOV_MAX views per call).
+
+    Each readv gets only the views that what is ready fills: recvmsg_into takes a buffer of
+    every view it is given, which for 1024 views of 16 KiB cost as much as copying 512 KiB.
+    """
     views = [v for v in views if v.nbytes]
     remaining = sum(v.nbytes for v in views)
     i = 0
     while remaining:
+        end = _batch_end(views, i, _readable_bytes(sock))
         try:
-            n = sock.recvmsg_into(views[i:i + IOV_MAX])[0] if len(views) - i > 1 else sock.recv_into(views[i])
+            n = sock.recvmsg_into(views[i:end])[0] if end - i > 1 else sock.recv_into(views[i])
         except (BlockingIOError, InterruptedError):
             await _readable(sock, remaining)
             continue

@@ -2,8 +2,12 @@
 
 A layer's K (or V) region is `[blocks][block_size][local_kv_heads][head_dim]`.
 When both sides hold the same head range a block is one contiguous span, and
-consecutive block ids on *both* sides merge into one span (`joint_runs`), so a
-request whose blocks are contiguous moves as one descriptor per K/V.
+consecutive block ids merge into one span: on *both* sides for a one-sided write
+(`run_arrays`: NIXL, one descriptor per run), on each side separately where each
+side walks its own bytes (`block_run_arrays`, `layer_spans`: TCP's sendmsg and
+recvmsg_into). A request whose blocks are contiguous moves as one span per K/V;
+`run_length_histogram` says how long the runs of a workload are. Coalescing never
+applies to sliced heads (below): there a block's bytes are not contiguous.
 
 When the head ranges differ (prefill TP=2 → decode TP=1, or the reverse), only
 the intersection `[lo, hi)` of the two ranges moves, and within a block those
@@ -60,6 +64,30 @@ def block_run_arrays(block_ids) -> tuple[np.ndarray, np.ndarray]:
     """`block_runs` vectorised: (starts, counts) as int64 arrays."""
     starts, _, counts = run_arrays(block_ids, block_ids)
     return starts, counts
+
+
+def side_runs(block_ids, coalesce: bool = True) -> tuple[np.ndarray, np.ndarray]:
+    """(starts, counts) of `block_ids`: runs of consecutive ids, or one per block without `coalesce`."""
+    if coalesce:
+        return block_run_arrays(block_ids)
+    ids = np.asarray(block_ids, dtype=np.int64)
+    return ids, np.ones_like(ids)
+
+
+def layer_spans(starts: np.ndarray, counts: np.ndarray, k_offset: int, num_blocks: int,
+                block_bytes: int) -> tuple[np.ndarray, np.ndarray]:
+    """Byte (offsets, lengths) of runs of blocks in one layer: every K run, then every V run.
+
+    `k_offset` is where the layer's K region starts; its V region follows `num_blocks` blocks later.
+    """
+    k = k_offset + starts * block_bytes
+    return np.concatenate((k, k + num_blocks * block_bytes)), np.tile(counts * block_bytes, 2)
+
+
+def run_length_histogram(counts) -> dict[int, int]:
+    """Run length → how many runs have it, ascending by length."""
+    lengths, times = np.unique(np.asarray(counts, dtype=np.int64), return_counts=True)
+    return dict(zip(lengths.tolist(), times.tolist()))
 
 
 def block_runs(block_ids: list[int]) -> list[tuple[int, int]]:

@@ -132,7 +132,7 @@ class Scheduler:
         hits = self._prefix_hits(seq, allow_full=True)
         num_new = self._blocks_for(len(seq.prompt_token_ids)) - len(hits)
         self.pool.take_refs(hits)
-        new_ids = self.pool.allocate(num_new)
+        new_ids = self.pool.allocate(num_new, after=hits[-1] if hits else None)
         if new_ids is None:
             self.pool.release(hits)
             return None
@@ -238,7 +238,8 @@ class Scheduler:
                 start = len(hits) * self.block_size
                 n = min(seq.num_tokens - start, budget)
                 self.pool.take_refs(hits)
-                new_ids = self.pool.allocate(self._blocks_for(start + n) - len(hits))
+                new_ids = self.pool.allocate(self._blocks_for(start + n) - len(hits),
+                                             after=hits[-1] if hits else None)
                 if new_ids is None:
                     self.pool.release(hits)
                     break
@@ -267,7 +268,7 @@ class Scheduler:
     def _grow_or_preempt(self, seq: Sequence, num_tokens: int, out: SchedulerOutput) -> bool:
         need = self._blocks_for(num_tokens) - len(seq.block_ids)
         while need > 0:
-            new_ids = self.pool.allocate(need)
+            new_ids = self.pool.allocate(need, after=seq.block_ids[-1] if seq.block_ids else None)
             if new_ids is not None:
                 seq.block_ids.extend(new_ids)
                 return True

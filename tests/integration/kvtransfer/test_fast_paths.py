@@ -1,10 +1,12 @@
-"""The fast paths, on both backends: cached per-peer state and many-run (scattered) transfers.
+"""The fast paths, on both backends: cached per-peer state, coalesced runs and many-run
+(scattered) transfers.
 
 NIXL writes through descriptor lists prepared once per (layer, remote agent); TCP
 keeps one connection per peer incarnation and gathers/scatters runs with
 sendmsg/recvmsg_into in batches of at most IOV_MAX views. A restarted receiver
 must never be written through the state cached for its previous incarnation,
-and transfers with more runs than one system call takes must stay byte-exact.
+and transfers with more runs than one system call takes, or whose blocks are adjacent
+on one side only, must stay byte-exact.
 """
 
 from __future__ import annotations
@@ -76,4 +78,39 @@ def test_writes_larger_than_the_socket_buffers(fresh_peers, layout_for):
     assert receiver.call("wait_notification", "big", 30.0) == b"big"
     got, want = receiver.call("pool"), sender.call("pool")
     assert torch.equal(got[:, :, reversed_blocks].view(torch.uint8), want[:, :, blocks].view(torch.uint8))
+    assert receiver.call("active_reservations") == {}
+
+
+# (src blocks, dst blocks) stretches: adjacent on both sides (one span), on the source side only,
+# on the destination side only, reversed, single, and a run that ends at the K/V boundary.
+PARTLY_ADJACENT = [
+    (range(0, 4), range(0, 4)),
+    (range(10, 13), [30, 32, 34]),
+    ([44, 46, 48], range(20, 23)),
+    ([40, 39, 38], range(40, 43)),
+    ([5], [5]),
+    (range(20, 25), range(50, 55)),
+    ([55, 56], [10, 11]),
+    ([62, 63], [62, 63]),
+]
+
+
+def test_partly_adjacent_blocks_are_byte_exact_with_and_without_coalescing(fresh_peers, layout_for,
+                                                                           assert_written):
+    layout = layout_for("float16")
+    sender, _ = fresh_peers.start("prefill-pa", layout, seed=4, num_blocks=64)
+    receiver, meta = fresh_peers.start("decode-pa", layout, seed=None, num_blocks=64)
+    sender.call("add_peer", meta)
+    src = [b for s, _ in PARTLY_ADJACENT for b in s]
+    dst = [b for _, d in PARTLY_ADJACENT for b in d]
+    assert len(set(src)) == len(src) == len(dst) == len(set(dst))
+    for coalesce in (True, False):
+        for peer in (sender, receiver):
+            peer.call("set_coalesce", coalesce)
+        receiver.call("fill", 0.0)
+        rid = f"partly-adjacent-{coalesce}"
+        reservation = receiver.call("reserve", rid, dst, 30.0)
+        sender.call("send_request", reservation, src, dst, b"pa")
+        assert receiver.call("wait_notification", rid, 10.0) == b"pa"
+        assert_written(sender.call("pool"), receiver.call("pool"), src, dst)
     assert receiver.call("active_reservations") == {}
