@@ -57,7 +57,6 @@ import json
 import os
 import random
 import re
-import signal
 import socket
 import statistics
 import subprocess
@@ -67,6 +66,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from bench_support import stop_group
 from splitserve.proto.v1 import worker_pb2
 from splitserve.router.core import RouterCore, WorkerSpec
 from splitserve.router.hashing import block_hashes
@@ -210,13 +210,7 @@ def _serve(model: Path, policy: str, num_workers: int, timeout_s: float,
 
 
 def _stop(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+    stop_group(proc, 30)
 
 
 @dataclass(frozen=True)

@@ -15,12 +15,15 @@ from splitserve.services.cli import security as _security_args
 
 def _engine_config(args: argparse.Namespace):
     from splitserve.services.engine.config import EngineConfig
+    from splitserve.services.engine.cpu_placement import parse_cores
 
     return EngineConfig(model=args.model, device=args.device, dtype=args.dtype,
                         tensor_parallel_size=args.tp, block_size=args.block_size,
                         kv_cache_gib=args.kv_cache_gib,
                         max_num_batched_tokens=args.max_num_batched_tokens,
-                        max_num_seqs=args.max_num_seqs, num_threads=args.threads)
+                        max_num_seqs=args.max_num_seqs, num_threads=args.threads,
+                        cpu_cores=parse_cores(args.cpu_cores) if args.cpu_cores else None,
+                        attention_backend=args.attention_backend)
 
 
 def cmd_generate(args: argparse.Namespace) -> int:

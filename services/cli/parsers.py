@@ -32,6 +32,15 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--threads", type=int, default=None,
                    help="torch CPU threads per rank (default: torch's, all cores; under `serve` on CPU: "
                         "the cores shared out among the ranks it starts)")
+    g.add_argument("--cpu-cores", default=None, metavar="LIST",
+                   help="pin the ranks' compute threads to these cores, e.g. 0-3 (shared out among the "
+                        "ranks; threads default to one per core; default: not pinned; `serve` on CPU "
+                        "sets it, see its --cpu-bind)")
+    g.add_argument("--attention-backend", choices=["auto", "paged", "gather"], default="auto",
+                   help="decode attention: 'paged' reads the KV pool in place (a CPU kernel built for "
+                        "this CPU on first use, needs g++), 'gather' copies each sequence's blocks out "
+                        "first (the old path; CUDA uses it); auto: paged on CPU where it builds "
+                        "(default: %(default)s)")
 
 
 def _parse_ids(text: str) -> list[int]:
@@ -260,6 +269,13 @@ def _add_serve_parser(sub) -> None:
                    help="no separate prefill pool: every worker prefills and decodes")
     p.add_argument("--workers", type=int, default=None, metavar="N",
                    help="with --aggregated: number of workers (default: 1)")
+    p.add_argument("--cpu-bind", choices=["auto", "none"], default="auto",
+                   help="on CPU: pin each worker's compute threads to cores of its own (auto), "
+                        "or let them float (none) (default: %(default)s)")
+    p.add_argument("--reserved-cores", type=int, default=None, metavar="N",
+                   help="with --cpu-bind auto: cores kept free of workers for the frontend and clients "
+                        "(default: 1 on machines of 8 cores or more when the other cores still give "
+                        "every rank one of its own, else 0)")
     p.add_argument("--prefill-workers", type=int, default=None, metavar="N",
                    help="disaggregated: prefill workers (default: 1)")
     p.add_argument("--decode-workers", type=int, default=None, metavar="M",

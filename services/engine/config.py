@@ -158,11 +158,23 @@ class EngineConfig:
     tensor_parallel_size: int = 1
     seed: int = 0
     num_threads: int | None = None       # torch CPU threads; None leaves torch's default
+    cpu_cores: tuple[int, ...] | None = None   # pin the ranks' threads to these cores (cpu_placement)
+    attention_backend: str = "auto"      # decode attention: auto | paged (in place, CPU) | gather
     extra_cache_key: str = ""            # mixed into block hashes (e.g. a LoRA id)
     dist_init_method: str | None = None  # set by the TP launcher
     tp_leader: str | None = None         # host:port of rank 0's rendezvous: ranks started on their own join it
     tp_join_timeout_s: float = 1800.0    # every rank must have joined and loaded by then
     model_name: str = field(default="", compare=False)
+
+    def rank_threads(self, rank: int) -> tuple[tuple[int, ...] | None, int | None]:
+        """(cores, torch threads) of one rank: its share of `cpu_cores`, one thread per core
+        unless `num_threads` says otherwise."""
+        if not self.cpu_cores:
+            return None, self.num_threads
+        from splitserve.services.engine.cpu_placement import rank_cores
+
+        cores = rank_cores(self.cpu_cores, self.tensor_parallel_size, rank)
+        return cores, self.num_threads or len(cores)
 
     def torch_dtype(self) -> torch.dtype:
         if self.dtype == "auto":

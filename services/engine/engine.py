@@ -30,6 +30,7 @@ from splitserve.errors import InvalidRequestError
 from splitserve.services.engine.block_pool import BlockPool
 from splitserve.services.engine.grammar import StructuredOutputs
 from splitserve.services.engine.config import EngineConfig, ModelConfig
+from splitserve.services.engine.cpu_placement import apply_rank_threads
 from splitserve.services.engine.model.forward_batch import LayerReport
 from splitserve.services.engine.kv_cache import KVCache
 from splitserve.services.engine.kv_events import KVEvent
@@ -82,8 +83,7 @@ class EngineStats:
 
 class LLMEngine:
     def __init__(self, config: EngineConfig):
-        if config.num_threads:
-            torch.set_num_threads(config.num_threads)
+        apply_rank_threads(config, 0)
         if config.block_size < 1 or config.max_num_batched_tokens < 1 or config.max_num_seqs < 1:
             raise InvalidRequestError("block_size, max_num_batched_tokens and max_num_seqs must be >= 1")
         ckpt = open_checkpoint(config.model)

@@ -28,7 +28,8 @@ def build_rank(config: EngineConfig, rank: int, ckpt: Checkpoint | None = None
     weights = load_weights(ckpt, model_cfg, ShardSpec(rank, world), dtype, device)
     max_positions = max(model_cfg.max_position_embeddings, config.max_model_len or 0)
     model = CausalLM(model_cfg, weights, world, device, dtype, max_positions,
-                     all_reduce=dist.all_reduce if world > 1 else None)
+                     all_reduce=dist.all_reduce if world > 1 else None,
+                     attention_backend=config.attention_backend)
     kv = KVCache(model_cfg.num_layers, config.num_kv_blocks, config.block_size,
                  model_cfg.num_kv_heads // world, model_cfg.head_dim, dtype, device)
     return model, kv

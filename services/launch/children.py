@@ -19,15 +19,18 @@ def engine_argv(args: argparse.Namespace, model: str) -> list[str]:
     argv = ["--model", model, "--device", args.device, "--dtype", args.dtype, "--tp", str(args.tp),
             "--block-size", str(args.block_size), "--kv-cache-gib", str(args.kv_cache_gib),
             "--max-num-batched-tokens", str(args.max_num_batched_tokens),
-            "--max-num-seqs", str(args.max_num_seqs)]
+            "--max-num-seqs", str(args.max_num_seqs), "--attention-backend", args.attention_backend]
     if args.threads is not None:        # serve fills it in (plan.default_threads)
         argv += ["--threads", str(args.threads)]
     return argv
 
 
-def worker_argv(args: argparse.Namespace, name: str, role: str, port: int, model: str) -> list[str]:
+def worker_argv(args: argparse.Namespace, name: str, role: str, port: int, model: str,
+                cores: str | None = None) -> list[str]:
     argv = ["worker", "--role", role, "--port", str(port), "--worker-id", name, "--drain-timeout", str(DRAIN_S),
             *engine_argv(args, model)]
+    if cores:
+        argv += ["--cpu-cores", cores]
     if role != "both":
         argv += ["--transfer", args.transfer, "--remote-prefill-threshold", str(args.remote_prefill_threshold),
                  "--prefill-timeout", str(args.prefill_timeout)]

@@ -32,7 +32,7 @@ import time
 from splitserve.errors import SplitserveError
 from splitserve.net import free_port
 from splitserve.services.launch.children import export_serve_secrets, frontend_argv, worker_argv
-from splitserve.services.launch.plan import default_threads, plan_workers, resolve_model
+from splitserve.services.launch.plan import default_threads, plan_workers, resolve_model, worker_cores
 from splitserve.services.launch.probes import http_ready, transfer_backend, worker_serving
 from splitserve.services.launch.supervisor import Child, Supervisor
 from splitserve.tls import PLAINTEXT, TlsConfig
@@ -84,7 +84,9 @@ def _raise_stop(signum, frame) -> None:
 
 def run_serve(args: argparse.Namespace) -> int:
     plan = plan_workers(args)
-    args.threads = default_threads(args, plan)
+    cores = worker_cores(args, plan)
+    if not any(cores):
+        args.threads = default_threads(args, plan)    # pinned workers run one thread per core
     export_serve_secrets(args, os.environ)      # children read them from the environment
     tls = TlsConfig(cert=args.tls_internal_cert, key=args.tls_internal_key, ca=args.tls_ca)
     scheme = "https" if args.tls_cert else "http"
@@ -104,9 +106,9 @@ def run_serve(args: argparse.Namespace) -> int:
         else:
             say(f"starting {roles.count('prefill')} prefill and {roles.count('decode')} decode worker(s) "
                 f"(KV transfer: {args.transfer}) and the frontend for {model}")
-        for w in plan:
+        for w, wcores in zip(plan, cores):
             wport = free_port("127.0.0.1")
-            workers.append(sup.spawn(w.name, [*python, *worker_argv(args, w.name, w.role, wport, model)],
+            workers.append(sup.spawn(w.name, [*python, *worker_argv(args, w.name, w.role, wport, model, wcores)],
                                      f"127.0.0.1:{wport}"))
         ports = [port] + [free_port(host) for _ in range(max(args.frontends, 1) - 1)]
         for i, fport in enumerate(ports):

@@ -51,6 +51,17 @@ def default_threads(args: argparse.Namespace, plan: list[PlannedWorker]) -> int 
     return max(1, cores // max(1, len(plan) * args.tp))
 
 
+def worker_cores(args: argparse.Namespace, plan: list[PlannedWorker]) -> list[str | None]:
+    """Per planned worker, the --cpu-cores `serve` gives it (None: not pinned): on CPU with
+    --cpu-bind auto, cpu_placement.plan_cores over the cores this process may use."""
+    if args.cpu_bind == "none" or args.cpu_cores or not str(args.device).startswith("cpu"):
+        return [args.cpu_cores] * len(plan)
+    from splitserve.services.engine.cpu_placement import available_cores, format_cores, plan_cores
+
+    placed = plan_cores(available_cores(), [args.tp] * len(plan), args.reserved_cores)
+    return [format_cores(c) if c else None for c in placed.workers]
+
+
 def default_served_name(model: str) -> str | None:
     """Clients ask for the model by the name the operator typed: `--model smollm2` serves "smollm2"."""
     if not model.strip().lower().startswith("smollm2"):

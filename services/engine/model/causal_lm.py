@@ -3,9 +3,10 @@
 One class serves Llama, Mistral, Qwen2 (QKV bias), Qwen3 (QK-norm) and SmolLM2:
 they differ only in flags of `ModelConfig`. The forward takes a flattened batch
 (see `forward_batch.py`), writes each layer's new K/V into the paged pool, then
-attends: decode rows as one padded batch, prefill chunks one segment at a time
-with PyTorch's fused scaled-dot-product attention. Under tensor parallelism the
-weights are this rank's shard and the two row-parallel outputs are all-reduced.
+attends: decode rows as one batch (`paged_attention.py`: in place in the pool on
+CPU), prefill chunks one segment at a time with PyTorch's fused
+scaled-dot-product attention. Under tensor parallelism the weights are this
+rank's shard and the two row-parallel outputs are all-reduced.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from splitserve.services.engine.config import ModelConfig
 from splitserve.services.engine.model.forward_batch import ForwardBatch, PrefillSegment
 from splitserve.services.engine.kv_cache import KVCache
 from splitserve.services.engine.model.linear import Linear
+from splitserve.services.engine.model.paged_attention import GatherAttention, make_decode_attention
 from splitserve.services.engine.model.rope import RotaryEmbedding
 from splitserve.services.engine.loading.weights import LayerWeights, ModelWeights
 
@@ -55,7 +57,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 class CausalLM:
     def __init__(self, cfg: ModelConfig, weights: ModelWeights, tp_size: int,
                  device: torch.device, dtype: torch.dtype, max_positions: int,
-                 all_reduce: Callable[[torch.Tensor], None] | None = None):
+                 all_reduce: Callable[[torch.Tensor], None] | None = None,
+                 attention_backend: str = "auto"):
         self.cfg = cfg
         self.w = weights
         self.num_heads = cfg.num_heads // tp_size
@@ -67,6 +70,9 @@ class CausalLM:
         self.all_reduce = all_reduce
         self.scale = cfg.head_dim ** -0.5
         self.linears = [_LayerLinears.of(layer) for layer in weights.layers]
+        self.decode_attention = make_decode_attention(attention_backend, device, self.num_heads,
+                                                      self.num_kv_heads, self.head_dim, self.scale,
+                                                      cfg.sliding_window)
         self.lm_head = Linear(weights.lm_head)
 
     @torch.inference_mode()
@@ -98,16 +104,10 @@ class CausalLM:
         return out
 
     def _decode_mask(self, batch: ForwardBatch, kv: KVCache) -> torch.Tensor | None:
-        """[D, 1, 1, L] bool: which gathered key slots each decode row may attend to."""
-        if not batch.num_decode:
+        """The gather path's padding mask, built once per step for every layer."""
+        if not batch.num_decode or not isinstance(self.decode_attention, GatherAttention):
             return None
-        length = batch.decode_block_tables.shape[1] * kv.block_size
-        key_pos = torch.arange(length, device=batch.decode_context_lens.device)
-        ctx = batch.decode_context_lens.unsqueeze(1)
-        mask = key_pos < ctx
-        if self.cfg.sliding_window:
-            mask &= key_pos > ctx - 1 - self.cfg.sliding_window
-        return mask[:, None, None, :]
+        return self.decode_attention.mask(batch.decode_block_tables, batch.decode_context_lens, kv.block_size)
 
     def _attention(self, i: int, layer: LayerWeights, lin: _LayerLinears, x: torch.Tensor,
                    batch: ForwardBatch, kv: KVCache, step: "_StepInputs") -> torch.Tensor:
@@ -136,15 +136,9 @@ class CausalLM:
         return o
 
     def _decode_attention(self, i: int, q: torch.Tensor, batch: ForwardBatch, kv: KVCache,
-                          mask: torch.Tensor) -> torch.Tensor:
+                          mask: torch.Tensor | None) -> torch.Tensor:
         """q: [D, heads, d]; each row attends to its own cached context."""
-        d = q.shape[0]
-        keys, values = kv.gather(i, batch.decode_block_tables)    # [D, kv_heads, L, d]
-        # Grouped-query: the query heads sharing a KV head become that head's "query rows".
-        groups = self.num_heads // self.num_kv_heads
-        qg = q.view(d, self.num_kv_heads, groups, self.head_dim)
-        out = F.scaled_dot_product_attention(qg, keys, values, attn_mask=mask, scale=self.scale)
-        return out.reshape(d, self.num_heads, self.head_dim)
+        return self.decode_attention(i, q, kv, batch.decode_block_tables, batch.decode_context_lens, mask)
 
     def _prefill_attention(self, i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                            seg: PrefillSegment, kv: KVCache) -> torch.Tensor:

@@ -239,4 +239,5 @@ def _keepalive(sock: socket.socket) -> None:
 def member_config(own: EngineConfig, leader: EngineConfig) -> EngineConfig:
     """A rank's engine config: rank 0's (block count, dtype, block size, budgets), with this
     process's own model path (the same model, where this pod has it) and device."""
-    return replace(leader, model=own.model, device=own.device, num_threads=own.num_threads)
+    return replace(leader, model=own.model, device=own.device, num_threads=own.num_threads,
+                   cpu_cores=own.cpu_cores)

@@ -40,6 +40,7 @@ from splitserve.errors import FatalError
 from splitserve.net import free_port
 
 from splitserve.services.engine.config import EngineConfig
+from splitserve.services.engine.cpu_placement import apply_rank_threads
 from splitserve.services.engine.model.forward_batch import ForwardBatch
 from splitserve.services.engine.rank import build_rank
 from splitserve.services.engine.parallel import rendezvous
@@ -227,8 +228,7 @@ def _worker_main(config: EngineConfig, rank: int, conn) -> None:
     # rank 0 die instead, the next collective fails and this rank exits.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    if config.num_threads:
-        torch.set_num_threads(config.num_threads)
+    apply_rank_threads(config, rank)
     device = _rank_device(config.device, rank)
     if device.startswith("cuda"):
         torch.cuda.set_device(device)   # NCCL's object broadcast uses the current device
@@ -245,8 +245,7 @@ def run_member(member: rendezvous.GroupMember, own: EngineConfig, host: str, adv
     SIGTERM is ignored once joined, as on the local ranks: rank 0 stops the group after
     its drain (its pod is stopped at the same time), and a rank leaving first would fail
     the requests it is draining. Before that, SIGTERM stops the wait for the leader."""
-    if own.num_threads:
-        torch.set_num_threads(own.num_threads)
+    apply_rank_threads(replace(own, tensor_parallel_size=1), 0)    # a pod's cores are its own
     device = "cuda:0" if own.device == "cuda" else own.device     # one device per pod
     if device.startswith("cuda"):
         torch.cuda.set_device(device)

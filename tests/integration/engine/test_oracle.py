@@ -75,6 +75,16 @@ def test_batch_of_mixed_lengths_matches(case):
     assert_pool_idle(engine)
 
 
+@pytest.mark.parametrize("backend", ["paged", "gather"])
+def test_each_decode_attention_path_matches(case, backend):
+    """Both decode paths stay exact: the in-place kernel (the CPU default) and the gather
+    path it replaced (`--attention-backend gather`, the baseline and CUDA's path)."""
+    engine, outputs = run_engine(case.folder, case.prompts, num_kv_blocks=256, attention_backend=backend)
+    assert engine.runner.model.decode_attention.name == backend
+    assert_all_match(outputs, case.refs)
+    assert_pool_idle(engine)
+
+
 def test_chunked_prefill_matches(case):
     engine, outputs = run_engine(case.folder, case.prompts, num_kv_blocks=256, max_num_batched_tokens=32)
     assert_all_match(outputs, case.refs)
@@ -128,9 +138,11 @@ def test_mistral_sliding_window_matches(tmp_path):
     prompts = [list(range(10, 110)), list(range(200, 215))]
     refs = hf_greedy(folder, prompts, MAX_NEW_TOKENS, ignore_eos=True)
     for budget in (2048, 32):   # one-shot prefill, and chunks attending across the window edge
-        engine, outputs = run_engine(folder, prompts, num_kv_blocks=64, max_num_batched_tokens=budget)
-        assert_all_match(outputs, refs)
-        assert_pool_idle(engine)
+        for backend in ("paged", "gather"):
+            engine, outputs = run_engine(folder, prompts, num_kv_blocks=64, max_num_batched_tokens=budget,
+                                         attention_backend=backend)
+            assert_all_match(outputs, refs)
+            assert_pool_idle(engine)
 
 
 def test_smollm2_answers_capital_of_france(smollm2_dir):

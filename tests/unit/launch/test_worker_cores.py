@@ -1,0 +1,49 @@
+"""The --cpu-cores `serve` gives each worker it starts."""
+
+from __future__ import annotations
+
+import argparse
+from unittest import mock
+
+from splitserve.services.launch.children import worker_argv
+from splitserve.services.launch.plan import PlannedWorker, worker_cores
+
+PLAN_1P1D = [PlannedWorker("prefill-0", "prefill"), PlannedWorker("decode-0", "decode")]
+
+
+def _args(**kw) -> argparse.Namespace:
+    base = dict(cpu_bind="auto", cpu_cores=None, device="cpu", tp=1, reserved_cores=None)
+    return argparse.Namespace(**{**base, **kw})
+
+
+def test_auto_binds_each_worker_to_its_own_cores():
+    with mock.patch("splitserve.services.engine.cpu_placement.available_cores", return_value=[0, 1, 2, 3]):
+        assert worker_cores(_args(), PLAN_1P1D) == ["0,1", "2,3"]
+        assert worker_cores(_args(reserved_cores=1), PLAN_1P1D) == ["1,2", "3"]
+
+
+def test_none_cuda_or_an_explicit_list_leave_placement_to_the_user():
+    assert worker_cores(_args(cpu_bind="none"), PLAN_1P1D) == [None, None]
+    assert worker_cores(_args(device="cuda"), PLAN_1P1D) == [None, None]
+    assert worker_cores(_args(cpu_cores="0-1"), PLAN_1P1D) == ["0-1", "0-1"]
+
+
+def test_the_worker_command_line_carries_its_cores():
+    args = argparse.Namespace(device="cpu", dtype="auto", tp=1, block_size=16, kv_cache_gib=1.0,
+                              max_num_batched_tokens=2048, max_num_seqs=64, threads=None, attention_backend="auto",
+                              transfer="auto",
+                              remote_prefill_threshold=64, prefill_timeout=30.0, tls_ca=None,
+                              tls_internal_cert=None)
+    argv = worker_argv(args, "decode-0", "decode", 5000, "m", "3")
+    assert argv[argv.index("--cpu-cores") + 1] == "3"
+    assert "--cpu-cores" not in worker_argv(args, "decode-0", "decode", 5000, "m")
+
+
+def test_the_attention_backend_reaches_every_worker():
+    args = argparse.Namespace(device="cpu", dtype="auto", tp=1, block_size=16, kv_cache_gib=1.0,
+                              max_num_batched_tokens=2048, max_num_seqs=64, threads=None,
+                              attention_backend="gather", transfer="auto", remote_prefill_threshold=64,
+                              prefill_timeout=30.0, tls_ca=None, tls_internal_cert=None)
+    for role in ("prefill", "decode", "both"):
+        argv = worker_argv(args, "w", role, 5000, "m")
+        assert argv[argv.index("--attention-backend") + 1] == "gather"
