@@ -53,29 +53,36 @@ struct Partial {
   float max, sum;
 };
 
+// Calls fn(pos, row) for tokens [lo, hi) of one sequence, block by block through its table:
+// row is that token's K (or V) of every KV head, as float32.
+template <typename T, typename F>
+inline void for_each_row(const T* cache, const int64_t* table, int64_t lo, int64_t hi, const DecodeShape& s,
+                         float* buf, F&& fn) {
+  const int64_t token_stride = s.num_kv_heads * s.head_dim;
+  const int64_t block_stride = s.block_size * token_stride;
+  for (int64_t pos = lo; pos < hi;) {
+    const int64_t off = pos % s.block_size;
+    const int64_t stop = std::min(hi, pos - off + s.block_size);
+    const T* p = cache + table[pos / s.block_size] * block_stride + off * token_stride;
+    for (; pos < stop; ++pos, p += token_stride) fn(pos, as_float(p, buf, token_stride));
+  }
+}
+
 // Tokens [lo, hi) of one sequence, every head: scores, local softmax, weighted values.
 template <typename T>
 void attend_part(const float* qf, const T* k_cache, const T* v_cache, const int64_t* table, int64_t lo,
                  int64_t hi, const DecodeShape& s, float* scores, float* buf, Partial* parts, float* acc) {
   const int64_t groups = s.num_heads / s.num_kv_heads, hd = s.head_dim, nv = hd / W, n = hi - lo;
-  const int64_t token_stride = s.num_kv_heads * hd;       // one token's K (or V), all KV heads
-  const int64_t block_stride = s.block_size * token_stride;
   // Pass 1: each key row (all KV heads, contiguous in the pool) against every query head.
-  for (int64_t pos = lo; pos < hi;) {
-    const int64_t off = pos % s.block_size;
-    const int64_t stop = std::min(hi, pos - off + s.block_size);
-    const T* kp = k_cache + table[pos / s.block_size] * block_stride + off * token_stride;
-    for (; pos < stop; ++pos, kp += token_stride) {
-      const float* row = as_float(kp, buf, token_stride);
-      for (int64_t h = 0; h < s.num_heads; ++h) {
-        const v8* qh = reinterpret_cast<const v8*>(qf + h * hd);
-        const v8* k = reinterpret_cast<const v8*>(row + (h / groups) * hd);
-        v8 dot = qh[0] * k[0];
-        for (int64_t j = 1; j < nv; ++j) dot += qh[j] * k[j];
-        scores[h * n + (pos - lo)] = hsum(dot);
-      }
+  for_each_row(k_cache, table, lo, hi, s, buf, [&](int64_t pos, const float* row) {
+    for (int64_t h = 0; h < s.num_heads; ++h) {
+      const v8* qh = reinterpret_cast<const v8*>(qf + h * hd);
+      const v8* k = reinterpret_cast<const v8*>(row + (h / groups) * hd);
+      v8 dot = qh[0] * k[0];
+      for (int64_t j = 1; j < nv; ++j) dot += qh[j] * k[j];
+      scores[h * n + (pos - lo)] = hsum(dot);
     }
-  }
+  });
   for (int64_t h = 0; h < s.num_heads; ++h) {
     float* sc = scores + h * n;
     const float mx = *std::max_element(sc, sc + n);
@@ -85,20 +92,14 @@ void attend_part(const float* qf, const T* k_cache, const T* v_cache, const int6
   }
   // Pass 2: the probability-weighted sum of the value rows.
   std::fill(acc, acc + s.num_heads * hd, 0.f);
-  for (int64_t pos = lo; pos < hi;) {
-    const int64_t off = pos % s.block_size;
-    const int64_t stop = std::min(hi, pos - off + s.block_size);
-    const T* vp = v_cache + table[pos / s.block_size] * block_stride + off * token_stride;
-    for (; pos < stop; ++pos, vp += token_stride) {
-      const float* row = as_float(vp, buf, token_stride);
-      for (int64_t h = 0; h < s.num_heads; ++h) {
-        const float p = scores[h * n + (pos - lo)];
-        const v8* v = reinterpret_cast<const v8*>(row + (h / groups) * hd);
-        v8* a = reinterpret_cast<v8*>(acc + h * hd);
-        for (int64_t j = 0; j < nv; ++j) a[j] += p * v[j];
-      }
+  for_each_row(v_cache, table, lo, hi, s, buf, [&](int64_t pos, const float* row) {
+    for (int64_t h = 0; h < s.num_heads; ++h) {
+      const float p = scores[h * n + (pos - lo)];
+      const v8* v = reinterpret_cast<const v8*>(row + (h / groups) * hd);
+      v8* a = reinterpret_cast<v8*>(acc + h * hd);
+      for (int64_t j = 0; j < nv; ++j) a[j] += p * v[j];
     }
-  }
+  });
 }
 
 // Work items are (sequence, part of its context): every item reads whole token rows, so the
