@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+from pathlib import Path
 from collections.abc import Callable
 from typing import TypeVar
 
@@ -33,3 +34,9 @@ def stop_group(proc: subprocess.Popen, wait_s: float) -> None:
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
+
+
+def machine_jiffies() -> tuple[int, int]:
+    """(busy, total) CPU jiffies of the whole machine since boot, from /proc/stat (iowait counts as idle)."""
+    values = [int(v) for v in Path("/proc/stat").read_text().splitlines()[0].split()[1:9]]
+    return sum(values) - values[3] - values[4], sum(values)

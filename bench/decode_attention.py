@@ -35,7 +35,7 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from bench_support import quietest
+from bench_support import machine_jiffies, quietest
 from splitserve.hardware import write_report
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -54,11 +54,6 @@ class Row:
     @property
     def ratio(self) -> float:
         return statistics.median(self.paged_tok_s) / statistics.median(self.gather_tok_s)
-
-
-def _busy_jiffies() -> tuple[int, int]:
-    values = [int(v) for v in Path("/proc/stat").read_text().splitlines()[0].split()[1:9]]
-    return sum(values) - values[3] - values[4], sum(values)
 
 
 def _own_jiffies() -> int:
@@ -103,7 +98,7 @@ def measure(model: str, context: int, batch: int, args) -> Row:
     while pending:                                  # prefill (chunked), not measured
         pending -= {o.request_id for o in engine.step() if o.new_token_ids}
     times: dict[str, list[float]] = {"paged": [], "gather": []}
-    busy0, total0, own0 = *_busy_jiffies(), _own_jiffies()
+    busy0, total0, own0 = *machine_jiffies(), _own_jiffies()
     for r in range(args.rounds):
         order = ("paged", "gather") if r % 2 == 0 else ("gather", "paged")
         for name in order:
@@ -119,7 +114,7 @@ def measure(model: str, context: int, batch: int, args) -> Row:
                                        f"{[(o.request_id, len(o.new_token_ids), o.finished) for o in outputs]}")
             _sync(args.device)
             times[name].append(batch * args.steps / (time.perf_counter() - start))
-    busy, total = _busy_jiffies()
+    busy, total = machine_jiffies()
     others = max(0, (busy - busy0) - (_own_jiffies() - own0)) / max(1, total - total0)
     for i in range(batch):
         engine.abort(f"r{i}")

@@ -49,7 +49,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from bench_support import quietest, stop_group
+from bench_support import machine_jiffies, quietest, stop_group
 from splitserve.hardware import write_report
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -79,13 +79,6 @@ class RunResult:
 
 
 # -- CPU accounting ------------------------------------------------------------------------
-def _total_busy_jiffies() -> int:
-    fields = Path("/proc/stat").read_text().splitlines()[0].split()[1:]
-    values = [int(v) for v in fields]
-    idle = values[3] + values[4]           # idle + iowait
-    return sum(values[:8]) - idle
-
-
 def _proc_jiffies(pid: int) -> int:
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
@@ -125,11 +118,11 @@ class CpuMeter:
         return {pid: _proc_jiffies(pid) for pid in _tree(self.server_pid)}
 
     def start(self) -> None:
-        self.t0, self.busy0, self.server0 = time.monotonic(), _total_busy_jiffies(), self._server()
+        self.t0, self.busy0, self.server0 = time.monotonic(), machine_jiffies()[0], self._server()
 
     def stop(self, client_jiffies: int) -> tuple[float, float, float]:
         elapsed = time.monotonic() - self.t0
-        busy = _total_busy_jiffies() - self.busy0
+        busy = machine_jiffies()[0] - self.busy0
         server_now = self._server()
         server = sum(j - self.server0.get(pid, 0) for pid, j in server_now.items())
         to_cores = lambda j: j / self.hz / elapsed  # noqa: E731

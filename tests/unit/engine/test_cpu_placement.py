@@ -68,9 +68,9 @@ def test_tensor_parallel_ranks_split_their_workers_cores():
     assert EngineConfig(num_threads=3).rank_threads(0) == (None, 3)
 
 
-@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two cores to pin to one of them")
 def test_a_worker_process_pins_every_thread_it_has():
-    # A real process whose torch pool exists before it pins: every thread must move.
+    # A real process whose torch pool exists before it pins: every thread must move (to the
+    # highest core this process may use; on a one-core machine the check is weaker, not skipped).
     core = max(os.sched_getaffinity(0))
     code = (
         "import os, torch, threading\n"
