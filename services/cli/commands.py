@@ -23,7 +23,8 @@ def _engine_config(args: argparse.Namespace):
                         max_num_batched_tokens=args.max_num_batched_tokens,
                         max_num_seqs=args.max_num_seqs, num_threads=args.threads,
                         cpu_cores=parse_cores(args.cpu_cores) if args.cpu_cores else None,
-                        attention_backend=args.attention_backend)
+                        attention_backend=args.attention_backend, kv_host_gib=args.kv_host_gib,
+                        kv_disk_gib=args.kv_disk_gib, kv_disk_path=args.kv_disk_path)
 
 
 def cmd_generate(args: argparse.Namespace) -> int:

@@ -26,6 +26,13 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="tensor-parallel degree: N processes, one per rank (default: 1)")
     g.add_argument("--block-size", type=int, default=16, help="KV block size in tokens")
     g.add_argument("--kv-cache-gib", type=float, default=1.0, help="KV pool size per rank in GiB")
+    g.add_argument("--kv-host-gib", type=float, default=0.0,
+                   help="host-memory KV tier below the pool: blocks the pool evicts are kept here and "
+                        "loaded back on a prefix hit (pinned on CUDA; 0: off; default: %(default)s)")
+    g.add_argument("--kv-disk-gib", type=float, default=0.0,
+                   help="local-disk KV tier below the host tier (needs --kv-disk-path; 0: off)")
+    g.add_argument("--kv-disk-path", default=None, metavar="DIR",
+                   help="folder for the disk tier's block files (one file per block, checksummed)")
     g.add_argument("--max-num-batched-tokens", type=int, default=2048,
                    help="token budget per step (prefill chunk size)")
     g.add_argument("--max-num-seqs", type=int, default=64, help="maximum running sequences")
@@ -37,10 +44,10 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                         "ranks; threads default to one per core; default: not pinned; `serve` on CPU "
                         "sets it, see its --cpu-bind)")
     g.add_argument("--attention-backend", choices=["auto", "paged", "gather"], default="auto",
-                   help="decode attention: 'paged' reads the KV pool in place (a CPU kernel built for "
-                        "this CPU on first use, needs g++), 'gather' copies each sequence's blocks out "
-                        "first (the old path; CUDA uses it); auto: paged on CPU where it builds "
-                        "(default: %(default)s)")
+                   help="decode attention: 'paged' reads the KV pool in place (on CPU a kernel built "
+                        "for this CPU on first use, needs g++; on CUDA a Triton kernel), 'gather' copies "
+                        "each sequence's blocks out first (the old path); auto: paged where its kernel "
+                        "builds, else gather (default: %(default)s)")
 
 
 def _parse_ids(text: str) -> list[int]:

@@ -26,6 +26,7 @@ from __future__ import annotations
 import bisect
 import itertools
 from collections import OrderedDict
+from collections.abc import Callable
 
 from splitserve.services.engine.kv_events import KVEvent, KVEventLog
 
@@ -120,6 +121,9 @@ class BlockPool:
         self.cached: dict[bytes, int] = {}                # hash -> block id
         self.evictable: OrderedDict[int, None] = OrderedDict()  # cached blocks with ref 0, LRU first
         self.events = KVEventLog()
+        # Called with (block id, hash) of cached blocks about to be reused, before they are:
+        # the engine's lower tiers copy them out (kv_tiers/tiers.py).
+        self.on_evict: Callable[[list[tuple[int, bytes]]], None] | None = None
 
     # -- queries -----------------------------------------------------------------
     @property
@@ -188,6 +192,8 @@ class BlockPool:
             start, length = runs.pop(i)
             del lengths[i]
             ids += range(start + length - min(need, length), start + length)
+        if self.on_evict is not None:
+            self.on_evict([(b, self.block_hash[b]) for b in ids])
         for b in ids:
             del self.evictable[b]
             self._uncache(b)

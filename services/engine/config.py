@@ -161,6 +161,9 @@ class EngineConfig:
     cpu_cores: tuple[int, ...] | None = None   # pin the ranks' threads to these cores (cpu_placement)
     attention_backend: str = "auto"      # decode attention: auto | paged (in place, CPU) | gather
     extra_cache_key: str = ""            # mixed into block hashes (e.g. a LoRA id)
+    kv_host_gib: float = 0.0             # host-memory tier below the pool (kv_tiers/); 0: none
+    kv_disk_gib: float = 0.0             # local-disk tier below the host tier; 0: none
+    kv_disk_path: str | None = None      # its folder (needed with kv_disk_gib)
     dist_init_method: str | None = None  # set by the TP launcher
     tp_leader: str | None = None         # host:port of rank 0's rendezvous: ranks started on their own join it
     tp_join_timeout_s: float = 1800.0    # every rank must have joined and loaded by then

@@ -34,6 +34,8 @@ from splitserve.services.engine.cpu_placement import apply_rank_threads
 from splitserve.services.engine.model.forward_batch import LayerReport
 from splitserve.services.engine.kv_cache import KVCache
 from splitserve.services.engine.kv_events import KVEvent
+from splitserve.services.engine.kv_tiers.block_codec import layout_key
+from splitserve.services.engine.kv_tiers.tiers import KVTiers, TierConfig
 from splitserve.services.engine.model_runner import ModelRunner, prompt_logit_positions
 from splitserve.services.engine.loading.model_source import open_checkpoint
 from splitserve.services.engine.logits_controls import TokenCounts, TokenHistory
@@ -106,8 +108,11 @@ class LLMEngine:
                                   broadcast=self.tp.broadcast if self.tp else None)
         self.pool = BlockPool(num_blocks, config.block_size, config.enable_prefix_caching)
         extra_key = f"{self.config.model_name}|{self.config.torch_dtype()}|{config.extra_cache_key}"
+        self.tiers = self._make_tiers(kv, extra_key)
+        if self.tiers is not None:
+            self.pool.on_evict = self.tiers.write_down
         self.scheduler = Scheduler(self.pool, config.max_num_batched_tokens, config.max_num_seqs,
-                                   extra_key.encode())
+                                   extra_key.encode(), self.tiers)
         self.max_model_len = min(config.max_model_len or mc.max_position_embeddings,
                                  mc.max_position_embeddings, num_blocks * config.block_size)
         self.eos_token_ids = set(mc.eos_token_ids) | self.tokenizer.eos_token_ids
@@ -117,6 +122,24 @@ class LLMEngine:
         self._arrivals = 0
         self._pending_outputs: list[RequestOutput] = []
         self._event_subscribers: list[Callable[[list[KVEvent]], None]] = []
+
+    def _make_tiers(self, kv: KVCache, extra_key: str) -> KVTiers | None:
+        c = self.config
+        tiers = TierConfig(c.kv_host_gib, c.kv_disk_gib, c.kv_disk_path)
+        if c.kv_host_gib < 0 or c.kv_disk_gib < 0:
+            raise InvalidRequestError("--kv-host-gib and --kv-disk-gib must be >= 0")
+        if c.kv_disk_gib > 0 and not c.kv_disk_path:
+            raise InvalidRequestError("--kv-disk-gib needs --kv-disk-path (a folder for the block files)")
+        if not tiers.enabled:
+            return None
+        if c.tensor_parallel_size > 1:
+            raise InvalidRequestError("KV tiers (--kv-host-gib, --kv-disk-gib) need --tp 1 for now: "
+                                      "each rank would have to write down and load its own shard")
+        if not c.enable_prefix_caching:
+            raise InvalidRequestError("KV tiers hold prefix-cache blocks: they need prefix caching on")
+        shape = tuple(kv.tensor.shape)
+        layout = layout_key(f"{extra_key}|{shape[0]}x{shape[3]}x{shape[4]}x{shape[5]}|tp0/1")
+        return KVTiers(kv, layout, tiers, self.pool.events)
 
     @staticmethod
     def _blocks_for_memory(config: EngineConfig, mc: ModelConfig) -> int:
@@ -343,6 +366,10 @@ class LLMEngine:
                     callback(events)
 
     def close(self) -> None:
+        tiers = getattr(self, "tiers", None)
+        if tiers is not None:
+            tiers.close()
+            self.tiers = None
         if self.tp is not None:
             self.tp.close()
             self.tp = None

@@ -2,7 +2,8 @@
 
 Every change to the set of cached blocks becomes one event with a per-engine
 sequence number, so a subscriber that missed some can tell (a gap) and resync.
-Block hashes are the chained SHA-256 digests of `block_hash.py`.
+Block hashes are the chained SHA-256 digests of `router/hashing.py`. `tier` says where the
+block is: "device" (the engine's pool), "host" or "disk" (kv_tiers/).
 """
 
 from __future__ import annotations
@@ -42,11 +43,11 @@ class KVEventLog:
     pending: list[KVEvent] = field(default_factory=list)
 
     def stored(self, block_hashes: tuple[bytes, ...], parent_hash: bytes | None,
-               token_ids: tuple[int, ...]) -> None:
-        self.pending.append(BlockStored(self._bump(), block_hashes, parent_hash, token_ids))
+               token_ids: tuple[int, ...], tier: str = "device") -> None:
+        self.pending.append(BlockStored(self._bump(), block_hashes, parent_hash, token_ids, tier))
 
-    def removed(self, block_hashes: tuple[bytes, ...]) -> None:
-        self.pending.append(BlockRemoved(self._bump(), block_hashes))
+    def removed(self, block_hashes: tuple[bytes, ...], tier: str = "device") -> None:
+        self.pending.append(BlockRemoved(self._bump(), block_hashes, tier))
 
     def cleared(self) -> None:
         self.pending.append(AllCleared(self._bump()))

@@ -33,10 +33,14 @@ from __future__ import annotations
 import bisect
 from collections import deque
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from splitserve.router.hashing import block_hashes, salted_key
 from splitserve.services.engine.block_pool import BlockPool
 from splitserve.services.engine.sequence import FinishReason, Sequence, SequenceStatus, TransferUse
+
+if TYPE_CHECKING:
+    from splitserve.services.engine.kv_tiers.tiers import KVTiers
 
 
 @dataclass(slots=True)
@@ -81,8 +85,9 @@ class TransferHold:
 
 class Scheduler:
     def __init__(self, pool: BlockPool, max_num_batched_tokens: int, max_num_seqs: int,
-                 extra_key: bytes = b""):
+                 extra_key: bytes = b"", tiers: KVTiers | None = None):
         self.pool = pool
+        self.tiers = tiers              # host/disk tiers below the pool (kv_tiers/), or None
         self.block_size = pool.block_size
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
@@ -95,6 +100,7 @@ class Scheduler:
         self.transfer_owned: dict[str, TransferHold] = {}
         self.num_preemptions = 0
         self.num_prefix_hit_tokens = 0
+        self.num_tier_hit_tokens = 0        # of those, loaded back from a lower tier
         # Copy-on-write copies not yet run; both blocks hold an extra reference until then, so
         # neither can be reused (or written by a transfer) before the copy reads or writes it.
         self.pending_copies: list[tuple[int, int]] = []
@@ -130,6 +136,7 @@ class Scheduler:
         """Reserve blocks for the whole prompt (reusing cached prefix blocks); None if full.
         With `seq.transfer` RECEIVE, giving it up leaves the granted blocks to the transfer."""
         hits = self._prefix_hits(seq, allow_full=True)
+        lower = self._lower_tier_hits(seq, len(hits), len(seq.prompt_token_ids) // self.block_size)
         num_new = self._blocks_for(len(seq.prompt_token_ids)) - len(hits)
         self.pool.take_refs(hits)
         new_ids = self.pool.allocate(num_new, after=hits[-1] if hits else None)
@@ -138,7 +145,8 @@ class Scheduler:
             return None
         seq.block_ids = hits + new_ids
         seq.num_cached_blocks = len(hits)
-        seq.num_prefix_hit_tokens = len(hits) * self.block_size
+        self._load_lower(seq, lower)
+        seq.num_prefix_hit_tokens = seq.num_cached_blocks * self.block_size
         self.num_prefix_hit_tokens += seq.num_prefix_hit_tokens
         seq.status = SequenceStatus.REMOTE_PREFILL
         self.remote[seq.request_id] = seq
@@ -232,10 +240,11 @@ class Scheduler:
             while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
                 seq = self.waiting[0]
                 hits = self._prefix_hits(seq, allow_full=False)
-                if len(hits) < len(seq.block_hashes) and seq.block_hashes[len(hits)] in pending:
+                lower = self._lower_tier_hits(seq, len(hits), self._max_hits(seq))
+                if len(hits) + lower < len(seq.block_hashes) and seq.block_hashes[len(hits) + lower] in pending:
                     held.append(self.waiting.popleft())
                     continue
-                start = len(hits) * self.block_size
+                start = (len(hits) + lower) * self.block_size
                 n = min(seq.num_tokens - start, budget)
                 self.pool.take_refs(hits)
                 new_ids = self.pool.allocate(self._blocks_for(start + n) - len(hits),
@@ -246,6 +255,12 @@ class Scheduler:
                 self.waiting.popleft()
                 seq.block_ids = hits + new_ids
                 seq.num_cached_blocks = len(hits)
+                if lower:
+                    # A block that fails its check is recomputed: the chunk starts there instead
+                    # (the blocks allocated cover that too: fewer loaded means no more blocks).
+                    self._load_lower(seq, lower)
+                    start = seq.num_cached_blocks * self.block_size
+                    n = min(seq.num_tokens - start, budget)
                 seq.num_computed_tokens = start
                 seq.num_prefix_hit_tokens += start
                 self.num_prefix_hit_tokens += start
@@ -370,12 +385,34 @@ class Scheduler:
         tokens = seq.all_token_ids
         seq.block_hashes = block_hashes(tokens, self.block_size, self.hash_key(seq), seq.block_hashes)
         hits = self.pool.cached_prefix(seq.block_hashes)
-        if not allow_full and seq.needs_prompt_logits:
-            return []
         if not allow_full:
-            # At least one token must be computed to produce logits for sampling.
-            hits = hits[:(len(tokens) - 1) // self.block_size]
+            hits = hits[:self._max_hits(seq)]
         return hits
+
+    def _max_hits(self, seq: Sequence) -> int:
+        """Leading blocks a local prefill may take from a cache: none where the prompt's logits are
+        wanted, and never the last token (it must be computed to sample from its logits)."""
+        return 0 if seq.needs_prompt_logits else (seq.num_tokens - 1) // self.block_size
+
+    def _lower_tier_hits(self, seq: Sequence, num_hits: int, limit: int) -> int:
+        """Blocks after the pool's hits that a lower tier holds (looked up, not yet read)."""
+        if self.tiers is None or not self.pool.enable_prefix_caching or num_hits >= limit:
+            return 0
+        return self.tiers.lookup(seq.block_hashes[num_hits:limit])
+
+    def _load_lower(self, seq: Sequence, lower: int) -> None:
+        """Load up to `lower` blocks after the cached ones into the sequence's next (new) blocks,
+        register them in the pool's prefix cache and count them as cached."""
+        if not lower:
+            return
+        first = seq.num_cached_blocks
+        loaded = self.tiers.load(seq.block_hashes[first:first + lower], seq.block_ids[first:first + lower])
+        tokens = seq.all_token_ids
+        for b in range(first, first + loaded):
+            self.pool.cache_block(seq.block_ids[b], seq.block_hashes[b], seq.block_hashes[b - 1] if b else None,
+                                  tokens[b * self.block_size:(b + 1) * self.block_size])
+        seq.num_cached_blocks = first + loaded
+        self.num_tier_hit_tokens += loaded * self.block_size
 
     def _enqueue_waiting(self, seq: Sequence) -> None:
         if not self.waiting or self.waiting[-1].arrival < seq.arrival:

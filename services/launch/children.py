@@ -8,6 +8,7 @@ token) go by environment, never on a command line that `ps` shows.
 from __future__ import annotations
 
 import argparse
+import os
 
 from splitserve.services.launch.plan import PlannedWorker, default_served_name
 
@@ -22,6 +23,10 @@ def engine_argv(args: argparse.Namespace, model: str) -> list[str]:
             "--max-num-seqs", str(args.max_num_seqs), "--attention-backend", args.attention_backend]
     if args.threads is not None:        # serve fills it in (plan.default_threads)
         argv += ["--threads", str(args.threads)]
+    if args.kv_host_gib:
+        argv += ["--kv-host-gib", str(args.kv_host_gib)]
+    if args.kv_disk_gib:
+        argv += ["--kv-disk-gib", str(args.kv_disk_gib), "--kv-disk-path", str(args.kv_disk_path)]
     return argv
 
 
@@ -29,6 +34,8 @@ def worker_argv(args: argparse.Namespace, name: str, role: str, port: int, model
                 cores: str | None = None) -> list[str]:
     argv = ["worker", "--role", role, "--port", str(port), "--worker-id", name, "--drain-timeout", str(DRAIN_S),
             *engine_argv(args, model)]
+    if args.kv_disk_gib:        # each worker's disk tier in a folder of its own under the given one
+        argv[argv.index("--kv-disk-path") + 1] = os.path.join(args.kv_disk_path, name)
     if cores:
         argv += ["--cpu-cores", cores]
     if role != "both":

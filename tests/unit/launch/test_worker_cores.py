@@ -33,7 +33,7 @@ def test_the_worker_command_line_carries_its_cores():
                               max_num_batched_tokens=2048, max_num_seqs=64, threads=None, attention_backend="auto",
                               transfer="auto",
                               remote_prefill_threshold=64, prefill_timeout=30.0, tls_ca=None,
-                              tls_internal_cert=None)
+                              tls_internal_cert=None, kv_host_gib=0.0, kv_disk_gib=0.0, kv_disk_path=None)
     argv = worker_argv(args, "decode-0", "decode", 5000, "m", "3")
     assert argv[argv.index("--cpu-cores") + 1] == "3"
     assert "--cpu-cores" not in worker_argv(args, "decode-0", "decode", 5000, "m")
@@ -43,7 +43,22 @@ def test_the_attention_backend_reaches_every_worker():
     args = argparse.Namespace(device="cpu", dtype="auto", tp=1, block_size=16, kv_cache_gib=1.0,
                               max_num_batched_tokens=2048, max_num_seqs=64, threads=None,
                               attention_backend="gather", transfer="auto", remote_prefill_threshold=64,
-                              prefill_timeout=30.0, tls_ca=None, tls_internal_cert=None)
+                              prefill_timeout=30.0, tls_ca=None, tls_internal_cert=None,
+                              kv_host_gib=0.0, kv_disk_gib=0.0, kv_disk_path=None)
     for role in ("prefill", "decode", "both"):
         argv = worker_argv(args, "w", role, 5000, "m")
         assert argv[argv.index("--attention-backend") + 1] == "gather"
+
+
+def test_kv_tiers_reach_every_worker_each_with_its_own_disk_folder():
+    from splitserve.services.cli.parsers import build_parser
+
+    args = build_parser().parse_args(["serve", "--kv-host-gib", "2", "--kv-disk-gib", "8",
+                                      "--kv-disk-path", "/var/kv"])
+    for name, role in (("prefill-0", "prefill"), ("decode-0", "decode")):
+        argv = worker_argv(args, name, role, 5000, "m")
+        assert argv[argv.index("--kv-host-gib") + 1] == "2.0"
+        assert argv[argv.index("--kv-disk-gib") + 1] == "8.0"
+        assert argv[argv.index("--kv-disk-path") + 1] == f"/var/kv/{name}"
+    off = worker_argv(build_parser().parse_args(["serve"]), "w", "both", 5000, "m")
+    assert "--kv-host-gib" not in off and "--kv-disk-path" not in off

@@ -1,0 +1,57 @@
+"""The framing of one KV block outside the device pool: layout key, length and checksum.
+
+A block written to a lower tier (or, later, fetched from another process) is trusted only if
+its layout key matches the reader's (same model, dtype, block size, KV heads, TP shard: a
+foreign block would be wrong tokens, not an error), its length is the reader's block size in
+bytes, and its CRC-32 matches. CRC-32 guards against torn writes and bit rot, not an attacker:
+0.34 ms for a 720 KiB SmolLM2 block on the 2-core EPYC against 0.70 ms for SHA-256 (the block's
+identity is already its chained content hash).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+import zlib
+
+MAGIC = b"SSKVBLK1"
+HEADER = struct.Struct("<8s16sQI")       # magic, layout key, payload bytes, CRC-32 of the payload
+
+
+class BlockRejected(Exception):
+    """A block that must not be used; `reason` is a metric label (truncated, corrupt, foreign_layout)."""
+
+    def __init__(self, reason: str, detail: str):
+        super().__init__(f"{reason}: {detail}")
+        self.reason = reason
+
+
+def layout_key(description: str) -> bytes:
+    """16 bytes naming a block layout (model identity, dtype, shape, TP shard)."""
+    return hashlib.sha256(description.encode()).digest()[:16]
+
+
+def checksum(payload) -> int:
+    return zlib.crc32(payload)
+
+
+def encode_header(layout: bytes, payload) -> bytes:
+    return HEADER.pack(MAGIC, layout, len(payload), checksum(payload))
+
+
+def decode(data, layout: bytes, expected_bytes: int) -> memoryview:
+    """The payload of a framed block, or BlockRejected."""
+    view = memoryview(data)
+    if len(view) < HEADER.size:
+        raise BlockRejected("truncated", f"{len(view)} bytes, shorter than the header")
+    magic, key, size, crc = HEADER.unpack_from(view)
+    if magic != MAGIC:
+        raise BlockRejected("corrupt", "bad magic")
+    if key != layout:
+        raise BlockRejected("foreign_layout", f"layout {key.hex()} is not {layout.hex()}")
+    payload = view[HEADER.size:]
+    if size != expected_bytes or len(payload) != size:
+        raise BlockRejected("truncated", f"{len(payload)} payload bytes, header {size}, expected {expected_bytes}")
+    if checksum(payload) != crc:
+        raise BlockRejected("corrupt", "checksum mismatch")
+    return payload

@@ -1,0 +1,168 @@
+"""The tiers below one engine's pool, as the scheduler sees them: write down, look up, load back.
+
+Write-down: when the block pool evicts cached full blocks to reuse them, `write_down` copies
+each one (every layer, K and V) into the host tier before the pool hands the block out again;
+the host tier's own LRU victims go to the disk tier, whose writes happen behind the engine.
+Load: for a prompt whose next blocks (after the device hits) are in a lower tier, `load`
+copies them into blocks the scheduler just allocated, verifying each; the first block that
+fails (corrupt, truncated, foreign, unreadable) ends the run, and it and everything after it
+are recomputed. Tiers are inclusive: a block loaded back stays in its tier too.
+
+Every change is a KV event with its tier (BlockStored/BlockRemoved{tier}), so the router's
+index knows what each worker holds where.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+
+import torch
+
+from splitserve.services.engine.kv_cache import KVCache
+from splitserve.services.engine.kv_events import KVEventLog
+from splitserve.services.engine.kv_tiers.block_codec import BlockRejected
+from splitserve.services.engine.kv_tiers.disk_tier import DiskTier
+from splitserve.services.engine.kv_tiers.host_tier import HostTier
+
+GIB = 1 << 30
+
+
+@dataclass(frozen=True, slots=True)
+class TierConfig:
+    host_gib: float = 0.0
+    disk_gib: float = 0.0
+    disk_path: str | None = None
+
+    @property
+    def enabled(self) -> bool:
+        return self.host_gib > 0 or (self.disk_gib > 0 and bool(self.disk_path))
+
+
+@dataclass(slots=True)
+class TierStats:
+    hits: Counter = field(default_factory=Counter)            # tier -> blocks loaded back
+    bytes_loaded: Counter = field(default_factory=Counter)    # tier -> bytes
+    load_seconds: Counter = field(default_factory=Counter)    # tier -> seconds spent loading
+    written_down: Counter = field(default_factory=Counter)    # tier -> blocks stored
+    evicted: Counter = field(default_factory=Counter)         # tier -> blocks evicted from it
+    rejected: Counter = field(default_factory=Counter)        # reason -> blocks dropped on load
+
+
+class KVTiers:
+    def __init__(self, kv: KVCache, layout: bytes, config: TierConfig, events: KVEventLog):
+        self.kv = kv
+        self.events = events
+        self.block_shape = (kv.tensor.shape[0], 2, *kv.tensor.shape[3:])     # [layers, 2, bs, kv_heads, d]
+        dtype = kv.tensor.dtype
+        self.block_bytes = kv.tensor[:, :, 0].numel() * kv.tensor.element_size()
+        on_cuda = kv.tensor.device.type == "cuda"
+        self.host = HostTier(int(config.host_gib * GIB) // self.block_bytes, self.block_shape, dtype,
+                             pin_memory=on_cuda)
+        self.disk = (DiskTier(config.disk_path, int(config.disk_gib * GIB), layout, self.block_bytes)
+                     if config.disk_gib > 0 and config.disk_path else None)
+        self.stats = TierStats()
+        # Blocks the scheduler found below and is about to load: the write-down that the same
+        # admission's allocation causes must not push them out first.
+        self._loading: frozenset[bytes] = frozenset()
+
+    # -- down ----------------------------------------------------------------------
+    def write_down(self, blocks: list[tuple[int, bytes]]) -> None:
+        """Device blocks (id, hash) the pool is about to reuse: keep their contents below."""
+        if not blocks:
+            return
+        self._collect_dropped()
+        ids = torch.tensor([b for b, _ in blocks], dtype=torch.long, device=self.kv.tensor.device)
+        data = self.kv.tensor.index_select(2, ids).movedim(2, 0).cpu()        # [n, layers, 2, bs, kvh, d]
+        for (_, block_hash), block in zip(blocks, data):
+            if self.host.capacity:
+                fresh = block_hash not in self.host
+                for old_hash, payload in self.host.put(block_hash, block, self._loading):
+                    self.events.removed((old_hash,), tier="host")
+                    self.stats.evicted["host"] += 1
+                    self._to_disk(old_hash, payload)
+                if fresh and block_hash in self.host:
+                    self.events.stored((block_hash,), None, (), tier="host")
+                    self.stats.written_down["host"] += 1
+            elif self.disk is not None:
+                self._to_disk(block_hash, block.contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+
+    def _to_disk(self, block_hash: bytes, payload: bytes) -> None:
+        if self.disk is None:
+            return
+        fresh = block_hash not in self.disk
+        for old in self.disk.put(block_hash, payload, self._loading):
+            self.events.removed((old,), tier="disk")
+            self.stats.evicted["disk"] += 1
+        if fresh and block_hash in self.disk:
+            self.events.stored((block_hash,), None, (), tier="disk")
+            self.stats.written_down["disk"] += 1
+
+    def _collect_dropped(self) -> None:
+        if self.disk is not None:
+            dropped = self.disk.take_dropped()
+            if dropped:
+                self.events.removed(tuple(dropped), tier="disk")
+
+    # -- up ------------------------------------------------------------------------
+    def lookup(self, block_hashes: list[bytes]) -> int:
+        """How many of these leading hashes a lower tier holds (no I/O). They stay protected from
+        the host tier's eviction until `load`."""
+        n = 0
+        for h in block_hashes:
+            if h not in self.host and (self.disk is None or h not in self.disk):
+                break
+            n += 1
+        self._loading = frozenset(block_hashes[:n])
+        return n
+
+    def load(self, block_hashes: list[bytes], block_ids: list[int]) -> int:
+        """Copy these blocks into the device blocks `block_ids`, in order, verifying each; the
+        number loaded (the run stops at the first block that is missing or fails)."""
+        self._collect_dropped()
+        self._loading = frozenset()
+        loaded = 0
+        for block_hash, block_id in zip(block_hashes, block_ids):
+            start = time.perf_counter()
+            tier, block = self._read(block_hash)
+            if block is None:
+                break
+            self.kv.tensor[:, :, block_id].copy_(block, non_blocking=True)
+            self.stats.hits[tier] += 1
+            self.stats.bytes_loaded[tier] += self.block_bytes
+            self.stats.load_seconds[tier] += time.perf_counter() - start
+            loaded += 1
+        return loaded
+
+    def _read(self, block_hash: bytes) -> tuple[str, torch.Tensor | None]:
+        try:
+            block = self.host.get(block_hash)
+            if block is not None:
+                return "host", block
+        except BlockRejected as exc:
+            self.stats.rejected[exc.reason] += 1
+            self.events.removed((block_hash,), tier="host")
+        if self.disk is None:
+            return "disk", None
+        try:
+            payload = self.disk.get(block_hash)
+        except BlockRejected as exc:
+            self.stats.rejected[exc.reason] += 1
+            self.events.removed((block_hash,), tier="disk")
+            return "disk", None
+        if payload is None:
+            return "disk", None
+        block = torch.frombuffer(bytearray(payload), dtype=self.kv.tensor.dtype).view(self.block_shape)
+        return "disk", block
+
+    # -- all -----------------------------------------------------------------------
+    def clear(self) -> None:
+        """Forget every block (the weights changed); the pool's AllCleared covers the events."""
+        self.host.clear()
+        if self.disk is not None:
+            self.disk.clear()
+
+    def close(self) -> None:
+        if self.disk is not None:
+            self.disk.close()
