@@ -1,10 +1,13 @@
-"""Pieces the benchmark scripts share: rerunning noisy measurements, stopping a server's process group."""
+"""Pieces the benchmark scripts share: rerunning noisy measurements, waiting for and stopping a
+server's process group, the machine's CPU load."""
 
 from __future__ import annotations
 
 import os
 import signal
 import subprocess
+import time
+import urllib.request
 from pathlib import Path
 from collections.abc import Callable
 from typing import TypeVar
@@ -23,6 +26,22 @@ def quietest(run: Callable[[int], R], noise: Callable[[R], float], retries: int,
         if noise(result) <= max_noise:
             break
     return best
+
+
+def wait_ready(url: str, proc: subprocess.Popen, timeout: float) -> None:
+    """Poll `url` until it answers 200; RuntimeError if `proc` exits first or `timeout` passes."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode} before it was ready")
+        try:
+            with urllib.request.urlopen(url, timeout=2) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(0.5)
+    raise RuntimeError(f"server not ready after {timeout:.0f} s")
 
 
 def stop_group(proc: subprocess.Popen, wait_s: float) -> None:

@@ -41,14 +41,14 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+import psutil
 from rich.console import Console
 from rich.table import Table
 
-from bench_support import machine_jiffies, quietest, stop_group
+from bench_support import machine_jiffies, quietest, stop_group, wait_ready
 from splitserve.hardware import write_report
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -78,31 +78,20 @@ class RunResult:
 
 
 # -- CPU accounting ------------------------------------------------------------------------
-def _proc_jiffies(pid: int) -> int:
+def _tree_cpu_s(root: int) -> dict[int, float]:
+    """CPU seconds (user + system, with reaped children's) of each process in `root`'s tree."""
     try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return 0
-    fields = stat[stat.rindex(")") + 2:].split()
-    return int(fields[11]) + int(fields[12]) + int(fields[13]) + int(fields[14])   # utime stime cutime cstime
-
-
-def _tree(root: int) -> list[int]:
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
+        top = psutil.Process(root)
+        procs = [top, *top.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return {}
+    out = {}
+    for proc in procs:
         try:
-            stat = Path(f"/proc/{entry}/stat").read_text()
-        except OSError:
-            continue
-        ppid = int(stat[stat.rindex(")") + 2:].split()[1])
-        children.setdefault(ppid, []).append(int(entry))
-    out, todo = [], [root]
-    while todo:
-        pid = todo.pop()
-        out.append(pid)
-        todo.extend(children.get(pid, []))
+            t = proc.cpu_times()
+        except psutil.NoSuchProcess:
+            continue                   # ended meanwhile
+        out[proc.pid] = t.user + t.system + t.children_user + t.children_system
     return out
 
 
@@ -113,19 +102,14 @@ class CpuMeter:
         self.server_pid = server_pid
         self.hz = os.sysconf("SC_CLK_TCK")
 
-    def _server(self) -> dict[int, int]:
-        return {pid: _proc_jiffies(pid) for pid in _tree(self.server_pid)}
-
     def start(self) -> None:
-        self.t0, self.busy0, self.server0 = time.monotonic(), machine_jiffies()[0], self._server()
+        self.t0, self.busy0, self.server0 = time.monotonic(), machine_jiffies()[0], _tree_cpu_s(self.server_pid)
 
-    def stop(self, client_jiffies: int) -> tuple[float, float, float]:
+    def stop(self, client_s: float) -> tuple[float, float, float]:
         elapsed = time.monotonic() - self.t0
-        busy = machine_jiffies()[0] - self.busy0
-        server_now = self._server()
-        server = sum(j - self.server0.get(pid, 0) for pid, j in server_now.items())
-        to_cores = lambda j: j / self.hz / elapsed  # noqa: E731
-        return to_cores(max(busy - server - client_jiffies, 0)), to_cores(server), to_cores(client_jiffies)
+        busy_s = (machine_jiffies()[0] - self.busy0) / self.hz
+        server_s = sum(s - self.server0.get(pid, 0.0) for pid, s in _tree_cpu_s(self.server_pid).items())
+        return max(busy_s - server_s - client_s, 0.0) / elapsed, server_s / elapsed, client_s / elapsed
 
 
 # -- servers -----------------------------------------------------------------------------
@@ -148,21 +132,6 @@ def _server_command(name: str, model_dir: str, port: int, vllm_script: str | Non
     if name == "splitserve-agg2":
         cmd += ["--workers", "2"]
     return cmd
-
-
-def _wait_ready(url: str, proc: subprocess.Popen, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited with {proc.returncode} before it was ready")
-        try:
-            with urllib.request.urlopen(f"{url}/v1/models", timeout=2) as r:
-                if r.status == 200:
-                    return
-        except OSError:
-            pass
-        time.sleep(0.5)
-    raise RuntimeError(f"server not ready after {timeout:.0f} s")
 
 
 # -- one client run --------------------------------------------------------------------------
@@ -194,7 +163,7 @@ def run_one(server: str, url: str, meter: CpuMeter, input_len: int, output_len: 
     meter.start()
     summary = _bench(url, input_len, output_len, concurrency, requests, seed, out)
     client_s = _children_cpu_s() - client0
-    foreign, server_cores, client_cores = meter.stop(int(client_s * meter.hz))
+    foreign, server_cores, client_cores = meter.stop(client_s)
     dist = lambda key, q: (summary.get(key) or {}).get(q)  # noqa: E731
     return RunResult(
         server=server, input_len=input_len, output_len=output_len, concurrency=concurrency,
@@ -219,7 +188,7 @@ def bench_server(server: str, model_dir: str, shapes: list[tuple[int, int]], con
                             start_new_session=True, env=env)
     results: list[RunResult] = []
     try:
-        _wait_ready(url, proc, args.ready_timeout)
+        wait_ready(f"{url}/v1/models", proc, args.ready_timeout)
         startup = time.monotonic() - t0
         console.print(f"[bold]{server}[/] ready in {startup:.1f} s")
         meter = CpuMeter(proc.pid)

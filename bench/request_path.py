@@ -30,6 +30,7 @@ from pathlib import Path
 import httpx
 import psutil
 
+from bench_support import wait_ready
 from splitserve.hardware import cpu_model
 
 REPO = Path(__file__).resolve().parents[1]
@@ -48,20 +49,6 @@ def role_of(argv: list[str]) -> str:
     if "--role" in argv:
         return f"{argv[argv.index('--role') + 1]} worker"
     return " ".join(argv[-2:])
-
-
-def _wait_ready(url: str, proc: subprocess.Popen, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise SystemExit(f"splitserve serve exited with {proc.returncode}")
-        try:
-            if httpx.get(url, timeout=1).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    raise SystemExit("not ready in time")
 
 
 def _chat(base: str, content: str) -> str:
@@ -87,7 +74,7 @@ def trace(model: Path, port: int, trace_dir: Path) -> list[dict]:
                             start_new_session=True)
     base = f"http://127.0.0.1:{port}"
     try:
-        _wait_ready(f"{base}/ready", proc, 300)
+        wait_ready(f"{base}/ready", proc, 300)
         prompt = " ".join(f"word{i}" for i in range(150))          # > the 64-token remote-prefill threshold
         _chat(base, "warm up " + prompt)
         children = psutil.Process(proc.pid).children(recursive=True)

@@ -14,6 +14,8 @@ import hashlib
 import struct
 import zlib
 
+import torch
+
 MAGIC = b"SSKVBLK1"
 HEADER = struct.Struct("<8s16sQI")       # magic, layout key, payload bytes, CRC-32 of the payload
 
@@ -29,6 +31,11 @@ class BlockRejected(Exception):
 def layout_key(description: str) -> bytes:
     """16 bytes naming a block layout (model identity, dtype, shape, TP shard)."""
     return hashlib.sha256(description.encode()).digest()[:16]
+
+
+def as_bytes(block: torch.Tensor) -> memoryview:
+    """The raw bytes of a contiguous CPU tensor, without a copy."""
+    return memoryview(block.view(-1).view(torch.uint8).numpy())
 
 
 def checksum(payload) -> int:

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from splitserve.services.engine.kv_tiers.block_codec import BlockRejected, checksum
+from splitserve.services.engine.kv_tiers.block_codec import BlockRejected, as_bytes, checksum
 
 
 @dataclass(slots=True)
@@ -40,9 +40,6 @@ class HostTier:
     def __len__(self) -> int:
         return len(self.entries)
 
-    def _bytes(self, slot: int) -> memoryview:
-        return memoryview(self.slots[slot].view(-1).view(torch.uint8).numpy())
-
     def put(self, block_hash: bytes, block: torch.Tensor,
             keep: frozenset[bytes] = frozenset()) -> list[tuple[bytes, bytes]]:
         """Keep a copy of `block`; returns the blocks evicted to make room, as (hash, payload bytes).
@@ -60,11 +57,11 @@ class HostTier:
             if victim is None:
                 return []
             old = self.entries.pop(victim)
-            evicted.append((victim, bytes(self._bytes(old.slot))))
+            evicted.append((victim, bytes(as_bytes(self.slots[old.slot]))))
             self.free_slots.append(old.slot)
         slot = self.free_slots.pop()
         self.slots[slot].copy_(block)
-        self.entries[block_hash] = HostEntry(slot, checksum(self._bytes(slot)))
+        self.entries[block_hash] = HostEntry(slot, checksum(as_bytes(self.slots[slot])))
         return evicted
 
     def get(self, block_hash: bytes) -> torch.Tensor | None:
@@ -73,7 +70,7 @@ class HostTier:
         entry = self.entries.get(block_hash)
         if entry is None:
             return None
-        if checksum(self._bytes(entry.slot)) != entry.crc:
+        if checksum(as_bytes(self.slots[entry.slot])) != entry.crc:
             self.discard(block_hash)
             raise BlockRejected("corrupt", f"host block {block_hash.hex()[:12]} changed since it was stored")
         self.entries.move_to_end(block_hash)

@@ -22,7 +22,7 @@ import torch
 
 from splitserve.services.engine.kv_cache import KVCache
 from splitserve.services.engine.kv_events import KVEventLog
-from splitserve.services.engine.kv_tiers.block_codec import BlockRejected
+from splitserve.services.engine.kv_tiers.block_codec import BlockRejected, as_bytes
 from splitserve.services.engine.kv_tiers.disk_tier import DiskTier
 from splitserve.services.engine.kv_tiers.host_tier import HostTier
 
@@ -73,9 +73,8 @@ class KVTiers:
         if not blocks:
             return
         self._collect_dropped()
-        ids = torch.tensor([b for b, _ in blocks], dtype=torch.long, device=self.kv.tensor.device)
-        data = self.kv.tensor.index_select(2, ids).movedim(2, 0).cpu()        # [n, layers, 2, bs, kvh, d]
-        for (_, block_hash), block in zip(blocks, data):
+        for block_id, block_hash in blocks:
+            block = self.kv.tensor[:, :, block_id]                  # [layers, 2, bs, kv_heads, d], strided
             if self.host.capacity:
                 fresh = block_hash not in self.host
                 for old_hash, payload in self.host.put(block_hash, block, self._loading):
@@ -86,7 +85,7 @@ class KVTiers:
                     self.events.stored((block_hash,), None, (), tier="host")
                     self.stats.written_down["host"] += 1
             elif self.disk is not None:
-                self._to_disk(block_hash, block.contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+                self._to_disk(block_hash, bytes(as_bytes(block.contiguous().cpu())))
 
     def _to_disk(self, block_hash: bytes, payload: bytes) -> None:
         if self.disk is None:
