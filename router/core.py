@@ -47,6 +47,13 @@ DEFAULT_SPEC = WorkerSpec()
 MAX_CACHED_CHAINS = 1024       # prompts whose hash chains are kept until their request finishes
 PREDICTION_TTL_S = 10.0        # an unconfirmed prediction's life: far longer than a prefill plus the event's trip
 EXPIRE_RUNS_PER_ROUTE = 2      # lapsed predict() runs a decision clears (it adds 1, or 2 with a remote prefill)
+# A block in a worker's lower tier counts as this share of a device hit (policies/kv.py): at most
+# 1 - load time / recompute time. Measured on the 2-core EPYC, SmolLM2, 720 KiB blocks, one
+# thread (the engine's tier stats over a load-back): a block's prefill ~59 ms, a load 0.28 ms from
+# the host tier and 0.84 ms from a disk file in the page cache (copy + CRC-32), so ~0.99 for both.
+# The defaults stay well below: a GPU recomputes a block far faster than it reads one from disk,
+# a disk read can miss the page cache, and a device hit should keep its edge (no load, no churn).
+DEFAULT_TIER_CREDIT = {"host": 0.9, "disk": 0.6}
 
 
 @dataclass(slots=True, frozen=True)
@@ -60,8 +67,10 @@ class RouterCore:
     def __init__(self, decode_policy: Policy, prefill_policy: Policy, index: KvIndex | None = None,
                  load: LoadTracker | None = None, remote_prefill_threshold: int = 64,
                  metrics: RouterMetrics | None = None, prediction_ttl_s: float = PREDICTION_TTL_S,
-                 clock: Callable[[], float] = time.monotonic, predict: bool = True):
+                 clock: Callable[[], float] = time.monotonic, predict: bool = True,
+                 tier_credit: dict[str, float] | None = None):
         self.decode_policy = decode_policy
+        self.tier_credit = {**DEFAULT_TIER_CREDIT, **(tier_credit or {})}
         self.prefill_policy = prefill_policy
         self.index = index or KvIndex()
         self.load = load or LoadTracker()
@@ -119,18 +128,32 @@ class RouterCore:
             return CandidateTable([], [], [], [], []), len(token_ids) // DEFAULT_SPEC.block_size
         specs = self.specs
         first = specs.get(worker_ids[0], DEFAULT_SPEC)
-        if self._one_spec is first and all(map(specs.__contains__, worker_ids)):   # the usual case
+        tiered = self.index.has_lower_tiers()
+        credit = None
+        if self._one_spec is first and all(map(specs.__contains__, worker_ids)) and not tiered:   # the usual case
             hashes = self._chain(request_id, token_ids, first, cache_salt)
             overlaps = self.index.overlaps(hashes)
             overlap = list(map(overlaps.get, worker_ids, repeat(0))) if overlaps else [0] * len(worker_ids)
             pending, decode = self.load.columns(worker_ids, first.block_size)
         else:
             wspecs = [specs.get(w, DEFAULT_SPEC) for w in worker_ids]
-            by_spec = {s: self.index.overlaps(self._chain(request_id, token_ids, s, cache_salt)) for s in set(wspecs)}
-            overlap = [by_spec[s].get(w, 0) for w, s in zip(worker_ids, wspecs)]
+            walk = self._tiered_overlaps if tiered else self.index.overlaps
+            by_spec = {s: walk(self._chain(request_id, token_ids, s, cache_salt)) for s in set(wspecs)}
+            if tiered:
+                overlap = [by_spec[s].get(w, (0, 0.0))[0] for w, s in zip(worker_ids, wspecs)]
+                credit = [by_spec[s].get(w, (0, 0.0))[1] for w, s in zip(worker_ids, wspecs)]
+            else:
+                overlap = [by_spec[s].get(w, 0) for w, s in zip(worker_ids, wspecs)]
             hashes = self._chain(request_id, token_ids, first, cache_salt)
             pending, decode = self.load.columns(worker_ids, [s.block_size for s in wspecs])
-        return CandidateTable(worker_ids, overlap, pending, decode, self.index.num_held(worker_ids)), len(hashes)
+        return (CandidateTable(worker_ids, overlap, pending, decode, self.index.num_held(worker_ids), credit),
+                len(hashes))
+
+    def _tiered_overlaps(self, hashes: list[bytes]) -> dict[str, tuple[int, float]]:
+        """worker id -> (leading blocks on its device, credit for the blocks after them in its tiers)."""
+        host, disk = self.tier_credit.get("host", 0.0), self.tier_credit.get("disk", 0.0)
+        return {w: (d, host * (dh - d) + disk * (dhk - dh))
+                for w, (d, dh, dhk) in self.index.tiered_overlaps(hashes).items()}
 
     def route(self, request_id: str, token_ids: list[int], decode_ids: list[str],
               prefill_ids: list[str], cache_salt: str = "") -> RouteDecision | None:

@@ -23,6 +23,14 @@ or the worker evicted it before publishing) it expires at its deadline,
 dropped by `expire(now)`, which the router calls before each walk. Predicting
 a block again moves its deadline later. Deadlines are absolute times from the
 caller's clock, so tests step time instead of sleeping.
+
+Lower tiers. A worker with KV tiers (engine/kv_tiers/) also reports the blocks it keeps in
+host memory and on disk (BlockStored/BlockRemoved with tier "host" or "disk"). Those go to
+separate holder maps (`apply_tier`), on the same worker bits: they never count as device
+blocks and a host eviction never removes a device entry. `tiered_overlaps` walks the chain
+three times, over device, device ∪ host and device ∪ host ∪ disk holders, and returns the
+leading run each worker holds on each; the policy credits the blocks beyond the device run at
+the tier's discount (policies/kv.py).
 """
 
 from __future__ import annotations
@@ -33,6 +41,7 @@ from itertools import islice, repeat
 
 
 STORED, REMOVED, CLEARED = 1, 2, 3      # event kinds for KvIndex.apply
+LOWER_TIERS = ("host", "disk")          # below the device pool, nearest first
 
 
 class KvIndex:
@@ -44,6 +53,9 @@ class KvIndex:
         self._bits: dict[str, int] = {}               # worker id -> its bit (1 << position)
         self._names: list[str | None] = []            # position -> worker id
         self._free: list[int] = []                    # released positions, reused first
+        # Lower tiers: tier -> block hash -> mask of worker bits, and (worker id, tier) -> hashes.
+        self._tier_holders: dict[str, dict[bytes, int]] = {t: {} for t in LOWER_TIERS}
+        self._tier_blocks: dict[tuple[str, str], set[bytes]] = {}
 
     # -- worker bits ---------------------------------------------------------------
     def _bit(self, worker_id: str) -> int:
@@ -66,11 +78,7 @@ class KvIndex:
             self._free.append(pos)
 
     def _drop(self, h: bytes, keep: int) -> None:
-        m = self._holders[h] & keep
-        if m:
-            self._holders[h] = m
-        else:
-            del self._holders[h]
+        _narrow(self._holders, h, keep)
 
     # -- updates from the worker's events --------------------------------------------
     def stored(self, worker_id: str, block_hashes: Iterable[bytes]) -> None:
@@ -80,14 +88,20 @@ class KvIndex:
         self.apply(worker_id, [(REMOVED, block_hashes)])
 
     def clear_worker(self, worker_id: str) -> None:
-        """AllCleared, a snapshot's reset, or a worker leaving routing: stored and predicted entries go."""
+        """AllCleared, a snapshot's reset, or a worker leaving routing: stored and predicted entries
+        go, in every tier."""
         mine = self._blocks.pop(worker_id, None)
         predicted = self._predicted.pop(worker_id, None)
-        if mine or predicted:
+        lower = {t: self._tier_blocks.pop((worker_id, t), None) for t in LOWER_TIERS}
+        if mine or predicted or any(lower.values()):
             keep = ~self._bits[worker_id]
             for hashes in (mine or (), predicted or ()):
                 for h in hashes:
                     self._drop(h, keep)
+            for tier, hashes in lower.items():
+                holders = self._tier_holders[tier]
+                for h in hashes or ():
+                    _narrow(holders, h, keep)
         self._release(worker_id)
 
     def apply(self, worker_id: str, ops: Iterable[tuple[int, Iterable[bytes]]]) -> None:
@@ -129,6 +143,26 @@ class KvIndex:
                 keep = ~bit
                 mine = self._blocks[worker_id] = set()
                 predicted = {}
+
+    def apply_tier(self, worker_id: str, tier: str, kind: int, block_hashes: Iterable[bytes]) -> None:
+        """A lower tier's BlockStored (STORED) or BlockRemoved (REMOVED); unknown tiers are ignored."""
+        holders = self._tier_holders.get(tier)
+        if holders is None:
+            return
+        bit = self._bit(worker_id)
+        if worker_id not in self._blocks:
+            self._blocks[worker_id] = set()      # the worker is known (its bit stays) even with no device blocks
+        mine = self._tier_blocks.setdefault((worker_id, tier), set())
+        if kind == STORED:
+            for h in block_hashes:
+                if h not in mine:
+                    mine.add(h)
+                    holders[h] = holders.get(h, 0) | bit
+        elif kind == REMOVED:
+            for h in block_hashes:
+                if h in mine:
+                    mine.discard(h)
+                    _narrow(holders, h, ~bit)
 
     # -- predictions from the router's own decisions -----------------------------------
     def predict(self, worker_id: str, block_hashes: list[bytes], deadline: float) -> None:
@@ -211,12 +245,30 @@ class KvIndex:
     def holds(self, worker_id: str, block_hash: bytes) -> bool:
         return block_hash in self._blocks.get(worker_id, ()) or block_hash in self._predicted.get(worker_id, ())
 
-    def overlaps(self, block_hashes: list[bytes]) -> dict[str, int]:
-        """worker id -> number of leading blocks of `block_hashes` it holds, stored or predicted (absent: 0)."""
+    def num_tier_blocks(self, worker_id: str, tier: str) -> int:
+        return len(self._tier_blocks.get((worker_id, tier), ()))
+
+    def has_lower_tiers(self) -> bool:
+        return any(self._tier_holders.values())
+
+    def tiered_overlaps(self, block_hashes: list[bytes]) -> dict[str, tuple[int, ...]]:
+        """worker id -> leading blocks held on the device, on device or host, and on device, host or
+        disk (each run at least as long as the one before; absent: nothing held)."""
+        device = self.overlaps(block_hashes)
+        if not self.has_lower_tiers():
+            return {w: (n, n, n) for w, n in device.items()}
+        dev, host, disk = self._holders.get, self._tier_holders["host"].get, self._tier_holders["disk"].get
+        with_host = self.overlaps(block_hashes, lambda h, _: dev(h, 0) | host(h, 0))
+        with_disk = self.overlaps(block_hashes, lambda h, _: dev(h, 0) | host(h, 0) | disk(h, 0))
+        return {w: (device.get(w, 0), with_host.get(w, 0), n) for w, n in with_disk.items()}
+
+    def overlaps(self, block_hashes: list[bytes], get=None) -> dict[str, int]:
+        """worker id -> number of leading blocks of `block_hashes` it holds, stored or predicted (absent: 0).
+        `get(hash, 0)`: the holders' mask of a block (default: the device pool's)."""
         result: dict[str, int] = {}
         if not block_hashes:
             return result
-        get = self._holders.get
+        get = get or self._holders.get
         live = get(block_hashes[0], 0)
         if not live:
             return result
@@ -238,3 +290,12 @@ class KvIndex:
             low = mask & -mask
             result[names[low.bit_length() - 1]] = depth
             mask ^= low
+
+
+def _narrow(holders: dict[bytes, int], h: bytes, keep: int) -> None:
+    """Keep only the `keep` bits of a block's holders; a block nobody holds leaves the map."""
+    m = holders[h] & keep
+    if m:
+        holders[h] = m
+    else:
+        del holders[h]

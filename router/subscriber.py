@@ -82,9 +82,21 @@ class EventSubscriber:
         return Applied(len(events))
 
     def _apply_events(self, events) -> None:
-        """Protobuf events -> (kind, hashes) pairs, applied to the index in one call."""
-        self.index.apply(self.worker_id, [(STORED, ev.stored.block_hashes) if ev.HasField("stored") else _op(ev)
-                                          for ev in events])
+        """Protobuf events -> (kind, hashes) pairs, applied to the index in order: device events in
+        runs of one call each, a lower tier's (host, disk) one by one between them."""
+        ops = []
+        for ev in events:
+            kind, hashes = (STORED, ev.stored.block_hashes) if ev.HasField("stored") else _op(ev)
+            tier = _tier(ev)
+            if tier in ("", "device"):
+                ops.append((kind, hashes))
+                continue
+            if ops:
+                self.index.apply(self.worker_id, ops)
+                ops = []
+            self.index.apply_tier(self.worker_id, tier, kind, hashes)
+        if ops:
+            self.index.apply(self.worker_id, ops)
         self.num_events += len(events)
 
     # -- the connection loop -------------------------------------------------------
@@ -124,3 +136,11 @@ def _op(ev: worker_pb2.KvEvent) -> tuple[int, object]:
     if ev.HasField("cleared"):
         return CLEARED, ()
     return 0, ()                          # an event kind newer than this router: skipped
+
+
+def _tier(ev: worker_pb2.KvEvent) -> str:
+    if ev.HasField("stored"):
+        return ev.stored.tier
+    if ev.HasField("removed"):
+        return ev.removed.tier
+    return ""

@@ -22,6 +22,7 @@ class Candidate:
     pending_prefill_blocks: int = 0    # prefill work queued or running there
     decode_blocks: int = 0             # KV blocks of its active decodes
     cached_blocks: int = 0             # blocks it caches in all (stored or predicted): the tie-break
+    tier_credit_blocks: float = 0.0    # blocks after the overlap that its host/disk tiers hold, discounted
 
     @property
     def load(self) -> int:
@@ -33,19 +34,22 @@ class CandidateTable(Sequence[Candidate]):
 
     Indexing builds one `Candidate`, so a policy that scores the columns directly
     (kv) materializes only its winner and runner-up; any other policy can treat
-    it as a plain sequence of candidates. `cached_blocks` may be None: every
-    worker's is 0.
+    it as a plain sequence of candidates. `cached_blocks` and `tier_credit_blocks`
+    may be None: every worker's is 0.
     """
 
-    __slots__ = ("worker_ids", "overlap_blocks", "pending_prefill_blocks", "decode_blocks", "cached_blocks")
+    __slots__ = ("worker_ids", "overlap_blocks", "pending_prefill_blocks", "decode_blocks", "cached_blocks",
+                 "tier_credit_blocks")
 
     def __init__(self, worker_ids: list[str], overlap_blocks: list[int], pending_prefill_blocks: list[int],
-                 decode_blocks: list[int], cached_blocks: list[int] | None = None):
+                 decode_blocks: list[int], cached_blocks: list[int] | None = None,
+                 tier_credit_blocks: list[float] | None = None):
         self.worker_ids = worker_ids
         self.overlap_blocks = overlap_blocks
         self.pending_prefill_blocks = pending_prefill_blocks
         self.decode_blocks = decode_blocks
         self.cached_blocks = cached_blocks
+        self.tier_credit_blocks = tier_credit_blocks
 
     @classmethod
     def of(cls, candidates: Sequence[Candidate]) -> CandidateTable:
@@ -53,7 +57,7 @@ class CandidateTable(Sequence[Candidate]):
             return candidates
         return cls([c.worker_id for c in candidates], [c.overlap_blocks for c in candidates],
                    [c.pending_prefill_blocks for c in candidates], [c.decode_blocks for c in candidates],
-                   [c.cached_blocks for c in candidates])
+                   [c.cached_blocks for c in candidates], [c.tier_credit_blocks for c in candidates])
 
     def __len__(self) -> int:
         return len(self.worker_ids)
@@ -62,7 +66,8 @@ class CandidateTable(Sequence[Candidate]):
         if isinstance(i, slice):
             return [self[j] for j in range(*i.indices(len(self.worker_ids)))]
         return Candidate(self.worker_ids[i], self.overlap_blocks[i], self.pending_prefill_blocks[i],
-                         self.decode_blocks[i], self.cached_blocks[i] if self.cached_blocks is not None else 0)
+                         self.decode_blocks[i], self.cached_blocks[i] if self.cached_blocks is not None else 0,
+                         self.tier_credit_blocks[i] if self.tier_credit_blocks is not None else 0.0)
 
 
 @dataclass(slots=True, frozen=True)
@@ -77,7 +82,8 @@ class Scored:
 
     def terms(self) -> str:
         c = self.candidate
-        return (f"cost={self.cost:g} overlap={c.overlap_blocks} uncached={self.uncached_blocks} "
+        tiers = f" tier_credit={c.tier_credit_blocks:g}" if c.tier_credit_blocks else ""
+        return (f"cost={self.cost:g} overlap={c.overlap_blocks}{tiers} uncached={self.uncached_blocks} "
                 f"prefill={c.pending_prefill_blocks} decode={c.decode_blocks} cached={c.cached_blocks}")
 
 

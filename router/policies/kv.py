@@ -2,7 +2,7 @@
 
 For each candidate worker:
 
-    cost = prefill_weight * max(prompt_blocks - overlap_blocks, 0)
+    cost = prefill_weight * max(prompt_blocks - overlap_blocks - tier_credit_blocks, 0)
            + pending_prefill_blocks + decode_blocks
 
 - overlap_blocks: leading blocks of the prompt the worker holds: stored (its
@@ -13,6 +13,11 @@ For each candidate worker:
 - decode_blocks: KV blocks its decoding requests *added* (each request's prompt
   minus the prefix the worker already held, counted from its first token on;
   load.py), plus what the worker reports beyond this router's own requests;
+- tier_credit_blocks: the blocks after that overlap which the worker's host or
+  disk tier holds, each counted at its tier's credit (RouterCore.tier_credit:
+  the share of a recompute that loading it back saves). A block in the host tier
+  costs the worker a load, not a prefill, so it is worth almost a device hit but
+  not quite: a device hit still wins a tie with a host hit;
 - cached_blocks (tie-break only): blocks the worker caches in all, stored or
   predicted, whether this prompt uses them or not.
 
@@ -68,7 +73,7 @@ _LAST = (float("inf"),)          # sorts after every (cost, load, cached, worker
 
 def kv_cost(num_prompt_blocks: int, c: Candidate, prefill_weight: float = DEFAULT_PREFILL_WEIGHT) -> Scored:
     uncached = max(num_prompt_blocks - c.overlap_blocks, 0)
-    return Scored(c, prefill_weight * uncached + c.load, uncached)
+    return Scored(c, prefill_weight * max(uncached - c.tier_credit_blocks, 0) + c.load, uncached)
 
 
 class KvPolicy:
@@ -95,10 +100,12 @@ class KvPolicy:
         i1 = i2 = -1
         cost2 = _LAST[0]                   # the runner-up's cost: anything dearer is out at once
         cached = t.cached_blocks if t.cached_blocks is not None else repeat(0)
-        for i, (wid, o, p, d, c) in enumerate(zip(t.worker_ids, t.overlap_blocks, t.pending_prefill_blocks,
-                                                   t.decode_blocks, cached)):
+        credit = t.tier_credit_blocks if t.tier_credit_blocks is not None else repeat(0.0)
+        for i, (wid, o, p, d, c, k) in enumerate(zip(t.worker_ids, t.overlap_blocks, t.pending_prefill_blocks,
+                                                      t.decode_blocks, cached, credit)):
             load = p + d
-            cost = w * (nb - o if o < nb else 0) + load
+            uncached = nb - o - k
+            cost = w * (uncached if uncached > 0 else 0) + load
             if cost > cost2:
                 continue
             key = (cost, load, c, wid)

@@ -111,6 +111,7 @@ def cmd_frontend(args: argparse.Namespace) -> int:
                             grpc_port=args.grpc_port, served_model_name=args.served_model_name,
                             router=args.router, prefill_router=args.prefill_router, router_seed=args.router_seed,
                             prefill_weight=args.prefill_weight, router_temperature=args.router_temperature,
+                            kv_tier_credit=args.kv_tier_credit,
                             remote_prefill_threshold=args.remote_prefill_threshold, etcd=etcd_endpoints(args.etcd),
                             etcd_prefix=args.etcd_prefix)
     config.migration_limit, config.drain_timeout_s = args.migration_limit, args.drain_timeout

@@ -50,6 +50,23 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                         "builds, else gather (default: %(default)s)")
 
 
+def _parse_tier_credit(text: str) -> dict[str, float]:
+    from splitserve.router.index import LOWER_TIERS
+
+    credit = {}
+    for item in filter(None, text.split(",")):
+        tier, _, share = item.partition("=")
+        try:
+            value = float(share)
+        except ValueError:
+            value = -1.0
+        if tier not in LOWER_TIERS or not 0.0 <= value <= 1.0:
+            raise argparse.ArgumentTypeError(f"{item!r}: want TIER=SHARE with TIER one of "
+                                             f"{', '.join(LOWER_TIERS)} and SHARE in [0, 1]")
+        credit[tier] = value
+    return credit
+
+
 def _parse_ids(text: str) -> list[int]:
     try:
         return [int(t) for t in text.split(",") if t.strip()]
@@ -222,6 +239,9 @@ def _add_router_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--router-temperature", type=float, default=0.0,
                    help="kv policy: sample winners ∝ exp(-normalized cost / T); 0 picks the lowest "
                         "(default: %(default)s)")
+    p.add_argument("--kv-tier-credit", type=_parse_tier_credit, default={}, metavar="TIER=SHARE,...",
+                   help="kv policy: a prompt block in a worker's host or disk KV tier counts as this share "
+                        "of one in its device pool, e.g. host=0.9,disk=0.6 (default: those; see router/core.py)")
 
 
 def _add_etcd_args(p: argparse.ArgumentParser) -> None:

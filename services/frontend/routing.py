@@ -85,7 +85,8 @@ class PoolRouter:
 
 def build_router(pool: WorkerPool, policy: str = "kv", prefill_policy: str | None = None, seed: int | None = None,
                  prefill_weight: float = DEFAULT_PREFILL_WEIGHT, temperature: float = 0.0,
-                 remote_prefill_threshold: int = 64, metrics_registry=None) -> PoolRouter:
+                 remote_prefill_threshold: int = 64, metrics_registry=None,
+                 tier_credit: dict[str, float] | None = None) -> PoolRouter:
     """A PoolRouter for the CLI names (kv, round-robin, random, least-loaded, power-of-two);
     ValueError for an unknown one.
 
@@ -100,7 +101,7 @@ def build_router(pool: WorkerPool, policy: str = "kv", prefill_policy: str | Non
     core = RouterCore(make_policy(policy, seed, prefill_weight, temperature),
                       make_policy(prefill_policy, None if seed is None else seed + 1, prefill_weight, temperature),
                       remote_prefill_threshold=remote_prefill_threshold,
-                      metrics=RouterMetrics(metrics_registry), predict=uses_index)
+                      metrics=RouterMetrics(metrics_registry), predict=uses_index, tier_credit=tier_credit)
     return PoolRouter(pool, core, RouterFeeds(pool, core, subscribe=uses_index))
 
 

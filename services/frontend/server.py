@@ -59,6 +59,7 @@ class FrontendConfig:
     router_seed: int | None = None
     prefill_weight: float = DEFAULT_PREFILL_WEIGHT
     router_temperature: float = 0.0
+    kv_tier_credit: dict[str, float] = field(default_factory=dict)   # host/disk tier → share of a device hit
     remote_prefill_threshold: int = 64
     etcd: list[str] = field(default_factory=list)    # HOST:PORT endpoints: discover workers there
     etcd_prefix: str = "/splitserve/workers/"
@@ -90,7 +91,7 @@ def build_frontend(config: FrontendConfig, pool: WorkerPool) -> tuple[Frontend, 
     try:
         router = build_router(pool, config.router, config.prefill_router, config.router_seed,
                               config.prefill_weight, config.router_temperature, config.remote_prefill_threshold,
-                              metrics_registry=metrics.registry)
+                              metrics_registry=metrics.registry, tier_credit=config.kv_tier_credit)
     except ValueError as exc:
         raise SplitserveError(str(exc)) from None
     frontend = Frontend(tokenizer, pool, router, metrics, config.served_model_name,

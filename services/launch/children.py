@@ -53,6 +53,8 @@ def frontend_argv(args: argparse.Namespace, model: str, host: str, port: int, gr
             "--remote-prefill-threshold", str(args.remote_prefill_threshold),
             "--migration-limit", str(args.migration_limit), "--migration-wait", str(args.migration_wait),
             "--drain-timeout", str(DRAIN_S), "--generation-config", args.generation_config]
+    if args.kv_tier_credit:
+        argv += ["--kv-tier-credit", ",".join(f"{t}={v}" for t, v in args.kv_tier_credit.items())]
     for address, worker in zip(worker_addresses, plan):
         argv += ["--worker", f"{worker.role}={address}"]
     if args.enable_auto_tool_choice:

@@ -62,3 +62,23 @@ def test_kv_tiers_reach_every_worker_each_with_its_own_disk_folder():
         assert argv[argv.index("--kv-disk-path") + 1] == f"/var/kv/{name}"
     off = worker_argv(build_parser().parse_args(["serve"]), "w", "both", 5000, "m")
     assert "--kv-host-gib" not in off and "--kv-disk-path" not in off
+
+
+def test_tier_credit_reaches_the_frontend_and_bad_values_are_refused(capsys):
+    import pytest
+
+    from splitserve.services.cli.parsers import build_parser
+    from splitserve.services.launch.children import frontend_argv
+    from splitserve.services.launch.plan import PlannedWorker
+
+    plan = [PlannedWorker("w", "both")]
+    args = build_parser().parse_args(["serve", "--kv-tier-credit", "host=0.8,disk=0.3"])
+    argv = frontend_argv(args, "m", "127.0.0.1", 8000, 0, ["127.0.0.1:1"], plan)
+    assert argv[argv.index("--kv-tier-credit") + 1] == "host=0.8,disk=0.3"
+    assert build_parser().parse_args(["frontend", *argv]).kv_tier_credit == {"host": 0.8, "disk": 0.3}
+    plain = frontend_argv(build_parser().parse_args(["serve"]), "m", "127.0.0.1", 8000, 0, ["127.0.0.1:1"], plan)
+    assert "--kv-tier-credit" not in plain
+    for bad in ("host=1.5", "device=0.5", "host"):
+        with pytest.raises(SystemExit):
+            build_parser().parse_args(["serve", "--kv-tier-credit", bad])
+        assert "want TIER=SHARE" in capsys.readouterr().err
