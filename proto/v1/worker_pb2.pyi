@@ -248,7 +248,14 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class StatsResponse(_message.Message):
-    __slots__ = ("worker_id", "role", "draining", "num_kv_blocks", "num_used_kv_blocks", "num_cached_kv_blocks", "kv_usage", "num_running", "num_waiting", "num_remote_prefill", "num_in_flight", "num_steps", "num_computed_tokens", "num_prompt_tokens_computed", "num_prefix_hit_tokens", "num_generated_tokens", "num_preemptions", "num_finished", "num_aborted", "num_requests", "num_local_prefills", "num_remote_prefills", "num_prefills_served", "num_errors", "last_kv_event_seq", "num_prefill_retries", "num_prefill_fallbacks", "num_transfer_reservations", "num_held_prefills", "num_fenced_kv_blocks", "num_fences_confirmed", "num_fences_waited_out", "num_fences_served", "num_forks", "num_forked_kv_blocks", "num_fork_copies")
+    __slots__ = ("worker_id", "role", "draining", "num_kv_blocks", "num_used_kv_blocks", "num_cached_kv_blocks", "kv_usage", "num_running", "num_waiting", "num_remote_prefill", "num_in_flight", "num_steps", "num_computed_tokens", "num_prompt_tokens_computed", "num_prefix_hit_tokens", "num_generated_tokens", "num_preemptions", "num_finished", "num_aborted", "num_requests", "num_local_prefills", "num_remote_prefills", "num_prefills_served", "num_errors", "last_kv_event_seq", "num_prefill_retries", "num_prefill_fallbacks", "num_transfer_reservations", "num_held_prefills", "num_fenced_kv_blocks", "num_fences_confirmed", "num_fences_waited_out", "num_fences_served", "num_forks", "num_forked_kv_blocks", "num_fork_copies", "kv_tiers", "kv_tier_rejections")
+    class KvTierRejectionsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     DRAINING_FIELD_NUMBER: _ClassVar[int]
@@ -285,6 +292,8 @@ class StatsResponse(_message.Message):
     NUM_FORKS_FIELD_NUMBER: _ClassVar[int]
     NUM_FORKED_KV_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     NUM_FORK_COPIES_FIELD_NUMBER: _ClassVar[int]
+    KV_TIERS_FIELD_NUMBER: _ClassVar[int]
+    KV_TIER_REJECTIONS_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     role: WorkerRole
     draining: bool
@@ -321,7 +330,29 @@ class StatsResponse(_message.Message):
     num_forks: int
     num_forked_kv_blocks: int
     num_fork_copies: int
-    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[_Union[WorkerRole, str]] = ..., draining: _Optional[bool] = ..., num_kv_blocks: _Optional[int] = ..., num_used_kv_blocks: _Optional[int] = ..., num_cached_kv_blocks: _Optional[int] = ..., kv_usage: _Optional[float] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_remote_prefill: _Optional[int] = ..., num_in_flight: _Optional[int] = ..., num_steps: _Optional[int] = ..., num_computed_tokens: _Optional[int] = ..., num_prompt_tokens_computed: _Optional[int] = ..., num_prefix_hit_tokens: _Optional[int] = ..., num_generated_tokens: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., num_finished: _Optional[int] = ..., num_aborted: _Optional[int] = ..., num_requests: _Optional[int] = ..., num_local_prefills: _Optional[int] = ..., num_remote_prefills: _Optional[int] = ..., num_prefills_served: _Optional[int] = ..., num_errors: _Optional[int] = ..., last_kv_event_seq: _Optional[int] = ..., num_prefill_retries: _Optional[int] = ..., num_prefill_fallbacks: _Optional[int] = ..., num_transfer_reservations: _Optional[int] = ..., num_held_prefills: _Optional[int] = ..., num_fenced_kv_blocks: _Optional[int] = ..., num_fences_confirmed: _Optional[int] = ..., num_fences_waited_out: _Optional[int] = ..., num_fences_served: _Optional[int] = ..., num_forks: _Optional[int] = ..., num_forked_kv_blocks: _Optional[int] = ..., num_fork_copies: _Optional[int] = ...) -> None: ...
+    kv_tiers: _containers.RepeatedCompositeFieldContainer[KvTierStats]
+    kv_tier_rejections: _containers.ScalarMap[str, int]
+    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[_Union[WorkerRole, str]] = ..., draining: _Optional[bool] = ..., num_kv_blocks: _Optional[int] = ..., num_used_kv_blocks: _Optional[int] = ..., num_cached_kv_blocks: _Optional[int] = ..., kv_usage: _Optional[float] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_remote_prefill: _Optional[int] = ..., num_in_flight: _Optional[int] = ..., num_steps: _Optional[int] = ..., num_computed_tokens: _Optional[int] = ..., num_prompt_tokens_computed: _Optional[int] = ..., num_prefix_hit_tokens: _Optional[int] = ..., num_generated_tokens: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., num_finished: _Optional[int] = ..., num_aborted: _Optional[int] = ..., num_requests: _Optional[int] = ..., num_local_prefills: _Optional[int] = ..., num_remote_prefills: _Optional[int] = ..., num_prefills_served: _Optional[int] = ..., num_errors: _Optional[int] = ..., last_kv_event_seq: _Optional[int] = ..., num_prefill_retries: _Optional[int] = ..., num_prefill_fallbacks: _Optional[int] = ..., num_transfer_reservations: _Optional[int] = ..., num_held_prefills: _Optional[int] = ..., num_fenced_kv_blocks: _Optional[int] = ..., num_fences_confirmed: _Optional[int] = ..., num_fences_waited_out: _Optional[int] = ..., num_fences_served: _Optional[int] = ..., num_forks: _Optional[int] = ..., num_forked_kv_blocks: _Optional[int] = ..., num_fork_copies: _Optional[int] = ..., kv_tiers: _Optional[_Iterable[_Union[KvTierStats, _Mapping]]] = ..., kv_tier_rejections: _Optional[_Mapping[str, int]] = ...) -> None: ...
+
+class KvTierStats(_message.Message):
+    __slots__ = ("tier", "num_blocks", "capacity_blocks", "num_hits", "bytes_loaded", "load_seconds", "num_written", "num_evicted")
+    TIER_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    CAPACITY_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    NUM_HITS_FIELD_NUMBER: _ClassVar[int]
+    BYTES_LOADED_FIELD_NUMBER: _ClassVar[int]
+    LOAD_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    NUM_WRITTEN_FIELD_NUMBER: _ClassVar[int]
+    NUM_EVICTED_FIELD_NUMBER: _ClassVar[int]
+    tier: str
+    num_blocks: int
+    capacity_blocks: int
+    num_hits: int
+    bytes_loaded: int
+    load_seconds: float
+    num_written: int
+    num_evicted: int
+    def __init__(self, tier: _Optional[str] = ..., num_blocks: _Optional[int] = ..., capacity_blocks: _Optional[int] = ..., num_hits: _Optional[int] = ..., bytes_loaded: _Optional[int] = ..., load_seconds: _Optional[float] = ..., num_written: _Optional[int] = ..., num_evicted: _Optional[int] = ...) -> None: ...
 
 class DescribeRequest(_message.Message):
     __slots__ = ()

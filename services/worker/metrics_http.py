@@ -80,6 +80,20 @@ COUNTERS = (    # names without `_total`: the exposition appends it
      "Partial last KV blocks copied for forked samples (copy-on-write)"),
 )
 
+# Per KV tier (labels worker, role, tier), from StatsResponse.kv_tiers.
+TIER_GAUGES = (
+    ("splitserve_worker_kv_tier_blocks", "num_blocks", "KV blocks a tier below the pool holds"),
+    ("splitserve_worker_kv_tier_capacity_blocks", "capacity_blocks", "KV blocks a tier below the pool can hold"),
+)
+TIER_COUNTERS = (
+    ("splitserve_worker_kv_tier_hits", "num_hits", "KV blocks loaded back into the pool from a tier"),
+    ("splitserve_worker_kv_tier_loaded_bytes", "bytes_loaded", "Bytes loaded back into the pool from a tier"),
+    ("splitserve_worker_kv_tier_load_seconds", "load_seconds",
+     "Seconds spent loading blocks back from a tier (read, verify, copy)"),
+    ("splitserve_worker_kv_tier_written_blocks", "num_written", "KV blocks written down into a tier"),
+    ("splitserve_worker_kv_tier_evicted_blocks", "num_evicted", "KV blocks a tier evicted for room"),
+)
+
 _ROLE_NAMES = {worker_pb2.WORKER_ROLE_PREFILL: "prefill", worker_pb2.WORKER_ROLE_DECODE: "decode",
                worker_pb2.WORKER_ROLE_BOTH: "both"}
 
@@ -98,6 +112,19 @@ def stats_families(stats: worker_pb2.StatsResponse) -> list[Metric]:
         counter = CounterMetricFamily(name, doc, labels=LABELS)
         counter.add_metric(labels, float(getattr(stats, field)))
         families.append(counter)
+    if stats.kv_tiers:
+        for kind, specs in ((GaugeMetricFamily, TIER_GAUGES), (CounterMetricFamily, TIER_COUNTERS)):
+            for name, field, doc in specs:
+                family = kind(name, doc, labels=[*LABELS, "tier"])
+                for tier in stats.kv_tiers:
+                    family.add_metric([*labels, tier.tier], float(getattr(tier, field)))
+                families.append(family)
+        dropped = CounterMetricFamily("splitserve_worker_kv_tier_dropped_blocks",
+                                      "KV blocks dropped instead of used, by reason (recomputed instead)",
+                                      labels=[*LABELS, "reason"])
+        for reason, count in sorted(stats.kv_tier_rejections.items()):
+            dropped.add_metric([*labels, reason], float(count))
+        families.append(dropped)
     return families
 
 

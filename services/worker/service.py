@@ -346,7 +346,8 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
             num_fences_confirmed=self.fences.num_confirmed if self.fences is not None else 0,
             num_fences_waited_out=self.fences.num_waited_out if self.fences is not None else 0,
             num_fences_served=c.num_fences_served, num_forks=s.num_forks,
-            num_forked_kv_blocks=s.num_forked_blocks, num_fork_copies=s.num_fork_copies)
+            num_forked_kv_blocks=s.num_forked_blocks, num_fork_copies=s.num_fork_copies,
+            kv_tiers=_tier_stats(engine), kv_tier_rejections=engine.tiers.rejections() if engine.tiers else {})
 
     async def Describe(self, request, context):
         try:
@@ -385,3 +386,14 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
                 worker_id=self.options.worker_id, instance_id=self.instance_id,
                 snapshot=batch.snapshot, last_seq=batch.last_seq,
                 events=[event_to_proto(e) for e in batch.events])
+
+
+def _tier_stats(engine: LLMEngine) -> list[worker_pb2.KvTierStats]:
+    tiers = engine.tiers
+    if tiers is None:
+        return []
+    st = tiers.stats
+    return [worker_pb2.KvTierStats(tier=tier, num_blocks=held, capacity_blocks=capacity, num_hits=st.hits[tier],
+                                   bytes_loaded=st.bytes_loaded[tier], load_seconds=st.load_seconds[tier],
+                                   num_written=st.written_down[tier], num_evicted=st.evicted[tier])
+            for tier, (held, capacity) in tiers.occupancy().items()]

@@ -6,8 +6,8 @@ through the same queue, in order. Until its write lands a block is served from t
 index (which hashes are here, LRU order, bytes used) lives in memory and starts empty: files of
 an earlier run are not trusted to be this run's.
 
-A read verifies the frame (block_codec): a truncated, corrupt or foreign file is deleted,
-counted under its reason, and the block is recomputed. A write that fails (a full disk, an I/O
+A read verifies the frame (block_codec): a truncated, corrupt or foreign file is deleted and
+BlockRejected raised (the caller counts the reason), and the block is recomputed. A write that fails (a full disk, an I/O
 error) is counted and the block dropped; `take_dropped` hands such hashes to the caller so the
 router hears that they are gone.
 """
@@ -38,7 +38,7 @@ class DiskTier:
         self.file_bytes = HEADER.size + block_bytes
         self.capacity_blocks = capacity_bytes // self.file_bytes
         self.entries: OrderedDict[bytes, None] = OrderedDict()       # LRU first
-        self.failures: Counter[str] = Counter()                       # reason -> blocks dropped
+        self.write_failures: Counter[str] = Counter()                 # reason -> blocks whose write failed
         self.bytes_written = 0
         self._pending: dict[bytes, bytes] = {}                        # hash -> payload not yet on disk
         self._dropped: list[bytes] = []
@@ -112,7 +112,7 @@ class DiskTier:
             log.warning("KV disk tier: writing a block failed (%s); it will be recomputed", exc)
             tmp.unlink(missing_ok=True)
             with self._lock:
-                self.failures[reason] += 1
+                self.write_failures[reason] += 1
                 self._dropped.append(block_hash)
         with self._lock:
             self._pending.pop(block_hash, None)
@@ -139,19 +139,18 @@ class DiskTier:
             data = self.file_of(block_hash).read_bytes()
             payload = decode(data, self.layout, self.block_bytes)
         except OSError as exc:
-            self._reject(block_hash, "io_error")
+            self._reject(block_hash)
             raise BlockRejected("io_error", str(exc)) from None
-        except BlockRejected as exc:
-            self._reject(block_hash, exc.reason)
+        except BlockRejected:
+            self._reject(block_hash)
             raise
         self.entries.move_to_end(block_hash)
         return payload
 
-    def _reject(self, block_hash: bytes, reason: str) -> None:
+    def _reject(self, block_hash: bytes) -> None:
+        """Forget a block whose file failed its read; the caller counts the reason."""
         self.entries.pop(block_hash, None)
         self._forget(block_hash)
-        with self._lock:
-            self.failures[reason] += 1
 
     def discard(self, block_hash: bytes) -> bool:
         if block_hash not in self.entries:

@@ -81,10 +81,13 @@ class KVTiers:
                     self.events.removed((old_hash,), tier="host")
                     self.stats.evicted["host"] += 1
                     self._to_disk(old_hash, payload)
-                if fresh and block_hash in self.host:
-                    self.events.stored((block_hash,), None, (), tier="host")
-                    self.stats.written_down["host"] += 1
-            elif self.disk is not None:
+                if block_hash in self.host:
+                    if fresh:
+                        self.events.stored((block_hash,), None, (), tier="host")
+                        self.stats.written_down["host"] += 1
+                    continue
+            # No host tier, or every host slot holds a block about to be loaded: straight to disk.
+            if self.disk is not None:
                 self._to_disk(block_hash, bytes(as_bytes(block.contiguous().cpu())))
 
     def _to_disk(self, block_hash: bytes, payload: bytes) -> None:
@@ -156,6 +159,19 @@ class KVTiers:
         return "disk", block
 
     # -- all -----------------------------------------------------------------------
+    def occupancy(self) -> dict[str, tuple[int, int]]:
+        """tier -> (blocks held, capacity in blocks), for the tiers this engine has."""
+        out = {}
+        if self.host.capacity:
+            out["host"] = (len(self.host), self.host.capacity)
+        if self.disk is not None:
+            out["disk"] = (len(self.disk), self.disk.capacity_blocks)
+        return out
+
+    def rejections(self) -> Counter:
+        """reason -> blocks dropped: on load (corrupt, truncated, ...) and on the disk tier's writes."""
+        return self.stats.rejected + (self.disk.write_failures if self.disk is not None else Counter())
+
     def clear(self) -> None:
         """Forget every block (the weights changed); the pool's AllCleared covers the events."""
         self.host.clear()

@@ -8,6 +8,12 @@ after A evicts all of A's cached blocks, which the tiers keep; running A again l
 
 from __future__ import annotations
 
+import json
+import os
+import shutil
+import subprocess
+import sys
+
 import pytest
 
 from splitserve.errors import InvalidRequestError
@@ -150,3 +156,43 @@ def test_tier_settings_are_checked(llama_dir):
         _engine(llama_dir, kv_disk_gib=1.0)
     with pytest.raises(InvalidRequestError, match=">= 0"):
         _engine(llama_dir, kv_host_gib=-1.0)
+
+
+FULL_DISK_CHILD = """
+import json, sys
+from splitserve.services.engine.config import EngineConfig
+from splitserve.services.engine.engine import LLMEngine
+from splitserve.services.wire.sampling_params import SamplingParams
+model, disk, prompts = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
+engine = LLMEngine(EngineConfig(model=model, dtype="float32", num_kv_blocks=6, block_size=16,
+                                kv_disk_gib=0.05, kv_disk_path=disk))
+run = lambda p: engine.generate([p], SamplingParams(max_tokens=6, ignore_eos=True))[0].token_ids
+out = [run(prompts["A"]), run(prompts["B"])]
+engine.tiers.disk.flush()
+out.append(run(prompts["A"]))
+engine.tiers.disk.flush()
+files = sorted(p.name for p in engine.tiers.disk.dir.iterdir())
+print(json.dumps({"out": out, "write_failures": dict(engine.tiers.disk.write_failures),
+                  "disk_hits": engine.tiers.stats.hits["disk"], "files": files}))
+engine.close()
+"""
+
+
+def test_a_full_disk_drops_blocks_and_recomputes_token_exact(llama_dir, reference, tmp_path):
+    """A real full filesystem (a 64 KiB tmpfs, mounted in a private mount namespace): the first
+    block file fits, the next writes fail with ENOSPC; those blocks are dropped and counted (A's
+    other four, then B's five, which A's rerun evicts), and A's rerun loads its first block and
+    recomputes what the disk could not keep."""
+    assert shutil.which("unshare"), "util-linux's unshare is needed (the Ray tests use it too)"
+    disk = tmp_path / "small-disk"
+    disk.mkdir()
+    script = (f"mount -t tmpfs -o size=64k tmpfs {disk} && "
+              f"exec {sys.executable} -c \"$CHILD\" {llama_dir} {disk} '{json.dumps(PROMPTS)}'")
+    proc = subprocess.run(["unshare", "-m", "--propagation", "private", "sh", "-c", script],
+                          env={**os.environ, "CHILD": FULL_DISK_CHILD},
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["out"] == [reference["A"], reference["B"], reference["A"]]
+    assert result["write_failures"] == {"disk_full": 9}
+    assert result["disk_hits"] == 1 and len(result["files"]) == 1 and result["files"][0].endswith(".kvb")

@@ -1,0 +1,88 @@
+"""KV tiers in a real `splitserve worker`: blocks its pool evicts come back from the host and disk
+tiers token-exact, a corrupted block file on disk is recomputed (never used), and the Stats RPC
+and /metrics report each tier.
+
+The worker's pool holds one request (6 blocks of 16 tokens); its host tier holds one block, so
+of the 5 full blocks of prompt A that prompt B evicts, the last lands in the host tier and the
+first four go on to the disk (the host tier's LRU victims).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import urllib.request
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from splitserve.net import free_port
+from splitserve.testing.cluster import Cluster
+from splitserve.testing.workers import generate, worker_stats
+
+BLOCK = 16
+PROMPTS = {name: [(seed * 97 + i * 13) % 1000 + 3 for i in range(5 * BLOCK + 3)]
+           for seed, name in enumerate("AB", start=1)}
+BLOCK_BYTES = 32768                       # the random Llama of tests/conftest.py: 2 layers, K and V, fp32
+GIB = 1 << 30
+
+
+def _metrics(url: str) -> dict[tuple[str, frozenset], float]:
+    with urllib.request.urlopen(url, timeout=10) as reply:
+        text = reply.read().decode()
+    return {(s.name, frozenset(s.labels.items())): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}
+
+
+def test_tiers_in_a_worker_process(llama_dir, tmp_path):
+    cluster = Cluster(llama_dir, transfer="tcp")
+    metrics_port = free_port()
+    disk = tmp_path / "kv"
+    try:
+        cluster.start_worker("w", "both", "--kv-cache-gib", str(6.5 * BLOCK_BYTES / GIB),
+                             "--kv-host-gib", str(1.5 * BLOCK_BYTES / GIB), "--kv-disk-gib", "0.01",
+                             "--kv-disk-path", str(disk), "--metrics-port", str(metrics_port))
+        cluster.wait_workers()
+        address = cluster.workers["w"].address
+
+        def run(name: str, rid: str) -> list[int]:
+            return list(asyncio.run(generate(address, rid, PROMPTS[name], 6)).token_ids)
+
+        want_a, want_b = run("A", "a1"), run("B", "b1")            # B evicts A's five blocks below
+        stats = worker_stats(address)
+        tiers = {t.tier: t for t in stats.kv_tiers}
+        assert tiers["host"].capacity_blocks == 1 and tiers["host"].num_blocks == 1
+        assert tiers["disk"].num_written == 4
+
+        deadline = time.monotonic() + 10                            # the disk tier writes behind the engine
+        while len(list(disk.glob("*.kvb"))) < 4 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert len(list(disk.glob("*.kvb"))) == 4
+        assert run("A", "a2") == want_a                             # its prefix back from both tiers
+        stats = worker_stats(address)
+        tiers = {t.tier: t for t in stats.kv_tiers}
+        assert tiers["host"].num_hits == 1 and tiers["disk"].num_hits == 4
+        assert stats.num_prefix_hit_tokens == 5 * BLOCK
+
+        # A's admission evicted B's blocks; the host slot was A's (being loaded), so all five went
+        # to disk. Damage every block file there: B is recomputed from its first block, not read wrong.
+        deadline = time.monotonic() + 10
+        while len(list(disk.glob("*.kvb"))) < 9 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        for f in disk.glob("*.kvb"):
+            data = bytearray(f.read_bytes())
+            data[-1] ^= 0xFF
+            f.write_bytes(bytes(data))
+        assert run("B", "b2") == want_b
+        stats = worker_stats(address)
+        assert dict(stats.kv_tier_rejections) == {"corrupt": 1}
+        assert {t.tier: t.num_hits for t in stats.kv_tiers} == {"host": 1, "disk": 4}
+
+        samples = _metrics(f"http://127.0.0.1:{metrics_port}/metrics")
+        labels = {("worker", "w"), ("role", "both")}
+        assert samples[("splitserve_worker_kv_tier_hits_total", frozenset(labels | {("tier", "disk")}))] == 4
+        assert samples[("splitserve_worker_kv_tier_capacity_blocks", frozenset(labels | {("tier", "host")}))] == 1
+        assert samples[("splitserve_worker_kv_tier_dropped_blocks_total",
+                        frozenset(labels | {("reason", "corrupt")}))] == 1
+    finally:
+        codes = cluster.close(grace_s=30.0)
+    assert codes == [0] and not cluster.killed, cluster.outputs()[-6000:]
