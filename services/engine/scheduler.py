@@ -398,7 +398,7 @@ class Scheduler:
         """Blocks after the pool's hits that a lower tier holds (looked up, not yet read)."""
         if self.tiers is None or not self.pool.enable_prefix_caching or num_hits >= limit:
             return 0
-        return self.tiers.lookup(seq.block_hashes[num_hits:limit])
+        return self.tiers.lookup(seq.block_hashes[num_hits:limit], protect=True)
 
     def _load_lower(self, seq: Sequence, lower: int) -> None:
         """Load up to `lower` blocks after the cached ones into the sequence's next (new) blocks,

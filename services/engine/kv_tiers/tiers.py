@@ -108,15 +108,16 @@ class KVTiers:
                 self.events.removed(tuple(dropped), tier="disk")
 
     # -- up ------------------------------------------------------------------------
-    def lookup(self, block_hashes: list[bytes]) -> int:
-        """How many of these leading hashes a lower tier holds (no I/O). They stay protected from
-        the host tier's eviction until `load`."""
+    def lookup(self, block_hashes: list[bytes], protect: bool = False) -> int:
+        """How many of these leading hashes a lower tier holds (no I/O). With `protect` (an
+        admission about to load them) they stay out of the tiers' eviction until `load`."""
         n = 0
         for h in block_hashes:
             if h not in self.host and (self.disk is None or h not in self.disk):
                 break
             n += 1
-        self._loading = frozenset(block_hashes[:n])
+        if protect:
+            self._loading = frozenset(block_hashes[:n])
         return n
 
     def load(self, block_hashes: list[bytes], block_ids: list[int]) -> int:

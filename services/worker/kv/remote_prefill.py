@@ -55,10 +55,14 @@ GRPC_OPTIONS = [("grpc.max_receive_message_length", 64 * 2**20),
 
 
 def num_cached_prompt_tokens(engine: LLMEngine, token_ids: list[int], cache_salt: str = "") -> int:
-    """Leading prompt tokens this engine's prefix cache holds now for that salt (engine thread only)."""
+    """Leading prompt tokens this engine holds now for that salt, in its pool or loadable from its
+    KV tiers (engine thread only)."""
     bs = engine.config.block_size
     hashes = block_hashes(token_ids, bs, salted_key(engine.scheduler.extra_key, cache_salt))
-    return len(engine.pool.cached_prefix(hashes)) * bs
+    hits = len(engine.pool.cached_prefix(hashes))
+    if engine.tiers is not None:
+        hits += engine.tiers.lookup(hashes[hits:])
+    return hits * bs
 
 
 class PeerChannels:

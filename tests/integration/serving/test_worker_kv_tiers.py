@@ -86,3 +86,51 @@ def test_tiers_in_a_worker_process(llama_dir, tmp_path):
     finally:
         codes = cluster.close(grace_s=30.0)
     assert codes == [0] and not cluster.killed, cluster.outputs()[-6000:]
+
+
+def test_a_decode_workers_host_tier_serves_its_reservation(llama_dir):
+    """Disaggregated: the decode worker's pool (9 blocks) is too small for A and B together and
+    its host tier holds five blocks. A, then B (each prefilled remotely) evict A's blocks into
+    d0's host tier (some of them: the pool's eviction is near-LRU). Then:
+    - A again: its uncached part is 3 tokens once the host tier counts, under the threshold, so
+      d0 prefills it locally from the host tier (the prefill worker computes nothing);
+    - C, A's prompt and 40 more tokens: prefilled remotely into a reservation whose first five
+      blocks d0 loaded from its host tier. Both token-exact."""
+    from splitserve.services.engine.config import EngineConfig
+    from splitserve.services.engine.engine import LLMEngine
+    from splitserve.services.wire.sampling_params import SamplingParams
+
+    prompt_c = PROMPTS["A"] + [(i * 7) % 900 + 3 for i in range(40)]
+    engine = LLMEngine(EngineConfig(model=str(llama_dir), dtype="float32", num_kv_blocks=32))
+    [want_c] = engine.generate([prompt_c], SamplingParams(max_tokens=6, ignore_eos=True))
+    engine.close()
+    cluster = Cluster(llama_dir, transfer="tcp")
+    try:
+        cluster.start_worker("d0", "decode", "--remote-prefill-threshold", "8",
+                             "--kv-cache-gib", str(9.5 * BLOCK_BYTES / GIB),
+                             "--kv-host-gib", str(5.5 * BLOCK_BYTES / GIB))
+        cluster.start_worker("p0", "prefill")
+        cluster.wait_workers()
+        d0, p0 = cluster.workers["d0"].address, cluster.workers["p0"].address
+
+        def run(prompt: list[int], rid: str):
+            return asyncio.run(generate(d0, rid, prompt, 6, [("p0", p0)]))
+
+        a1 = run(PROMPTS["A"], "a1")
+        assert a1.prefilled_remotely and run(PROMPTS["B"], "b1").prefilled_remotely
+        computed = worker_stats(p0).num_prompt_tokens_computed
+        a2 = run(PROMPTS["A"], "a2")
+        assert not a2.prefilled_remotely and list(a2.token_ids) == list(a1.token_ids)
+        assert worker_stats(p0).num_prompt_tokens_computed == computed
+        assert a2.replies[-1].num_cached_tokens == 5 * BLOCK     # pool and host tier together
+        host_hits = {t.tier: t.num_hits for t in worker_stats(d0).kv_tiers}["host"]
+        assert host_hits >= 1                                    # B evicted some of A's blocks at least
+
+        run(PROMPTS["B"], "b2")                                 # A's blocks down to the host tier again
+        c = run(prompt_c, "c")
+        assert c.prefilled_remotely and list(c.token_ids) == want_c.token_ids
+        assert c.replies[-1].num_cached_tokens == 5 * BLOCK
+        assert {t.tier: t.num_hits for t in worker_stats(d0).kv_tiers}["host"] > host_hits
+    finally:
+        codes = cluster.close(grace_s=30.0)
+    assert codes == [0, 0] and not cluster.killed, cluster.outputs()[-6000:]
