@@ -94,6 +94,8 @@ TIER_COUNTERS = (
     ("splitserve_worker_kv_tier_evicted_blocks", "num_evicted", "KV blocks a tier evicted for room"),
 )
 
+TIER_DROPPED = "splitserve_worker_kv_tier_dropped_blocks"    # labels worker, role, reason
+
 _ROLE_NAMES = {worker_pb2.WORKER_ROLE_PREFILL: "prefill", worker_pb2.WORKER_ROLE_DECODE: "decode",
                worker_pb2.WORKER_ROLE_BOTH: "both"}
 
@@ -119,7 +121,7 @@ def stats_families(stats: worker_pb2.StatsResponse) -> list[Metric]:
                 for tier in stats.kv_tiers:
                     family.add_metric([*labels, tier.tier], float(getattr(tier, field)))
                 families.append(family)
-        dropped = CounterMetricFamily("splitserve_worker_kv_tier_dropped_blocks",
+        dropped = CounterMetricFamily(TIER_DROPPED,
                                       "KV blocks dropped instead of used, by reason (recomputed instead)",
                                       labels=[*LABELS, "reason"])
         for reason, count in sorted(stats.kv_tier_rejections.items()):

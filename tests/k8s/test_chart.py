@@ -30,7 +30,7 @@ from controlplane import KubeCluster
 
 from splitserve.operator import builders, names
 from splitserve.operator.spec import ServingDeploymentSpec
-from splitserve.services.worker.metrics_http import COUNTERS, GAUGES
+from splitserve.services.worker.metrics_http import COUNTERS, GAUGES, TIER_COUNTERS, TIER_DROPPED, TIER_GAUGES
 
 CHART = Path(__file__).resolve().parents[2] / "deploy" / "helm" / "splitserve"
 CRD_FILE = CHART / "crds" / "servingdeployments.splitserve.io.yaml"
@@ -131,7 +131,7 @@ def test_default_render_is_valid_kubernetes(k8s_bin_dir: Path, tmp_path: Path):
     dashboard = next(d for d in docs if d["kind"] == "ConfigMap")
     panels = {p["title"] for p in json.loads(dashboard["data"]["splitserve.json"])["panels"]}
     assert {"Time to first token", "Inter-token latency", "End-to-end request latency", "Requests by status",
-            "KV cache usage", "KV transfer bytes", "KV write fences"} <= panels
+            "KV cache usage", "KV transfer bytes", "KV write fences", "KV tiers (host, disk)"} <= panels
 
 
 def test_all_options_render_is_valid_kubernetes(k8s_bin_dir: Path, tmp_path: Path, kube_cluster: KubeCluster,
@@ -249,7 +249,8 @@ def test_dashboard_queries_only_exported_worker_metrics(k8s_bin_dir: Path, tmp_p
     docs = _documents(_helm_template(k8s_bin_dir, tmp_path).stdout)
     dashboard = json.loads(next(d for d in docs if d["kind"] == "ConfigMap")["data"]["splitserve.json"])
     exprs = [t["expr"] for p in dashboard["panels"] for t in p.get("targets", [])]
-    exported = {name for name, _, _ in GAUGES} | {f"{name}_total" for name, _, _ in COUNTERS}
+    exported = ({name for name, _, _ in (*GAUGES, *TIER_GAUGES)}
+                | {f"{name}_total" for name, _, _ in (*COUNTERS, *TIER_COUNTERS)} | {f"{TIER_DROPPED}_total"})
     queried = {m for e in exprs for m in re.findall(r"splitserve_worker_[a-z_]+", e)}
     # The frontend's Stats-fed prefill counters are not the workers' (fault_metrics.py).
     queried -= {"splitserve_worker_prefill_retries_total", "splitserve_worker_prefill_fallbacks_total"}

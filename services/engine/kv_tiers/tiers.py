@@ -131,7 +131,7 @@ class KVTiers:
             tier, block = self._read(block_hash)
             if block is None:
                 break
-            self.kv.tensor[:, :, block_id].copy_(block, non_blocking=True)
+            self.kv.tensor[:, :, block_id].copy_(block)      # blocking: the host slot may be reused next
             self.stats.hits[tier] += 1
             self.stats.bytes_loaded[tier] += self.block_bytes
             self.stats.load_seconds[tier] += time.perf_counter() - start
