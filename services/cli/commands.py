@@ -95,10 +95,26 @@ def cmd_worker(args: argparse.Namespace) -> int:
                                 port=args.port, transfer=args.transfer, etcd=etcd_endpoints(args.etcd),
                                 etcd_prefix=args.etcd_prefix, etcd_ttl_s=args.etcd_ttl,
                                 drain_timeout_s=args.drain_timeout, metrics_port=args.metrics_port,
-                                session_port=None if args.session_port < 0 else args.session_port)
+                                session_port=None if args.session_port < 0 else args.session_port,
+                                kv_store=args.kv_store)
     _apply_worker_security(config, args)
     if config.etcd:
         registered_host(config)          # refuse a wildcard with nothing to register before loading
+    return asyncio.run(serve(config))
+
+
+def cmd_kvstore(args: argparse.Namespace) -> int:
+    import asyncio
+
+    from splitserve.kvtransfer.auth import token_from
+    from splitserve.services.kvstore.server import KVStoreConfig, serve
+
+    if args.capacity_gib <= 0:
+        raise SplitserveError("--capacity-gib must be > 0")
+    config = KVStoreConfig(capacity_gib=args.capacity_gib, host=args.host, port=args.port,
+                           advertise_host=args.advertise_host, transfer=args.transfer,
+                           transfer_token=token_from(args.transfer_token),
+                           fault_fetch_delay_s=args.fault_fetch_delay)
     return asyncio.run(serve(config))
 
 

@@ -166,6 +166,10 @@ def _add_worker_parser(sub) -> None:
                         "plain TCP connection, TLS as the gRPC port), on --host:PORT; Describe tells "
                         "frontends the port (default: 0, any free port; -1: off, frontends use the "
                         "GenerateSession gRPC call)")
+    p.add_argument("--kv-store", default=None, metavar="HOST:PORT",
+                   help="a shared KV block store (`splitserve kvstore`): publish the blocks this worker "
+                        "computes and fetch the prefixes it holds when that is quicker than recomputing "
+                        "(needs --tp 1; default: none)")
     _add_disaggregation_args(p)
     _add_etcd_args(p)
     p.add_argument("--etcd-ttl", type=int, default=10, metavar="S",
@@ -341,6 +345,26 @@ def _add_serve_parser(sub) -> None:
     p.set_defaults(func=commands.cmd_serve)
 
 
+def _add_kvstore_parser(sub) -> None:
+    p = sub.add_parser("kvstore", help="run the shared KV block store workers publish to and fetch from",
+                       description="Hold KV blocks by content hash for every worker of a deployment "
+                                   "(workers: --kv-store HOST:PORT). Blocks move over the KV transfer "
+                                   "(NIXL or TCP), checked by CRC-32; least recently used blocks are "
+                                   "evicted when --capacity-gib is full. The first worker to attach sets "
+                                   "the layout (model, dtype, block size).")
+    p.add_argument("--capacity-gib", type=float, default=1.0, help="block memory in GiB (default: %(default)s)")
+    p.add_argument("--host", default="127.0.0.1", help="listen address (default: %(default)s)")
+    p.add_argument("--port", type=int, default=0, help="gRPC port (default: 0, any free port)")
+    p.add_argument("--advertise-host", default=None, metavar="HOST",
+                   help="the address workers reach this store's TCP transfers at (default: --host)")
+    p.add_argument("--transfer", choices=["auto", "nixl", "tcp"], default="auto",
+                   help="KV transfer backend; the workers' must match (auto: whatever the first worker "
+                        "uses; default: %(default)s)")
+    p.add_argument("--fault-fetch-delay", type=float, default=0.0, help=argparse.SUPPRESS)   # tests only
+    _security_args.add_transfer_token_arg(p)
+    p.set_defaults(func=commands.cmd_kvstore)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="splitserve",
@@ -373,4 +397,5 @@ def build_parser() -> argparse.ArgumentParser:
     _add_serve_parser(sub)
     _add_bench_parser(sub)
     _add_operator_parser(sub)
+    _add_kvstore_parser(sub)
     return parser

@@ -124,6 +124,7 @@ class BlockPool:
         # Called with (block id, hash) of cached blocks about to be reused, before they are:
         # the engine's lower tiers copy them out (kv_tiers/tiers.py).
         self.on_evict: Callable[[list[tuple[int, bytes]]], None] | None = None
+        self.on_cached: Callable[[int, bytes], None] | None = None    # a block newly registered (publishing)
 
     # -- queries -----------------------------------------------------------------
     @property
@@ -223,6 +224,8 @@ class BlockPool:
         self.block_hash[block_id] = block_hash
         self.cached[block_hash] = block_id
         self.events.stored((block_hash,), parent_hash, tuple(token_ids))
+        if self.on_cached is not None:
+            self.on_cached(block_id, block_hash)
 
     def clear_cache(self) -> None:
         """Forget every cached block (e.g. after weights change); one AllCleared event."""

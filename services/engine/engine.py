@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import random
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
@@ -35,6 +36,7 @@ from splitserve.services.engine.model.forward_batch import LayerReport
 from splitserve.services.engine.kv_cache import KVCache
 from splitserve.services.engine.kv_events import KVEvent
 from splitserve.services.engine.kv_tiers.block_codec import layout_key
+from splitserve.services.engine.kv_tiers.shared_store import SharedStore
 from splitserve.services.engine.kv_tiers.tiers import KVTiers, TierConfig
 from splitserve.services.engine.model_runner import ModelRunner, prompt_logit_positions
 from splitserve.services.engine.loading.model_source import open_checkpoint
@@ -108,6 +110,7 @@ class LLMEngine:
                                   broadcast=self.tp.broadcast if self.tp else None)
         self.pool = BlockPool(num_blocks, config.block_size, config.enable_prefix_caching)
         extra_key = f"{self.config.model_name}|{self.config.torch_dtype()}|{config.extra_cache_key}"
+        self._extra_key = extra_key
         self.tiers = self._make_tiers(kv, extra_key)
         if self.tiers is not None:
             self.pool.on_evict = self.tiers.write_down
@@ -123,23 +126,32 @@ class LLMEngine:
         self._pending_outputs: list[RequestOutput] = []
         self._event_subscribers: list[Callable[[list[KVEvent]], None]] = []
 
-    def _make_tiers(self, kv: KVCache, extra_key: str) -> KVTiers | None:
+    def _make_tiers(self, kv: KVCache, extra_key: str, store: bool = False) -> KVTiers | None:
         c = self.config
         tiers = TierConfig(c.kv_host_gib, c.kv_disk_gib, c.kv_disk_path)
         if c.kv_host_gib < 0 or c.kv_disk_gib < 0:
             raise InvalidRequestError("--kv-host-gib and --kv-disk-gib must be >= 0")
         if c.kv_disk_gib > 0 and not c.kv_disk_path:
             raise InvalidRequestError("--kv-disk-gib needs --kv-disk-path (a folder for the block files)")
-        if not tiers.enabled:
+        if not (tiers.enabled or store):
             return None
         if c.tensor_parallel_size > 1:
-            raise InvalidRequestError("KV tiers (--kv-host-gib, --kv-disk-gib) need --tp 1 for now: "
+            raise InvalidRequestError("KV tiers (--kv-host-gib, --kv-disk-gib, --kv-store) need --tp 1 for now: "
                                       "each rank would have to write down and load its own shard")
         if not c.enable_prefix_caching:
             raise InvalidRequestError("KV tiers hold prefix-cache blocks: they need prefix caching on")
         shape = tuple(kv.tensor.shape)
         layout = layout_key(f"{extra_key}|{shape[0]}x{shape[3]}x{shape[4]}x{shape[5]}|tp0/1")
         return KVTiers(kv, layout, tiers, self.pool.events)
+
+    def attach_store(self, store: SharedStore) -> None:
+        """Use a shared block store (kv_tiers/shared_store.py) below this engine's tiers: fetch the
+        prefixes it holds, publish the blocks computed here. Engine thread, or before serving."""
+        if self.tiers is None:
+            tiers = self._make_tiers(self.runner.kv, self._extra_key, store=True)
+            self.pool.on_evict, self.tiers, self.scheduler.tiers = tiers.write_down, tiers, tiers
+        self.tiers.attach_store(store)
+        self.pool.on_cached = self.tiers.note_cached
 
     @staticmethod
     def _blocks_for_memory(config: EngineConfig, mc: ModelConfig) -> int:
@@ -280,6 +292,7 @@ class LLMEngine:
             return outputs
         reports = self._layer_reports(decision.chunks)
         scored = [(c.seq, prompt_logit_positions(c)) for c in decision.chunks]   # before advance
+        started, prompt_before = time.perf_counter(), self.stats.num_prompt_tokens_computed
         try:
             logits = self.runner.execute(decision.chunks, self._layer_callback(decision.chunks, reports),
                                          reports, decision.block_copies).cpu()
@@ -300,6 +313,9 @@ class LLMEngine:
                         [_history(s, vocab) for s in sampled], self.eos_token_ids,
                         [s.grammar for s in sampled])
         outputs.extend(self._append_token(s, t) for s, t in zip(sampled, tokens))
+        if self.tiers is not None:
+            self.tiers.after_step(self.stats.num_prompt_tokens_computed - prompt_before,
+                                  time.perf_counter() - started)
         self._publish_events()
         return outputs
 

@@ -68,6 +68,7 @@ class WorkerServerConfig:
     transfer_token: bytes = b""   # KV transfer peers must prove this shared secret (kvtransfer/auth.py)
     metrics_port: int | None = None   # serve GET /metrics over HTTP on host:metrics_port (0: any); None: off
     session_port: int | None = 0      # the session stream on host:session_port (0: any); None: off
+    kv_store: str | None = None       # the shared KV block store's HOST:PORT (`splitserve kvstore`); None: none
 
 
 def build_transfer(role: Role, engine: LLMEngine, backend: str = "auto", name: str = "worker",
@@ -134,6 +135,8 @@ async def serve(config: WorkerServerConfig, stop: asyncio.Event | None = None,
         sender, receiver = await asyncio.to_thread(build_transfer, config.options.role, engine,
                                                    config.transfer, wid, config.host, config.transfer_token,
                                                    config.advertise_host)
+        if config.kv_store:
+            await asyncio.to_thread(attach_store, config, engine, wid)
         await service.attach(engine, sender, receiver)
         log.info("worker %s: serving %s (max_model_len %d, %d KV blocks, transfer %s)", wid,
                  engine.config.model_name, engine.max_model_len, engine.config.num_kv_blocks,
@@ -173,6 +176,21 @@ async def serve(config: WorkerServerConfig, stop: asyncio.Event | None = None,
             await metrics.close()
         if engine is not None:
             engine.close()
+
+
+def attach_store(config: WorkerServerConfig, engine: LLMEngine, name: str) -> None:
+    """Fetch from and publish to the shared block store (before the engine loop starts)."""
+    from splitserve.services.worker.kv.connector_transfer import resolve_backend
+    from splitserve.services.worker.kv.store_client import StoreClient
+
+    store = StoreClient(config.kv_store, engine, resolve_backend(config.transfer), name, config.host,
+                        config.transfer_token, config.advertise_host)
+    try:
+        engine.attach_store(store)
+    except BaseException:
+        store.close()
+        raise
+    log.info("worker %s: KV store %s", name, config.kv_store)
 
 
 def _watch_group(engine: LLMEngine, stop: asyncio.Event) -> list[str]:

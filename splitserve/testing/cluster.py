@@ -162,6 +162,17 @@ class Cluster:
         self.procs += others
         return self.start_worker(name, role, *extra, env={**env, "SPLITSERVE_TP_RANK": "0"}), others
 
+    def start_kvstore(self, capacity_gib: float, *extra: str, port: int | None = None) -> tuple[Proc, str]:
+        """A `splitserve kvstore` (restartable on the same `port`); returns it and its HOST:PORT once
+        it listens. Workers reach it with `--kv-store HOST:PORT`."""
+        port = port or free_port()
+        argv = ["splitserve", "--log-level", self.log_level, "kvstore", "--capacity-gib", str(capacity_gib),
+                "--port", str(port), *extra]
+        proc = Proc.start(argv)
+        self.procs.append(proc)
+        proc.wait_for_line(r"kvstore listening on ")
+        return proc, f"127.0.0.1:{port}"
+
     def wait_workers(self, timeout: float = READY_TIMEOUT_S) -> None:
         """Until every worker still running is ready (one killed on purpose is passed over)."""
         for w in self.live_workers():

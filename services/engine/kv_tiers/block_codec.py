@@ -62,3 +62,9 @@ def decode(data, layout: bytes, expected_bytes: int) -> memoryview:
     if checksum(payload) != crc:
         raise BlockRejected("corrupt", "checksum mismatch")
     return payload
+
+
+def block_crc(pool: torch.Tensor, block_id: int) -> int:
+    """CRC-32 of one block of a pool `[layers, 2, blocks, ...]`: every layer, K then V, in that order
+    (what a publisher and the store and a fetcher each compute over their own copy)."""
+    return checksum(as_bytes(pool[:, :, block_id].contiguous().cpu()))

@@ -10,6 +10,11 @@ are recomputed. Tiers are inclusive: a block loaded back stays in its tier too.
 
 Every change is a KV event with its tier (BlockStored/BlockRemoved{tier}), so the router's
 index knows what each worker holds where.
+
+The shared store (shared_store.py), when the worker attached one, is the tier below disk:
+`lookup` asks it for the blocks after the local run (and keeps them only when `FetchRule`
+says fetching beats recomputing), `load` fetches them, and every block the engine computes
+is published to it after the step (`note_cached`, `after_step`).
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from splitserve.services.engine.kv_events import KVEventLog
 from splitserve.services.engine.kv_tiers.block_codec import BlockRejected, as_bytes
 from splitserve.services.engine.kv_tiers.disk_tier import DiskTier
 from splitserve.services.engine.kv_tiers.host_tier import HostTier
+from splitserve.services.engine.kv_tiers.shared_store import FetchRule, SharedStore
 
 GIB = 1 << 30
 
@@ -45,7 +51,7 @@ class TierStats:
     hits: Counter = field(default_factory=Counter)            # tier -> blocks loaded back
     bytes_loaded: Counter = field(default_factory=Counter)    # tier -> bytes
     load_seconds: Counter = field(default_factory=Counter)    # tier -> seconds spent loading
-    written_down: Counter = field(default_factory=Counter)    # tier -> blocks stored
+    written_down: Counter = field(default_factory=Counter)    # tier -> blocks stored (store: published)
     evicted: Counter = field(default_factory=Counter)         # tier -> blocks evicted from it
     rejected: Counter = field(default_factory=Counter)        # reason -> blocks dropped on load
 
@@ -66,6 +72,14 @@ class KVTiers:
         # Blocks the scheduler found below and is about to load: the write-down that the same
         # admission's allocation causes must not push them out first.
         self._loading: frozenset[bytes] = frozenset()
+        self.store: SharedStore | None = None
+        self.rule = FetchRule(kv.tensor.shape[3])
+        self._store_from: int | None = None      # where the last protected lookup's store run begins
+        self._new_blocks: list[tuple[int, bytes]] = []    # computed this step: published after it
+        self._loaded_now: set[bytes] = set()              # came from a tier this step: not published
+
+    def attach_store(self, store: SharedStore) -> None:
+        self.store = store
 
     # -- down ----------------------------------------------------------------------
     def write_down(self, blocks: list[tuple[int, bytes]]) -> None:
@@ -116,8 +130,15 @@ class KVTiers:
             if h not in self.host and (self.disk is None or h not in self.disk):
                 break
             n += 1
+        local = n
+        if self.store is not None and n < len(block_hashes):
+            held = self.store.lookup(block_hashes[n:])
+            self.rule.rtt_s = self.store.round_trip_s
+            if self.rule.should_fetch(held):
+                n += held
         if protect:
-            self._loading = frozenset(block_hashes[:n])
+            self._loading = frozenset(block_hashes[:local])
+            self._store_from = local if n > local else None
         return n
 
     def load(self, block_hashes: list[bytes], block_ids: list[int]) -> int:
@@ -125,18 +146,51 @@ class KVTiers:
         number loaded (the run stops at the first block that is missing or fails)."""
         self._collect_dropped()
         self._loading = frozenset()
+        store_from, self._store_from = self._store_from, None
         loaded = 0
         for block_hash, block_id in zip(block_hashes, block_ids):
+            if store_from is not None and loaded >= store_from:
+                return loaded + self._fetch(block_hashes[loaded:], block_ids[loaded:])
             start = time.perf_counter()
             tier, block = self._read(block_hash)
             if block is None:
                 break
+            self._loaded_now.add(block_hash)
             self.kv.tensor[:, :, block_id].copy_(block)      # blocking: the host slot may be reused next
             self.stats.hits[tier] += 1
             self.stats.bytes_loaded[tier] += self.block_bytes
             self.stats.load_seconds[tier] += time.perf_counter() - start
             loaded += 1
         return loaded
+
+    def _fetch(self, block_hashes: list[bytes], block_ids: list[int]) -> int:
+        start = time.perf_counter()
+        n = self.store.fetch(block_hashes, block_ids, self.kv.tensor)
+        seconds = time.perf_counter() - start
+        if n:
+            self.rule.observe_fetch(n, seconds)
+            self.stats.hits["store"] += n
+            self.stats.bytes_loaded["store"] += n * self.block_bytes
+            self.stats.load_seconds["store"] += seconds
+            self._loaded_now.update(block_hashes[:n])
+        return n
+
+    # -- publishing to the store -------------------------------------------------------
+    def note_cached(self, block_id: int, block_hash: bytes) -> None:
+        """The pool registered a block (BlockPool.on_cached): publish it after the step if it was computed."""
+        if self.store is not None and block_hash not in self._loaded_now:
+            self._new_blocks.append((block_id, block_hash))
+
+    def after_step(self, prompt_tokens: int, seconds: float) -> None:
+        """End of an engine step: refine the fetch rule, publish the blocks it computed."""
+        self._loaded_now.clear()
+        if self.store is None:
+            return
+        self.rule.observe_prefill(prompt_tokens, seconds)
+        if self._new_blocks:
+            blocks, self._new_blocks = self._new_blocks, []
+            self.store.publish(self.kv.tensor, blocks)
+            self.stats.written_down["store"] += len(blocks)
 
     def _read(self, block_hash: bytes) -> tuple[str, torch.Tensor | None]:
         try:
@@ -167,11 +221,17 @@ class KVTiers:
             out["host"] = (len(self.host), self.host.capacity)
         if self.disk is not None:
             out["disk"] = (len(self.disk), self.disk.capacity_blocks)
+        if self.store is not None:
+            out["store"] = self.store.occupancy       # shared: what the store held at the last lookup
         return out
 
     def rejections(self) -> Counter:
-        """reason -> blocks dropped: on load (corrupt, truncated, ...) and on the disk tier's writes."""
-        return self.stats.rejected + (self.disk.write_failures if self.disk is not None else Counter())
+        """reason -> blocks dropped: on load (corrupt, truncated, ...), on the disk tier's writes, and by
+        the store client (store_unavailable, store_corrupt, ...)."""
+        out = self.stats.rejected + (self.disk.write_failures if self.disk is not None else Counter())
+        if self.store is not None:
+            out.update(self.store.rejections())
+        return out
 
     def clear(self) -> None:
         """Forget every block (the weights changed); the pool's AllCleared covers the events."""
@@ -182,3 +242,5 @@ class KVTiers:
     def close(self) -> None:
         if self.disk is not None:
             self.disk.close()
+        if self.store is not None:
+            self.store.close()

@@ -1,0 +1,281 @@
+"""The worker's side of the shared block store: a `SharedStore` over gRPC and kvtransfer.
+
+The worker attaches this to its engine (`LLMEngine.attach_store`, `--kv-store HOST:PORT`).
+Bytes never touch gRPC: the client has its own kvtransfer connector, registered on a small
+host **staging pool** (`STAGING_BLOCKS` blocks of the engine's layout), half for fetches and
+half for publishes, so that a transfer never reads or writes a block the engine may reuse:
+
+- fetch (engine thread, inside an admission): grant staging blocks, ask the store to WRITE the
+  leading blocks it holds into them (`Fetch`), wait for its notification, check each block's
+  CRC-32 against the one the publisher computed, copy the verified run into the engine's pool;
+- publish (engine thread copies, a background thread sends): copy the blocks a step computed
+  into free publish staging blocks, `Offer` their hashes and CRC-32s, WRITE the ones the store
+  wants into the slots it granted, notify; the store checks the CRCs before serving them.
+
+A store that cannot be reached, times out or fails a fetch never fails a request: the
+blocks are recomputed and the reason counted (`rejections`). After a failure the client
+leaves the store alone for a back-off (1 s, doubling to 30 s) and re-attaches, so a store
+that restarted (new agent incarnation, empty) is picked up again. After a fetch that failed
+while the store may still be alive, the fetch staging blocks are fenced until the grant's
+deadline has passed (a late WRITE could still land there).
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import queue
+import threading
+import time
+from collections import Counter
+
+import grpc
+import torch
+
+from splitserve.kvtransfer import AgentMetadata, make_connector
+from splitserve.kvtransfer.errors import TransferError
+from splitserve.kvtransfer.memory import empty_pool
+from splitserve.proto.v1 import kvstore_pb2 as pb
+from splitserve.proto.v1 import kvstore_pb2_grpc
+from splitserve.services.engine.engine import LLMEngine
+from splitserve.services.engine.kv_tiers.block_codec import block_crc
+from splitserve.services.engine.sequence import LayerReady
+
+from splitserve.services.worker.kv.connector_transfer import engine_layout
+from splitserve.services.worker.kv.rank_transfer import RankTransfer
+from splitserve.services.worker.kv.transfer import GRANT_GRACE_S, TransferEndpoint, TransferGrant, TransferTarget
+
+log = logging.getLogger(__name__)
+
+STAGING_BLOCKS = 64
+LOOKUP_TIMEOUT_S = 0.5
+FETCH_TTL_S = 5.0            # a fetch's grant; its RPC waits as long
+PUBLISH_TIMEOUT_S = 10.0
+BACKOFF_S = (1.0, 30.0)      # first and longest pause after a failure
+ALPHA = 0.2
+
+
+class StoreClient:
+    def __init__(self, address: str, engine: LLMEngine, backend: str, name: str, host: str = "127.0.0.1",
+                 token: bytes = b"", advertise_host: str | None = None, staging_blocks: int = STAGING_BLOCKS):
+        self.name = f"{name}-store"
+        self.address = address
+        layout = engine_layout(engine)
+        self.block_size = layout.block_size
+        self.num_layers = layout.num_layers
+        kwargs = {"token": token, **({"host": host, "advertise_host": advertise_host} if backend == "tcp" else {})}
+        connector = make_connector(backend, self.name, layout, **kwargs)
+        try:
+            self.staging = empty_pool(layout.pool_shape(staging_blocks), layout.torch_dtype)
+            connector.register(self.staging)
+        except BaseException:
+            connector.close()
+            raise
+        self.transfer = RankTransfer(connector, layout.block_size)
+        half = staging_blocks // 2
+        self._fetch_ids = list(range(half))
+        self._publish_free = list(range(half, staging_blocks))
+        self._channel = grpc.insecure_channel(address, options=[("grpc.max_receive_message_length", 16 << 20)])
+        self._stub = kvstore_pb2_grpc.KVStoreStub(self._channel)
+        self._store: AgentMetadata | None = None
+        self._lock = threading.Lock()            # _publish_free, _store, counters: engine and publisher threads
+        self._serials = itertools.count(1)
+        self._down_until = 0.0
+        self._backoff = BACKOFF_S[0]
+        self._fetch_fenced_until = 0.0
+        self.round_trip_s = 1e-3
+        self.occupancy = (0, 0)                  # the store's (blocks held, capacity) at the last Lookup
+        self._rejected: Counter = Counter()
+        self.counts: Counter = Counter()         # published, fetched, lookups
+        self._outbox: queue.Queue = queue.Queue()
+        self._publisher = threading.Thread(target=self._publish_loop, name=f"{self.name}-publish", daemon=True)
+        self._publisher.start()
+
+    # -- connection -------------------------------------------------------------------------
+    def _ready(self) -> bool:
+        """Attached and not backing off (engine or publisher thread)."""
+        if time.monotonic() < self._down_until:
+            return False
+        if self._store is not None:
+            return True
+        try:
+            reply = self._stub.Attach(pb.AttachStoreRequest(agent_metadata=self.transfer.metadata.to_bytes()),
+                                      timeout=LOOKUP_TIMEOUT_S * 4)
+            store = AgentMetadata.from_bytes(reply.agent_metadata)
+            self.transfer.connector.add_peer(store)
+        except (grpc.RpcError, TransferError, ValueError) as error:
+            self._fail("store_unavailable", 0, error)
+            return False
+        with self._lock:
+            self._store = store
+        log.info("KV store %s: attached (%d blocks)", self.address, reply.capacity_blocks)
+        return True
+
+    def _fail(self, reason: str, num_blocks: int, error: BaseException) -> None:
+        with self._lock:
+            self._rejected[reason] += num_blocks
+            self._store = None                   # re-attach after the back-off: the store may have restarted
+            self._down_until = time.monotonic() + self._backoff
+            self._backoff = min(self._backoff * 2, BACKOFF_S[1])
+        detail = error.details() if isinstance(error, grpc.RpcError) else str(error)
+        log.warning("KV store %s: %s (%s); recomputing, next try in %.0f s", self.address, reason, detail,
+                    self._down_until - time.monotonic())
+
+    def _succeeded(self) -> None:
+        self._backoff = BACKOFF_S[0]
+
+    # -- SharedStore ------------------------------------------------------------------------
+    def lookup(self, block_hashes: list[bytes]) -> int:
+        if not block_hashes or not self._ready():
+            return 0
+        start = time.perf_counter()
+        try:
+            reply = self._stub.Lookup(pb.LookupBlocksRequest(block_hashes=block_hashes[:4096]),
+                                      timeout=LOOKUP_TIMEOUT_S)
+        except grpc.RpcError as error:
+            self._fail("store_unavailable", 0, error)
+            return 0
+        self.round_trip_s += ALPHA * (time.perf_counter() - start - self.round_trip_s)
+        self.counts["lookups"] += 1
+        self.occupancy = (reply.blocks_held, reply.capacity_blocks)
+        self._succeeded()
+        return reply.num_held
+
+    def fetch(self, block_hashes: list[bytes], block_ids: list[int], pool: torch.Tensor) -> int:
+        total, chunk = 0, len(self._fetch_ids)
+        while total < len(block_hashes):
+            want = min(chunk, len(block_hashes) - total)
+            n = self._fetch_chunk(block_hashes[total:total + want], block_ids[total:total + want], pool)
+            total += n
+            if n < want:
+                break
+        return total
+
+    def _fetch_chunk(self, hashes: list[bytes], block_ids: list[int], pool: torch.Tensor) -> int:
+        if not self._ready() or time.monotonic() < self._fetch_fenced_until:
+            return 0
+        staging = self._fetch_ids[:len(hashes)]
+        rid = f"{self.name}-fetch-{next(self._serials)}"
+        landed = threading.Event()
+        outcome: list[TransferError | None] = []
+        try:
+            grant = self.transfer.expect(rid, staging, FETCH_TTL_S)
+            self.transfer.watch(rid, lambda _payload, error: (outcome.append(error), landed.set()))
+        except TransferError as error:
+            self._fail("store_fetch_failed", len(hashes), error)
+            return 0
+        try:
+            reply = self._stub.Fetch(pb.FetchBlocksRequest(
+                request_id=rid, agent_name=self.name, block_hashes=hashes, block_ids=staging,
+                incarnation=grant.incarnation, deadline_unix=grant.deadline_unix), timeout=FETCH_TTL_S)
+            n = reply.num_blocks
+            if n and not (landed.wait(FETCH_TTL_S) and outcome[0] is None):
+                raise TransferError(f"fetch {rid}: the store answered but its writes did not arrive "
+                                    f"({outcome[0] if outcome else 'no notification'})")
+        except (grpc.RpcError, TransferError) as error:
+            # It may still be writing (a slow store, not a dead one): keep off these blocks until
+            # no write of this grant can land.
+            self._fetch_fenced_until = time.monotonic() + (grant.deadline_unix - time.time()) + GRANT_GRACE_S
+            unavailable = isinstance(error, grpc.RpcError) and error.code() in (
+                grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED)
+            self._fail("store_unavailable" if unavailable else "store_fetch_failed", len(hashes), error)
+            return 0
+        finally:
+            self.transfer.release(rid)
+        for i in range(n):
+            if block_crc(self.staging, staging[i]) != reply.crcs[i]:
+                with self._lock:
+                    self._rejected["store_corrupt"] += n - i
+                log.warning("KV store %s: block %d of fetch %s fails its checksum; recomputing from it",
+                            self.address, i, rid)
+                n = i
+                break
+        if n:
+            src = torch.tensor(staging[:n])
+            dst = torch.tensor(block_ids[:n], device=pool.device)
+            pool.index_copy_(2, dst, self.staging.index_select(2, src).to(pool.device))
+            self.counts["fetched"] += n
+        self._succeeded()
+        return n
+
+    def publish(self, pool: torch.Tensor, blocks: list[tuple[int, bytes]]) -> None:
+        if time.monotonic() < self._down_until:
+            return
+        with self._lock:
+            take = min(len(blocks), len(self._publish_free))
+            slots = [self._publish_free.pop() for _ in range(take)]
+            if take < len(blocks):
+                self._rejected["store_publish_busy"] += len(blocks) - take
+        if not slots:
+            return
+        src = torch.tensor([block_id for block_id, _ in blocks[:take]], device=pool.device)
+        self.staging.index_copy_(2, torch.tensor(slots), pool.index_select(2, src).cpu())
+        self._outbox.put((slots, [h for _, h in blocks[:take]]))
+
+    def rejections(self) -> dict[str, int]:
+        with self._lock:
+            return dict(self._rejected)
+
+    def close(self) -> None:
+        self._outbox.put(None)
+        self._publisher.join(PUBLISH_TIMEOUT_S)
+        self.transfer.close()
+        self._channel.close()
+
+    # -- publisher thread -------------------------------------------------------------------
+    def _publish_loop(self) -> None:
+        while (item := self._outbox.get()) is not None:
+            slots, hashes = item
+            try:
+                self._publish(slots, hashes)
+            except Exception as error:      # never let the thread die: later publishes would stall
+                self._fail("store_publish_failed", len(slots), error)
+            finally:
+                with self._lock:
+                    self._publish_free.extend(slots)
+
+    def _publish(self, slots: list[int], hashes: list[bytes]) -> None:
+        if not self._ready():
+            return
+        crcs = [block_crc(self.staging, slot) for slot in slots]
+        rid = f"{self.name}-publish-{next(self._serials)}"
+        offer = pb.OfferBlocksRequest(request_id=rid, agent_name=self.name, block_hashes=hashes, crcs=crcs)
+        try:
+            try:
+                reply = self._stub.Offer(offer, timeout=PUBLISH_TIMEOUT_S)
+            except grpc.RpcError as error:
+                if error.code() != grpc.StatusCode.FAILED_PRECONDITION:
+                    raise
+                with self._lock:
+                    self._store = None           # a store that restarted does not know us: attach again
+                if not self._ready():
+                    return
+                reply = self._stub.Offer(offer, timeout=PUBLISH_TIMEOUT_S)
+        except grpc.RpcError as error:
+            self._fail("store_unavailable", len(slots), error)
+            return
+        if not reply.wanted:
+            return
+        store = self._store
+        src = [slots[i] for i in reply.wanted]
+        dst = list(reply.slot_ids)
+        target = TransferTarget(TransferEndpoint(store.name, store.to_bytes(), store.layout_hash.encode()), dst, 0,
+                                TransferGrant(reply.incarnation, reply.deadline_unix))
+        sent = threading.Event()
+        outcome: list[TransferError | None] = []
+        try:
+            self.transfer.begin(rid, target, len(dst) * self.block_size, notify=True)
+            for layer in range(self.num_layers):
+                self.transfer.on_layer_ready(LayerReady(rid, layer, 0, src, len(dst) * self.block_size))
+            self.transfer.close_send(rid, b"", lambda _p, error: (outcome.append(error), sent.set()))
+        except TransferError as error:
+            self.transfer.abandon(rid)
+            self._fail("store_publish_failed", len(src), error)
+            return
+        if not sent.wait(PUBLISH_TIMEOUT_S):
+            self.transfer.abandon(rid)
+            self._fail("store_publish_failed", len(src), TransferError(f"{rid}: writes did not complete"))
+        elif outcome[0] is not None:
+            self._fail("store_publish_failed", len(src), outcome[0])
+        else:
+            self.counts["published"] += len(src)

@@ -1,0 +1,131 @@
+"""The shared block store (`splitserve kvstore`) with real worker processes: a prefix one worker
+computed is fetched by another token-exact (aggregated, and by a prefill worker serving a decode
+worker); a store killed in the middle of a fetch costs a recompute, never a wrong token; a store
+that comes back is used again.
+
+The workers' pools are large enough that nothing is evicted: every store hit is a block the
+fetching worker never computed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import grpc
+import pytest
+
+from splitserve.proto.v1 import kvstore_pb2, kvstore_pb2_grpc
+from splitserve.testing.cluster import Cluster
+from splitserve.testing.workers import generate, worker_stats
+
+BLOCK = 16
+PROMPTS = {name: [(seed * 89 + i * 11) % 1000 + 3 for i in range(5 * BLOCK + 3)]
+           for seed, name in enumerate("ABC", start=1)}
+STORE_GIB = 0.01
+
+
+def store_stats(address: str) -> kvstore_pb2.StoreStatsResponse:
+    with grpc.insecure_channel(address) as channel:
+        return kvstore_pb2_grpc.KVStoreStub(channel).Stats(kvstore_pb2.StoreStatsRequest(), timeout=5)
+
+
+def wait_held(address: str, blocks: int, timeout_s: float = 20.0) -> kvstore_pb2.StoreStatsResponse:
+    """Publishing happens behind the engine: poll until the store holds `blocks`."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        stats = store_stats(address)
+        if stats.blocks_held >= blocks or time.monotonic() > deadline:
+            return stats
+        time.sleep(0.05)
+
+
+def tier_hits(address: str) -> dict[str, int]:
+    return {t.tier: t.num_hits for t in worker_stats(address).kv_tiers}
+
+
+def run(address: str, name: str, rid: str, peers=()) -> list[int]:
+    return list(asyncio.run(generate(address, rid, PROMPTS[name], 6, peers)).token_ids)
+
+
+@pytest.mark.parametrize("backend", ["tcp", "nixl"])
+def test_a_prefix_computed_on_one_worker_is_fetched_by_another(llama_dir, backend):
+    cluster = Cluster(llama_dir, transfer=backend)
+    try:
+        _, store = cluster.start_kvstore(STORE_GIB, "--transfer", backend)
+        for name in ("w1", "w2"):
+            cluster.start_worker(name, "both", "--kv-store", store, "--transfer", backend)
+        cluster.wait_workers()
+        w1, w2 = cluster.workers["w1"].address, cluster.workers["w2"].address
+
+        want = run(w1, "A", "a1")                        # computed: nothing was anywhere
+        stats = wait_held(store, 5)
+        assert stats.blocks_held == 5 and stats.counters["stored"] == 5
+        assert run(w2, "A", "a2") == want                # five blocks from the store, 3 tokens computed
+        s2 = worker_stats(w2)
+        assert tier_hits(w2) == {"store": 5} and s2.num_prefix_hit_tokens == 5 * BLOCK
+        assert s2.num_prompt_tokens_computed == 3
+        assert store_stats(store).counters["fetched_blocks"] == 5
+        # w2 published nothing it fetched: the store still holds one copy of each block.
+        assert store_stats(store).counters["offered"] == 5
+    finally:
+        codes = cluster.close(grace_s=30.0)
+    assert codes == [0, 0, 0] and not cluster.killed, cluster.outputs()[-6000:]
+
+
+def test_a_store_killed_mid_fetch_costs_a_recompute_not_a_token(llama_dir):
+    cluster = Cluster(llama_dir, transfer="tcp")
+    try:
+        proc, store = cluster.start_kvstore(STORE_GIB, "--transfer", "tcp", "--fault-fetch-delay", "60")
+        port = int(store.rsplit(":", 1)[1])
+        for name in ("w1", "w2"):
+            cluster.start_worker(name, "both", "--kv-store", store, "--transfer", "tcp")
+        cluster.wait_workers()
+        w1, w2 = cluster.workers["w1"].address, cluster.workers["w2"].address
+        want_a, want_b = run(w1, "A", "a1"), run(w1, "B", "b1")
+        assert wait_held(store, 10).blocks_held == 10
+
+        async def killed_during_fetch() -> list[int]:
+            request = asyncio.ensure_future(generate(w2, "a2", PROMPTS["A"], 6))
+            await asyncio.to_thread(proc.wait_for_line, r"kvstore: fetch .* blocks pinned", 30)
+            proc.process.kill()                          # its blocks are pinned, none written yet
+            return list((await request).token_ids)
+
+        assert asyncio.run(killed_during_fetch()) == want_a
+        s2 = worker_stats(w2)
+        assert dict(s2.kv_tier_rejections) == {"store_unavailable": 5}
+        assert s2.num_prompt_tokens_computed == len(PROMPTS["A"]) and tier_hits(w2) == {"store": 0}
+
+        # The store comes back empty on the same port. w1's next publish finds it does not know
+        # w1, attaches again and publishes; w2 attaches again once its back-off (1 s) is over.
+        cluster.start_kvstore(STORE_GIB, "--transfer", "tcp", port=port)
+        want_c = run(w1, "C", "c1")
+        assert wait_held(store, 5).blocks_held == 5
+        time.sleep(1.5)
+        assert run(w2, "C", "c2") == want_c
+        assert tier_hits(w2)["store"] == 5
+        assert run(w2, "B", "b2") == want_b              # the old store's blocks are gone: computed
+        assert worker_stats(w2).num_prompt_tokens_computed == 2 * len(PROMPTS["A"]) + 3
+    finally:
+        cluster.close(grace_s=30.0)
+    assert not cluster.killed, cluster.outputs()[-6000:]
+
+
+def test_a_prefill_worker_fetches_from_the_store_for_a_decode_worker(llama_dir):
+    cluster = Cluster(llama_dir, transfer="tcp")
+    try:
+        _, store = cluster.start_kvstore(STORE_GIB, "--transfer", "tcp")
+        cluster.start_worker("w1", "both", "--kv-store", store, "--transfer", "tcp")
+        cluster.start_worker("p0", "prefill", "--kv-store", store)
+        cluster.start_worker("d0", "decode", "--remote-prefill-threshold", "8")
+        cluster.wait_workers()
+        w1, p0, d0 = (cluster.workers[n].address for n in ("w1", "p0", "d0"))
+        want = run(w1, "A", "a1")
+        assert wait_held(store, 5).blocks_held == 5
+        reply = asyncio.run(generate(d0, "a2", PROMPTS["A"], 6, [("p0", p0)]))
+        assert reply.prefilled_remotely and list(reply.token_ids) == want
+        assert tier_hits(p0) == {"store": 5}
+        assert worker_stats(p0).num_prompt_tokens_computed == 3
+    finally:
+        codes = cluster.close(grace_s=30.0)
+    assert codes == [0, 0, 0, 0] and not cluster.killed, cluster.outputs()[-6000:]
