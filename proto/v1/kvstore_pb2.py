@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bsplitserve/v1/kvstore.proto\x12\rsplitserve.v1\",\n\x12\x41ttachStoreRequest\x12\x16\n\x0e\x61gent_metadata\x18\x01 \x01(\x0c\"F\n\x13\x41ttachStoreResponse\x12\x16\n\x0e\x61gent_metadata\x18\x01 \x01(\x0c\x12\x17\n\x0f\x63\x61pacity_blocks\x18\x02 \x01(\x04\"+\n\x13LookupBlocksRequest\x12\x14\n\x0c\x62lock_hashes\x18\x01 \x03(\x0c\"V\n\x14LookupBlocksResponse\x12\x10\n\x08num_held\x18\x01 \x01(\r\x12\x13\n\x0b\x62locks_held\x18\x02 \x01(\x04\x12\x17\n\x0f\x63\x61pacity_blocks\x18\x03 \x01(\x04\"`\n\x12OfferBlocksRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\nagent_name\x18\x02 \x01(\t\x12\x14\n\x0c\x62lock_hashes\x18\x03 \x03(\x0c\x12\x0c\n\x04\x63rcs\x18\x04 \x03(\r\"t\n\x13OfferBlocksResponse\x12\x0e\n\x06wanted\x18\x01 \x03(\r\x12\x10\n\x08slot_ids\x18\x02 \x03(\r\x12\x13\n\x0bincarnation\x18\x03 \x01(\t\x12\x15\n\rdeadline_unix\x18\x04 \x01(\x01\x12\x0f\n\x07\x65victed\x18\x05 \x03(\x0c\"\x91\x01\n\x12\x46\x65tchBlocksRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\nagent_name\x18\x02 \x01(\t\x12\x14\n\x0c\x62lock_hashes\x18\x03 \x03(\x0c\x12\x11\n\tblock_ids\x18\x04 \x03(\r\x12\x13\n\x0bincarnation\x18\x05 \x01(\t\x12\x15\n\rdeadline_unix\x18\x06 \x01(\x01\"7\n\x13\x46\x65tchBlocksResponse\x12\x12\n\nnum_blocks\x18\x01 \x01(\r\x12\x0c\n\x04\x63rcs\x18\x02 \x03(\r\"\x13\n\x11StoreStatsRequest\"\xdb\x01\n\x12StoreStatsResponse\x12\x13\n\x0b\x62locks_held\x18\x01 \x01(\x04\x12\x17\n\x0f\x63\x61pacity_blocks\x18\x02 \x01(\x04\x12\x13\n\x0b\x62lock_bytes\x18\x03 \x01(\x04\x12\x41\n\x08\x63ounters\x18\x04 \x03(\x0b\x32/.splitserve.v1.StoreStatsResponse.CountersEntry\x12\x0e\n\x06layout\x18\x05 \x01(\t\x1a/\n\rCountersEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01\x32\x9b\x03\n\x07KVStore\x12O\n\x06\x41ttach\x12!.splitserve.v1.AttachStoreRequest\x1a\".splitserve.v1.AttachStoreResponse\x12Q\n\x06Lookup\x12\".splitserve.v1.LookupBlocksRequest\x1a#.splitserve.v1.LookupBlocksResponse\x12N\n\x05Offer\x12!.splitserve.v1.OfferBlocksRequest\x1a\".splitserve.v1.OfferBlocksResponse\x12N\n\x05\x46\x65tch\x12!.splitserve.v1.FetchBlocksRequest\x1a\".splitserve.v1.FetchBlocksResponse\x12L\n\x05Stats\x12 .splitserve.v1.StoreStatsRequest\x1a!.splitserve.v1.StoreStatsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bsplitserve/v1/kvstore.proto\x12\rsplitserve.v1\",\n\x12\x41ttachStoreRequest\x12\x16\n\x0e\x61gent_metadata\x18\x01 \x01(\x0c\"F\n\x13\x41ttachStoreResponse\x12\x16\n\x0e\x61gent_metadata\x18\x01 \x01(\x0c\x12\x17\n\x0f\x63\x61pacity_blocks\x18\x02 \x01(\x04\"+\n\x13LookupBlocksRequest\x12\x14\n\x0c\x62lock_hashes\x18\x01 \x03(\x0c\"k\n\x14LookupBlocksResponse\x12\x10\n\x08num_held\x18\x01 \x01(\r\x12\x13\n\x0b\x62locks_held\x18\x02 \x01(\x04\x12\x17\n\x0f\x63\x61pacity_blocks\x18\x03 \x01(\x04\x12\x13\n\x0bincarnation\x18\x04 \x01(\t\"`\n\x12OfferBlocksRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\nagent_name\x18\x02 \x01(\t\x12\x14\n\x0c\x62lock_hashes\x18\x03 \x03(\x0c\x12\x0c\n\x04\x63rcs\x18\x04 \x03(\r\"t\n\x13OfferBlocksResponse\x12\x0e\n\x06wanted\x18\x01 \x03(\r\x12\x10\n\x08slot_ids\x18\x02 \x03(\r\x12\x13\n\x0bincarnation\x18\x03 \x01(\t\x12\x15\n\rdeadline_unix\x18\x04 \x01(\x01\x12\x0f\n\x07\x65victed\x18\x05 \x03(\x0c\"\x91\x01\n\x12\x46\x65tchBlocksRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\nagent_name\x18\x02 \x01(\t\x12\x14\n\x0c\x62lock_hashes\x18\x03 \x03(\x0c\x12\x11\n\tblock_ids\x18\x04 \x03(\r\x12\x13\n\x0bincarnation\x18\x05 \x01(\t\x12\x15\n\rdeadline_unix\x18\x06 \x01(\x01\"7\n\x13\x46\x65tchBlocksResponse\x12\x12\n\nnum_blocks\x18\x01 \x01(\r\x12\x0c\n\x04\x63rcs\x18\x02 \x03(\r\"\x13\n\x11StoreStatsRequest\"\xdb\x01\n\x12StoreStatsResponse\x12\x13\n\x0b\x62locks_held\x18\x01 \x01(\x04\x12\x17\n\x0f\x63\x61pacity_blocks\x18\x02 \x01(\x04\x12\x13\n\x0b\x62lock_bytes\x18\x03 \x01(\x04\x12\x41\n\x08\x63ounters\x18\x04 \x03(\x0b\x32/.splitserve.v1.StoreStatsResponse.CountersEntry\x12\x0e\n\x06layout\x18\x05 \x01(\t\x1a/\n\rCountersEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01\x32\x9b\x03\n\x07KVStore\x12O\n\x06\x41ttach\x12!.splitserve.v1.AttachStoreRequest\x1a\".splitserve.v1.AttachStoreResponse\x12Q\n\x06Lookup\x12\".splitserve.v1.LookupBlocksRequest\x1a#.splitserve.v1.LookupBlocksResponse\x12N\n\x05Offer\x12!.splitserve.v1.OfferBlocksRequest\x1a\".splitserve.v1.OfferBlocksResponse\x12N\n\x05\x46\x65tch\x12!.splitserve.v1.FetchBlocksRequest\x1a\".splitserve.v1.FetchBlocksResponse\x12L\n\x05Stats\x12 .splitserve.v1.StoreStatsRequest\x1a!.splitserve.v1.StoreStatsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -40,21 +40,21 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_LOOKUPBLOCKSREQUEST']._serialized_start=164
   _globals['_LOOKUPBLOCKSREQUEST']._serialized_end=207
   _globals['_LOOKUPBLOCKSRESPONSE']._serialized_start=209
-  _globals['_LOOKUPBLOCKSRESPONSE']._serialized_end=295
-  _globals['_OFFERBLOCKSREQUEST']._serialized_start=297
-  _globals['_OFFERBLOCKSREQUEST']._serialized_end=393
-  _globals['_OFFERBLOCKSRESPONSE']._serialized_start=395
-  _globals['_OFFERBLOCKSRESPONSE']._serialized_end=511
-  _globals['_FETCHBLOCKSREQUEST']._serialized_start=514
-  _globals['_FETCHBLOCKSREQUEST']._serialized_end=659
-  _globals['_FETCHBLOCKSRESPONSE']._serialized_start=661
-  _globals['_FETCHBLOCKSRESPONSE']._serialized_end=716
-  _globals['_STORESTATSREQUEST']._serialized_start=718
-  _globals['_STORESTATSREQUEST']._serialized_end=737
-  _globals['_STORESTATSRESPONSE']._serialized_start=740
-  _globals['_STORESTATSRESPONSE']._serialized_end=959
-  _globals['_STORESTATSRESPONSE_COUNTERSENTRY']._serialized_start=912
-  _globals['_STORESTATSRESPONSE_COUNTERSENTRY']._serialized_end=959
-  _globals['_KVSTORE']._serialized_start=962
-  _globals['_KVSTORE']._serialized_end=1373
+  _globals['_LOOKUPBLOCKSRESPONSE']._serialized_end=316
+  _globals['_OFFERBLOCKSREQUEST']._serialized_start=318
+  _globals['_OFFERBLOCKSREQUEST']._serialized_end=414
+  _globals['_OFFERBLOCKSRESPONSE']._serialized_start=416
+  _globals['_OFFERBLOCKSRESPONSE']._serialized_end=532
+  _globals['_FETCHBLOCKSREQUEST']._serialized_start=535
+  _globals['_FETCHBLOCKSREQUEST']._serialized_end=680
+  _globals['_FETCHBLOCKSRESPONSE']._serialized_start=682
+  _globals['_FETCHBLOCKSRESPONSE']._serialized_end=737
+  _globals['_STORESTATSREQUEST']._serialized_start=739
+  _globals['_STORESTATSREQUEST']._serialized_end=758
+  _globals['_STORESTATSRESPONSE']._serialized_start=761
+  _globals['_STORESTATSRESPONSE']._serialized_end=980
+  _globals['_STORESTATSRESPONSE_COUNTERSENTRY']._serialized_start=933
+  _globals['_STORESTATSRESPONSE_COUNTERSENTRY']._serialized_end=980
+  _globals['_KVSTORE']._serialized_start=983
+  _globals['_KVSTORE']._serialized_end=1394
 # @@protoc_insertion_point(module_scope)

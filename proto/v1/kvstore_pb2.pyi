@@ -27,14 +27,16 @@ class LookupBlocksRequest(_message.Message):
     def __init__(self, block_hashes: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class LookupBlocksResponse(_message.Message):
-    __slots__ = ("num_held", "blocks_held", "capacity_blocks")
+    __slots__ = ("num_held", "blocks_held", "capacity_blocks", "incarnation")
     NUM_HELD_FIELD_NUMBER: _ClassVar[int]
     BLOCKS_HELD_FIELD_NUMBER: _ClassVar[int]
     CAPACITY_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
     num_held: int
     blocks_held: int
     capacity_blocks: int
-    def __init__(self, num_held: _Optional[int] = ..., blocks_held: _Optional[int] = ..., capacity_blocks: _Optional[int] = ...) -> None: ...
+    incarnation: str
+    def __init__(self, num_held: _Optional[int] = ..., blocks_held: _Optional[int] = ..., capacity_blocks: _Optional[int] = ..., incarnation: _Optional[str] = ...) -> None: ...
 
 class OfferBlocksRequest(_message.Message):
     __slots__ = ("request_id", "agent_name", "block_hashes", "crcs")

@@ -83,6 +83,8 @@ def cmd_worker(args: argparse.Namespace) -> int:
     from splitserve.services.worker.service import Role, WorkerOptions
 
     engine, member = _group_engine_config(args)
+    if args.kv_store:
+        _check_kv_store(True, engine.tensor_parallel_size)
     if member is not None and member.rank > 0:     # no gRPC API: serves rank 0's steps
         from splitserve.services.engine.parallel.tensor_parallel import run_member
 
@@ -170,8 +172,18 @@ def _apply_frontend_security(config, args: argparse.Namespace) -> None:
     config.etcd_tls = sec.etcd_tls(args)
 
 
+def _check_kv_store(wanted: bool | None, tp: int) -> None:
+    if wanted is None:
+        raise SplitserveError("--kv-store-gib must be >= 0")
+    if wanted and tp > 1:
+        raise SplitserveError("the shared KV store needs --tp 1 for now: it holds whole blocks, not one "
+                              "rank's share of the KV heads")
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     check_tool_args(args)
+    if args.kv_store_gib and args.on_ray:
+        raise SplitserveError("--kv-store-gib is not available on Ray yet; run `splitserve kvstore` yourself")
     if args.on_ray:
         from splitserve.services.ray_serve.launch import run_on_ray
 
@@ -181,6 +193,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from splitserve.services.launch.local import run_serve
 
     _security_args.check_serve_args(args)
+    _check_kv_store(args.kv_store_gib > 0 if args.kv_store_gib >= 0 else None, args.tp)
     return run_serve(args)
 
 

@@ -300,6 +300,10 @@ def _add_serve_parser(sub) -> None:
                    help="no separate prefill pool: every worker prefills and decodes")
     p.add_argument("--workers", type=int, default=None, metavar="N",
                    help="with --aggregated: number of workers (default: 1)")
+    p.add_argument("--kv-store-gib", type=float, default=0.0, metavar="GIB",
+                   help="start a shared KV block store (`splitserve kvstore`) of this size that every "
+                        "worker publishes its computed blocks to and fetches missed prefixes from "
+                        "(needs --tp 1; 0: none; default: %(default)s)")
     p.add_argument("--cpu-bind", choices=["auto", "none"], default="auto",
                    help="on CPU: pin each worker's compute threads to cores of its own (auto), "
                         "or let them float (none) (default: %(default)s)")

@@ -140,7 +140,8 @@ class KVStoreService(kvstore_pb2_grpc.KVStoreServicer):
         with self._lock:
             held = self.table.lookup(list(request.block_hashes[:MAX_BLOCKS_PER_CALL]))
         self.counters["lookups"] += 1
-        return pb.LookupBlocksResponse(num_held=held, blocks_held=len(self.table), capacity_blocks=self.table.capacity)
+        return pb.LookupBlocksResponse(num_held=held, blocks_held=len(self.table), capacity_blocks=self.table.capacity,
+                                       incarnation=self.transfer.metadata.incarnation)
 
     # -- publish --------------------------------------------------------------------------
     async def Offer(self, request, context):

@@ -30,10 +30,19 @@ def engine_argv(args: argparse.Namespace, model: str) -> list[str]:
     return argv
 
 
+def kvstore_argv(args: argparse.Namespace, port: int) -> list[str]:
+    """The shared block store `serve --kv-store-gib` starts before the workers."""
+    return ["kvstore", "--capacity-gib", str(args.kv_store_gib), "--port", str(port), "--transfer", args.transfer]
+
+
 def worker_argv(args: argparse.Namespace, name: str, role: str, port: int, model: str,
-                cores: str | None = None) -> list[str]:
+                cores: str | None = None, kv_store: str | None = None) -> list[str]:
     argv = ["worker", "--role", role, "--port", str(port), "--worker-id", name, "--drain-timeout", str(DRAIN_S),
             *engine_argv(args, model)]
+    if kv_store:
+        argv += ["--kv-store", kv_store]
+        if role == "both":          # the store client's own transfer (prefill/decode roles get it below)
+            argv += ["--transfer", args.transfer]
     if args.kv_disk_gib:        # each worker's disk tier in a folder of its own under the given one
         argv[argv.index("--kv-disk-path") + 1] = os.path.join(args.kv_disk_path, name)
     if cores:

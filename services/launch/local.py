@@ -31,7 +31,7 @@ import time
 
 from splitserve.errors import SplitserveError
 from splitserve.net import free_port
-from splitserve.services.launch.children import export_serve_secrets, frontend_argv, worker_argv
+from splitserve.services.launch.children import export_serve_secrets, frontend_argv, kvstore_argv, worker_argv
 from splitserve.services.launch.plan import default_threads, plan_workers, resolve_model, worker_cores
 from splitserve.services.launch.probes import http_ready, transfer_backend, worker_serving
 from splitserve.services.launch.supervisor import Child, Supervisor
@@ -66,6 +66,24 @@ def _wait_ready(sup: Supervisor, workers: list[Child], ready_url: str, timeout: 
         if time.monotonic() - start > timeout:
             raise SplitserveError(f"the frontend is not ready after {timeout:.0f} s")
         time.sleep(POLL_S)
+
+
+def _start_kvstore(sup: Supervisor, args: argparse.Namespace, python: list[str]) -> str | None:
+    """With --kv-store-gib: the shared block store, listening before any worker starts; its address.
+    The supervisor restarts it on the same port if it exits (it comes back empty; workers attach again)."""
+    if not args.kv_store_gib:
+        return None
+    port = free_port("127.0.0.1")
+    address = f"127.0.0.1:{port}"
+    sup.spawn("kvstore", [*python, *kvstore_argv(args, port)])
+    start = time.monotonic()
+    while not worker_serving(address):          # the store serves the standard gRPC health too
+        _check_alive(sup)
+        if time.monotonic() - start > args.ready_timeout:
+            raise SplitserveError(f"the KV store is not listening after {args.ready_timeout:.0f} s")
+        time.sleep(POLL_S)
+    say(f"  kvstore ready at {address} ({args.kv_store_gib:g} GiB shared by every worker)")
+    return address
 
 
 def _check_alive(sup: Supervisor) -> None:
@@ -106,10 +124,11 @@ def run_serve(args: argparse.Namespace) -> int:
         else:
             say(f"starting {roles.count('prefill')} prefill and {roles.count('decode')} decode worker(s) "
                 f"(KV transfer: {args.transfer}) and the frontend for {model}")
+        kv_store = _start_kvstore(sup, args, python)
         for w, wcores in zip(plan, cores):
             wport = free_port("127.0.0.1")
-            workers.append(sup.spawn(w.name, [*python, *worker_argv(args, w.name, w.role, wport, model, wcores)],
-                                     f"127.0.0.1:{wport}"))
+            workers.append(sup.spawn(w.name, [*python, *worker_argv(args, w.name, w.role, wport, model, wcores,
+                                                                    kv_store)], f"127.0.0.1:{wport}"))
         ports = [port] + [free_port(host) for _ in range(max(args.frontends, 1) - 1)]
         for i, fport in enumerate(ports):
             gport = grpc_port if i == 0 else free_port(host)

@@ -139,6 +139,12 @@ class StoreClient:
         self.counts["lookups"] += 1
         self.occupancy = (reply.blocks_held, reply.capacity_blocks)
         self._succeeded()
+        store = self._store
+        if reply.num_held and store is not None and reply.incarnation != store.incarnation:
+            with self._lock:
+                self._store = None               # it restarted since we attached: attach again
+            if not self._ready():
+                return 0
         return reply.num_held
 
     def fetch(self, block_hashes: list[bytes], block_ids: list[int], pool: torch.Tensor) -> int:

@@ -10,7 +10,12 @@ fetching worker never computed.
 from __future__ import annotations
 
 import asyncio
+import json
+import os
+import re
+import signal
 import time
+import urllib.request
 
 import grpc
 import pytest
@@ -129,3 +134,50 @@ def test_a_prefill_worker_fetches_from_the_store_for_a_decode_worker(llama_dir):
     finally:
         codes = cluster.close(grace_s=30.0)
     assert codes == [0, 0, 0, 0] and not cluster.killed, cluster.outputs()[-6000:]
+
+
+def _complete(base: str, prompt: list[int]) -> tuple[str, int]:
+    body = json.dumps({"model": "m", "prompt": prompt, "max_tokens": 4, "temperature": 0}).encode()
+    request = urllib.request.Request(f"{base}/v1/completions", body, {"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=60) as reply:
+        data = json.load(reply)
+    return data["choices"][0]["text"], data["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+
+def _kvstore_pid(pids: list[int]) -> int:
+    for pid in pids:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            if b"\0kvstore\0" in f.read():
+                return pid
+    raise AssertionError("serve started no kvstore")
+
+
+def test_serve_starts_a_store_its_workers_share_and_restarts_it(llama_dir):
+    """Through `splitserve serve`: round-robin sends a prompt's second request to the other
+    worker, which fetches the prefix the first computed; the store is killed, `serve` starts it
+    again on its port, and the workers use the new one (they attach again on their own)."""
+    from .conftest import start_serve, stop_serve
+
+    server = start_serve(str(llama_dir), "--kv-store-gib", str(STORE_GIB), "--router", "round-robin",
+                         "--transfer", "tcp", "--served-model-name", "m", num_workers=2)
+    try:
+        store = re.search(r"kvstore ready at (\S+)", server.proc.output).group(1)
+        text, cached = _complete(server.base_url, PROMPTS["A"])
+        assert cached == 0 and wait_held(store, 5).blocks_held == 5
+        assert _complete(server.base_url, PROMPTS["A"]) == (text, 5 * BLOCK)     # the other worker, from the store
+
+        os.kill(_kvstore_pid(server.proc.children()), signal.SIGKILL)
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                if store_stats(store).counters["lookups"] == 0:
+                    break                                # the new store answers
+            except grpc.RpcError:
+                pass
+            assert time.monotonic() < deadline, server.proc.output
+            time.sleep(0.2)
+        text_c, cached = _complete(server.base_url, PROMPTS["C"])
+        assert cached == 0 and wait_held(store, 5).blocks_held == 5
+        assert _complete(server.base_url, PROMPTS["C"]) == (text_c, 5 * BLOCK)
+    finally:
+        stop_serve(server)
