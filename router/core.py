@@ -53,7 +53,10 @@ EXPIRE_RUNS_PER_ROUTE = 2      # lapsed predict() runs a decision clears (it add
 # the host tier and 0.84 ms from a disk file in the page cache (copy + CRC-32), so ~0.99 for both.
 # The defaults stay well below: a GPU recomputes a block far faster than it reads one from disk,
 # a disk read can miss the page cache, and a device hit should keep its edge (no load, no churn).
-DEFAULT_TIER_CREDIT = {"host": 0.9, "disk": 0.6}
+# The shared store: a fetch over loopback TCP measured ~1 ms a SmolLM2 block here (round trip,
+# the WRITEs into the staging pool, CRC-32, the copy into the pool), again ~0.98; across hosts a
+# network hop, and a fetch may find the block evicted meanwhile: 0.5.
+DEFAULT_TIER_CREDIT = {"host": 0.9, "disk": 0.6, "store": 0.5}
 
 
 @dataclass(slots=True, frozen=True)
@@ -151,9 +154,10 @@ class RouterCore:
 
     def _tiered_overlaps(self, hashes: list[bytes]) -> dict[str, tuple[int, float]]:
         """worker id -> (leading blocks on its device, credit for the blocks after them in its tiers)."""
-        host, disk = self.tier_credit.get("host", 0.0), self.tier_credit.get("disk", 0.0)
-        return {w: (d, host * (dh - d) + disk * (dhk - dh))
-                for w, (d, dh, dhk) in self.index.tiered_overlaps(hashes).items()}
+        credit = self.tier_credit
+        host, disk, store = credit.get("host", 0.0), credit.get("disk", 0.0), credit.get("store", 0.0)
+        return {w: (d, host * (dh - d) + disk * (dhk - dh) + store * (dhks - dhk))
+                for w, (d, dh, dhk, dhks) in self.index.tiered_overlaps(hashes).items()}
 
     def route(self, request_id: str, token_ids: list[int], decode_ids: list[str],
               prefill_ids: list[str], cache_salt: str = "") -> RouteDecision | None:

@@ -31,6 +31,13 @@ blocks and a host eviction never removes a device entry. `tiered_overlaps` walks
 three times, over device, device ∪ host and device ∪ host ∪ disk holders, and returns the
 leading run each worker holds on each; the policy credits the blocks beyond the device run at
 the tier's discount (policies/kv.py).
+
+The shared store (tier "store", services/kvstore/) is one cache every attached worker can
+fetch from: a worker that publishes reports the blocks the store took (BlockStored{store},
+an empty one when it attaches) and the ones the store evicted to make room for its offers
+(BlockRemoved{store}). So a store block counts for every worker attached to the store
+(`_store_workers`), whoever reported it, and a store eviction reported by any worker removes
+the block for all.
 """
 
 from __future__ import annotations
@@ -41,7 +48,7 @@ from itertools import islice, repeat
 
 
 STORED, REMOVED, CLEARED = 1, 2, 3      # event kinds for KvIndex.apply
-LOWER_TIERS = ("host", "disk")          # below the device pool, nearest first
+LOWER_TIERS = ("host", "disk", "store")     # below the device pool, nearest first
 
 
 class KvIndex:
@@ -53,9 +60,11 @@ class KvIndex:
         self._bits: dict[str, int] = {}               # worker id -> its bit (1 << position)
         self._names: list[str | None] = []            # position -> worker id
         self._free: list[int] = []                    # released positions, reused first
-        # Lower tiers: tier -> block hash -> mask of worker bits, and (worker id, tier) -> hashes.
-        self._tier_holders: dict[str, dict[bytes, int]] = {t: {} for t in LOWER_TIERS}
+        # Host and disk: tier -> block hash -> mask of worker bits, and (worker id, tier) -> hashes.
+        self._tier_holders: dict[str, dict[bytes, int]] = {t: {} for t in ("host", "disk")}
         self._tier_blocks: dict[tuple[str, str], set[bytes]] = {}
+        self._store_workers = 0                       # bits of the workers attached to the shared store
+        self._store_blocks: set[bytes] = set()        # what those workers say the store holds
 
     # -- worker bits ---------------------------------------------------------------
     def _bit(self, worker_id: str) -> int:
@@ -92,7 +101,10 @@ class KvIndex:
         go, in every tier."""
         mine = self._blocks.pop(worker_id, None)
         predicted = self._predicted.pop(worker_id, None)
-        lower = {t: self._tier_blocks.pop((worker_id, t), None) for t in LOWER_TIERS}
+        lower = {t: self._tier_blocks.pop((worker_id, t), None) for t in self._tier_holders}
+        self._store_workers &= ~self._bits.get(worker_id, 0)
+        if not self._store_workers:
+            self._store_blocks.clear()              # nobody left to tell us what it evicts
         if mine or predicted or any(lower.values()):
             keep = ~self._bits[worker_id]
             for hashes in (mine or (), predicted or ()):
@@ -147,11 +159,18 @@ class KvIndex:
     def apply_tier(self, worker_id: str, tier: str, kind: int, block_hashes: Iterable[bytes]) -> None:
         """A lower tier's BlockStored (STORED) or BlockRemoved (REMOVED); unknown tiers are ignored."""
         holders = self._tier_holders.get(tier)
-        if holders is None:
+        if holders is None and tier != "store":
             return
         bit = self._bit(worker_id)
         if worker_id not in self._blocks:
             self._blocks[worker_id] = set()      # the worker is known (its bit stays) even with no device blocks
+        if tier == "store":                     # one cache for all: whoever reports, whoever leaves
+            self._store_workers |= bit
+            if kind == STORED:
+                self._store_blocks.update(block_hashes)
+            elif kind == REMOVED:
+                self._store_blocks.difference_update(block_hashes)
+            return
         mine = self._tier_blocks.setdefault((worker_id, tier), set())
         if kind == STORED:
             for h in block_hashes:
@@ -246,21 +265,27 @@ class KvIndex:
         return block_hash in self._blocks.get(worker_id, ()) or block_hash in self._predicted.get(worker_id, ())
 
     def num_tier_blocks(self, worker_id: str, tier: str) -> int:
+        if tier == "store":
+            return len(self._store_blocks) if self._store_workers & self._bits.get(worker_id, 0) else 0
         return len(self._tier_blocks.get((worker_id, tier), ()))
 
     def has_lower_tiers(self) -> bool:
-        return any(self._tier_holders.values())
+        return any(self._tier_holders.values()) or bool(self._store_blocks)
 
     def tiered_overlaps(self, block_hashes: list[bytes]) -> dict[str, tuple[int, ...]]:
-        """worker id -> leading blocks held on the device, on device or host, and on device, host or
-        disk (each run at least as long as the one before; absent: nothing held)."""
+        """worker id -> leading blocks held on the device; on device or host; on device, host or disk;
+        and on those or in the shared store (each run at least as long as the one before; absent:
+        nothing held)."""
         device = self.overlaps(block_hashes)
         if not self.has_lower_tiers():
-            return {w: (n, n, n) for w, n in device.items()}
+            return {w: (n, n, n, n) for w, n in device.items()}
         dev, host, disk = self._holders.get, self._tier_holders["host"].get, self._tier_holders["disk"].get
+        store, everyone = self._store_blocks, self._store_workers
         with_host = self.overlaps(block_hashes, lambda h, _: dev(h, 0) | host(h, 0))
         with_disk = self.overlaps(block_hashes, lambda h, _: dev(h, 0) | host(h, 0) | disk(h, 0))
-        return {w: (device.get(w, 0), with_host.get(w, 0), n) for w, n in with_disk.items()}
+        with_store = self.overlaps(block_hashes,
+                                   lambda h, _: dev(h, 0) | host(h, 0) | disk(h, 0) | (everyone if h in store else 0))
+        return {w: (device.get(w, 0), with_host.get(w, 0), with_disk.get(w, 0), n) for w, n in with_store.items()}
 
     def overlaps(self, block_hashes: list[bytes], get=None) -> dict[str, int]:
         """worker id -> number of leading blocks of `block_hashes` it holds, stored or predicted (absent: 0).

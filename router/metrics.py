@@ -5,7 +5,9 @@
   runner_up_terms}: 1 for the newest decision of each leg only (one series per
   leg, formatted when scraped) — the "why" of the last choice, readable from
   /metrics;
-- splitserve_router_index_blocks{worker}: blocks the index holds per worker.
+- splitserve_router_index_blocks{worker}: blocks the index holds per worker;
+- splitserve_router_index_tier_blocks{worker, tier}: the blocks it credits each worker in its host and
+  disk tiers and in the shared store (tier "store": the store's blocks, for an attached worker).
 """
 
 from __future__ import annotations
@@ -48,6 +50,9 @@ class RouterMetrics:
         r.register(self.last)
         self.index_blocks = Gauge("splitserve_router_index_blocks", "Cached blocks in the router's index",
                                   ["worker"], registry=r)
+        self.index_tier_blocks = Gauge("splitserve_router_index_tier_blocks",
+                                       "Blocks the router's index credits a worker below its device pool",
+                                       ["worker", "tier"], registry=r)
 
     def record(self, leg: str, d: Decision) -> None:
         self.decisions.labels(leg, d.policy, d.winner.worker_id, d.runner_up.worker_id if d.runner_up else "").inc()

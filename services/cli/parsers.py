@@ -244,8 +244,9 @@ def _add_router_args(p: argparse.ArgumentParser) -> None:
                    help="kv policy: sample winners ∝ exp(-normalized cost / T); 0 picks the lowest "
                         "(default: %(default)s)")
     p.add_argument("--kv-tier-credit", type=_parse_tier_credit, default={}, metavar="TIER=SHARE,...",
-                   help="kv policy: a prompt block in a worker's host or disk KV tier counts as this share "
-                        "of one in its device pool, e.g. host=0.9,disk=0.6 (default: those; see router/core.py)")
+                   help="kv policy: a prompt block in a worker's host or disk KV tier, or in the shared KV "
+                        "store it is attached to, counts as this share of one in its device pool, e.g. "
+                        "host=0.9,disk=0.6,store=0.5 (default: those; see router/core.py)")
 
 
 def _add_etcd_args(p: argparse.ArgumentParser) -> None:

@@ -29,6 +29,7 @@ from collections.abc import Callable
 from splitserve.logs import DEFAULT_INTERVAL_S, RateLimitedLog, one_line_error
 from splitserve.proto.v1 import worker_pb2
 from splitserve.router.core import RouterCore, WorkerSpec
+from splitserve.router.index import LOWER_TIERS
 from splitserve.router.subscriber import EventSubscriber
 
 from splitserve.services.frontend.workers.pool import WorkerHandle, WorkerPool
@@ -98,6 +99,9 @@ class RouterFeeds:
         if self.core.metrics is not None:
             with contextlib.suppress(KeyError):
                 self.core.metrics.index_blocks.remove(worker.worker_id)
+            for tier in LOWER_TIERS:
+                with contextlib.suppress(KeyError):
+                    self.core.metrics.index_tier_blocks.remove(worker.worker_id, tier)
 
     # -- the stats poller ----------------------------------------------------------
     async def _poll_forever(self) -> None:
@@ -131,6 +135,10 @@ class RouterFeeds:
                                           w.worker_id, one_line_error(exc))
                     blocks = 0
                 self.core.metrics.index_blocks.labels(w.worker_id).set(blocks)
+                if self.core.index.has_lower_tiers():
+                    for tier in LOWER_TIERS:
+                        self.core.metrics.index_tier_blocks.labels(w.worker_id, tier).set(
+                            self.core.index.num_tier_blocks(w.worker_id, tier))
 
     def _apply_stats(self, w: WorkerHandle, call: asyncio.Future) -> None:
         if call.cancelled():

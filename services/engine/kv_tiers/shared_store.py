@@ -47,6 +47,10 @@ class SharedStore(Protocol):
         """Offer these computed blocks (id in `pool`, hash) to the store. Copies what it sends before
         returning (the pool may reuse the blocks right after); the sending happens behind."""
 
+    def take_events(self) -> list[tuple[str, tuple[bytes, ...]]]:
+        """("stored" | "removed", hashes) since the last call, in order: what the store took from this
+        engine or evicted for it, for the router (an empty "stored" when it attached)."""
+
     def rejections(self) -> dict[str, int]:
         """reason -> blocks not loaded or not published because of a failure (store_unavailable, ...)."""
 

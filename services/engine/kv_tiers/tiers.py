@@ -187,6 +187,11 @@ class KVTiers:
         if self.store is None:
             return
         self.rule.observe_prefill(prompt_tokens, seconds)
+        for kind, hashes in self.store.take_events():
+            if kind == "stored":
+                self.events.stored(hashes, None, (), tier="store")
+            else:
+                self.events.removed(hashes, tier="store")
         if self._new_blocks:
             blocks, self._new_blocks = self._new_blocks, []
             self.store.publish(self.kv.tensor, blocks)

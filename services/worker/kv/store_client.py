@@ -53,6 +53,7 @@ FETCH_TTL_S = 5.0            # a fetch's grant; its RPC waits as long
 PUBLISH_TIMEOUT_S = 10.0
 BACKOFF_S = (1.0, 30.0)      # first and longest pause after a failure
 ALPHA = 0.2
+MAX_REPORTED = 1 << 20       # hashes remembered for a store restart's BlockRemoved
 
 
 class StoreClient:
@@ -87,6 +88,10 @@ class StoreClient:
         self.occupancy = (0, 0)                  # the store's (blocks held, capacity) at the last Lookup
         self._rejected: Counter = Counter()
         self.counts: Counter = Counter()         # published, fetched, lookups
+        # KV events for the router (tier "store"), drained on the engine thread (take_events).
+        self._events: list[tuple[str, tuple[bytes, ...]]] = []
+        self._reported: set[bytes] = set()       # said stored, not said removed
+        self._incarnation = ""                   # the store's, when we last attached
         self._outbox: queue.Queue = queue.Queue()
         self._publisher = threading.Thread(target=self._publish_loop, name=f"{self.name}-publish", daemon=True)
         self._publisher.start()
@@ -108,6 +113,12 @@ class StoreClient:
             return False
         with self._lock:
             self._store = store
+            if store.incarnation != self._incarnation:
+                if self._reported:               # a new store: what the old one held is gone
+                    self._events.append(("removed", tuple(self._reported)))
+                    self._reported.clear()
+                self._events.append(("stored", ()))     # attached: the router credits this worker
+                self._incarnation = store.incarnation
         log.info("KV store %s: attached (%d blocks)", self.address, reply.capacity_blocks)
         return True
 
@@ -218,6 +229,21 @@ class StoreClient:
         self.staging.index_copy_(2, torch.tensor(slots), pool.index_select(2, src).cpu())
         self._outbox.put((slots, [h for _, h in blocks[:take]]))
 
+    def take_events(self) -> list[tuple[str, tuple[bytes, ...]]]:
+        with self._lock:
+            events, self._events = self._events, []
+        return events
+
+    def _report(self, stored: list[bytes], removed: list[bytes]) -> None:
+        with self._lock:
+            if removed:
+                self._events.append(("removed", tuple(removed)))
+                self._reported.difference_update(removed)
+            if stored:
+                self._events.append(("stored", tuple(stored)))
+                if len(self._reported) < MAX_REPORTED:
+                    self._reported.update(stored)
+
     def rejections(self) -> dict[str, int]:
         with self._lock:
             return dict(self._rejected)
@@ -261,6 +287,7 @@ class StoreClient:
             self._fail("store_unavailable", len(slots), error)
             return
         if not reply.wanted:
+            self._report(hashes, list(reply.evicted))      # it holds them all already
             return
         store = self._store
         src = [slots[i] for i in reply.wanted]
@@ -285,3 +312,8 @@ class StoreClient:
             self._fail("store_publish_failed", len(src), outcome[0])
         else:
             self.counts["published"] += len(src)
+            self._report(hashes, list(reply.evicted))
+            return
+        wanted = set(reply.wanted)               # these failed; the rest it held already
+        self._report([h for i, h in enumerate(hashes) if i not in wanted], list(reply.evicted))
+        self._report([hashes[i] for i in range(len(hashes)) if i not in set(reply.wanted)], list(reply.evicted))

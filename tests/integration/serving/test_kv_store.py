@@ -63,6 +63,8 @@ def test_a_prefix_computed_on_one_worker_is_fetched_by_another(llama_dir, backen
         cluster.wait_workers()
         w1, w2 = cluster.workers["w1"].address, cluster.workers["w2"].address
 
+        front = cluster.start_frontend()                 # the kv router, following both workers' events
+        front.wait_ready(2)
         want = run(w1, "A", "a1")                        # computed: nothing was anywhere
         stats = wait_held(store, 5)
         assert stats.blocks_held == 5 and stats.counters["stored"] == 5
@@ -73,9 +75,15 @@ def test_a_prefix_computed_on_one_worker_is_fetched_by_another(llama_dir, backen
         assert store_stats(store).counters["fetched_blocks"] == 5
         # w2 published nothing it fetched: the store still holds one copy of each block.
         assert store_stats(store).counters["offered"] == 5
+        # w1's KV events told the router what the store took: it credits both attached workers.
+        deadline = time.monotonic() + 10
+        pattern = r'splitserve_router_index_tier_blocks\{tier="store",worker="(w\d)"\} 5\.0'
+        while set(re.findall(pattern, front.metrics())) != {"w1", "w2"}:
+            assert time.monotonic() < deadline, front.metrics()
+            time.sleep(0.2)
     finally:
         codes = cluster.close(grace_s=30.0)
-    assert codes == [0, 0, 0] and not cluster.killed, cluster.outputs()[-6000:]
+    assert codes == [0, 0, 0, 0] and not cluster.killed, cluster.outputs()[-6000:]
 
 
 def test_a_store_killed_mid_fetch_costs_a_recompute_not_a_token(llama_dir):
