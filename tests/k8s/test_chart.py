@@ -57,6 +57,7 @@ ALL_OPTIONS = {
     "monitoring": {"serviceMonitor": {"enabled": True, "labels": {"release": "prom"}}},
     "tls": {"enabled": True, "secretName": "splitserve-tls"},
     "sample": {"enabled": True, "name": "demo"},
+    "kvStore": {"enabled": True, "capacityGiB": 2, "transfer": "tcp", "nodeSelector": {"memory": "large"}},
 }
 
 
@@ -158,6 +159,27 @@ def test_all_options_render_is_valid_kubernetes(k8s_bin_dir: Path, tmp_path: Pat
                          "crd/servingdeployments.splitserve.io")
     sample["metadata"]["namespace"] = k8s_namespace
     kube_cluster.kubectl("create", "--dry-run=server", "-o", "name", "-f", "-", input=yaml.safe_dump(sample))
+
+
+def test_kv_store_is_a_statefulset_workers_reach_and_that_reaches_them(k8s_bin_dir: Path, tmp_path: Path):
+    docs = _documents(_helm_template(k8s_bin_dir, tmp_path, {"kvStore": {"enabled": True, "capacityGiB": 2}}).stdout)
+    assert _validate_all(docs) == []
+    store = next(d for d in docs if d["kind"] == "StatefulSet" and d["metadata"]["name"] == "rel-splitserve-kvstore")
+    container = store["spec"]["template"]["spec"]["containers"][0]
+    assert container["command"] == ["splitserve", "kvstore"]
+    assert "--capacity-gib=2" in container["args"] and "--advertise-host=$(POD_IP)" in container["args"]
+    assert container["readinessProbe"]["grpc"]["port"] == 50070
+    service = next(d for d in docs if d["kind"] == "Service" and d["metadata"]["name"] == "rel-splitserve-kvstore")
+    assert service["spec"]["ports"][0]["port"] == 50070
+    policies = {d["metadata"]["name"]: d["spec"] for d in docs if d["kind"] == "NetworkPolicy"}
+    assert len(policies) == 5
+    store_from = policies["rel-splitserve-kvstore"]["ingress"][0]["from"]
+    assert store_from[0]["podSelector"]["matchExpressions"][0]["values"] == ["prefill", "decode"]
+    worker_peers = policies["rel-splitserve-workers"]["ingress"][1]["from"]
+    assert {"podSelector": {"matchLabels": {"splitserve.io/role": "kvstore"}}} in worker_peers
+    # Off by default: nothing of it renders.
+    default = _documents(_helm_template(k8s_bin_dir, tmp_path).stdout)
+    assert not [d for d in default if "kvstore" in d["metadata"]["name"]]
 
 
 def test_external_etcd_replaces_the_statefulset(k8s_bin_dir: Path, tmp_path: Path):
