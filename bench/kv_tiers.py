@@ -1,4 +1,5 @@
-"""KV tiers on the Mooncake conversation trace: device only vs device+host vs device+host+disk.
+"""KV tiers on the Mooncake conversation trace: device only vs device+host vs device+host+disk vs
+device+host+store.
 
 Each configuration is one `splitserve serve --aggregated --workers 2` (the kv router, one worker
 pinned to each core) replaying the same slice of the Mooncake FAST'25 conversation trace
@@ -11,12 +12,12 @@ trace's 512-token blocks map onto KV blocks exactly). Scaled to these machines:
 - time: the trace's own timestamps times `--time-scale`;
 - memory: each worker's device pool (`--device-gib`) holds a small share of the slice's
   working set (printed: unique blocks × bytes per block); the host and disk tiers
-  (`--host-gib`, `--disk-gib` per worker) hold much more.
+  (`--host-gib`, `--disk-gib` per worker) and the shared store (`--store-gib`, one for both
+  workers, started by `serve --kv-store-gib`) hold much more.
 
 Per configuration: prompt tokens computed and served from cache, the prefix hit rate split by
-where the hit came from (device pool, host tier, disk tier; from the workers' Stats), TTFT
-p50/p90 (from the client). The shared block store (`splitserve kvstore`) is not built yet:
-its row says so instead of a number.
+where the hit came from (device pool, host tier, disk tier, shared store; from the workers'
+Stats), TTFT p50/p90 (from the client).
 
     python bench/kv_tiers.py --out bench/results/kv_tiers.json            # ~15 min on 2 cores
     python bench/kv_tiers.py --requests 60 --configs device,host          # a quick look
@@ -75,10 +76,12 @@ def _server_argv(config: str, args, port: int, disk: Path) -> list[str]:
     argv = [sys.executable, "-m", "splitserve", "serve", "--aggregated", "--workers", "2",
             "--port", str(port), "--grpc-port", "0", "--block-size", str(args.block_tokens),
             "--kv-cache-gib", str(args.device_gib), "--max-num-batched-tokens", str(args.chunk)]
-    if config in ("host", "disk"):
+    if config in ("host", "disk", "store"):
         argv += ["--kv-host-gib", str(args.host_gib)]
     if config == "disk":
         argv += ["--kv-disk-gib", str(args.disk_gib), "--kv-disk-path", str(disk)]
+    if config == "store":
+        argv += ["--kv-store-gib", str(args.store_gib)]
     return argv
 
 
@@ -97,8 +100,6 @@ def _follow(proc: subprocess.Popen, log, workers: dict[str, str]) -> None:
 
 
 def run_config(config: str, args, scratch: Path, console: Console) -> Record:
-    if config == "store":
-        return Record(config, 0, 0, 0, 0, 0, 0, note="not built yet (the shared block store)")
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     workers: dict[str, str] = {}
@@ -127,7 +128,7 @@ def run_config(config: str, args, scratch: Path, console: Console) -> Record:
         finally:
             stop_group(proc, 60)
             follower.join(10)
-    tier_tokens = {"host": 0, "disk": 0}
+    tier_tokens = {"host": 0, "disk": 0, "store": 0}
     for s in stats:
         for t in s.kv_tiers:
             tier_tokens[t.tier] += t.num_hits * args.block_tokens
@@ -173,6 +174,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--device-gib", type=float, default=0.05, help="each worker's device pool")
     p.add_argument("--host-gib", type=float, default=1.0, help="each worker's host tier")
     p.add_argument("--disk-gib", type=float, default=4.0, help="each worker's disk tier")
+    p.add_argument("--store-gib", type=float, default=2.0, help="the shared block store (both workers)")
     p.add_argument("--chunk", type=int, default=512, help="--max-num-batched-tokens of the workers")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "kv_tiers.json")
@@ -193,13 +195,13 @@ def main(argv: list[str] | None = None) -> None:
         for config in configs:
             records.append(run_config(config, args, Path(tmp), console))
     table = Table(title="KV tiers on the Mooncake trace (2 aggregated workers, kv router)")
-    for col in ("config", "ok", "prompt tok", "computed", "hit rate", "device", "host", "disk",
+    for col in ("config", "ok", "prompt tok", "computed", "hit rate", "device", "host", "disk", "store",
                 "TTFT p50 s", "TTFT p90 s", "note"):
         table.add_column(col, justify="right")
     fmt = lambda v: "-" if v is None else f"{v:.2f}"  # noqa: E731
     for r in records:
         table.add_row(r.config, f"{r.completed}/{r.requests}", str(r.prompt_tokens), str(r.computed_tokens),
-                      f"{r.hit_rate:.1%}", *(str(r.hit_tokens.get(t, "-")) for t in ("device", "host", "disk")),
+                      f"{r.hit_rate:.1%}", *(str(r.hit_tokens.get(t, "-")) for t in ("device", "host", "disk", "store")),
                       fmt(r.ttft_p50_s), fmt(r.ttft_p90_s), r.note)
     console.print(table)
     by = {r.config: r for r in records}
@@ -218,7 +220,7 @@ def main(argv: list[str] | None = None) -> None:
                   "input_scale": args.block_tokens / 512, "output_scale": args.block_tokens / 512,
                   "max_output_tokens": args.max_output, "time_scale": args.time_scale,
                   "device_gib_per_worker": args.device_gib, "host_gib_per_worker": args.host_gib,
-                  "disk_gib_per_worker": args.disk_gib, "blocks": blocks, "unique_blocks": unique,
+                  "disk_gib_per_worker": args.disk_gib, "store_gib": args.store_gib, "blocks": blocks, "unique_blocks": unique,
                   "device_blocks_per_worker": device_blocks},
     })
     console.print(f"wrote {args.out}")

@@ -2,8 +2,9 @@
 
 The worker attaches this to its engine (`LLMEngine.attach_store`, `--kv-store HOST:PORT`).
 Bytes never touch gRPC: the client has its own kvtransfer connector, registered on a small
-host **staging pool** (`STAGING_BLOCKS` blocks of the engine's layout), half for fetches and
-half for publishes, so that a transfer never reads or writes a block the engine may reuse:
+host **staging pool** (`STAGING_BYTES` of blocks of the engine's layout), half for fetches and
+half for publishes (a step's new blocks beyond the free publish half are not published: counted
+as `store_publish_busy`), so that a transfer never reads or writes a block the engine may reuse:
 
 - fetch (engine thread, inside an admission): grant staging blocks, ask the store to WRITE the
   leading blocks it holds into them (`Fetch`), wait for its notification, check each block's
@@ -47,7 +48,7 @@ from splitserve.services.worker.kv.transfer import GRANT_GRACE_S, TransferEndpoi
 
 log = logging.getLogger(__name__)
 
-STAGING_BLOCKS = 64
+STAGING_BYTES = 64 << 20     # the staging pool: half for fetches, half for publishes (at least 8 blocks)
 LOOKUP_TIMEOUT_S = 0.5
 FETCH_TTL_S = 5.0            # a fetch's grant; its RPC waits as long
 PUBLISH_TIMEOUT_S = 10.0
@@ -58,13 +59,14 @@ MAX_REPORTED = 1 << 20       # hashes remembered for a store restart's BlockRemo
 
 class StoreClient:
     def __init__(self, address: str, engine: LLMEngine, backend: str, name: str, host: str = "127.0.0.1",
-                 token: bytes = b"", advertise_host: str | None = None, staging_blocks: int = STAGING_BLOCKS):
+                 token: bytes = b"", advertise_host: str | None = None, staging_bytes: int = STAGING_BYTES):
         self.name = f"{name}-store"
         self.address = address
         layout = engine_layout(engine)
         self.block_size = layout.block_size
         self.num_layers = layout.num_layers
         kwargs = {"token": token, **({"host": host, "advertise_host": advertise_host} if backend == "tcp" else {})}
+        staging_blocks = max(8, staging_bytes // (2 * layout.num_layers * layout.block_bytes))
         connector = make_connector(backend, self.name, layout, **kwargs)
         try:
             self.staging = empty_pool(layout.pool_shape(staging_blocks), layout.torch_dtype)
