@@ -132,7 +132,7 @@ def test_default_render_is_valid_kubernetes(k8s_bin_dir: Path, tmp_path: Path):
     dashboard = next(d for d in docs if d["kind"] == "ConfigMap")
     panels = {p["title"] for p in json.loads(dashboard["data"]["splitserve.json"])["panels"]}
     assert {"Time to first token", "Inter-token latency", "End-to-end request latency", "Requests by status",
-            "KV cache usage", "KV transfer bytes", "KV write fences", "KV tiers (host, disk)"} <= panels
+            "KV cache usage", "KV transfer bytes", "KV write fences", "KV tiers (host, disk, store)"} <= panels
 
 
 def test_all_options_render_is_valid_kubernetes(k8s_bin_dir: Path, tmp_path: Path, kube_cluster: KubeCluster,
