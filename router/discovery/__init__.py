@@ -11,6 +11,8 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass
 
+KVSTORE_PREFIX = "/splitserve/kvstore/"      # where `splitserve kvstore --etcd` registers (not a worker prefix)
+
 
 @dataclass(slots=True, frozen=True)
 class WorkerRecord:

@@ -112,6 +112,19 @@ class EtcdRegistration:
             await asyncio.sleep(interval)
 
 
+async def find_one(endpoints: list[str], prefix: str, tls: TlsConfig = PLAINTEXT) -> WorkerRecord | None:
+    """One record registered under `prefix` (the shared KV store registers under
+    discovery.KVSTORE_PREFIX), or None when there is none; raises when etcd cannot be reached."""
+    client = etcd_client(endpoints, tls)
+    await client.connect()
+    try:
+        key = prefix.encode()
+        reply = await client.kv.get(key, prefix_range_end(key), timeout=2)
+        return WorkerRecord.from_json(reply.kvs[0].value) if reply.kvs else None
+    finally:
+        await client.close()
+
+
 def _keepalive_request(lease_id: int):
     return rpc_pb2.LeaseKeepAliveRequest(ID=lease_id)
 

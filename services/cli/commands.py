@@ -85,6 +85,8 @@ def cmd_worker(args: argparse.Namespace) -> int:
     engine, member = _group_engine_config(args)
     if args.kv_store:
         _check_kv_store(True, engine.tensor_parallel_size)
+        if args.kv_store == "etcd" and not etcd_endpoints(args.etcd):
+            raise SplitserveError("--kv-store etcd needs --etcd (where the store registered)")
     if member is not None and member.rank > 0:     # no gRPC API: serves rank 0's steps
         from splitserve.services.engine.parallel.tensor_parallel import run_member
 
@@ -116,7 +118,8 @@ def cmd_kvstore(args: argparse.Namespace) -> int:
     config = KVStoreConfig(capacity_gib=args.capacity_gib, host=args.host, port=args.port,
                            advertise_host=args.advertise_host, transfer=args.transfer,
                            transfer_token=token_from(args.transfer_token),
-                           fault_fetch_delay_s=args.fault_fetch_delay)
+                           fault_fetch_delay_s=args.fault_fetch_delay, etcd=etcd_endpoints(args.etcd),
+                           etcd_tls=_security_args.etcd_tls(args))
     return asyncio.run(serve(config))
 
 

@@ -166,10 +166,10 @@ def _add_worker_parser(sub) -> None:
                         "plain TCP connection, TLS as the gRPC port), on --host:PORT; Describe tells "
                         "frontends the port (default: 0, any free port; -1: off, frontends use the "
                         "GenerateSession gRPC call)")
-    p.add_argument("--kv-store", default=None, metavar="HOST:PORT",
+    p.add_argument("--kv-store", default=None, metavar="HOST:PORT|etcd",
                    help="a shared KV block store (`splitserve kvstore`): publish the blocks this worker "
-                        "computes and fetch the prefixes it holds when that is quicker than recomputing "
-                        "(needs --tp 1; default: none)")
+                        "computes and fetch the prefixes it holds when that is quicker than recomputing; "
+                        "'etcd': the store registered in --etcd (needs --tp 1; default: none)")
     _add_disaggregation_args(p)
     _add_etcd_args(p)
     p.add_argument("--etcd-ttl", type=int, default=10, metavar="S",
@@ -365,6 +365,10 @@ def _add_kvstore_parser(sub) -> None:
     p.add_argument("--transfer", choices=["auto", "nixl", "tcp"], default="auto",
                    help="KV transfer backend; the workers' must match (auto: whatever the first worker "
                         "uses; default: %(default)s)")
+    p.add_argument("--etcd", action="append", default=None, metavar="HOST:PORT[,HOST:PORT...]",
+                   help="register in this etcd (leased) so that workers started with --kv-store etcd find "
+                        "the store (default: none)")
+    _security_args.add_etcd_tls_args(p)
     p.add_argument("--fault-fetch-delay", type=float, default=0.0, help=argparse.SUPPRESS)   # tests only
     _security_args.add_transfer_token_arg(p)
     p.set_defaults(func=commands.cmd_kvstore)

@@ -29,7 +29,7 @@ import signal
 import threading
 import time
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -39,11 +39,13 @@ from splitserve.kvtransfer import AgentMetadata, KVLayout, make_connector
 from splitserve.kvtransfer.errors import TransferError
 from splitserve.kvtransfer.memory import empty_pool
 from splitserve.proto.v1 import kvstore_pb2 as pb
+from splitserve.router.discovery import KVSTORE_PREFIX
 from splitserve.proto.v1 import kvstore_pb2_grpc
 from splitserve.services.engine.kv_tiers.block_codec import block_crc
 from splitserve.services.engine.sequence import LayerReady
 from splitserve.services.worker.kv.rank_transfer import RankTransfer
 from splitserve.services.worker.kv.transfer import TransferEndpoint, TransferGrant, TransferTarget
+from splitserve.tls import PLAINTEXT, TlsConfig
 
 from splitserve.services.kvstore.block_table import StoreBlockTable
 
@@ -65,6 +67,9 @@ class KVStoreConfig:
     transfer: str = "auto"                # auto | nixl | tcp (the workers' backend must match)
     transfer_token: bytes = b""
     fault_fetch_delay_s: float = 0.0      # fault injection for tests: stall each Fetch this long after pinning
+    etcd: list[str] = field(default_factory=list)     # register here (leased) so workers find it: --kv-store etcd
+    etcd_prefix: str = KVSTORE_PREFIX
+    etcd_tls: TlsConfig = PLAINTEXT
 
 
 class KVStoreService(kvstore_pb2_grpc.KVStoreServicer):
@@ -276,9 +281,12 @@ async def serve(config: KVStoreConfig, stop: asyncio.Event | None = None) -> int
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     started = time.monotonic()
     print(f"kvstore listening on {config.host}:{port} ({config.capacity_gib:g} GiB)", flush=True)
+    registration = await _register(config, port)
     try:
         await stop.wait()
     finally:
+        if registration is not None:
+            await registration.close()
         await health_servicer.enter_graceful_shutdown()
         await server.stop(1.0)
         service.close()
@@ -286,3 +294,19 @@ async def serve(config: KVStoreConfig, stop: asyncio.Event | None = None) -> int
         log.info("kvstore: stopping after %.0f s: %d blocks stored, %d fetched", time.monotonic() - started,
                  s["stored"], s["fetched_blocks"])
     return 0
+
+
+async def _register(config: KVStoreConfig, port: int):
+    """A leased etcd key under `etcd_prefix` (workers started with `--kv-store etcd` look there)."""
+    if not config.etcd:
+        return None
+    from splitserve.router.discovery import WorkerRecord
+    from splitserve.router.discovery.etcd import EtcdRegistration
+
+    host = config.advertise_host or config.host
+    if host in ("0.0.0.0", "::", ""):
+        raise SplitserveError("kvstore: --host listens on every interface; give --advertise-host to register in etcd")
+    registration = EtcdRegistration(config.etcd, WorkerRecord(AGENT_NAME, "kvstore", f"{host}:{port}"),
+                                    config.etcd_prefix, tls=config.etcd_tls)
+    await registration.start()
+    return registration

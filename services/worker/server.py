@@ -184,7 +184,7 @@ def attach_store(config: WorkerServerConfig, engine: LLMEngine, name: str) -> No
     from splitserve.services.worker.kv.store_client import StoreClient
 
     store = StoreClient(config.kv_store, engine, resolve_backend(config.transfer), name, config.host,
-                        config.transfer_token, config.advertise_host)
+                        config.transfer_token, config.advertise_host, etcd=config.etcd, etcd_tls=config.etcd_tls)
     try:
         engine.attach_store(store)
     except BaseException:

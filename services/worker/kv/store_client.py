@@ -23,6 +23,7 @@ deadline has passed (a late WRITE could still land there).
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import logging
 import queue
@@ -38,6 +39,7 @@ from splitserve.kvtransfer.errors import TransferError
 from splitserve.kvtransfer.memory import empty_pool
 from splitserve.proto.v1 import kvstore_pb2 as pb
 from splitserve.proto.v1 import kvstore_pb2_grpc
+from splitserve.router.discovery import KVSTORE_PREFIX
 from splitserve.services.engine.engine import LLMEngine
 from splitserve.services.engine.kv_tiers.block_codec import block_crc
 from splitserve.services.engine.sequence import LayerReady
@@ -45,6 +47,7 @@ from splitserve.services.engine.sequence import LayerReady
 from splitserve.services.worker.kv.connector_transfer import engine_layout
 from splitserve.services.worker.kv.rank_transfer import RankTransfer
 from splitserve.services.worker.kv.transfer import GRANT_GRACE_S, TransferEndpoint, TransferGrant, TransferTarget
+from splitserve.tls import PLAINTEXT, TlsConfig
 
 log = logging.getLogger(__name__)
 
@@ -59,9 +62,16 @@ MAX_REPORTED = 1 << 20       # hashes remembered for a store restart's BlockRemo
 
 class StoreClient:
     def __init__(self, address: str, engine: LLMEngine, backend: str, name: str, host: str = "127.0.0.1",
-                 token: bytes = b"", advertise_host: str | None = None, staging_bytes: int = STAGING_BYTES):
+                 token: bytes = b"", advertise_host: str | None = None, staging_bytes: int = STAGING_BYTES,
+                 etcd: list[str] | None = None, etcd_tls: TlsConfig = PLAINTEXT):
+        """`address` is HOST:PORT, or "etcd": whatever store is registered under KVSTORE_PREFIX in `etcd`,
+        looked up on every (re)attach."""
         self.name = f"{name}-store"
         self.address = address
+        self._etcd = list(etcd or ())
+        self._etcd_tls = etcd_tls
+        if address == "etcd" and not self._etcd:
+            raise ValueError("--kv-store etcd needs --etcd (where the store registered)")
         layout = engine_layout(engine)
         self.block_size = layout.block_size
         self.num_layers = layout.num_layers
@@ -78,8 +88,10 @@ class StoreClient:
         half = staging_blocks // 2
         self._fetch_ids = list(range(half))
         self._publish_free = list(range(half, staging_blocks))
-        self._channel = grpc.insecure_channel(address, options=[("grpc.max_receive_message_length", 16 << 20)])
-        self._stub = kvstore_pb2_grpc.KVStoreStub(self._channel)
+        self._target = ""                        # the HOST:PORT the stub dials
+        self._channel: grpc.Channel | None = None
+        self._stub: kvstore_pb2_grpc.KVStoreStub | None = None
+        self._attach_lock = threading.Lock()
         self._store: AgentMetadata | None = None
         self._lock = threading.Lock()            # _publish_free, _store, counters: engine and publisher threads
         self._serials = itertools.count(1)
@@ -105,12 +117,34 @@ class StoreClient:
             return False
         if self._store is not None:
             return True
+        with self._attach_lock:
+            return self._store is not None or self._attach()
+
+    def _dial(self) -> None:
+        """Point the stub at the store's address (etcd: the one registered now)."""
+        target = self.address
+        if target == "etcd":
+            from splitserve.router.discovery.etcd import find_one
+
+            record = asyncio.run(find_one(self._etcd, KVSTORE_PREFIX, self._etcd_tls))
+            if record is None:
+                raise LookupError(f"no KV store is registered under {KVSTORE_PREFIX} in etcd")
+            target = record.address
+        if target != self._target:
+            if self._channel is not None:
+                self._channel.close()
+            self._channel = grpc.insecure_channel(target, options=[("grpc.max_receive_message_length", 16 << 20)])
+            self._stub = kvstore_pb2_grpc.KVStoreStub(self._channel)
+            self._target = target
+
+    def _attach(self) -> bool:
         try:
+            self._dial()
             reply = self._stub.Attach(pb.AttachStoreRequest(agent_metadata=self.transfer.metadata.to_bytes()),
                                       timeout=LOOKUP_TIMEOUT_S * 4)
             store = AgentMetadata.from_bytes(reply.agent_metadata)
             self.transfer.connector.add_peer(store)
-        except (grpc.RpcError, TransferError, ValueError) as error:
+        except (grpc.RpcError, TransferError, ValueError, LookupError, OSError) as error:
             self._fail("store_unavailable", 0, error)
             return False
         with self._lock:
@@ -121,7 +155,7 @@ class StoreClient:
                     self._reported.clear()
                 self._events.append(("stored", ()))     # attached: the router credits this worker
                 self._incarnation = store.incarnation
-        log.info("KV store %s: attached (%d blocks)", self.address, reply.capacity_blocks)
+        log.info("KV store %s: attached at %s (%d blocks)", self.address, self._target, reply.capacity_blocks)
         return True
 
     def _fail(self, reason: str, num_blocks: int, error: BaseException) -> None:
@@ -254,7 +288,8 @@ class StoreClient:
         self._outbox.put(None)
         self._publisher.join(PUBLISH_TIMEOUT_S)
         self.transfer.close()
-        self._channel.close()
+        if self._channel is not None:
+            self._channel.close()
 
     # -- publisher thread -------------------------------------------------------------------
     def _publish_loop(self) -> None:

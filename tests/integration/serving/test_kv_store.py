@@ -189,3 +189,25 @@ def test_serve_starts_a_store_its_workers_share_and_restarts_it(llama_dir):
         assert _complete(server.base_url, PROMPTS["C"]) == (text_c, 5 * BLOCK)
     finally:
         stop_serve(server)
+
+
+def test_workers_find_the_store_in_etcd(llama_dir, tmp_path):
+    """`kvstore --etcd` registers itself; workers started with `--kv-store etcd` look it up there."""
+    from splitserve.testing.etcd import Etcd
+
+    etcd = Etcd(str(tmp_path / "etcd"))
+    etcd.start()
+    cluster = Cluster(llama_dir, transfer="tcp")
+    try:
+        _, store = cluster.start_kvstore(STORE_GIB, "--transfer", "tcp", "--etcd", etcd.endpoint)
+        for name in ("w1", "w2"):
+            cluster.start_worker(name, "both", "--kv-store", "etcd", "--etcd", etcd.endpoint, "--transfer", "tcp")
+        cluster.wait_workers()
+        w1, w2 = cluster.workers["w1"].address, cluster.workers["w2"].address
+        want = run(w1, "A", "a1")
+        assert wait_held(store, 5).blocks_held == 5
+        assert run(w2, "A", "a2") == want and tier_hits(w2) == {"store": 5}
+    finally:
+        codes = cluster.close(grace_s=30.0)
+        etcd.stop()
+    assert codes == [0, 0, 0] and not cluster.killed, cluster.outputs()[-6000:]
