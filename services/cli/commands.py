@@ -119,7 +119,7 @@ def cmd_kvstore(args: argparse.Namespace) -> int:
                            advertise_host=args.advertise_host, transfer=args.transfer,
                            transfer_token=token_from(args.transfer_token),
                            fault_fetch_delay_s=args.fault_fetch_delay, etcd=etcd_endpoints(args.etcd),
-                           etcd_tls=_security_args.etcd_tls(args))
+                           etcd_tls=_security_args.etcd_tls(args), metrics_port=args.metrics_port)
     return asyncio.run(serve(config))
 
 

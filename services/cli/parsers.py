@@ -369,6 +369,9 @@ def _add_kvstore_parser(sub) -> None:
                    help="register in this etcd (leased) so that workers started with --kv-store etcd find "
                         "the store (default: none)")
     _security_args.add_etcd_tls_args(p)
+    p.add_argument("--metrics-port", type=int, default=None, metavar="PORT",
+                   help="serve Prometheus metrics (GET /metrics) on --host:PORT: blocks held and capacity, "
+                        "blocks offered, stored, fetched, evicted and rejected (default: off; 0: any free port)")
     p.add_argument("--fault-fetch-delay", type=float, default=0.0, help=argparse.SUPPRESS)   # tests only
     _security_args.add_transfer_token_arg(p)
     p.set_defaults(func=commands.cmd_kvstore)

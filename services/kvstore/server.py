@@ -70,6 +70,7 @@ class KVStoreConfig:
     etcd: list[str] = field(default_factory=list)     # register here (leased) so workers find it: --kv-store etcd
     etcd_prefix: str = KVSTORE_PREFIX
     etcd_tls: TlsConfig = PLAINTEXT
+    metrics_port: int | None = None       # GET /metrics (Prometheus) on host:metrics_port; None: off
 
 
 class KVStoreService(kvstore_pb2_grpc.KVStoreServicer):
@@ -282,9 +283,12 @@ async def serve(config: KVStoreConfig, stop: asyncio.Event | None = None) -> int
     started = time.monotonic()
     print(f"kvstore listening on {config.host}:{port} ({config.capacity_gib:g} GiB)", flush=True)
     registration = await _register(config, port)
+    metrics = await _serve_metrics(config, service)
     try:
         await stop.wait()
     finally:
+        if metrics is not None:
+            await metrics.close()
         if registration is not None:
             await registration.close()
         await health_servicer.enter_graceful_shutdown()
@@ -310,3 +314,39 @@ async def _register(config: KVStoreConfig, port: int):
                                     config.etcd_prefix, tls=config.etcd_tls)
     await registration.start()
     return registration
+
+
+class StoreCollector:
+    """The store's Stats as Prometheus families: occupancy gauges and one counter per event."""
+
+    def __init__(self, service: KVStoreService):
+        self.service = service
+
+    def collect(self):
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        s = self.service.stats()
+        for name, value, text in (("blocks", s.blocks_held, "Blocks the store holds"),
+                                  ("capacity_blocks", s.capacity_blocks, "Blocks the store can hold"),
+                                  ("block_bytes", s.block_bytes, "Bytes of one block (all layers, K and V)")):
+            yield GaugeMetricFamily(f"splitserve_kvstore_{name}", text, value=value)
+        events = CounterMetricFamily("splitserve_kvstore_events", "Store events: blocks offered, stored, "
+                                     "fetched (fetched_blocks), evicted, rejected_corrupt, publish_failed; calls "
+                                     "(lookups, fetches, attached, fetch_failed)", labels=["event"])
+        for event, value in sorted(s.counters.items()):
+            events.add_metric([event], value)
+        yield events
+
+
+async def _serve_metrics(config: KVStoreConfig, service: KVStoreService):
+    if config.metrics_port is None:
+        return None
+    from splitserve.services.worker.metrics_http import MetricsApp, MetricsServer
+
+    async def no_worker_stats():
+        return None
+
+    server = await MetricsServer.start(MetricsApp(no_worker_stats, StoreCollector(service)), config.host,
+                                       config.metrics_port)
+    print(f"kvstore metrics on http://{config.host}:{server.port}/metrics", flush=True)
+    return server

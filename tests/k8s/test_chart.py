@@ -169,6 +169,8 @@ def test_kv_store_is_a_statefulset_workers_reach_and_that_reaches_them(k8s_bin_d
     assert container["command"] == ["splitserve", "kvstore"]
     assert "--capacity-gib=2" in container["args"] and "--advertise-host=$(POD_IP)" in container["args"]
     assert container["readinessProbe"]["grpc"]["port"] == 50070
+    assert {"name": "metrics", "containerPort": 8090} in container["ports"]
+    assert store["spec"]["template"]["metadata"]["annotations"]["prometheus.io/port"] == "8090"
     service = next(d for d in docs if d["kind"] == "Service" and d["metadata"]["name"] == "rel-splitserve-kvstore")
     assert service["spec"]["ports"][0]["port"] == 50070
     policies = {d["metadata"]["name"]: d["spec"] for d in docs if d["kind"] == "NetworkPolicy"}

@@ -20,6 +20,7 @@ import urllib.request
 import grpc
 import pytest
 
+from splitserve.net import free_port
 from splitserve.proto.v1 import kvstore_pb2, kvstore_pb2_grpc
 from splitserve.testing.cluster import Cluster
 from splitserve.testing.workers import generate, worker_stats
@@ -56,8 +57,9 @@ def run(address: str, name: str, rid: str, peers=()) -> list[int]:
 @pytest.mark.parametrize("backend", ["tcp", "nixl"])
 def test_a_prefix_computed_on_one_worker_is_fetched_by_another(llama_dir, backend):
     cluster = Cluster(llama_dir, transfer=backend)
+    metrics_port = free_port()
     try:
-        _, store = cluster.start_kvstore(STORE_GIB, "--transfer", backend)
+        _, store = cluster.start_kvstore(STORE_GIB, "--transfer", backend, "--metrics-port", str(metrics_port))
         for name in ("w1", "w2"):
             cluster.start_worker(name, "both", "--kv-store", store, "--transfer", backend)
         cluster.wait_workers()
@@ -81,6 +83,10 @@ def test_a_prefix_computed_on_one_worker_is_fetched_by_another(llama_dir, backen
         while set(re.findall(pattern, front.metrics())) != {"w1", "w2"}:
             assert time.monotonic() < deadline, front.metrics()
             time.sleep(0.2)
+        with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10) as reply:
+            exposition = reply.read().decode()
+        assert "splitserve_kvstore_blocks 5.0" in exposition
+        assert 'splitserve_kvstore_events_total{event="fetched_blocks"} 5.0' in exposition
     finally:
         codes = cluster.close(grace_s=30.0)
     assert codes == [0, 0, 0, 0] and not cluster.killed, cluster.outputs()[-6000:]
