@@ -187,6 +187,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     check_tool_args(args)
     if args.kv_store_gib and args.on_ray:
         raise SplitserveError("--kv-store-gib is not available on Ray yet; run `splitserve kvstore` yourself")
+    if args.autoscale and args.on_ray:
+        raise SplitserveError("--autoscale starts and drains local worker processes; it does not apply with "
+                              "--on-ray (scale Ray Serve's deployments with Ray's own autoscaling)")
     if args.on_ray:
         from splitserve.services.ray_serve.launch import run_on_ray
 

@@ -291,6 +291,31 @@ def _add_frontend_parser(sub) -> None:
     p.set_defaults(func=commands.cmd_frontend)
 
 
+def _add_autoscale_args(p: argparse.ArgumentParser) -> None:
+    from splitserve.services.launch.plan import AUTOSCALE_DEFAULTS as d
+
+    g = p.add_argument_group("autoscaling (services/planner, services/launch/autoscaler.py)")
+    g.add_argument("--autoscale", action="store_true",
+                   help="let the SLO planner start and drain workers (between 1 and --max-workers per pool; "
+                        "the counts above are where it starts): every --autoscale-interval it reads the "
+                        "frontends' TTFT/ITL and the workers' load, predicts the next load and prints its "
+                        "decision; a worker it removes drains first (no request lost). Workers and frontends "
+                        "then find each other through a local etcd serve starts (needs the etcd binary). "
+                        "Not with --on-ray")
+    g.add_argument("--max-workers", type=int, default=None, metavar="N",
+                   help=f"with --autoscale: the most workers at once, all pools together "
+                        f"(default: {d['max_workers']})")
+    g.add_argument("--slo-ttft-p90-ms", type=float, default=None, metavar="MS",
+                   help=f"with --autoscale: the p90 time to first token to meet (default: {d['slo_ttft_p90_ms']:g})")
+    g.add_argument("--slo-itl-p90-ms", type=float, default=None, metavar="MS",
+                   help=f"with --autoscale: the p90 inter-token latency to meet (default: {d['slo_itl_p90_ms']:g})")
+    g.add_argument("--autoscale-interval", type=float, default=None, metavar="S",
+                   help=f"with --autoscale: seconds between decisions (default: {d['autoscale_interval']:g})")
+    g.add_argument("--autoscale-cooldown", type=float, default=None, metavar="S",
+                   help=f"with --autoscale: a pool shrinks only this long after its last change, and only when "
+                        f"every interval of that window says it can (default: {d['autoscale_cooldown']:g})")
+
+
 def _add_serve_parser(sub) -> None:
     p = sub.add_parser("serve", help="start workers and the frontend on this machine",
                        description="Start the workers and the OpenAI-compatible frontend as "
@@ -332,6 +357,7 @@ def _add_serve_parser(sub) -> None:
     p.add_argument("--ready-timeout", type=float, default=600.0, metavar="S",
                    help="give up when not ready after this many seconds (default: %(default)s)")
     _add_migration_arg(p)
+    _add_autoscale_args(p)
     ray = p.add_argument_group("Ray Serve (splitserve.services.ray_serve)")
     ray.add_argument("--on-ray", action="store_true",
                      help="run as a Ray Serve application: on --ray-address, else on a local Ray")

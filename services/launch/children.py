@@ -36,9 +36,13 @@ def kvstore_argv(args: argparse.Namespace, port: int) -> list[str]:
 
 
 def worker_argv(args: argparse.Namespace, name: str, role: str, port: int, model: str,
-                cores: str | None = None, kv_store: str | None = None) -> list[str]:
+                cores: str | None = None, kv_store: str | None = None, etcd: str | None = None) -> list[str]:
+    """One worker's command line; with `etcd` (HOST:PORT, `serve --autoscale`) it registers
+    there once SERVING and deregisters after its drain (how the frontends learn of it)."""
     argv = ["worker", "--role", role, "--port", str(port), "--worker-id", name, "--drain-timeout", str(DRAIN_S),
             *engine_argv(args, model)]
+    if etcd:
+        argv += ["--etcd", etcd]
     if kv_store:
         argv += ["--kv-store", kv_store]
         if role == "both":          # the store client's own transfer (prefill/decode roles get it below)
@@ -54,8 +58,9 @@ def worker_argv(args: argparse.Namespace, name: str, role: str, port: int, model
 
 
 def frontend_argv(args: argparse.Namespace, model: str, host: str, port: int, grpc_port: int,
-                   worker_addresses: list[str], plan: list[PlannedWorker]) -> list[str]:
-    """One frontend (router replica): every replica gets every worker and builds its own index."""
+                   worker_addresses: list[str], plan: list[PlannedWorker], etcd: str | None = None) -> list[str]:
+    """One frontend (router replica): every replica gets every worker and builds its own index.
+    With `etcd` (`serve --autoscale`) it follows the workers registered there instead of a list."""
     argv = ["--model", model, "--host", host, "--port", str(port), "--grpc-port", str(grpc_port),
             "--router", args.router, "--prefill-weight", str(args.prefill_weight),
             "--router-temperature", str(args.router_temperature),
@@ -64,8 +69,11 @@ def frontend_argv(args: argparse.Namespace, model: str, host: str, port: int, gr
             "--drain-timeout", str(DRAIN_S), "--generation-config", args.generation_config]
     if args.kv_tier_credit:
         argv += ["--kv-tier-credit", ",".join(f"{t}={v}" for t, v in args.kv_tier_credit.items())]
-    for address, worker in zip(worker_addresses, plan):
-        argv += ["--worker", f"{worker.role}={address}"]
+    if etcd:
+        argv += ["--etcd", etcd]
+    else:
+        for address, worker in zip(worker_addresses, plan):
+            argv += ["--worker", f"{worker.role}={address}"]
     if args.enable_auto_tool_choice:
         argv += ["--enable-auto-tool-choice", "--tool-call-parser", args.tool_call_parser]
     served_name = args.served_model_name or default_served_name(args.model)

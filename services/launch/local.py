@@ -18,6 +18,12 @@ or model would only crash again). Ctrl-C or SIGTERM stops everything: the
 children share one process group, signalled as a whole (SIGTERM, then SIGKILL
 after a grace period), and each child also gets SIGTERM from the kernel if this
 process dies (PR_SET_PDEATHSIG), so no worker outlives it.
+
+`--autoscale` (autoscaler.py): the workers and frontends find each other through a local
+etcd that serve starts first (membership.py) instead of a static list; once every worker
+is ready a short profile run times the first worker's prefill and decode
+(profile_run.py), and then the autoscaler's thread starts and drains workers, between
+1 and --max-workers, as the SLO planner decides.
 """
 
 from __future__ import annotations
@@ -28,11 +34,14 @@ import signal
 import sys
 import time
 
+import grpc
 
 from splitserve.errors import SplitserveError
 from splitserve.net import free_port
 from splitserve.services.launch.children import export_serve_secrets, frontend_argv, kvstore_argv, worker_argv
-from splitserve.services.launch.plan import default_threads, plan_workers, resolve_model, worker_cores
+from splitserve.services.launch.membership import ETCD_ENV, LocalEtcd
+from splitserve.services.launch.plan import (autoscale_settings, default_threads, plan_workers, resolve_model,
+                                             worker_cores, worker_slots)
 from splitserve.services.launch.probes import http_ready, transfer_backend, worker_serving
 from splitserve.services.launch.supervisor import Child, Supervisor
 from splitserve.tls import PLAINTEXT, TlsConfig
@@ -48,14 +57,18 @@ def say(line: str) -> None:
 
 
 def _wait_ready(sup: Supervisor, workers: list[Child], ready_url: str, timeout: float,
-                tls: TlsConfig = PLAINTEXT) -> None:
+                tls: TlsConfig = PLAINTEXT) -> dict[str, float]:
+    """Wait for every worker's SERVING, then the frontend's /ready; each worker's time from its
+    start to SERVING, by name."""
     start = time.monotonic()
     pending = list(workers)
+    took: dict[str, float] = {}
     while pending:
         _check_alive(sup)
         for child in list(pending):
             if worker_serving(child.address, tls):
                 pending.remove(child)
+                took[child.name] = time.monotonic() - child.started
                 say(f"  {child.name} ready ({time.monotonic() - start:.1f} s) at {child.address}")
         if time.monotonic() - start > timeout:
             raise SplitserveError(f"workers not ready after {timeout:.0f} s: "
@@ -66,6 +79,7 @@ def _wait_ready(sup: Supervisor, workers: list[Child], ready_url: str, timeout: 
         if time.monotonic() - start > timeout:
             raise SplitserveError(f"the frontend is not ready after {timeout:.0f} s")
         time.sleep(POLL_S)
+    return took
 
 
 def _start_kvstore(sup: Supervisor, args: argparse.Namespace, python: list[str]) -> str | None:
@@ -100,11 +114,46 @@ def _raise_stop(signum, frame) -> None:
     raise _Stop(signal.Signals(signum).name)
 
 
+def _start_etcd(sup: Supervisor, args: argparse.Namespace, etcd: LocalEtcd) -> None:
+    """--autoscale: the local etcd the workers register in and the frontends follow (membership.py),
+    in a process group of its own: it stops after the workers, which deregister when they drain."""
+    sup.spawn("etcd", etcd.argv(), own_group=True, env=ETCD_ENV)
+    etcd.wait_healthy(args.ready_timeout, lambda: _check_alive(sup))
+    say(f"  etcd ready at {etcd.endpoint} (worker membership for --autoscale)")
+
+
+def _start_autoscaler(sup: Supervisor, args: argparse.Namespace, settings, python: list[str], model: str,
+                      slot_cores: list[str | None], kv_store: str | None, etcd: LocalEtcd, workers: list[Child],
+                      plan, startup: dict[str, float], frontend_urls: list[str], tls: TlsConfig):
+    from splitserve.services.launch.autoscaler import Autoscaler, ScaledWorker, launcher_for
+    from splitserve.services.launch.profile_run import profile_worker
+
+    first = next(c for c, w in zip(workers, plan) if w.role != "prefill")
+    try:
+        result = profile_worker(first.address, startup.get(first.name, 0.0), args.max_num_seqs, tls)
+    except grpc.RpcError as exc:
+        raise SplitserveError(f"the autoscaler's profile run on {first.name} failed: {exc.code().name}: "
+                              f"{exc.details()}") from None
+    say(f"  autoscale: {first.name}'s profile: {result.describe()}")
+    scaled = [ScaledWorker(c.name, int(c.name.rsplit("-", 1)[1]), w.role, i, c, changed_at=time.monotonic())
+              for i, (c, w) in enumerate(zip(workers, plan))]
+    autoscaler = Autoscaler(sup, say, settings, args.aggregated, result.profile,
+                            launcher_for(sup, args, python, model, slot_cores, kv_store, etcd.endpoint),
+                            scaled, frontend_urls, tls)
+    say(f"  autoscale: 1 to {settings.max_workers} workers for TTFT p90 {settings.ttft_p90_s * 1e3:g} ms and "
+        f"ITL p90 {settings.itl_p90_s * 1e3:g} ms, every {settings.interval_s:g} s, cool-down "
+        f"{settings.cooldown_s:g} s")
+    return autoscaler
+
+
 def run_serve(args: argparse.Namespace) -> int:
     plan = plan_workers(args)
-    cores = worker_cores(args, plan)
-    if not any(cores):
-        args.threads = default_threads(args, plan)    # pinned workers run one thread per core
+    autoscale = autoscale_settings(args, plan)
+    slots = worker_slots(plan, autoscale.max_workers) if autoscale else plan
+    slot_cores = worker_cores(args, slots)
+    cores = slot_cores[:len(plan)]
+    if not any(slot_cores):
+        args.threads = default_threads(args, slots)    # pinned workers run one thread per core
     export_serve_secrets(args, os.environ)      # children read them from the environment
     tls = TlsConfig(cert=args.tls_internal_cert, key=args.tls_internal_key, ca=args.tls_ca)
     scheme = "https" if args.tls_cert else "http"
@@ -116,6 +165,7 @@ def run_serve(args: argparse.Namespace) -> int:
     python = [sys.executable, "-m", "splitserve", "--log-level", args.log_level]
     sup = Supervisor(say, tls, args.ready_timeout)
     previous = {sig: signal.signal(sig, _raise_stop) for sig in (signal.SIGINT, signal.SIGTERM)}
+    etcd = autoscaler = None
     try:
         workers = []
         roles = [w.role for w in plan]
@@ -125,26 +175,35 @@ def run_serve(args: argparse.Namespace) -> int:
             say(f"starting {roles.count('prefill')} prefill and {roles.count('decode')} decode worker(s) "
                 f"(KV transfer: {args.transfer}) and the frontend for {model}")
         kv_store = _start_kvstore(sup, args, python)
+        if autoscale:
+            etcd = LocalEtcd.plan()
+            _start_etcd(sup, args, etcd)
+        endpoint = etcd.endpoint if etcd else None
         for w, wcores in zip(plan, cores):
             wport = free_port("127.0.0.1")
             workers.append(sup.spawn(w.name, [*python, *worker_argv(args, w.name, w.role, wport, model, wcores,
-                                                                    kv_store)], f"127.0.0.1:{wport}"))
+                                                                    kv_store, endpoint)], f"127.0.0.1:{wport}"))
         ports = [port] + [free_port(host) for _ in range(max(args.frontends, 1) - 1)]
         for i, fport in enumerate(ports):
             gport = grpc_port if i == 0 else free_port(host)
             sup.spawn("frontend" if i == 0 else f"frontend-{i}",
                       [*python, "frontend", *frontend_argv(args, model, host, fport, gport,
-                                                          [c.address for c in workers], plan)])
+                                                          [c.address for c in workers], plan, endpoint)])
         base = f"{scheme}://{host}:{port}"
-        _wait_ready(sup, workers, f"{base}/ready", args.ready_timeout, tls)
+        startup = _wait_ready(sup, workers, f"{base}/ready", args.ready_timeout, tls)
         for fport in ports[1:]:
             _wait_ready(sup, [], f"{scheme}://{host}:{fport}/ready", args.ready_timeout)
             say(f"  frontend replica: {scheme}://{host}:{fport}/v1")
         if not args.aggregated:
             say(f"  KV transfer between prefill and decode workers: "
                 f"{transfer_backend(workers[0].address, tls)}")
+        if autoscale:
+            autoscaler = _start_autoscaler(sup, args, autoscale, python, model, slot_cores, kv_store, etcd, workers,
+                                           plan, startup, [f"{scheme}://{host}:{p}" for p in ports], tls)
         say(f"splitserve is ready: {base}/v1 (OpenAI-compatible), gRPC {host}:{grpc_port}")
         say(f"  try: curl {base}/v1/models")
+        if autoscaler is not None:
+            autoscaler.start()
         while True:
             sup.supervise()      # restarts what exits or stops answering (supervisor.py)
             time.sleep(POLL_S)
@@ -154,6 +213,10 @@ def run_serve(args: argparse.Namespace) -> int:
     finally:
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        if autoscaler is not None:
+            autoscaler.stop()
         sup.stop()
+        if etcd is not None:
+            etcd.remove_data()
         for sig, handler in previous.items():
             signal.signal(sig, handler)

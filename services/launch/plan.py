@@ -82,3 +82,52 @@ def resolve_model(name: str, say=lambda line: None) -> str:
         say("preparing the shipped SmolLM2-135M-Instruct (converted once into the cache)...")
         return str(resolve_smollm2())
     return name
+
+
+# -- serve --autoscale -------------------------------------------------------------------------
+
+AUTOSCALE_FLAGS = {"max_workers": "--max-workers", "slo_ttft_p90_ms": "--slo-ttft-p90-ms",
+                   "slo_itl_p90_ms": "--slo-itl-p90-ms", "autoscale_interval": "--autoscale-interval",
+                   "autoscale_cooldown": "--autoscale-cooldown"}
+AUTOSCALE_DEFAULTS = {"max_workers": 4, "slo_ttft_p90_ms": 1000.0, "slo_itl_p90_ms": 100.0,
+                      "autoscale_interval": 10.0, "autoscale_cooldown": 120.0}
+
+
+@dataclass(slots=True, frozen=True)
+class AutoscaleSettings:
+    max_workers: int
+    ttft_p90_s: float
+    itl_p90_s: float
+    interval_s: float
+    cooldown_s: float
+
+
+def autoscale_settings(args: argparse.Namespace, plan: list[PlannedWorker]) -> AutoscaleSettings | None:
+    """`serve --autoscale`'s settings (None without --autoscale), defaults filled in; raises
+    SplitserveError for an autoscaling flag without --autoscale and for values that contradict."""
+    given = {k: getattr(args, k, None) for k in AUTOSCALE_FLAGS}
+    if not getattr(args, "autoscale", False):
+        stray = [AUTOSCALE_FLAGS[k] for k, v in given.items() if v is not None]
+        if stray:
+            raise SplitserveError(f"{', '.join(stray)} only appl{'y' if len(stray) > 1 else 'ies'} with --autoscale")
+        return None
+    v = {k: AUTOSCALE_DEFAULTS[k] if given[k] is None else given[k] for k in AUTOSCALE_FLAGS}
+    least = 1 if args.aggregated else 2
+    if v["max_workers"] < max(least, len(plan)):
+        start = (f"--workers {len(plan)}" if args.aggregated else
+                 f"{sum(w.role == 'prefill' for w in plan)} prefill and {sum(w.role == 'decode' for w in plan)} "
+                 f"decode workers")
+        raise SplitserveError(f"--max-workers {v['max_workers']} is below the workers serve starts with ({start})"
+                              + ("" if args.aggregated else "; disaggregated serving needs at least 2"))
+    if v["slo_ttft_p90_ms"] <= 0 or v["slo_itl_p90_ms"] <= 0:
+        raise SplitserveError("--slo-ttft-p90-ms and --slo-itl-p90-ms must be > 0")
+    if v["autoscale_interval"] <= 0 or v["autoscale_cooldown"] < 0:
+        raise SplitserveError("--autoscale-interval must be > 0 and --autoscale-cooldown >= 0")
+    return AutoscaleSettings(int(v["max_workers"]), v["slo_ttft_p90_ms"] / 1e3, v["slo_itl_p90_ms"] / 1e3,
+                             float(v["autoscale_interval"]), float(v["autoscale_cooldown"]))
+
+
+def worker_slots(plan: list[PlannedWorker], max_workers: int) -> list[PlannedWorker]:
+    """The plan padded to `max_workers` places (`serve --autoscale`): cores and threads are shared
+    out over every worker that may run at once, and a worker started later takes a free place's."""
+    return plan + [PlannedWorker(f"slot-{i}", "both") for i in range(len(plan), max_workers)]

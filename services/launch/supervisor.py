@@ -15,6 +15,14 @@ check fails CANARY_FAILURES times in a row (hung, not dead) is killed and
 restarted the same way. Requests that were on a lost worker migrate (the
 frontend's work); a restarted child gets SPLITSERVE_RESTARTS, the number of
 times it was restarted, which it reports in its /metrics.
+
+`serve --autoscale` (autoscaler.py) adds and removes workers while this runs, from its
+own thread, so every method that reads or changes the children holds `lock`. A worker
+spawned `starting=True` is not health-checked until it first answers SERVING (or
+`start_timeout_s` passes). `retire()` takes a worker out of supervision (no restart,
+no canary) and sends it SIGTERM, which drains it (services/worker/shutdown.py);
+`reap_retired()` returns the retired children that have exited, SIGKILLing one that
+outlives RETIRE_KILL_S.
 """
 
 from __future__ import annotations
@@ -23,6 +31,7 @@ import ctypes
 import os
 import signal
 import subprocess
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -37,6 +46,7 @@ RESTART_BACKOFF_MAX = 15.0
 RESTART_RESET_S = 60.0           # up this long: the next crash waits RESTART_BACKOFF_FIRST again
 CANARY_EVERY_S = 2.0
 CANARY_FAILURES = 3
+RETIRE_KILL_S = 60.0             # a retired (draining) child still running this long is killed
 
 
 def _die_with_parent() -> None:
@@ -60,6 +70,9 @@ class Child:
     canary_at: float = 0.0
     canary_failures: int = 0
     serving: bool = True              # last known: a worker's health said SERVING
+    retired_at: float | None = None   # retire(): when its SIGTERM (drain) was sent
+    own_group: bool = False           # outside the children's group: stopped after them (the local etcd)
+    env: dict[str, str] | None = None # set in its environment (on top of this process's)
 
     @property
     def is_worker(self) -> bool:
@@ -73,14 +86,66 @@ class Supervisor:
         self.say = say
         self.tls = tls
         self.start_timeout_s = start_timeout_s   # a restarted worker not yet SERVING is not failing
+        self.retired: list[Child] = []           # taken out of supervision, draining (retire())
+        self.lock = threading.RLock()            # the autoscaler spawns and retires from its thread
 
-    def spawn(self, name: str, argv: list[str], address: str = "") -> Child:
-        child = Child(name, argv, self._popen(argv, 0), address)
-        self.children.append(child)
-        return child
+    def spawn(self, name: str, argv: list[str], address: str = "", starting: bool = False,
+              own_group: bool = False, env: dict[str, str] | None = None) -> Child:
+        """Start a child and supervise it. `starting`: a worker added while the deployment runs,
+        not yet SERVING (its health checks count only once it is, or after start_timeout_s).
+        `own_group`: a service the others need until they have stopped (the local etcd the
+        workers deregister from): in a process group of its own, stopped after the others."""
+        with self.lock:
+            child = Child(name, argv, self._popen(argv, 0, own_group, env), address, own_group=own_group, env=env)
+            if starting:
+                child.serving = False
+                child.canary_at = child.started + CANARY_EVERY_S
+            self.children.append(child)
+            return child
 
-    def _popen(self, argv: list[str], restarts: int) -> subprocess.Popen:
-        env = {**os.environ, RESTARTS_ENV: str(restarts)} if restarts else None
+    def retire(self, child: Child) -> None:
+        """Stop supervising `child` and send it SIGTERM (a worker drains, then exits)."""
+        with self.lock:
+            if child in self.children:
+                self.children.remove(child)
+            self.retired.append(child)
+            child.retired_at = time.monotonic()
+            if child.process.poll() is None:
+                try:
+                    os.kill(child.process.pid, signal.SIGTERM)
+                except ProcessLookupError:
+                    pass
+
+    def reap_retired(self, now: float | None = None) -> list[Child]:
+        """The retired children that have exited since the last call; one still running
+        RETIRE_KILL_S after its retirement is SIGKILLed (and returned once it is gone)."""
+        now = time.monotonic() if now is None else now
+        gone = []
+        with self.lock:
+            for child in list(self.retired):
+                if child.process.poll() is None and now - child.retired_at >= RETIRE_KILL_S:
+                    self.say(f"splitserve: {child.name} still running {RETIRE_KILL_S:.0f} s after its drain "
+                             f"began; killing it")
+                    try:
+                        os.kill(child.process.pid, signal.SIGKILL)
+                    except ProcessLookupError:
+                        pass
+                    child.process.wait()
+                if child.process.poll() is not None:
+                    self.retired.remove(child)
+                    gone.append(child)
+        return gone
+
+    def _popen(self, argv: list[str], restarts: int, own_group: bool = False,
+               extra_env: dict[str, str] | None = None) -> subprocess.Popen:
+        env = None                       # this process's
+        if restarts or extra_env:
+            env = {**os.environ, **(extra_env or {})}
+            if restarts:
+                env[RESTARTS_ENV] = str(restarts)
+        if own_group:
+            return subprocess.Popen(argv, process_group=0, preexec_fn=_die_with_parent,
+                                    stdin=subprocess.DEVNULL, env=env)
         try:
             process = subprocess.Popen(argv, process_group=self.pgid or 0, preexec_fn=_die_with_parent,
                                        stdin=subprocess.DEVNULL, env=env)
@@ -96,19 +161,22 @@ class Supervisor:
         return process
 
     def exited(self) -> Child | None:
-        return next((c for c in self.children if c.restart_at is None and c.process.poll() is not None), None)
+        with self.lock:
+            return next((c for c in self.children if c.restart_at is None and c.process.poll() is not None),
+                        None)
 
     # ---- keeping the deployment up --------------------------------------------------
 
     def supervise(self, now: float | None = None) -> None:
         now = time.monotonic() if now is None else now
-        for child in self.children:
-            if child.restart_at is None and child.process.poll() is not None:
-                self._schedule_restart(child, now, f"exited with code {child.process.returncode}")
-            elif child.restart_at is not None and now >= child.restart_at:
-                self._restart(child, now)
-            elif child.is_worker and child.restart_at is None and now >= child.canary_at:
-                self._canary(child, now)
+        with self.lock:
+            for child in list(self.children):
+                if child.restart_at is None and child.process.poll() is not None:
+                    self._schedule_restart(child, now, f"exited with code {child.process.returncode}")
+                elif child.restart_at is not None and now >= child.restart_at:
+                    self._restart(child, now)
+                elif child.is_worker and child.restart_at is None and now >= child.canary_at:
+                    self._canary(child, now)
 
     def _schedule_restart(self, child: Child, now: float, why: str) -> None:
         if now - child.started >= RESTART_RESET_S:
@@ -120,7 +188,7 @@ class Supervisor:
 
     def _restart(self, child: Child, now: float) -> None:
         child.restarts += 1
-        child.process = self._popen(child.argv, child.restarts)
+        child.process = self._popen(child.argv, child.restarts, child.own_group, child.env)
         child.started, child.restart_at = now, None
         child.canary_failures, child.serving = 0, False
         child.canary_at = now + CANARY_EVERY_S
@@ -129,7 +197,7 @@ class Supervisor:
     def _canary(self, child: Child, now: float) -> None:
         child.canary_at = now + CANARY_EVERY_S
         if worker_serving(child.address, self.tls):
-            if not child.serving:
+            if not child.serving and child.restarts:      # (a new worker's autoscaler says when it is)
                 self.say(f"splitserve: {child.name} is serving again ({now - child.started:.1f} s after its "
                          f"restart)")
             child.serving, child.canary_failures = True, 0
@@ -151,18 +219,28 @@ class Supervisor:
     # ---- stopping --------------------------------------------------------------------
 
     def stop(self) -> None:
-        if self.pgid is None:
-            return
-        self._signal(signal.SIGTERM)
-        deadline = time.monotonic() + GRACE_S
-        for child in self.children:
-            try:
-                child.process.wait(max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                pass
-        self._signal(signal.SIGKILL)     # whatever is left in the group, grandchildren included
-        for child in self.children:
-            child.process.wait()
+        with self.lock:
+            last = [c for c in self.children if c.own_group]
+            everyone = [c for c in [*self.children, *self.retired] if not c.own_group]
+            if self.pgid is not None:
+                self._signal(signal.SIGTERM)
+                deadline = time.monotonic() + GRACE_S
+                for child in everyone:
+                    try:
+                        child.process.wait(max(0.0, deadline - time.monotonic()))
+                    except subprocess.TimeoutExpired:
+                        pass
+                self._signal(signal.SIGKILL)     # whatever is left in the group, grandchildren included
+                for child in everyone:
+                    child.process.wait()
+            for child in last:
+                if child.process.poll() is None:
+                    child.process.terminate()
+                try:
+                    child.process.wait(GRACE_S)
+                except subprocess.TimeoutExpired:
+                    child.process.kill()
+                    child.process.wait()
 
     def _signal(self, sig: int) -> None:
         try:

@@ -14,7 +14,9 @@ One job per module:
 - `sizing.py`    the queueing model: the workers a load needs per pool (`SizingModel`);
 - `config.py`    `PlannerConfig`: `SloTargets`, `PoolBounds`, mode, dead band, cool-down;
 - `planner.py`   `Planner.decide`: hysteresis, cool-down, mode, bounds;
-- `decision.py`  `Decision`: the counts and why (`explain()` log line, `fields()` for metrics).
+- `decision.py`  `Decision`: the counts and why (`explain()` log line, `fields()` for metrics);
+- `readings.py`  live inputs: `SampleBuilder` turns two readings of the frontends' /metrics and
+                 the workers' Stats into a `MetricsSample`; `choose_to_drain` picks a worker.
 
 Use, once per interval (say every 10 s):
 

@@ -1,0 +1,292 @@
+"""`serve --autoscale`: the SLO planner (services/planner) applied to local worker processes.
+
+A thread of `serve` that, every `--autoscale-interval` seconds:
+
+1. reads every frontend's /metrics and every serving worker's Stats (gRPC) and turns the
+   difference from the previous reading into a planner `MetricsSample` (planner/readings.py:
+   arrivals, length means, TTFT/ITL p90 from the histograms' deltas, the workers' queues,
+   KV usage and token counters); `replicas` is what the autoscaler has asked for: the
+   workers starting and serving, not those draining;
+2. calls `Planner.decide(history, sample)` and prints `decision.explain()` as one line
+   ("autoscale: planner: 1A -> 2A aggregated ...");
+3. applies the counts: a pool below its count starts workers (the same command line as
+   serve's first workers, `worker_argv`, on a new port, named on from the last one: worker-2,
+   worker-3, ...); a pool above it drains workers (`choose_to_drain`: a starting one first,
+   else the least loaded, the newest on a tie): `Supervisor.retire` stops supervising the
+   worker and sends it SIGTERM, on which it drains (services/worker/shutdown.py) and exits;
+4. refines the capacity profile with what the interval measured (planner/profile.py).
+
+Between intervals (every HOUSEKEEPING_S) it notices a started worker turning SERVING (and
+refines the profile's start-up time with how long it took; one not SERVING within
+--ready-timeout is stopped) and a drained worker's exit. A frontend that does not answer
+skips the interval; one that restarted (its counters went down) makes a new baseline.
+The decision is a log line only (serve has no metrics endpoint of its own; `last_decision`
+holds the latest, whose `fields()` are the planner's gauges and labels).
+
+How the frontends follow: through the local etcd (membership.py). A started worker
+registers itself once SERVING, and the frontends route to it from then on; a draining one
+is NOT_SERVING at once (the frontends' health watches stop routing new requests to it),
+finishes its running requests, then deregisters and exits, and the frontends drop it.
+
+Mode: the planner is fixed to the mode serve started in (--aggregated or not); switching
+between aggregated and disaggregated would replace every worker, which this does not do.
+Pools: 1 to --max-workers workers (disaggregated: each pool 1 to --max-workers - 1, both
+within --max-workers). A worker needs a free place (plan.worker_slots): a draining worker
+holds its place (its cores) until it exits.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import ssl
+import threading
+import time
+import traceback
+import urllib.error
+import urllib.request
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import grpc
+
+from splitserve.net import free_port
+from splitserve.proto.v1 import worker_pb2, worker_pb2_grpc
+from splitserve.services.planner.readings import (DrainCandidate, FrontendCounters, Reading, SampleBuilder,
+                                                          WorkerCounters, choose_several, replica_counts)
+from splitserve.services.launch.plan import AutoscaleSettings
+from splitserve.services.launch.probes import worker_serving
+from splitserve.services.launch.supervisor import Child, Supervisor
+from splitserve.services.planner import (CapacityProfile, Decision, MetricsSample, Planner, PlannerConfig,
+                                         PlannerMode, PoolBounds, SloTargets, observations_from_sample)
+from splitserve.tls import PLAINTEXT, TlsConfig
+
+HOUSEKEEPING_S = 0.5
+SCRAPE_TIMEOUT_S = 2.0
+ROLE_OF_POOL = {"aggregated": "both", "prefill": "prefill", "decode": "decode"}
+STARTING, SERVING, DRAINING = "starting", "serving", "draining"
+
+
+def planner_config(settings: AutoscaleSettings, aggregated: bool) -> PlannerConfig:
+    """The planner's config for local workers: the mode serve runs in, 1..max workers a pool."""
+    m = settings.max_workers
+    return PlannerConfig(
+        SloTargets(settings.ttft_p90_s, settings.itl_p90_s),
+        prefill=PoolBounds(1, max(1, m - 1)), decode=PoolBounds(1, max(1, m - 1)), aggregated=PoolBounds(1, m),
+        max_workers=m, mode=PlannerMode.AGGREGATED if aggregated else PlannerMode.DISAGGREGATED,
+        cooldown_s=settings.cooldown_s, window_s=max(60.0, 3 * settings.interval_s))
+
+
+@dataclass(slots=True)
+class ScaledWorker:
+    name: str
+    index: int                  # from its name: worker-3 -> 3
+    role: str                   # both | prefill | decode
+    slot: int                   # its place (cores) among plan.worker_slots
+    child: Child
+    state: str = SERVING        # starting | serving | draining
+    changed_at: float = 0.0     # when it entered its state (monotonic)
+
+    @property
+    def address(self) -> str:
+        return self.child.address
+
+
+@dataclass(slots=True)
+class WorkerLauncher:
+    """Starts one more worker the way serve starts its first ones."""
+
+    sup: Supervisor
+    argv: Callable[[str, str, int, str | None], list[str]]   # (name, role, port, cores) -> the command line
+    slot_cores: list[str | None]                              # per place
+
+    def start(self, name: str, role: str, slot: int) -> Child:
+        port = free_port("127.0.0.1")
+        return self.sup.spawn(name, self.argv(name, role, port, self.slot_cores[slot]), f"127.0.0.1:{port}",
+                              starting=True)
+
+
+class Autoscaler:
+    def __init__(self, sup: Supervisor, say: Callable[[str], None], settings: AutoscaleSettings, aggregated: bool,
+                 profile: CapacityProfile, launcher: WorkerLauncher, workers: list[ScaledWorker],
+                 frontend_urls: list[str], tls: TlsConfig = PLAINTEXT):
+        self.sup, self.say, self.settings, self.aggregated = sup, say, settings, aggregated
+        self.planner = Planner(planner_config(settings, aggregated), profile)
+        self.launcher = launcher
+        self.workers = list(workers)
+        self.frontend_urls = frontend_urls           # each frontend's base URL (http[s]://host:port)
+        self.tls = tls
+        self.builder = SampleBuilder()
+        span = max(self.planner.config.cooldown_s, self.planner.config.window_s)
+        self.history: deque[MetricsSample] = deque(maxlen=math.ceil(span / settings.interval_s) + 4)
+        self.last_decision: Decision | None = None
+        self.last_reading: Reading | None = None
+        self._next_index = {role: max((w.index for w in workers if w.role == role), default=-1) + 1
+                            for role in ROLE_OF_POOL.values()}
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._scrape_failing = False
+        self._frontends: list[FrontendCounters] = []          # each frontend's last reading
+
+    # -- the thread --------------------------------------------------------------------
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="autoscaler", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout_s)
+
+    def _run(self) -> None:
+        next_tick = time.monotonic()          # the first reading is the baseline
+        while not self._stop.is_set():
+            try:
+                self.housekeeping()
+                if time.monotonic() >= next_tick:
+                    next_tick = time.monotonic() + self.settings.interval_s
+                    self.tick()
+            except Exception:  # noqa: BLE001 - the autoscaler must not take serving down
+                self.say("autoscale: error (the deployment keeps its workers):\n" + traceback.format_exc().rstrip())
+            self._stop.wait(HOUSEKEEPING_S)
+
+    # -- between intervals -------------------------------------------------------------
+    def housekeeping(self, now: float | None = None) -> None:
+        """Started workers that turned SERVING (or never do: stopped after the supervisor's start
+        timeout, --ready-timeout), drained workers that exited."""
+        for w in [w for w in self.workers if w.state == STARTING]:
+            if worker_serving(w.address, self.tls):
+                t = time.monotonic() if now is None else now
+                took = t - w.changed_at
+                w.state, w.changed_at = SERVING, t
+                self.planner = self.planner.with_profile(self.planner.profile.refine(startup_s=took))
+                self.say(f"autoscale: {w.name} ready after {took:.1f} s at {w.address}; the frontends route to it")
+            elif (t := time.monotonic() if now is None else now) - w.changed_at > self.sup.start_timeout_s:
+                w.state, w.changed_at = DRAINING, t
+                self.sup.retire(w.child)
+                self.say(f"autoscale: {w.name} is not serving {self.sup.start_timeout_s:.0f} s after its start; "
+                         f"stopping it (the next interval may start another)")
+        gone = {id(c): c for c in self.sup.reap_retired(now)}
+        for w in [w for w in self.workers if id(w.child) in gone]:
+            self.workers.remove(w)
+            took = (time.monotonic() if now is None else now) - w.changed_at
+            self.say(f"autoscale: {w.name} drained and stopped after {took:.1f} s "
+                     f"(exit code {w.child.process.returncode})")
+
+    # -- every interval ----------------------------------------------------------------
+    def asked(self):
+        roles: dict[str, int] = {}
+        for w in self.workers:
+            if w.state != DRAINING:
+                roles[w.role] = roles.get(w.role, 0) + 1
+        return replica_counts(self.aggregated, roles)
+
+    def tick(self) -> Decision | None:
+        reading = self.read()
+        if reading is None:
+            return None
+        self.last_reading = reading
+        sample = self.builder.sample(reading, self.asked())
+        if sample is None:
+            return None
+        decision = self.planner.decide(list(self.history), sample)
+        self.last_decision = decision
+        self.say(f"autoscale: {decision.explain()}")
+        if decision.changed:
+            self.apply(decision)
+        self.planner = self.planner.with_profile(self.planner.profile.refine(observations_from_sample(sample)))
+        self.history.append(sample)
+        return decision
+
+    def read(self) -> Reading | None:
+        """The frontends' metrics and the serving workers' Stats now; None when a frontend did not
+        answer (the interval then runs on to the next reading)."""
+        timestamp = time.monotonic()
+        try:
+            each = [FrontendCounters.parse(_get(f"{url}/metrics")) for url in self.frontend_urls]
+        except (urllib.error.URLError, OSError, ValueError) as exc:
+            if not self._scrape_failing:
+                self.say(f"autoscale: cannot read a frontend's /metrics ({exc}); waiting for it")
+            self._scrape_failing = True
+            return None
+        self._scrape_failing = False
+        if any(now.ended < before.ended for now, before in zip(each, self._frontends)):
+            self.builder.previous = None     # a frontend restarted: its counters are summed with the others'
+        self._frontends = each
+        frontend = FrontendCounters.total(each)
+        workers = []
+        for w in self.workers:
+            if w.state != SERVING:
+                continue
+            stats = self._stats(w.address)
+            if stats is not None:
+                workers.append(WorkerCounters.of_stats(w.role, stats))
+        return Reading(timestamp, frontend, tuple(workers))
+
+    def _stats(self, address: str) -> worker_pb2.StatsResponse | None:
+        with self.tls.channel(address) as channel:
+            try:
+                return worker_pb2_grpc.WorkerStub(channel).Stats(worker_pb2.StatsRequest(), timeout=SCRAPE_TIMEOUT_S)
+            except grpc.RpcError:
+                return None
+
+    # -- applying a decision -----------------------------------------------------------
+    def apply(self, decision: Decision) -> None:
+        asked = self.asked()
+        pools = ("aggregated",) if self.aggregated else ("prefill", "decode")
+        for pool in pools:              # shrink first: a draining worker's place frees sooner
+            surplus = asked.count(pool) - decision.replicas.count(pool)
+            if surplus > 0:
+                self._drain(ROLE_OF_POOL[pool], surplus)
+        for pool in pools:
+            missing = decision.replicas.count(pool) - asked.count(pool)
+            for _ in range(max(0, missing)):
+                self._start(ROLE_OF_POOL[pool])
+
+    def _start(self, role: str) -> ScaledWorker | None:
+        taken = {w.slot for w in self.workers}
+        free = [s for s in range(len(self.launcher.slot_cores)) if s not in taken]
+        if not free:
+            self.say(f"autoscale: no free place for another {role} worker yet (--max-workers "
+                     f"{self.settings.max_workers}, draining workers still hold theirs)")
+            return None
+        index = self._next_index[role]
+        self._next_index[role] += 1
+        name = f"{'worker' if role == 'both' else role}-{index}"
+        child = self.launcher.start(name, role, free[0])
+        w = ScaledWorker(name, index, role, free[0], child, STARTING, time.monotonic())
+        self.workers.append(w)
+        self.say(f"autoscale: starting {name} ({role}) at {child.address}")
+        return w
+
+    def _drain(self, role: str, count: int) -> None:
+        load = {c.worker_id: c for c in (self.last_reading.workers if self.last_reading else ())}
+        candidates = [DrainCandidate(w.name, w.index, w.state == STARTING,
+                                     load[w.name].load if w.name in load else 0,
+                                     load[w.name].kv_usage if w.name in load else 0.0)
+                      for w in self.workers if w.role == role and w.state != DRAINING]
+        for pick in choose_several(candidates, count):
+            w = next(x for x in self.workers if x.name == pick.name)
+            what = "stopping it (it was still starting)" if w.state == STARTING else \
+                "draining it: no new requests, running ones finish"
+            w.state, w.changed_at = DRAINING, time.monotonic()
+            self.sup.retire(w.child)
+            self.say(f"autoscale: {w.name} leaves ({pick.load} requests on it); {what}")
+
+
+def _get(url: str) -> str:
+    # Our own child: with HTTPS its certificate is not checked here (as probes.http_ready).
+    context = ssl._create_unverified_context() if url.startswith("https:") else None
+    with urllib.request.urlopen(url, timeout=SCRAPE_TIMEOUT_S, context=context) as reply:
+        return reply.read().decode()
+
+
+def launcher_for(sup: Supervisor, args: argparse.Namespace, python: list[str], model: str,
+                 slot_cores: list[str | None], kv_store: str | None, etcd: str) -> WorkerLauncher:
+    from splitserve.services.launch.children import worker_argv
+
+    def argv(name: str, role: str, port: int, cores: str | None) -> list[str]:
+        return [*python, *worker_argv(args, name, role, port, model, cores, kv_store, etcd)]
+
+    return WorkerLauncher(sup, argv, slot_cores)

@@ -1,0 +1,318 @@
+"""`serve --autoscale`'s pieces without a model: its flags, the workers' and frontends' command lines,
+the supervisor's retire (drain) path, the profile's decode arithmetic, and the control loop
+applying the planner's counts to (stand-in) worker processes."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+import pytest
+
+from splitserve.errors import SplitserveError
+from splitserve.services.cli.parsers import build_parser
+from splitserve.services.launch import membership
+from splitserve.services.launch import supervisor as sv
+from splitserve.services.planner.readings import FrontendCounters, Reading, WorkerCounters
+from splitserve.services.launch.autoscaler import (DRAINING, SERVING, STARTING, Autoscaler, ScaledWorker,
+                                                   WorkerLauncher, planner_config)
+from splitserve.services.launch.children import frontend_argv, worker_argv
+from splitserve.services.launch.plan import AutoscaleSettings, autoscale_settings, plan_workers, worker_slots
+from splitserve.services.launch.profile_run import decode_step_seconds
+from splitserve.services.launch.supervisor import Supervisor
+from splitserve.services.planner import CapacityProfile, PlannerMode, ReplicaCounts, ThroughputCurve
+
+SLEEPER = [sys.executable, "-c", "import time; time.sleep(60)"]
+
+
+def _serve_args(*argv: str) -> argparse.Namespace:
+    return build_parser().parse_args(["serve", *argv])
+
+
+# -- flags -------------------------------------------------------------------------------------
+def test_defaults_fill_in_with_autoscale():
+    args = _serve_args("--aggregated", "--autoscale")
+    s = autoscale_settings(args, plan_workers(args))
+    assert s == AutoscaleSettings(max_workers=4, ttft_p90_s=1.0, itl_p90_s=0.1, interval_s=10.0, cooldown_s=120.0)
+    args = _serve_args("--aggregated", "--autoscale", "--max-workers", "3", "--slo-ttft-p90-ms", "500",
+                       "--slo-itl-p90-ms", "40", "--autoscale-interval", "2", "--autoscale-cooldown", "6")
+    assert autoscale_settings(args, plan_workers(args)) == AutoscaleSettings(3, 0.5, 0.04, 2.0, 6.0)
+    assert autoscale_settings(_serve_args(), plan_workers(_serve_args())) is None
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--max-workers", "3"], "--max-workers only applies with --autoscale"),
+    (["--slo-ttft-p90-ms", "100", "--autoscale-interval", "2"],
+     "--slo-ttft-p90-ms, --autoscale-interval only apply with --autoscale"),
+    (["--aggregated", "--workers", "3", "--autoscale", "--max-workers", "2"], "below the workers serve starts with"),
+    (["--autoscale", "--max-workers", "1"], "disaggregated serving needs at least 2"),
+    (["--autoscale", "--slo-itl-p90-ms", "0"], "must be > 0"),
+    (["--autoscale", "--autoscale-interval", "0"], "--autoscale-interval must be > 0"),
+])
+def test_contradictory_flags_are_refused(argv, message):
+    args = _serve_args(*argv)
+    with pytest.raises(SplitserveError, match=message):
+        autoscale_settings(args, plan_workers(args))
+
+
+def test_autoscale_on_ray_is_refused_before_anything_starts():
+    from splitserve.services.cli.commands import cmd_serve
+
+    with pytest.raises(SplitserveError, match="--autoscale .* does not apply with --on-ray"):
+        cmd_serve(_serve_args("--autoscale", "--on-ray"))
+
+
+def test_the_planner_keeps_serves_mode_and_bounds():
+    agg = planner_config(AutoscaleSettings(3, 1.0, 0.1, 2.0, 6.0), aggregated=True)
+    assert agg.mode is PlannerMode.AGGREGATED and agg.aggregated.max_replicas == 3 and agg.max_workers == 3
+    assert agg.cooldown_s == 6.0
+    split = planner_config(AutoscaleSettings(4, 1.0, 0.1, 2.0, 6.0), aggregated=False)
+    assert split.mode is PlannerMode.DISAGGREGATED
+    assert (split.prefill.min_replicas, split.prefill.max_replicas, split.decode.max_replicas) == (1, 3, 3)
+
+
+def test_slots_pad_the_plan_to_max_workers():
+    plan = plan_workers(_serve_args("--aggregated"))
+    slots = worker_slots(plan, 3)
+    assert [s.name for s in slots] == ["worker-0", "slot-1", "slot-2"]
+
+
+# -- command lines -----------------------------------------------------------------------------
+def test_with_etcd_workers_register_and_frontends_follow_it_instead_of_a_list():
+    args = _serve_args("--aggregated", "--autoscale")
+    args.threads = 1
+    plan = plan_workers(args)
+    w = worker_argv(args, "worker-3", "both", 5000, "m", None, None, "127.0.0.1:2379")
+    assert w[w.index("--etcd") + 1] == "127.0.0.1:2379" and w[w.index("--worker-id") + 1] == "worker-3"
+    f = frontend_argv(args, "m", "127.0.0.1", 8000, 8001, ["127.0.0.1:5000"], plan, "127.0.0.1:2379")
+    assert f[f.index("--etcd") + 1] == "127.0.0.1:2379" and "--worker" not in f
+    static = frontend_argv(args, "m", "127.0.0.1", 8000, 8001, ["127.0.0.1:5000"], plan)
+    assert "--etcd" not in static and static[static.index("--worker") + 1] == "both=127.0.0.1:5000"
+
+
+def test_a_missing_etcd_binary_is_a_clear_error(monkeypatch):
+    monkeypatch.setattr(membership.shutil, "which", lambda name: None)
+    with pytest.raises(SplitserveError, match="--autoscale needs the etcd binary"):
+        membership.LocalEtcd.plan()
+
+
+def test_the_local_etcd_listens_on_loopback_only():
+    etcd = membership.LocalEtcd("/usr/bin/etcd", "/tmp/x", 2379, 2380)
+    argv = etcd.argv()
+    assert etcd.endpoint == "127.0.0.1:2379"
+    assert argv[argv.index("--listen-client-urls") + 1] == "http://127.0.0.1:2379"
+    assert argv[argv.index("--listen-peer-urls") + 1] == "http://127.0.0.1:2380"
+
+
+# -- the supervisor ----------------------------------------------------------------------------
+def test_a_retired_worker_is_signalled_not_restarted_and_reaped_once_gone():
+    lines: list[str] = []
+    sup = Supervisor(lines.append)
+    try:
+        child = sup.spawn("worker-1", SLEEPER, "127.0.0.1:9", starting=True)
+        assert not child.serving                        # not canaried while it loads
+        sup.retire(child)
+        assert child not in sup.children and child.retired_at is not None
+        child.process.wait(10)
+        assert child.process.returncode == -15          # SIGTERM
+        sup.supervise()                                 # not restarted: no longer supervised
+        assert child.restarts == 0 and child.restart_at is None
+        assert sup.reap_retired() == [child] and sup.reap_retired() == []
+    finally:
+        sup.stop()
+
+
+def test_a_retired_worker_that_outlives_its_drain_is_killed():
+    lines: list[str] = []
+    sup = Supervisor(lines.append)
+    try:
+        ignore = [sys.executable, "-c", "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+                                        "print('up', flush=True); time.sleep(60)"]
+        child = sup.spawn("worker-1", ignore, "127.0.0.1:9")
+        time.sleep(1.0)                                 # its handler is installed
+        sup.retire(child)
+        assert sup.reap_retired() == []
+        assert sup.reap_retired(child.retired_at + sv.RETIRE_KILL_S) == [child]
+        assert child.process.returncode == -9 and "still running" in lines[-1]
+    finally:
+        sup.stop()
+
+
+def test_an_own_group_child_stops_after_the_others():
+    sup = Supervisor(lambda line: None)
+    worker = sup.spawn("worker-0", SLEEPER, "127.0.0.1:9")
+    etcd = sup.spawn("etcd", SLEEPER, own_group=True)
+    import os
+    assert os.getpgid(etcd.process.pid) != os.getpgid(worker.process.pid)
+    sup.stop()
+    assert worker.process.returncode is not None and etcd.process.returncode is not None
+
+
+# -- the profile -------------------------------------------------------------------------------
+def test_decode_step_is_measured_while_every_stream_decodes():
+    # Two streams, one token every 10 ms each, the second starting 50 ms later.
+    a = [(0.00 + 0.01 * i, 1) for i in range(30)]
+    b = [(0.05 + 0.01 * i, 1) for i in range(30)]
+    step = decode_step_seconds(2, [a, b])
+    assert step == pytest.approx(0.01, rel=0.1)
+    assert decode_step_seconds(1, [[(0.0, 1)]]) is None
+    assert decode_step_seconds(2, [a, []]) is None
+
+
+# -- the control loop, on stand-in workers -----------------------------------------------------
+PROFILE = CapacityProfile(ThroughputCurve(((64, 4000.0), (1024, 8000.0))), ThroughputCurve(((1, 50.0), (16, 400.0))),
+                          startup_s=1.0, kv_capacity_tokens=100_000)
+
+
+class _Scaler(Autoscaler):
+    """The Autoscaler with readings fed by the test (no frontend, no worker Stats) and no probes."""
+
+    def __init__(self, *a, **kw):
+        super().__init__(*a, **kw)
+        self.readings: list[Reading] = []
+
+    def read(self):
+        return self.readings.pop(0)
+
+
+def _reading(t: float, ended: int, prompt: int, ttft_slow: int = 0) -> Reading:
+    inf = float("inf")
+    return Reading(t, FrontendCounters(ended=ended, ended_ok=ended, prompt_tokens=ended * prompt,
+                                       generation_tokens=ended * 4,
+                                       ttft_buckets=((0.5, ended - ttft_slow), (inf, ended))),
+                   (WorkerCounters("worker-0", "both"),))
+
+
+def test_the_loop_starts_a_worker_for_a_step_and_drains_one_after_the_cooldown():
+    lines: list[str] = []
+    sup = Supervisor(lines.append)
+    started: list[tuple[str, str, int]] = []
+
+    def argv(name, role, port, cores):
+        started.append((name, role, port))
+        return SLEEPER
+
+    try:
+        first = sup.spawn("worker-0", SLEEPER, "127.0.0.1:9")
+        launcher = WorkerLauncher(sup, argv, [None, None])
+        scaler = _Scaler(sup, lines.append, AutoscaleSettings(2, 1.0, 0.5, 1.0, 3.0), True, PROFILE, launcher,
+                         [ScaledWorker("worker-0", 0, "both", 0, first)], ["http://unused"])
+        # 1 request/s of 1024-token prompts is an eighth of a worker; 7/s needs two.
+        total, t = 0, 100.0
+        scaler.readings.append(_reading(t, total, 1024))
+        assert scaler.tick() is None                              # the baseline
+        for _ in range(3):
+            t, total = t + 1, total + 1
+            scaler.readings.append(_reading(t, total, 1024))
+            assert scaler.tick().replicas == ReplicaCounts.of_aggregated(1)
+        t, total = t + 1, total + 7
+        scaler.readings.append(_reading(t, total, 1024))
+        decision = scaler.tick()
+        assert decision.replicas == ReplicaCounts.of_aggregated(2), decision.explain()
+        assert [(n, r) for n, r, _ in started] == [("worker-1", "both")]
+        new = scaler.workers[-1]
+        assert (new.name, new.state, new.slot) == ("worker-1", STARTING, 1)
+        assert any(line.startswith("autoscale: planner: 1A -> 2A") for line in lines)
+        new.state = SERVING                                       # (the probe's part)
+        # Quiet: after the 3 s cool-down the pool shrinks; worker-1 (the newest, both idle) drains.
+        for _ in range(8):
+            t += 1
+            scaler.readings.append(_reading(t, total, 1024))
+            scaler.tick()
+            if any(w.state == DRAINING for w in scaler.workers):
+                break
+        assert scaler.asked() == ReplicaCounts.of_aggregated(1)
+        leaving = next(w for w in scaler.workers if w.state == DRAINING)
+        assert leaving.name == "worker-1" and leaving.child in sup.retired
+        leaving.child.process.wait(10)
+        scaler.housekeeping()
+        assert [w.name for w in scaler.workers] == ["worker-0"]
+        assert any("worker-1 drained and stopped" in line for line in lines), lines
+    finally:
+        sup.stop()
+
+
+def test_a_worker_that_never_serves_is_stopped_after_the_start_timeout():
+    lines: list[str] = []
+    sup = Supervisor(lines.append, start_timeout_s=5.0)
+    try:
+        first = sup.spawn("worker-0", SLEEPER, "127.0.0.1:9")
+        scaler = _Scaler(sup, lines.append, AutoscaleSettings(2, 1.0, 0.5, 1.0, 3.0), True, PROFILE,
+                         WorkerLauncher(sup, lambda *a: SLEEPER, [None, None]),
+                         [ScaledWorker("worker-0", 0, "both", 0, first)], ["http://unused"])
+        stuck = scaler._start("both")                  # its port never answers
+        scaler.housekeeping(stuck.changed_at + 1.0)
+        assert stuck.state == STARTING and scaler.asked() == ReplicaCounts.of_aggregated(2)
+        scaler.housekeeping(stuck.changed_at + 6.0)
+        assert stuck.state == DRAINING and stuck.child in sup.retired
+        assert "worker-1 is not serving 5 s after its start" in lines[-1]
+        assert scaler.asked() == ReplicaCounts.of_aggregated(1)
+    finally:
+        sup.stop()
+
+
+def test_no_free_place_defers_a_start():
+    lines: list[str] = []
+    sup = Supervisor(lines.append)
+    try:
+        first = sup.spawn("worker-0", SLEEPER, "127.0.0.1:9")
+        scaler = _Scaler(sup, lines.append, AutoscaleSettings(1, 1.0, 0.5, 1.0, 3.0), True, PROFILE,
+                         WorkerLauncher(sup, lambda *a: SLEEPER, [None]),
+                         [ScaledWorker("worker-0", 0, "both", 0, first)], ["http://unused"])
+        assert scaler._start("both") is None and "no free place" in lines[-1]
+    finally:
+        sup.stop()
+
+
+def test_read_sums_the_frontends_and_a_restarted_one_starts_a_new_baseline():
+    import http.server
+    import threading
+
+    from splitserve.services.frontend.metrics import FrontendMetrics
+
+    metrics = [FrontendMetrics(), FrontendMetrics()]
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            body = metrics[self.server.index].exposition()
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    servers = []
+    for i in range(2):
+        server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        server.index = i
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+        servers.append(server)
+    lines: list[str] = []
+    sup = Supervisor(lines.append)
+    try:
+        first = sup.spawn("worker-0", SLEEPER, "127.0.0.1:9")
+        scaler = Autoscaler(sup, lines.append, AutoscaleSettings(2, 1.0, 0.5, 1.0, 3.0), True, PROFILE,
+                            WorkerLauncher(sup, lambda *a: SLEEPER, [None, None]),
+                            [ScaledWorker("worker-0", 0, "both", 0, first)],
+                            [f"http://127.0.0.1:{s.server_address[1]}" for s in servers])
+        for m in metrics:
+            m.requests.labels("completions", "ok").inc(3)
+        reading = scaler.read()
+        assert reading.frontend.ended == 6 and reading.workers == ()     # worker-0 answers no Stats
+        assert scaler.tick() is None                                      # the baseline
+        metrics[0].requests.labels("completions", "ok").inc(2)
+        assert scaler.tick().inputs.num_arrivals == 2
+        metrics[1] = FrontendMetrics()                                    # frontend-1 restarted
+        metrics[0].requests.labels("completions", "ok").inc(1)
+        assert scaler.tick() is None                                      # a new baseline, not a burst
+        metrics[1].requests.labels("completions", "ok").inc(1)
+        assert scaler.tick().inputs.num_arrivals == 1
+        servers[1].shutdown()
+        servers[1].server_close()
+        assert scaler.read() is None and "cannot read a frontend's /metrics" in lines[-1]
+    finally:
+        servers[0].shutdown()
+        sup.stop()

@@ -1,0 +1,169 @@
+"""`serve --autoscale`'s pure inputs (services/planner/readings.py): the planner's sample
+from two readings of the frontend's /metrics and the workers' Stats, and which worker to drain."""
+
+from __future__ import annotations
+
+import pytest
+
+from splitserve.proto.v1 import worker_pb2
+from splitserve.services.frontend.metrics import FrontendMetrics
+from splitserve.services.planner.readings import (DrainCandidate, FrontendCounters, Reading, SampleBuilder,
+                                                          WorkerCounters, bucket_delta, choose_several,
+                                                          choose_to_drain, histogram_quantile, replica_counts)
+from splitserve.services.planner import ReplicaCounts
+
+ONE = ReplicaCounts.of_aggregated(1)
+
+
+def _exposition(m: FrontendMetrics) -> str:
+    return m.exposition().decode()
+
+
+def _finish(m: FrontendMetrics, prompt: int, output: int, ttft: float, itls: list[float], status: str = "ok"):
+    """What the frontend records for one request that ended (services/frontend/core.py)."""
+    m.ttft.observe(ttft)
+    for gap in itls:
+        m.itl.observe(gap)
+    if status == "ok":
+        m.prompt_tokens.inc(prompt)
+    m.generation_tokens.inc(output)
+    m.requests.labels("completions", status).inc()
+
+
+# -- histograms --------------------------------------------------------------------------------
+def test_quantile_interpolates_inside_its_bucket_like_prometheus():
+    buckets = ((0.1, 0.0), (0.5, 10.0), (1.0, 10.0), (float("inf"), 10.0))
+    assert histogram_quantile(0.9, buckets) == pytest.approx(0.1 + 0.4 * 0.9)
+    assert histogram_quantile(0.5, ((1.0, 4.0), (2.0, 8.0), (float("inf"), 8.0))) == pytest.approx(1.0)
+    # In the first bucket: from 0.
+    assert histogram_quantile(0.9, ((0.2, 10.0), (float("inf"), 10.0))) == pytest.approx(0.18)
+
+
+def test_quantile_in_the_inf_bucket_is_the_largest_finite_bound_and_none_without_observations():
+    assert histogram_quantile(0.9, ((1.0, 1.0), (2.0, 1.0), (float("inf"), 10.0))) == 2.0
+    assert histogram_quantile(0.9, ((1.0, 0.0), (float("inf"), 0.0))) is None
+    assert histogram_quantile(0.9, ()) is None
+
+
+def test_bucket_delta_is_the_interval_and_a_reset_counts_from_zero():
+    before = ((1.0, 3.0), (float("inf"), 5.0))
+    assert bucket_delta(((1.0, 4.0), (float("inf"), 9.0)), before) == ((1.0, 1.0), (float("inf"), 4.0))
+    assert bucket_delta(((1.0, 1.0), (float("inf"), 1.0)), before) == ((1.0, 1.0), (float("inf"), 1.0))
+    assert bucket_delta(((1.0, 2.0),), ()) == ((1.0, 2.0),)
+
+
+# -- the frontend's exposition -----------------------------------------------------------------
+def test_parse_reads_the_frontends_own_metrics():
+    m = FrontendMetrics()
+    _finish(m, 100, 10, 0.2, [0.01, 0.02])
+    _finish(m, 300, 30, 0.7, [0.03])
+    _finish(m, 0, 4, 0.3, [], status="cancelled")
+    m.in_flight.inc(2)
+    c = FrontendCounters.parse(_exposition(m))
+    assert (c.ended, c.ended_ok, c.in_flight) == (3, 2, 2)
+    assert (c.prompt_tokens, c.generation_tokens) == (400, 44)
+    assert c.ttft_buckets[-1] == (float("inf"), 3.0)
+    assert dict(c.ttft_buckets)[0.25] == 1.0 and dict(c.ttft_buckets)[1.0] == 3.0
+    assert c.itl_buckets[-1] == (float("inf"), 3.0)
+
+
+def test_frontends_add_up():
+    a, b = FrontendMetrics(), FrontendMetrics()
+    _finish(a, 100, 10, 0.2, [0.01])
+    _finish(b, 50, 5, 2.0, [0.5])
+    total = FrontendCounters.total([FrontendCounters.parse(_exposition(a)), FrontendCounters.parse(_exposition(b))])
+    assert (total.ended, total.prompt_tokens, total.generation_tokens) == (2, 150, 15)
+    assert total.ttft_buckets[-1] == (float("inf"), 2.0)
+
+
+# -- samples -----------------------------------------------------------------------------------
+def _worker(name="worker-0", role="both", **kw) -> WorkerCounters:
+    return WorkerCounters(name, role, **kw)
+
+
+def test_the_first_reading_is_the_baseline_and_the_second_makes_a_sample_of_the_deltas():
+    m = FrontendMetrics()
+    _finish(m, 1000, 99, 5.0, [0.5])                   # before the baseline: not in the sample
+    builder = SampleBuilder()
+    w0 = _worker(num_prompt_tokens_computed=1000, num_generated_tokens=99)
+    assert builder.sample(Reading(100.0, FrontendCounters.parse(_exposition(m)), (w0,)), ONE) is None
+    for i in range(9):
+        _finish(m, 100, 20, 0.2, [0.01, 0.01])
+    _finish(m, 100, 20, 0.9, [0.2, 0.2])
+    m.in_flight.inc(3)                                 # arrived in the interval, still running
+    w1 = _worker(kv_usage=0.25, num_running=3, num_waiting=2, num_prompt_tokens_computed=2300,
+                 num_generated_tokens=330)
+    sample = builder.sample(Reading(102.0, FrontendCounters.parse(_exposition(m)), (w1,)), ONE)
+    assert sample.interval_s == 2.0 and sample.timestamp == 102.0
+    assert sample.num_arrivals == 13                   # 10 ended + 3 still in flight
+    assert sample.prompt_tokens_mean == 100 and sample.prompt_tokens_p90 == 100
+    assert sample.output_tokens_mean == 20
+    # 9 of 10 first tokens within 0.25 s, the 10th in (0.5, 1.0]: the p90 is the 0.25 bucket's top.
+    assert sample.ttft_p90_s == pytest.approx(0.25)
+    assert 0.01 <= sample.itl_p90_s <= 0.25
+    assert sample.frontend_queue_depth == 0 and sample.replicas == ONE
+    (w,) = sample.workers
+    assert (w.worker_id, w.role, w.kv_usage, w.num_running_decodes) == ("worker-0", "both", 0.25, 3)
+    assert w.prefill_queue_tokens == 200               # 2 waiting x a 100-token mean prompt
+    assert (w.num_prompt_tokens_computed, w.num_generated_tokens) == (1300, 231)
+
+
+def test_an_interval_without_ends_keeps_the_last_means_and_has_no_latencies():
+    m = FrontendMetrics()
+    builder = SampleBuilder()
+    builder.sample(Reading(0.0, FrontendCounters.parse(_exposition(m))), ONE)
+    _finish(m, 64, 8, 0.1, [0.01])
+    builder.sample(Reading(1.0, FrontendCounters.parse(_exposition(m))), ONE)
+    m.in_flight.inc()
+    quiet = builder.sample(Reading(2.0, FrontendCounters.parse(_exposition(m))), ONE)
+    assert quiet.num_arrivals == 1
+    assert (quiet.prompt_tokens_mean, quiet.output_tokens_mean) == (64, 8)
+    assert quiet.ttft_p90_s is None and quiet.itl_p90_s is None
+
+
+def test_restarts_count_from_zero_and_roles_shape_the_worker_sample():
+    builder = SampleBuilder(prompt_tokens_mean=50.0)
+    builder.sample(Reading(0.0, FrontendCounters(ended=10, ended_ok=10, prompt_tokens=500, generation_tokens=50),
+                           (_worker("prefill-0", "prefill", num_prompt_tokens_computed=900),
+                            _worker("decode-0", "decode", num_generated_tokens=700))), ReplicaCounts.of_pools(1, 1))
+    # The frontend restarted (counters went down); prefill-0 restarted too; decode-1 is new.
+    sample = builder.sample(
+        Reading(4.0, FrontendCounters(ended=2, ended_ok=2, prompt_tokens=200, generation_tokens=20),
+                (_worker("prefill-0", "prefill", num_running=4, num_waiting=3, num_prompt_tokens_computed=100),
+                 _worker("decode-0", "decode", num_running=5, num_waiting=1, num_generated_tokens=760),
+                 _worker("decode-1", "decode", num_generated_tokens=40))),
+        ReplicaCounts.of_pools(1, 2))
+    assert sample.num_arrivals == 2 and sample.prompt_tokens_mean == 100 and sample.output_tokens_mean == 10
+    p, d0, d1 = sample.workers
+    assert (p.num_prompt_tokens_computed, p.num_running_decodes, p.prefill_queue_tokens) == (100, 0, 300)
+    assert (d0.num_generated_tokens, d0.num_running_decodes, d0.prefill_queue_tokens) == (60, 5, 0)
+    assert d1.num_generated_tokens == 40
+
+
+def test_worker_counters_from_stats():
+    stats = worker_pb2.StatsResponse(worker_id="worker-2", kv_usage=0.5, num_running=2, num_waiting=1,
+                                     num_in_flight=3, num_prompt_tokens_computed=77, num_generated_tokens=88)
+    w = WorkerCounters.of_stats("both", stats)
+    assert (w.worker_id, w.role, w.kv_usage, w.load) == ("worker-2", "both", 0.5, 6)
+    assert (w.num_prompt_tokens_computed, w.num_generated_tokens) == (77, 88)
+
+
+def test_replica_counts_by_mode():
+    assert replica_counts(True, {"both": 3}) == ReplicaCounts.of_aggregated(3)
+    assert replica_counts(False, {"prefill": 1, "decode": 2}) == ReplicaCounts.of_pools(1, 2)
+
+
+# -- which worker leaves -----------------------------------------------------------------------
+def test_a_starting_worker_leaves_first_newest_first():
+    c = [DrainCandidate("worker-0", 0, False, load=0), DrainCandidate("worker-1", 1, True),
+         DrainCandidate("worker-2", 2, True)]
+    assert choose_to_drain(c).name == "worker-2"
+
+
+def test_else_the_least_loaded_then_the_least_kv_then_the_newest():
+    c = [DrainCandidate("worker-0", 0, False, load=1), DrainCandidate("worker-1", 1, False, load=4),
+         DrainCandidate("worker-2", 2, False, load=1, kv_usage=0.3), DrainCandidate("worker-3", 3, False, load=1)]
+    assert choose_to_drain(c).name == "worker-3"
+    assert [x.name for x in choose_several(c, 3)] == ["worker-3", "worker-0", "worker-2"]
+    assert choose_to_drain([]) is None
+    assert [x.name for x in choose_several(c[:1], 5)] == ["worker-0"]
