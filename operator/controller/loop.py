@@ -6,6 +6,11 @@ or sooner when kopf reports a watch event (`wake()`), with at least
 reconciles all deployments in the watched namespaces, then schedules all
 waiting groups, so a group created in a pass is usually bound in the same pass.
 With several replicas, only the holder of the Lease (`leader.LeaseElector`) runs passes.
+
+Beside it, on its own cadence (each deployment's spec.autoscaling.intervalSeconds), runs the
+SLO autoscaler (autoscaler.py) as a second task: its scrapes never hold up a pass, and a
+scale it applies wakes the loop. It too runs only while this replica leads. Its metrics
+come from `metrics_source` (default: metrics_source.PodMetricsSource, the live scrape).
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ import asyncio
 import logging
 import time
 
+from splitserve.operator.autoscaler import Autoscaler, MetricsSource
 from splitserve.operator.events import EventRecorder
 from splitserve.operator.kube import AsyncKube, KubeError, core_path, group_path
 from splitserve.operator.leader import LeaseElector
@@ -29,7 +35,7 @@ class OperatorLoop:
     def __init__(self, kube: AsyncKube, namespaces: list[str], etcd_endpoints: list[str],
                  interval_s: float = 2.0, min_interval_s: float = 0.3, use_pod_ip: bool = True,
                  elector: LeaseElector | None = None, node_grace_s: float = 10.0,
-                 workload: WorkloadOptions = WorkloadOptions()):
+                 workload: WorkloadOptions = WorkloadOptions(), metrics_source: MetricsSource | None = None):
         self.kube = kube
         self.elector = elector        # None: this process always leads (one replica)
         # A node NotReady for less than this still counts for the groups on it (a kubelet
@@ -37,8 +43,14 @@ class OperatorLoop:
         self.node_grace_s = node_grace_s
         self.namespaces = namespaces
         self.scheduler = GangScheduler(kube, namespaces)
-        self.reconciler = Reconciler(kube, self.scheduler, EventRecorder(kube), etcd_endpoints,
+        events = EventRecorder(kube)
+        self.reconciler = Reconciler(kube, self.scheduler, events, etcd_endpoints,
                                      use_pod_ip=use_pod_ip, workload=workload)
+        if metrics_source is None:
+            from splitserve.operator.metrics_source import PodMetricsSource
+            metrics_source = PodMetricsSource(kube, use_pod_ip=use_pod_ip)
+        self.autoscaler = Autoscaler(kube, events, metrics_source, self._deployments,
+                                     leading=lambda: elector is None or elector.leading, on_scaled=self.wake)
         self.interval_s = interval_s
         self.min_interval_s = min_interval_s
         self._wake = asyncio.Event()
@@ -54,6 +66,15 @@ class OperatorLoop:
 
     async def run(self) -> None:
         log.info("operator loop started (namespaces: %s)", ", ".join(self.namespaces) or "all")
+        autoscaler = asyncio.create_task(self.autoscaler.run(self._stopping), name="splitserve-autoscaler")
+        try:
+            await self._run_passes()
+        finally:
+            self._stopping.set()
+            await autoscaler
+        log.info("operator loop stopped")
+
+    async def _run_passes(self) -> None:
         while not self._stopping.is_set():
             self._wake.clear()
             try:
@@ -68,7 +89,6 @@ class OperatorLoop:
                 await asyncio.wait_for(self._wake.wait(), self.interval_s)
             except TimeoutError:
                 pass
-        log.info("operator loop stopped")
 
     async def run_pass(self) -> None:
         nodes = await self.kube.list(core_path(None, "nodes"))

@@ -28,7 +28,7 @@ from splitserve.operator.groups import Group, observe_groups, plan_pool
 from splitserve.operator.kube import AsyncKube, KubeError, core_path, group_path
 from splitserve.operator.scheduler import GangScheduler
 from splitserve.operator.spec import API_GROUP, API_VERSION, PLURAL, POOL_NAMES, ServingDeploymentSpec
-from splitserve.operator.status import Observed, build_status, pool_status
+from splitserve.operator.status import Observed, build_status, pool_status, reconciler_owned
 
 log = logging.getLogger(__name__)
 
@@ -217,9 +217,9 @@ class Reconciler:
                 await self.events.record(owner, "Unschedulable", f"group {group} waits: {reason}", warning=True)
 
     async def _write_status(self, owner: Owner, body: dict[str, Any], observed: Observed) -> None:
-        previous = body.get("status") or {}
+        previous = reconciler_owned(body.get("status") or {})
         status = build_status(observed, previous, now_iso())
-        if status != previous:
+        if status != previous:       # a merge patch: status.autoscaling (the autoscaler's) stays
             try:
                 await self.kube.merge_patch(_sd_path(owner, "status"), {"status": status})
             except KubeError as exc:

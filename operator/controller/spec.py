@@ -68,6 +68,23 @@ def _float(d: Mapping[str, Any], key: str, default: float, path: str, minimum: f
     return float(value)
 
 
+def _bool(d: Mapping[str, Any], key: str, default: bool, path: str) -> bool:
+    value = d.get(key, default)
+    if not isinstance(value, bool):
+        raise ValueError(f"{path}.{key}: expected a boolean (true or false), got {value!r}")
+    return value
+
+
+def _positive(d: Mapping[str, Any], key: str, default: float | None, path: str, when: str = "") -> float:
+    """A number > 0; `default` None: required (`when` says when, e.g. "when enabled")."""
+    if d.get(key) is None and default is None:
+        raise ValueError(f"{path}.{key}: required{f' {when}' if when else ''}")
+    value = _float(d, key, default, path)
+    if value <= 0:
+        raise ValueError(f"{path}.{key}: must be > 0, got {value:g}")
+    return value
+
+
 def _str(d: Mapping[str, Any], key: str, default: str | None, path: str,
          choices: tuple[str, ...] | None = None) -> str:
     value = d.get(key, default)
@@ -208,6 +225,140 @@ class AutoscalingSpec:
 
 
 @dataclass(frozen=True, slots=True)
+class PoolBoundsSpec:
+    """`spec.autoscaling.prefill` / `.decode`: the worker groups the SLO planner may give one pool."""
+
+    min_replicas: int = 1
+    max_replicas: int = 4
+
+    @classmethod
+    def from_dict(cls, d: Any, path: str) -> PoolBoundsSpec:
+        d = _mapping(d, path)
+        _reject_unknown(d, ("minReplicas", "maxReplicas"), path)
+        low = _int(d, "minReplicas", 1, path, minimum=1)
+        high = _int(d, "maxReplicas", max(low, 4), path, minimum=1)
+        if high < low:
+            raise ValueError(f"{path}: maxReplicas ({high}) must be >= minReplicas ({low})")
+        return cls(min_replicas=low, max_replicas=high)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"minReplicas": self.min_replicas, "maxReplicas": self.max_replicas}
+
+
+@dataclass(frozen=True, slots=True)
+class CapacityProfileSpec:
+    """`spec.autoscaling.profile`: one worker group's capacity, the SLO planner's starting point
+    (services/planner/profile.py), refined online from the workers' Stats counters.
+
+    prefill: prompt tokens/s of one group busy with prompts; decode: tokens/s one group
+    generates at `decode_batch_size` running sequences (its inter-token latency is then
+    decode_batch_size / decode_tokens_per_s); startup: seconds from creating a group to serving.
+    """
+
+    prefill_tokens_per_s: float = 8000.0
+    decode_tokens_per_s: float = 800.0
+    decode_batch_size: int = 32
+    startup_s: float = 60.0
+    kv_capacity_tokens: int | None = None
+
+    _FIELDS = ("prefillTokensPerSecond", "decodeTokensPerSecond", "decodeBatchSize", "startupSeconds",
+               "kvCapacityTokens")
+
+    @classmethod
+    def from_dict(cls, d: Any, path: str) -> CapacityProfileSpec:
+        d = _mapping(d, path)
+        _reject_unknown(d, cls._FIELDS, path)
+        kv = d.get("kvCapacityTokens")
+        return cls(prefill_tokens_per_s=_positive(d, "prefillTokensPerSecond", 8000.0, path),
+                   decode_tokens_per_s=_positive(d, "decodeTokensPerSecond", 800.0, path),
+                   decode_batch_size=_int(d, "decodeBatchSize", 32, path, minimum=1),
+                   startup_s=_float(d, "startupSeconds", 60.0, path, minimum=0.0),
+                   kv_capacity_tokens=None if kv is None else _int(d, "kvCapacityTokens", 0, path, minimum=1))
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"prefillTokensPerSecond": self.prefill_tokens_per_s,
+                               "decodeTokensPerSecond": self.decode_tokens_per_s,
+                               "decodeBatchSize": self.decode_batch_size, "startupSeconds": self.startup_s}
+        if self.kv_capacity_tokens is not None:
+            out["kvCapacityTokens"] = self.kv_capacity_tokens
+        return out
+
+
+@dataclass(frozen=True, slots=True)
+class SloAutoscalingSpec:
+    """`spec.autoscaling`: the operator sizes the prefill and decode pools with the SLO planner
+    (services/planner; operator/controller/autoscaler.py), through their ServingPools' scale
+    subresources. Not the per-pool `autoscaling` (Ray Serve's).
+
+    Targets in milliseconds (p90 time to first token and inter-token latency), required when
+    `enabled`; `max_workers` None: the sum of the pools' maxReplicas.
+    """
+
+    enabled: bool = False
+    ttft_p90_ms: float | None = None
+    itl_p90_ms: float | None = None
+    interval_s: int = 30
+    cooldown_s: int = 300
+    max_workers: int | None = None
+    prefill: PoolBoundsSpec = field(default_factory=PoolBoundsSpec)
+    decode: PoolBoundsSpec = field(default_factory=PoolBoundsSpec)
+    profile: CapacityProfileSpec = field(default_factory=CapacityProfileSpec)
+
+    _FIELDS = ("enabled", "ttftP90Ms", "itlP90Ms", "intervalSeconds", "cooldownSeconds", "maxWorkers", "prefill",
+               "decode", "profile")
+
+    @property
+    def worker_limit(self) -> int:
+        """The most worker groups of both pools together."""
+        if self.max_workers is not None:
+            return self.max_workers
+        return self.prefill.max_replicas + self.decode.max_replicas
+
+    def bounds(self, pool: str) -> PoolBoundsSpec:
+        if pool == "prefill":
+            return self.prefill
+        if pool == "decode":
+            return self.decode
+        raise ValueError(f"unknown pool {pool!r}; pools: {', '.join(POOL_NAMES)}")
+
+    @classmethod
+    def from_dict(cls, d: Any, path: str = "spec.autoscaling") -> SloAutoscalingSpec:
+        d = _mapping(d, path)
+        _reject_unknown(d, cls._FIELDS, path)
+        enabled = _bool(d, "enabled", False, path)
+        targets = {}
+        for key in ("ttftP90Ms", "itlP90Ms"):
+            if enabled or d.get(key) is not None:
+                targets[key] = _positive(d, key, None, path, "when autoscaling is enabled")
+        prefill = PoolBoundsSpec.from_dict(d.get("prefill"), f"{path}.prefill")
+        decode = PoolBoundsSpec.from_dict(d.get("decode"), f"{path}.decode")
+        max_workers = None
+        if d.get("maxWorkers") is not None:
+            max_workers = _int(d, "maxWorkers", 0, path, minimum=2)
+            floor = prefill.min_replicas + decode.min_replicas
+            if max_workers < floor:
+                raise ValueError(f"{path}.maxWorkers: must be >= prefill.minReplicas + decode.minReplicas "
+                                 f"({floor}), got {max_workers}")
+        return cls(enabled=enabled, ttft_p90_ms=targets.get("ttftP90Ms"), itl_p90_ms=targets.get("itlP90Ms"),
+                   interval_s=_int(d, "intervalSeconds", 30, path, minimum=1),
+                   cooldown_s=_int(d, "cooldownSeconds", 300, path, minimum=0),
+                   max_workers=max_workers, prefill=prefill, decode=decode,
+                   profile=CapacityProfileSpec.from_dict(d.get("profile"), f"{path}.profile"))
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"enabled": self.enabled}
+        if self.ttft_p90_ms is not None:
+            out["ttftP90Ms"] = self.ttft_p90_ms
+        if self.itl_p90_ms is not None:
+            out["itlP90Ms"] = self.itl_p90_ms
+        out.update(intervalSeconds=self.interval_s, cooldownSeconds=self.cooldown_s)
+        if self.max_workers is not None:
+            out["maxWorkers"] = self.max_workers
+        out.update(prefill=self.prefill.to_dict(), decode=self.decode.to_dict(), profile=self.profile.to_dict())
+        return out
+
+
+@dataclass(frozen=True, slots=True)
 class PoolSpec:
     """One worker pool: `replicas` worker groups of `group_size` ranks (pods) each."""
 
@@ -278,9 +429,10 @@ class ServingDeploymentSpec:
     disaggregation_threshold: int = 0
     migration_limit: int = 2
     drain_timeout_seconds: int = 300
+    autoscaling: SloAutoscalingSpec = field(default_factory=SloAutoscalingSpec)
 
     _FIELDS = ("image", "model", "frontend", "router", "prefill", "decode", "disaggregationThreshold",
-               "migrationLimit", "drainTimeoutSeconds")
+               "migrationLimit", "drainTimeoutSeconds", "autoscaling")
 
     def pool(self, name: str) -> PoolSpec:
         if name == "prefill":
@@ -302,7 +454,8 @@ class ServingDeploymentSpec:
                    decode=PoolSpec.from_dict(d.get("decode"), f"{path}.decode"),
                    disaggregation_threshold=_int(d, "disaggregationThreshold", 0, path, minimum=0),
                    migration_limit=_int(d, "migrationLimit", 2, path, minimum=0),
-                   drain_timeout_seconds=_int(d, "drainTimeoutSeconds", 300, path, minimum=0))
+                   drain_timeout_seconds=_int(d, "drainTimeoutSeconds", 300, path, minimum=0),
+                   autoscaling=SloAutoscalingSpec.from_dict(d.get("autoscaling"), f"{path}.autoscaling"))
 
     @classmethod
     def from_resource(cls, body: Mapping[str, Any]) -> ServingDeploymentSpec:
@@ -316,7 +469,8 @@ class ServingDeploymentSpec:
         return {"image": self.image, "model": self.model.to_dict(), "frontend": self.frontend.to_dict(),
                 "router": self.router.to_dict(), "prefill": self.prefill.to_dict(),
                 "decode": self.decode.to_dict(), "disaggregationThreshold": self.disaggregation_threshold,
-                "migrationLimit": self.migration_limit, "drainTimeoutSeconds": self.drain_timeout_seconds}
+                "migrationLimit": self.migration_limit, "drainTimeoutSeconds": self.drain_timeout_seconds,
+                "autoscaling": self.autoscaling.to_dict()}
 
 
 # --- status --------------------------------------------------------------------------------

@@ -5,6 +5,9 @@ each group's phase — Pending (with the gang scheduler's reason), Starting,
 Ready, Draining, Drained, Deleting. Conditions follow the Kubernetes convention:
 Ready, Progressing and Degraded, each keeping its lastTransitionTime while its
 status stays the same.
+
+`status.autoscaling` is the autoscaler's (autoscaler.py): the reconciler neither writes nor
+compares it (`reconciler_owned`), so neither overwrites the other's newer value.
 """
 
 from __future__ import annotations
@@ -71,6 +74,14 @@ def conditions(observed: Observed, previous: list[dict[str, Any]], now: str) -> 
         make("Degraded", bool(degraded), "Unschedulable" if pending else ("GroupReplaced" if degraded else "Healthy"),
              "; ".join(degraded)[:1000]),
     ]
+
+
+WRITTEN_ELSEWHERE = ("autoscaling",)     # status keys another writer owns (merge patches leave them)
+
+
+def reconciler_owned(status: dict[str, Any]) -> dict[str, Any]:
+    """The part of a status the reconciler writes: what `build_status` is compared with."""
+    return {k: v for k, v in status.items() if k not in WRITTEN_ELSEWHERE}
 
 
 def build_status(observed: Observed, previous: dict[str, Any], now: str) -> dict[str, Any]:

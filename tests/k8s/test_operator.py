@@ -121,6 +121,7 @@ OPERATOR_CALLS = [
     ("patch", "servingdeployments.splitserve.io/status", "ns"),
     *[(v, "servingpools.splitserve.io", "ns") for v in ("get", "create", "patch")],
     ("patch", "servingpools.splitserve.io/status", "ns"),
+    *[(v, "servingpools.splitserve.io/scale", "ns") for v in ("get", "patch")],    # spec.autoscaling
     *[(v, "leases.coordination.k8s.io", "ns") for v in ("get", "create", "update")],
     ("list", "nodes", "all"), ("watch", "nodes", "all"),
     ("list", "pods", "all"),      # free GPUs per node count the pods of every namespace

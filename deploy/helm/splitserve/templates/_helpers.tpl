@@ -131,4 +131,8 @@ prometheus.io/path: /metrics
 - apiGroups: [splitserve.io]
   resources: [servingpools/status]
   verbs: [get, patch, update]
+# spec.autoscaling: the planner's counts go through each pool's scale subresource.
+- apiGroups: [splitserve.io]
+  resources: [servingpools/scale]
+  verbs: [get, patch]
 {{- end -}}
