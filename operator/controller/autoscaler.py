@@ -15,7 +15,8 @@ For each ServingDeployment with `spec.autoscaling.enabled`, every `intervalSecon
    user who scaled in between wins; the planner reads the new count next interval). The
    reconciler then copies the count into the ServingDeployment and creates groups, or drains
    the ones it removes (no request lost), as for `kubectl scale`;
-5. record the decision: a log line with `decision.explain()`; an Event `AutoscaleDecision` on
+5. record the decision: a log line with `decision.explain()`; the `splitserve_planner_*` metrics
+   (planner/decision_metrics.py; `splitserve operator --metrics-port`); an Event `AutoscaleDecision` on
    the ServingDeployment whose message is `explain()` (a decision with the same counts and
    bindings as the previous one bumps that Event's count, as client-go's recorder aggregates);
    `status.autoscaling` (chosen counts, each pool's binding constraint, the predicted and
@@ -207,6 +208,19 @@ class PoolScale:
     resource_version: str | None
 
 
+_METRICS = None
+
+
+def decision_metrics():
+    """The process's planner metrics (default registry; `splitserve operator --metrics-port` serves them)."""
+    global _METRICS
+    if _METRICS is None:
+        from splitserve.services.planner.decision_metrics import DecisionMetrics
+
+        _METRICS = DecisionMetrics()
+    return _METRICS
+
+
 class Autoscaler:
     """Runs beside the reconcile loop (loop.OperatorLoop starts it) as one asyncio task."""
 
@@ -319,6 +333,7 @@ class Autoscaler:
         state.planner = state.planner.with_profile(state.planner.profile.refine(observations_from_sample(sample)))
         self.num_decisions += 1
         log.info("autoscale %s/%s: %s", owner.namespace, owner.name, decision.explain())
+        decision_metrics().record(f"{owner.namespace}/{owner.name}", decision)
         scaled = []
         for patch in scale_patches(owner.name, decision, {p: s.replicas for p, s in scales.items()}):
             outcome = await self.apply(owner, patch)

@@ -228,6 +228,13 @@ def cmd_operator(args: argparse.Namespace) -> int:
         health_port=args.health_port, etcd_tls_secret=args.etcd_tls_secret)
     if os.environ.get("SPLITSERVE_LOG_LEVEL") and args.log_level == "WARNING":   # the chart's, unless a flag
         logging.getLogger().setLevel(os.environ["SPLITSERVE_LOG_LEVEL"].upper())
+    if args.metrics_port is not None:
+        from prometheus_client import start_http_server
+
+        from splitserve.operator.autoscaler import decision_metrics
+
+        decision_metrics()           # registered before the first scrape
+        start_http_server(args.metrics_port, "0.0.0.0")
     return run_operator(options)
 
 

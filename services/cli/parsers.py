@@ -110,6 +110,9 @@ def _add_operator_parser(sub) -> None:
     p.add_argument("--health-port", type=int, default=None, metavar="PORT",
                    help="serve kopf's liveness endpoint /healthz on 0.0.0.0:PORT (default: "
                         "$SPLITSERVE_HEALTH_PORT; unset: none)")
+    p.add_argument("--metrics-port", type=int, default=None, metavar="PORT",
+                   help="serve Prometheus metrics on 0.0.0.0:PORT/metrics: the SLO planner's decisions "
+                        "(splitserve_planner_*, spec.autoscaling) (default: none)")
     p.set_defaults(func=commands.cmd_operator)
 
 
@@ -314,6 +317,10 @@ def _add_autoscale_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--autoscale-cooldown", type=float, default=None, metavar="S",
                    help=f"with --autoscale: a pool shrinks only this long after its last change, and only when "
                         f"every interval of that window says it can (default: {d['autoscale_cooldown']:g})")
+    g.add_argument("--autoscale-metrics-port", type=int, default=None, metavar="PORT",
+                   help="with --autoscale: serve each decision as Prometheus metrics (splitserve_planner_*: counts "
+                        "chosen and needed, the binding constraint, predicted and observed load) on "
+                        "127.0.0.1:PORT/metrics (0: any free port; default: off)")
 
 
 def _add_serve_parser(sub) -> None:

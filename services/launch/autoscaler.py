@@ -122,6 +122,7 @@ class Autoscaler:
         self.history: deque[MetricsSample] = deque(maxlen=math.ceil(span / settings.interval_s) + 4)
         self.last_decision: Decision | None = None
         self.last_reading: Reading | None = None
+        self.metrics = None                          # planner/decision_metrics.DecisionMetrics, with --autoscale-metrics-port
         self._next_index = {role: max((w.index for w in workers if w.role == role), default=-1) + 1
                             for role in ROLE_OF_POOL.values()}
         self._stop = threading.Event()
@@ -193,6 +194,8 @@ class Autoscaler:
         decision = self.planner.decide(list(self.history), sample)
         self.last_decision = decision
         self.say(f"autoscale: {decision.explain()}")
+        if self.metrics is not None:
+            self.metrics.record("serve", decision)
         if decision.changed:
             self.apply(decision)
         self.planner = self.planner.with_profile(self.planner.profile.refine(observations_from_sample(sample)))

@@ -140,6 +140,14 @@ def _start_autoscaler(sup: Supervisor, args: argparse.Namespace, settings, pytho
     autoscaler = Autoscaler(sup, say, settings, args.aggregated, result.profile,
                             launcher_for(sup, args, python, model, slot_cores, kv_store, etcd.endpoint),
                             scaled, frontend_urls, tls)
+    if args.autoscale_metrics_port is not None:
+        from prometheus_client import start_http_server
+
+        from splitserve.services.planner.decision_metrics import DecisionMetrics
+
+        server, _ = start_http_server(args.autoscale_metrics_port, "127.0.0.1")
+        autoscaler.metrics = DecisionMetrics()
+        say(f"  autoscale: decisions as metrics on http://127.0.0.1:{server.server_port}/metrics")
     say(f"  autoscale: 1 to {settings.max_workers} workers for TTFT p90 {settings.ttft_p90_s * 1e3:g} ms and "
         f"ITL p90 {settings.itl_p90_s * 1e3:g} ms, every {settings.interval_s:g} s, cool-down "
         f"{settings.cooldown_s:g} s")
@@ -149,6 +157,8 @@ def _start_autoscaler(sup: Supervisor, args: argparse.Namespace, settings, pytho
 def run_serve(args: argparse.Namespace) -> int:
     plan = plan_workers(args)
     autoscale = autoscale_settings(args, plan)
+    if autoscale is None and args.autoscale_metrics_port is not None:
+        raise SplitserveError("--autoscale-metrics-port needs --autoscale")
     slots = worker_slots(plan, autoscale.max_workers) if autoscale else plan
     slot_cores = worker_cores(args, slots)
     cores = slot_cores[:len(plan)]

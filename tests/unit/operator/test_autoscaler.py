@@ -8,6 +8,7 @@ import copy
 from dataclasses import replace
 
 import pytest
+from prometheus_client import REGISTRY
 
 from splitserve.operator.autoscaler import (EVENT_REASON, FAILED_REASON, Autoscaler, AutoscaleTarget,
                                             DeploymentState, ScalePatch, autoscaling_status, capacity_profile,
@@ -253,6 +254,10 @@ def test_an_interval_applies_the_decision_through_the_scale_subresource_and_reco
     assert len(events) == 2 and events[1]["message"] == up.explain() and "1P+1D -> 1P+3D" in events[1]["message"]
     status = kube.status["autoscaling"]
     assert status["replicas"] == "1P+3D" and status["decode"]["binding"] == "itl" and "lastScaleTime" in status
+    # ... and the metrics `splitserve operator --metrics-port` serves.
+    sample = REGISTRY.get_sample_value
+    assert sample("splitserve_planner_replicas", {"deployment": f"{NS}/{NAME}", "pool": "decode"}) == 3
+    assert sample("splitserve_planner_binding", {"deployment": f"{NS}/{NAME}", "pool": "decode", "binding": "itl"}) == 1
 
     held = run(autoscaler.interval(OWNER, spec(), state))    # reads 3 back from the ServingPool
     assert held.current == ReplicaCounts.of_pools(1, 3) and not held.changed
