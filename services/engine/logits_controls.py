@@ -212,7 +212,10 @@ def _penalized(logits: torch.Tensor, rows: list[int], params: list[SamplingParam
     flat = torch.from_numpy(row_ids * vocab + cols).to(logits.device)
     values = logits.reshape(-1).index_select(0, flat)
     repetition = per_pair("repetition_penalty").to(values)
-    values = torch.where(values > 0, values / repetition, values * repetition)
+    # A penalty as small as 5e-324 is valid (> 0) but 0 in float32: a division would give inf (and
+    # the sampler's softmax NaN), a masked -inf times 0 NaN. Keep the largest finite value, and -inf.
+    divided = (values / repetition).clamp(max=torch.finfo(values.dtype).max)
+    values = torch.where(values > 0, divided, torch.where(values.isneginf(), values, values * repetition))
     output = torch.from_numpy(occurrences).to(values)
     values = values - per_pair("frequency_penalty").to(values) * output
     values = values - per_pair("presence_penalty").to(values) * (output > 0).to(values.dtype)

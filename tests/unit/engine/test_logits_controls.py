@@ -100,6 +100,17 @@ def test_sampled_rows_draw_from_controlled_distribution():
     assert {sample(logits, [params], [g], [TokenHistory([], 0, 0)])[0].token_id for g in gens} == {2}
 
 
+def test_a_vanishing_repetition_penalty_keeps_logits_finite_and_sampling_alive():
+    """5e-324 is > 0 (accepted) but 0 in float32: the seen token's positive logit would be inf
+    and the softmax NaN, which failed the engine step (found by the schema fuzzer)."""
+    logits = torch.tensor([[1.0, 2.0, -1.0, 0.5]])
+    params = SamplingParams(temperature=1.0, repetition_penalty=5e-324)
+    controlled = apply_logits_controls(logits, [params], [TokenHistory([1, 2], 0, 0)], set())
+    assert torch.isfinite(controlled).all() and controlled[0, 1] == torch.finfo(torch.float32).max
+    gens = [torch.Generator().manual_seed(s) for s in range(10)]
+    assert {sample(logits, [params], [g], [TokenHistory([1, 2], 0, 0)])[0].token_id for g in gens} == {1}
+
+
 @pytest.mark.parametrize("change", [
     dict(presence_penalty=2.5), dict(frequency_penalty=-2.01), dict(repetition_penalty=0.0),
     dict(min_tokens=17), dict(min_tokens=-1), dict(logit_bias={-1: 1.0}), dict(logit_bias={3: float("nan")}),
