@@ -394,7 +394,8 @@ def _add_kvstore_parser(sub) -> None:
     p.add_argument("--host", default="127.0.0.1", help="listen address (default: %(default)s)")
     p.add_argument("--port", type=int, default=0, help="gRPC port (default: 0, any free port)")
     p.add_argument("--advertise-host", default=None, metavar="HOST",
-                   help="the address workers reach this store's TCP transfers at (default: --host)")
+                   help="the address workers reach this store at: registered in etcd, and given for TCP "
+                        "transfers (default: --host; required with --etcd when --host is a wildcard)")
     p.add_argument("--transfer", choices=["auto", "nixl", "tcp"], default="auto",
                    help="KV transfer backend; the workers' must match (auto: whatever the first worker "
                         "uses; default: %(default)s)")
