@@ -36,7 +36,7 @@ def store_stats(address: str) -> kvstore_pb2.StoreStatsResponse:
         return kvstore_pb2_grpc.KVStoreStub(channel).Stats(kvstore_pb2.StoreStatsRequest(), timeout=5)
 
 
-def wait_held(address: str, blocks: int, timeout_s: float = 20.0) -> kvstore_pb2.StoreStatsResponse:
+def wait_held(address: str, blocks: int, timeout_s: float = 60.0) -> kvstore_pb2.StoreStatsResponse:
     """Publishing happens behind the engine: poll until the store holds `blocks`."""
     deadline = time.monotonic() + timeout_s
     while True:
@@ -116,15 +116,24 @@ def test_a_store_killed_mid_fetch_costs_a_recompute_not_a_token(llama_dir):
         assert s2.num_prompt_tokens_computed == len(PROMPTS["A"]) and tier_hits(w2) == {"store": 0}
 
         # The store comes back empty on the same port. w1's next publish finds it does not know
-        # w1, attaches again and publishes; w2 attaches again once its back-off (1 s) is over.
+        # w1, attaches again and publishes. w2 attaches again on a lookup once its back-off (1 s,
+        # longer after more failures) is over: poke it with short prompts until the store has seen
+        # both. (w2 itself has measured this tiny model's prefill by now, and its fetch rule rightly
+        # recomputes 5 blocks rather than fetch them; a worker that has measured nothing fetches.)
         cluster.start_kvstore(STORE_GIB, "--transfer", "tcp", port=port)
         want_c = run(w1, "C", "c1")
         assert wait_held(store, 5).blocks_held == 5
-        time.sleep(1.5)
-        assert run(w2, "C", "c2") == want_c
-        assert tier_hits(w2)["store"] == 5
+        deadline, poke = time.monotonic() + 60, 0
+        while store_stats(store).counters["attached"] < 2:
+            assert time.monotonic() < deadline, cluster.outputs()[-3000:]
+            poke += 1
+            asyncio.run(generate(w2, f"poke-{poke}", [7 + poke] * (BLOCK + 1), 1))
+            time.sleep(0.5)
         assert run(w2, "B", "b2") == want_b              # the old store's blocks are gone: computed
-        assert worker_stats(w2).num_prompt_tokens_computed == 2 * len(PROMPTS["A"]) + 3
+        assert worker_stats(w2).num_prompt_tokens_computed == 2 * len(PROMPTS["A"]) + poke * (BLOCK + 1)
+        w3 = cluster.start_worker("w3", "both", "--kv-store", store, "--transfer", "tcp")
+        w3.wait_ready()
+        assert run(w3.address, "C", "c3") == want_c and tier_hits(w3.address) == {"store": 5}
     finally:
         cluster.close(grace_s=30.0)
     assert not cluster.killed, cluster.outputs()[-6000:]
