@@ -126,11 +126,7 @@ class Supervisor:
                 if child.process.poll() is None and now - child.retired_at >= RETIRE_KILL_S:
                     self.say(f"splitserve: {child.name} still running {RETIRE_KILL_S:.0f} s after its drain "
                              f"began; killing it")
-                    try:
-                        os.kill(child.process.pid, signal.SIGKILL)
-                    except ProcessLookupError:
-                        pass
-                    child.process.wait()
+                    _kill(child)
                 if child.process.poll() is not None:
                     self.retired.remove(child)
                     gone.append(child)
@@ -208,11 +204,7 @@ class Supervisor:
         if child.canary_failures >= CANARY_FAILURES:
             self.say(f"splitserve: {child.name} failed {child.canary_failures} health checks in a row; "
                      f"killing it")
-            try:
-                os.kill(child.process.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            child.process.wait()
+            _kill(child)
             child.canary_failures = 0
             self._schedule_restart(child, time.monotonic(), "was killed after failing its health checks")
 
@@ -247,3 +239,12 @@ class Supervisor:
             os.killpg(self.pgid, sig)
         except ProcessLookupError:
             pass
+
+
+def _kill(child: Child) -> None:
+    """SIGKILL one child process (not its group) and reap it."""
+    try:
+        os.kill(child.process.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    child.process.wait()

@@ -69,7 +69,7 @@ def engine_layout(engine: LLMEngine) -> KVLayout:
                     block_size=cfg.block_size)
 
 
-def _connector_kwargs(backend: str, host: str, token: bytes, advertise_host: str | None = None) -> dict:
+def connector_kwargs(backend: str, host: str, token: bytes, advertise_host: str | None = None) -> dict:
     """NIXL picks its own addresses; TCP listens on `host` and tells peers `advertise_host`."""
     return {"token": token, **({"host": host, "advertise_host": advertise_host} if backend == "tcp" else {})}
 
@@ -80,7 +80,7 @@ def build_connector(backend: str, name: str, engine: LLMEngine, host: str, token
     `advertise_host`); peers must prove `token` (kvtransfer/auth.py)."""
     layout = engine_layout(engine).with_tp(0, engine.config.tensor_parallel_size)
     connector = make_connector(backend, tp_fanout.rank_agent_name(name, 0), layout,
-                               **_connector_kwargs(backend, host, token, advertise_host))
+                               **connector_kwargs(backend, host, token, advertise_host))
     try:
         connector.register(engine.runner.kv.tensor)
     except BaseException:
@@ -99,7 +99,7 @@ def build_connector_transfer(backend: str, name: str, engine: LLMEngine, host: s
     control = engine.tp.control
     try:
         metas = control.call_all(tp_fanout.setup, backend, name, engine_layout(engine),
-                                 _connector_kwargs(backend, host, token, advertise_host), bs,
+                                 connector_kwargs(backend, host, token, advertise_host), bs,
                                  timeout_s=SETUP_TIMEOUT_S)
     except BaseException:
         control.post_all(tp_fanout.close)

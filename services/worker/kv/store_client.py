@@ -44,7 +44,7 @@ from splitserve.services.engine.engine import LLMEngine
 from splitserve.services.engine.kv_tiers.block_codec import block_crc
 from splitserve.services.engine.sequence import LayerReady
 
-from splitserve.services.worker.kv.connector_transfer import engine_layout
+from splitserve.services.worker.kv.connector_transfer import connector_kwargs, engine_layout
 from splitserve.services.worker.kv.rank_transfer import RankTransfer
 from splitserve.services.worker.kv.transfer import GRANT_GRACE_S, TransferEndpoint, TransferGrant, TransferTarget
 from splitserve.tls import PLAINTEXT, TlsConfig
@@ -75,7 +75,7 @@ class StoreClient:
         layout = engine_layout(engine)
         self.block_size = layout.block_size
         self.num_layers = layout.num_layers
-        kwargs = {"token": token, **({"host": host, "advertise_host": advertise_host} if backend == "tcp" else {})}
+        kwargs = connector_kwargs(backend, host, token, advertise_host)
         staging_blocks = max(8, staging_bytes // (2 * layout.num_layers * layout.block_bytes))
         connector = make_connector(backend, self.name, layout, **kwargs)
         try:
