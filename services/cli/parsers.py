@@ -317,6 +317,11 @@ def _add_autoscale_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--autoscale-cooldown", type=float, default=None, metavar="S",
                    help=f"with --autoscale: a pool shrinks only this long after its last change, and only when "
                         f"every interval of that window says it can (default: {d['autoscale_cooldown']:g})")
+    g.add_argument("--autoscale-mode", choices=("auto", "fixed"), default=None,
+                   help="with --autoscale: `auto` lets the planner switch between aggregated and disaggregated "
+                        "serving when the other mode meets the SLO with fewer workers (it replaces the workers one "
+                        "place at a time, no request lost); `fixed` keeps the mode serve starts in "
+                        f"(default: {d['autoscale_mode']})")
     g.add_argument("--autoscale-metrics-port", type=int, default=None, metavar="PORT",
                    help="with --autoscale: serve each decision as Prometheus metrics (splitserve_planner_*: counts "
                         "chosen and needed, the binding constraint, predicted and observed load) on "

@@ -238,6 +238,8 @@ class Frontend:
         faults = self.metrics.faults
         status, failure = m.STATUS_ERROR, "error"
         self.metrics.in_flight.inc()
+        self.metrics.admitted.inc()
+        self.metrics.admitted_prompt_tokens.inc(len(req.prompt_ids))
         self.num_in_flight += 1
         try:
             while True:

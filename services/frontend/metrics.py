@@ -39,6 +39,12 @@ class FrontendMetrics:
                                registry=r)
         self.prompt_tokens = Counter("splitserve_prompt_tokens", "Prompt tokens of served requests",
                                      registry=r)
+        # Counted when a request is admitted, not when it ends: the planner sees a change in the
+        # mix (longer prompts) while those requests still wait, not a TTFT later.
+        self.admitted = Counter("splitserve_admitted_requests", "Requests admitted (validated, about to be routed)",
+                                registry=r)
+        self.admitted_prompt_tokens = Counter("splitserve_admitted_prompt_tokens",
+                                              "Prompt tokens of admitted requests", registry=r)
         self.generation_tokens = Counter("splitserve_generation_tokens", "Tokens generated",
                                          registry=r)
         self.faults = FaultMetrics(r)     # migrations, cancellations, failures (fault_metrics.py)

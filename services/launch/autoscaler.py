@@ -28,8 +28,16 @@ registers itself once SERVING, and the frontends route to it from then on; a dra
 is NOT_SERVING at once (the frontends' health watches stop routing new requests to it),
 finishes its running requests, then deregisters and exits, and the frontends drop it.
 
-Mode: the planner is fixed to the mode serve started in (--aggregated or not); switching
-between aggregated and disaggregated would replace every worker, which this does not do.
+Mode (`--autoscale-mode`): `auto` lets the planner switch between aggregated and
+disaggregated serving (it does when the other mode meets the SLO where this one cannot, or
+needs fewer workers, over a whole cool-down window: planner.py); `fixed` keeps the mode serve
+started in. A switch replaces the workers one place at a time, never leaving the frontends
+without a worker that can decode (`_converge`, every HOUSEKEEPING_S): the new mode's workers
+start in free places; while places are missing, an old-mode worker drains to free one (a
+prefill worker first; one that decodes only while another decode-capable worker serves);
+once every new-mode worker serves, the old-mode ones left drain. Meanwhile the frontends
+route over both kinds (a decode or aggregated worker routed a prefill peer it cannot use
+prefills locally), and the planner's samples count only the new mode's workers.
 Pools: 1 to --max-workers workers (disaggregated: each pool 1 to --max-workers - 1, both
 within --max-workers). A worker needs a free place (plan.worker_slots): a draining worker
 holds its place (its cores) until it exits.
@@ -59,7 +67,8 @@ from splitserve.services.launch.plan import AutoscaleSettings
 from splitserve.services.launch.probes import worker_serving
 from splitserve.services.launch.supervisor import Child, Supervisor
 from splitserve.services.planner import (CapacityProfile, Decision, MetricsSample, Planner, PlannerConfig,
-                                         PlannerMode, PoolBounds, SloTargets, observations_from_sample)
+                                         PlannerMode, PoolBounds, ReplicaCounts, SloTargets,
+                                         observations_from_sample)
 from splitserve.tls import PLAINTEXT, TlsConfig
 
 HOUSEKEEPING_S = 0.5
@@ -69,13 +78,17 @@ STARTING, SERVING, DRAINING = "starting", "serving", "draining"
 
 
 def planner_config(settings: AutoscaleSettings, aggregated: bool) -> PlannerConfig:
-    """The planner's config for local workers: the mode serve runs in, 1..max workers a pool."""
+    """The planner's config for local workers: 1..max workers a pool; the mode serve runs in
+    (`--autoscale-mode fixed`, or one place only) or either (`auto`)."""
     m = settings.max_workers
+    if settings.switch_modes and m >= 2:
+        mode = PlannerMode.AUTO
+    else:
+        mode = PlannerMode.AGGREGATED if aggregated else PlannerMode.DISAGGREGATED
     return PlannerConfig(
         SloTargets(settings.ttft_p90_s, settings.itl_p90_s),
         prefill=PoolBounds(1, max(1, m - 1)), decode=PoolBounds(1, max(1, m - 1)), aggregated=PoolBounds(1, m),
-        max_workers=m, mode=PlannerMode.AGGREGATED if aggregated else PlannerMode.DISAGGREGATED,
-        cooldown_s=settings.cooldown_s, window_s=max(60.0, 3 * settings.interval_s))
+        max_workers=m, mode=mode, cooldown_s=settings.cooldown_s, window_s=max(60.0, 3 * settings.interval_s))
 
 
 @dataclass(slots=True)
@@ -122,6 +135,7 @@ class Autoscaler:
         self.history: deque[MetricsSample] = deque(maxlen=math.ceil(span / settings.interval_s) + 4)
         self.last_decision: Decision | None = None
         self.last_reading: Reading | None = None
+        self.target: ReplicaCounts | None = None      # the counts the latest decision asked for
         self.metrics = None                          # planner/decision_metrics.DecisionMetrics, with --autoscale-metrics-port
         self._next_index = {role: max((w.index for w in workers if w.role == role), default=-1) + 1
                             for role in ROLE_OF_POOL.values()}
@@ -155,7 +169,7 @@ class Autoscaler:
     # -- between intervals -------------------------------------------------------------
     def housekeeping(self, now: float | None = None) -> None:
         """Started workers that turned SERVING (or never do: stopped after the supervisor's start
-        timeout, --ready-timeout), drained workers that exited."""
+        timeout, --ready-timeout), drained workers that exited, a mode switch's next step."""
         for w in [w for w in self.workers if w.state == STARTING]:
             if worker_serving(w.address, self.tls):
                 t = time.monotonic() if now is None else now
@@ -174,6 +188,7 @@ class Autoscaler:
             took = (time.monotonic() if now is None else now) - w.changed_at
             self.say(f"autoscale: {w.name} drained and stopped after {took:.1f} s "
                      f"(exit code {w.child.process.returncode})")
+        self._converge()
 
     # -- every interval ----------------------------------------------------------------
     def asked(self):
@@ -193,6 +208,7 @@ class Autoscaler:
             return None
         decision = self.planner.decide(list(self.history), sample)
         self.last_decision = decision
+        self.target = decision.replicas
         self.say(f"autoscale: {decision.explain()}")
         if self.metrics is not None:
             self.metrics.record("serve", decision)
@@ -214,7 +230,8 @@ class Autoscaler:
             self._scrape_failing = True
             return None
         self._scrape_failing = False
-        if any(now.ended < before.ended for now, before in zip(each, self._frontends)):
+        if any(now.ended < before.ended or (now.admitted or 0) < (before.admitted or 0)
+               for now, before in zip(each, self._frontends)):
             self.builder.previous = None     # a frontend restarted: its counters are summed with the others'
         self._frontends = each
         frontend = FrontendCounters.total(each)
@@ -236,16 +253,79 @@ class Autoscaler:
 
     # -- applying a decision -----------------------------------------------------------
     def apply(self, decision: Decision) -> None:
+        self.target = decision.replicas
+        aggregated = not decision.replicas.disaggregated
+        if aggregated != self.aggregated:
+            self.aggregated = aggregated
+            old = sum(w.state != DRAINING for w in self.workers)
+            self.say(f"autoscale: switching to {'aggregated' if aggregated else 'disaggregated'} serving: "
+                     f"{old} worker(s) replaced one place at a time, no request lost")
         asked = self.asked()
-        pools = ("aggregated",) if self.aggregated else ("prefill", "decode")
-        for pool in pools:              # shrink first: a draining worker's place frees sooner
+        for pool in self._pools():      # shrink first: a draining worker's place frees sooner
             surplus = asked.count(pool) - decision.replicas.count(pool)
             if surplus > 0:
                 self._drain(ROLE_OF_POOL[pool], surplus)
-        for pool in pools:
-            missing = decision.replicas.count(pool) - asked.count(pool)
-            for _ in range(max(0, missing)):
-                self._start(ROLE_OF_POOL[pool])
+        switching = bool(self._foreign())
+        for role in self._missing_roles():
+            if switching and len(self.workers) >= len(self.launcher.slot_cores):
+                break                   # _converge frees places, one old-mode worker at a time
+            self._start(role)
+        self._converge()
+
+    def _foreign(self) -> list[ScaledWorker]:
+        """Workers of the mode a switch left, not draining yet."""
+        roles = {ROLE_OF_POOL[p] for p in self._pools()}
+        return [w for w in self.workers if w.state != DRAINING and w.role not in roles]
+
+    def _pools(self) -> tuple[str, ...]:
+        return ("aggregated",) if self.aggregated else ("decode", "prefill")
+
+    def _missing_roles(self) -> list[str]:
+        """The roles of the workers the target still lacks, decode-capable ones first."""
+        if self.target is None:
+            return []
+        asked = self.asked()
+        return [ROLE_OF_POOL[pool] for pool in self._pools()
+                for _ in range(max(0, self.target.count(pool) - asked.count(pool)))]
+
+    def _converge(self) -> None:
+        """Start what the target lacks where places are free (a start an interval deferred, a mode
+        switch's next worker); in a switch (module header), drain an old-mode worker while places
+        are still missing, and the rest once the new mode's workers serve."""
+        missing = self._missing_roles()
+        free = len(self.launcher.slot_cores) - len(self.workers)
+        for role in missing[:max(0, free)]:     # also a start an earlier interval found no place for
+            self._start(role)
+        missing = missing[max(0, free):]
+        foreign = self._foreign()
+        if not foreign:
+            return
+        roles = {ROLE_OF_POOL[p] for p in self._pools()}
+        if missing and not any(w.state == DRAINING for w in self.workers):    # one place at a time
+            pick = self._foreign_to_drain(foreign)
+            if pick is not None:
+                self._retire(pick, "to free a place for the new mode's workers")
+        elif not missing and all(w.state == SERVING for w in self.workers if w.role in roles and w.state != DRAINING):
+            for w in foreign:
+                self._retire(w, "the new mode's workers serve")
+
+    def _foreign_to_drain(self, foreign: list[ScaledWorker]) -> ScaledWorker | None:
+        """An old-mode prefill worker, else one that decodes while another decode-capable worker serves."""
+        prefill = [w for w in foreign if w.role == "prefill"]
+        if prefill:
+            return prefill[-1]
+        decoding = [w for w in self.workers if w.state == SERVING and w.role != "prefill"]
+        for w in reversed(foreign):
+            if any(x is not w for x in decoding):
+                return w
+        return None
+
+    def _retire(self, w: ScaledWorker, why: str) -> None:
+        what = "stopping it (it was still starting)" if w.state == STARTING else \
+            "draining it: no new requests, running ones finish"
+        w.state, w.changed_at = DRAINING, time.monotonic()
+        self.sup.retire(w.child)
+        self.say(f"autoscale: {w.name} ({w.role}) leaves, {why}; {what}")
 
     def _start(self, role: str) -> ScaledWorker | None:
         taken = {w.slot for w in self.workers}
@@ -270,12 +350,7 @@ class Autoscaler:
                                      load[w.name].kv_usage if w.name in load else 0.0)
                       for w in self.workers if w.role == role and w.state != DRAINING]
         for pick in choose_several(candidates, count):
-            w = next(x for x in self.workers if x.name == pick.name)
-            what = "stopping it (it was still starting)" if w.state == STARTING else \
-                "draining it: no new requests, running ones finish"
-            w.state, w.changed_at = DRAINING, time.monotonic()
-            self.sup.retire(w.child)
-            self.say(f"autoscale: {w.name} leaves ({pick.load} requests on it); {what}")
+            self._retire(next(x for x in self.workers if x.name == pick.name), f"{pick.load} requests on it")
 
 
 def _get(url: str) -> str:

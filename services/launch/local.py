@@ -150,7 +150,7 @@ def _start_autoscaler(sup: Supervisor, args: argparse.Namespace, settings, pytho
         say(f"  autoscale: decisions as metrics on http://127.0.0.1:{server.server_port}/metrics")
     say(f"  autoscale: 1 to {settings.max_workers} workers for TTFT p90 {settings.ttft_p90_s * 1e3:g} ms and "
         f"ITL p90 {settings.itl_p90_s * 1e3:g} ms, every {settings.interval_s:g} s, cool-down "
-        f"{settings.cooldown_s:g} s")
+        f"{settings.cooldown_s:g} s; mode {autoscaler.planner.config.mode.value}")
     return autoscaler
 
 

@@ -88,9 +88,10 @@ def resolve_model(name: str, say=lambda line: None) -> str:
 
 AUTOSCALE_FLAGS = {"max_workers": "--max-workers", "slo_ttft_p90_ms": "--slo-ttft-p90-ms",
                    "slo_itl_p90_ms": "--slo-itl-p90-ms", "autoscale_interval": "--autoscale-interval",
-                   "autoscale_cooldown": "--autoscale-cooldown"}
+                   "autoscale_cooldown": "--autoscale-cooldown", "autoscale_mode": "--autoscale-mode"}
 AUTOSCALE_DEFAULTS = {"max_workers": 4, "slo_ttft_p90_ms": 1000.0, "slo_itl_p90_ms": 100.0,
-                      "autoscale_interval": 10.0, "autoscale_cooldown": 120.0}
+                      "autoscale_interval": 10.0, "autoscale_cooldown": 120.0, "autoscale_mode": "auto"}
+AUTOSCALE_MODES = ("auto", "fixed")
 
 
 @dataclass(slots=True, frozen=True)
@@ -100,6 +101,7 @@ class AutoscaleSettings:
     itl_p90_s: float
     interval_s: float
     cooldown_s: float
+    switch_modes: bool = True       # --autoscale-mode auto: the planner may switch aggregated <-> disaggregated
 
 
 def autoscale_settings(args: argparse.Namespace, plan: list[PlannedWorker]) -> AutoscaleSettings | None:
@@ -123,8 +125,11 @@ def autoscale_settings(args: argparse.Namespace, plan: list[PlannedWorker]) -> A
         raise SplitserveError("--slo-ttft-p90-ms and --slo-itl-p90-ms must be > 0")
     if v["autoscale_interval"] <= 0 or v["autoscale_cooldown"] < 0:
         raise SplitserveError("--autoscale-interval must be > 0 and --autoscale-cooldown >= 0")
+    if v["autoscale_mode"] not in AUTOSCALE_MODES:
+        raise SplitserveError(f"--autoscale-mode must be one of {', '.join(AUTOSCALE_MODES)}")
     return AutoscaleSettings(int(v["max_workers"]), v["slo_ttft_p90_ms"] / 1e3, v["slo_itl_p90_ms"] / 1e3,
-                             float(v["autoscale_interval"]), float(v["autoscale_cooldown"]))
+                             float(v["autoscale_interval"]), float(v["autoscale_cooldown"]),
+                             v["autoscale_mode"] == "auto")
 
 
 def worker_slots(plan: list[PlannedWorker], max_workers: int) -> list[PlannedWorker]:

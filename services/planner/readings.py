@@ -6,13 +6,15 @@ Readings (`Reading`): every frontend's Prometheus exposition summed (`FrontendCo
 and each worker's Stats (`WorkerCounters`), taken at one time. `SampleBuilder.sample(reading,
 replicas)` turns the difference between this reading and the previous one into a sample:
 
-- arrivals = delta(requests ended, splitserve_requests_total over every api and status)
-             + delta(splitserve_requests_in_flight): a request that arrived in the interval has
-             either ended or is still in flight. Clamped at 0.
-- prompt_tokens_mean = delta(splitserve_prompt_tokens_total) / delta(requests ended "ok")
-  (the frontend counts a prompt when its request succeeds); output_tokens_mean =
-  delta(splitserve_generation_tokens_total) / delta(requests ended). An interval in which
-  no request ended keeps the last means seen.
+- arrivals = delta(splitserve_admitted_requests_total), and prompt_tokens_mean =
+  delta(splitserve_admitted_prompt_tokens_total) / arrivals: the frontend counts both when it
+  admits a request, so a longer prompt mix shows in the interval it arrives, while those
+  prompts still wait (not a TTFT later, when they end).
+  Frontends without those counters (an older version): arrivals = delta(requests ended) +
+  delta(splitserve_requests_in_flight), clamped at 0, and prompt_tokens_mean =
+  delta(splitserve_prompt_tokens_total) / delta(requests ended "ok").
+- output_tokens_mean = delta(splitserve_generation_tokens_total) / delta(requests ended).
+  An interval in which nothing arrived (nothing ended) keeps the last prompt (output) mean.
 - prompt_tokens_p90 = prompt_tokens_mean: the frontend has no histogram of prompt lengths
   (the predictor takes the largest p90 of its window, so a long-prompt phase still shows).
 - ttft_p90_s, itl_p90_s: the 0.9 quantile of the interval's histogram (bucket counts of this
@@ -56,6 +58,8 @@ class FrontendCounters:
     ended: float = 0.0                 # requests that ended, any status
     ended_ok: float = 0.0
     in_flight: float = 0.0
+    admitted: float | None = None      # None: a frontend without the admission counters
+    admitted_prompt_tokens: float = 0.0
     prompt_tokens: float = 0.0
     generation_tokens: float = 0.0
     ttft_buckets: tuple[tuple[float, float], ...] = ()    # (upper bound, cumulative count), +Inf last
@@ -79,22 +83,30 @@ class FrontendCounters:
                 else:
                     values[s.name] = s.value
         return cls(ended=ended, ended_ok=ended_ok, in_flight=values.get("splitserve_requests_in_flight", 0.0),
+                   admitted=values.get("splitserve_admitted_requests_total"),
+                   admitted_prompt_tokens=values.get("splitserve_admitted_prompt_tokens_total", 0.0),
                    prompt_tokens=values.get("splitserve_prompt_tokens_total", 0.0),
                    generation_tokens=values.get("splitserve_generation_tokens_total", 0.0),
                    ttft_buckets=tuple(sorted(buckets[TTFT_HISTOGRAM].items())),
                    itl_buckets=tuple(sorted(buckets[ITL_HISTOGRAM].items())))
 
     def __add__(self, other: FrontendCounters) -> FrontendCounters:
+        admitted = None if self.admitted is None or other.admitted is None else self.admitted + other.admitted
         return FrontendCounters(self.ended + other.ended, self.ended_ok + other.ended_ok,
-                                self.in_flight + other.in_flight, self.prompt_tokens + other.prompt_tokens,
+                                self.in_flight + other.in_flight, admitted,
+                                self.admitted_prompt_tokens + other.admitted_prompt_tokens,
+                                self.prompt_tokens + other.prompt_tokens,
                                 self.generation_tokens + other.generation_tokens,
                                 _add_buckets(self.ttft_buckets, other.ttft_buckets),
                                 _add_buckets(self.itl_buckets, other.itl_buckets))
 
     @classmethod
     def total(cls, readings: Iterable[FrontendCounters]) -> FrontendCounters:
-        out = cls()
-        for r in readings:
+        readings = list(readings)
+        if not readings:
+            return cls()
+        out = readings[0]
+        for r in readings[1:]:
             out = out + r
         return out
 
@@ -195,9 +207,14 @@ class SampleBuilder:
         now, before = reading.frontend, previous.frontend
         ended = _delta(now.ended, before.ended)
         ended_ok = _delta(now.ended_ok, before.ended_ok)
-        arrivals = max(0, round(ended + now.in_flight - before.in_flight))
-        if ended_ok > 0:
-            self.prompt_tokens_mean = _delta(now.prompt_tokens, before.prompt_tokens) / ended_ok
+        if now.admitted is not None and before.admitted is not None:
+            arrivals = round(_delta(now.admitted, before.admitted))
+            if arrivals > 0:
+                self.prompt_tokens_mean = _delta(now.admitted_prompt_tokens, before.admitted_prompt_tokens) / arrivals
+        else:
+            arrivals = max(0, round(ended + now.in_flight - before.in_flight))
+            if ended_ok > 0:
+                self.prompt_tokens_mean = _delta(now.prompt_tokens, before.prompt_tokens) / ended_ok
         if ended > 0:
             self.output_tokens_mean = _delta(now.generation_tokens, before.generation_tokens) / ended
         workers = tuple(self._worker_sample(w, self._last_workers.get(w.worker_id)) for w in reading.workers)

@@ -315,6 +315,10 @@ def test_metrics(server, model_name):
 
     assert during[("splitserve_requests_in_flight", ())] == 1
     assert after[("splitserve_requests_in_flight", ())] == 0
+    # Admission counts (the planner's arrivals and prompt mix) are there while the request runs.
+    admitted = ("splitserve_admitted_requests_total", ())
+    assert during[admitted] - before.get(admitted, 0.0) == 1 and grew(admitted[0]) == 1
+    assert grew("splitserve_admitted_prompt_tokens_total") == len(PROMPT_IDS)
     assert grew("splitserve_time_to_first_token_seconds_count") == 1
     assert grew("splitserve_e2e_request_latency_seconds_count") == 1
     assert 1 <= grew("splitserve_inter_token_latency_seconds_count") <= 299     # a gap per later delta

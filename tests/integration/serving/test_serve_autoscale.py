@@ -10,7 +10,7 @@ is measured on an idle machine: two workers, the frontend and this client share 
 each worker's real capacity under the doubled load is well below its profile. Arrivals are
 evenly spaced (a Poisson process over 2-second intervals would be noise the planner rightly
 reacts to). Every response is counted and checked for its full token count. Aggregated
-mode, at most 2 workers. The machine must be otherwise idle: another process taking a core
+mode, kept (`--autoscale-mode fixed`: this test is about the counts), at most 2 workers. The machine must be otherwise idle: another process taking a core
 leaves two workers no more room than one.
 """
 
@@ -90,7 +90,7 @@ def _profile(output: str) -> CapacityProfile:
 def _rates(profile: CapacityProfile) -> tuple[float, float]:
     """(phase 1, phase 2) request rates: the model needs 1 worker at the first, 2 at the second
     (module header)."""
-    settings = AutoscaleSettings(MAX_WORKERS, TTFT_MS / 1e3, ITL_MS / 1e3, INTERVAL_S, COOLDOWN_S)
+    settings = AutoscaleSettings(MAX_WORKERS, TTFT_MS / 1e3, ITL_MS / 1e3, INTERVAL_S, COOLDOWN_S, switch_modes=False)
     model = SizingModel.of(profile, planner_config(settings, aggregated=True))
 
     def need(rate: float) -> int:
@@ -149,7 +149,7 @@ def test_autoscale_grows_for_a_doubled_load_meets_the_slo_again_and_shrinks_with
     server = start_serve(str(llama_dir), "--autoscale", "--max-workers", str(MAX_WORKERS),
                          "--slo-ttft-p90-ms", str(TTFT_MS), "--slo-itl-p90-ms", str(ITL_MS),
                          "--autoscale-interval", str(INTERVAL_S), "--autoscale-cooldown", str(COOLDOWN_S),
-                         "--router", "round-robin", "--kv-cache-gib", "0.1")
+                         "--autoscale-mode", "fixed", "--router", "round-robin", "--kv-cache-gib", "0.1")
     log = Log(server.proc)
     started_pids: dict[str, int] = {}
     try:
@@ -181,7 +181,7 @@ def test_autoscale_grows_for_a_doubled_load_meets_the_slo_again_and_shrinks_with
     assert ttft_p90 <= TTFT_MS / 1e3, (ttft_p90, r2, output)
     assert itl_p90 <= ITL_MS / 1e3, (itl_p90, output)
     # The quiet period: after the cool-down one worker drains and exits, while streams run.
-    leaves = log.first(r"autoscale: (worker-\d+) leaves \((\d+) requests on it\); draining it", after=t_quiet)
+    leaves = log.first(r"autoscale: (worker-\d+) \(both\) leaves, (\d+) requests on it; draining it", after=t_quiet)
     assert leaves is not None and leaves[0] - t_quiet <= SHRINK_WITHIN_S, output
     assert re.search(r"autoscale: planner: 2A -> 1A aggregated", output), output
     gone = log.first(rf"autoscale: {leaves[1].group(1)} drained and stopped after [\d.]+ s \(exit code 0\)")

@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+import types
 
 import pytest
 
@@ -63,11 +64,11 @@ def test_autoscale_on_ray_is_refused_before_anything_starts():
         cmd_serve(_serve_args("--autoscale", "--on-ray"))
 
 
-def test_the_planner_keeps_serves_mode_and_bounds():
-    agg = planner_config(AutoscaleSettings(3, 1.0, 0.1, 2.0, 6.0), aggregated=True)
+def test_with_a_fixed_mode_the_planner_keeps_serves_mode_and_bounds():
+    agg = planner_config(AutoscaleSettings(3, 1.0, 0.1, 2.0, 6.0, switch_modes=False), aggregated=True)
     assert agg.mode is PlannerMode.AGGREGATED and agg.aggregated.max_replicas == 3 and agg.max_workers == 3
     assert agg.cooldown_s == 6.0
-    split = planner_config(AutoscaleSettings(4, 1.0, 0.1, 2.0, 6.0), aggregated=False)
+    split = planner_config(AutoscaleSettings(4, 1.0, 0.1, 2.0, 6.0, switch_modes=False), aggregated=False)
     assert split.mode is PlannerMode.DISAGGREGATED
     assert (split.prefill.min_replicas, split.prefill.max_replicas, split.decode.max_replicas) == (1, 3, 3)
 
@@ -298,21 +299,117 @@ def test_read_sums_the_frontends_and_a_restarted_one_starts_a_new_baseline():
                             WorkerLauncher(sup, lambda *a: SLEEPER, [None, None]),
                             [ScaledWorker("worker-0", 0, "both", 0, first)],
                             [f"http://127.0.0.1:{s.server_address[1]}" for s in servers])
+        def served(m: FrontendMetrics, count: int) -> None:      # admitted and ended (services/frontend/core.py)
+            m.admitted.inc(count)
+            m.requests.labels("completions", "ok").inc(count)
+
         for m in metrics:
-            m.requests.labels("completions", "ok").inc(3)
+            served(m, 3)
         reading = scaler.read()
         assert reading.frontend.ended == 6 and reading.workers == ()     # worker-0 answers no Stats
         assert scaler.tick() is None                                      # the baseline
-        metrics[0].requests.labels("completions", "ok").inc(2)
+        served(metrics[0], 2)
         assert scaler.tick().inputs.num_arrivals == 2
         metrics[1] = FrontendMetrics()                                    # frontend-1 restarted
-        metrics[0].requests.labels("completions", "ok").inc(1)
+        served(metrics[0], 1)
         assert scaler.tick() is None                                      # a new baseline, not a burst
-        metrics[1].requests.labels("completions", "ok").inc(1)
+        served(metrics[1], 1)
         assert scaler.tick().inputs.num_arrivals == 1
         servers[1].shutdown()
         servers[1].server_close()
         assert scaler.read() is None and "cannot read a frontend's /metrics" in lines[-1]
     finally:
         servers[0].shutdown()
+        sup.stop()
+
+
+# -- switching modes (--autoscale-mode auto) ---------------------------------------------------
+def _asking(replicas: ReplicaCounts):
+    """What apply() reads of a planner Decision: the counts it asks for."""
+    return types.SimpleNamespace(replicas=replicas)
+
+
+def _exit_retired(scaler: Autoscaler) -> None:
+    """The drained workers exit (the stand-ins end at SIGTERM) and housekeeping reaps them."""
+    for w in scaler.workers:
+        if w.state == DRAINING:
+            w.child.process.wait(10)
+    scaler.housekeeping()
+
+
+def _serving(scaler: Autoscaler) -> None:
+    for w in scaler.workers:
+        if w.state == STARTING:
+            w.state = SERVING                           # (the probe's part)
+
+
+def _can_decode(scaler: Autoscaler) -> bool:
+    return any(w.state == SERVING and w.role != "prefill" for w in scaler.workers)
+
+
+def test_auto_mode_lets_the_planner_switch_and_fixed_keeps_the_start_mode():
+    assert planner_config(AutoscaleSettings(3, 1.0, 0.1, 5.0, 30.0), False).mode is PlannerMode.AUTO
+    assert planner_config(AutoscaleSettings(3, 1.0, 0.1, 5.0, 30.0, switch_modes=False), False).mode \
+        is PlannerMode.DISAGGREGATED
+    # One place cannot hold a disaggregated deployment: aggregated it stays.
+    assert planner_config(AutoscaleSettings(1, 1.0, 0.1, 5.0, 30.0), True).mode is PlannerMode.AGGREGATED
+    args = _serve_args("--autoscale", "--autoscale-mode", "fixed")
+    assert autoscale_settings(args, plan_workers(args)).switch_modes is False
+
+
+def test_switching_to_aggregated_replaces_the_prefill_worker_first_and_always_keeps_a_decoder():
+    lines: list[str] = []
+    sup = Supervisor(lines.append)
+    try:
+        p0 = sup.spawn("prefill-0", SLEEPER, "127.0.0.1:9")
+        d0 = sup.spawn("decode-0", SLEEPER, "127.0.0.1:9")
+        scaler = _Scaler(sup, lines.append, AutoscaleSettings(3, 1.0, 0.5, 1.0, 3.0), False, PROFILE,
+                         WorkerLauncher(sup, lambda *a: SLEEPER, [None, None, None]),
+                         [ScaledWorker("prefill-0", 0, "prefill", 0, p0), ScaledWorker("decode-0", 0, "decode", 1, d0)],
+                         ["http://unused"])
+        scaler.apply(_asking(ReplicaCounts.of_aggregated(2)))
+        assert "switching to aggregated serving" in " ".join(lines)
+        # The free place takes an aggregated worker; the prefill worker drains for the second.
+        assert {w.name: w.state for w in scaler.workers} == {"prefill-0": DRAINING, "decode-0": SERVING,
+                                                             "worker-0": STARTING}
+        assert scaler.asked() == ReplicaCounts.of_aggregated(1) and _can_decode(scaler)
+        _exit_retired(scaler)
+        assert {w.name: w.state for w in scaler.workers} == {"decode-0": SERVING, "worker-0": STARTING,
+                                                             "worker-1": STARTING}
+        scaler.housekeeping()
+        assert _can_decode(scaler)                      # decode-0 stays until the new workers serve
+        _serving(scaler)
+        scaler.housekeeping()
+        assert next(w for w in scaler.workers if w.name == "decode-0").state == DRAINING
+        _exit_retired(scaler)
+        assert sorted((w.name, w.role) for w in scaler.workers) == [("worker-0", "both"), ("worker-1", "both")]
+        assert scaler.asked() == ReplicaCounts.of_aggregated(2)
+    finally:
+        sup.stop()
+
+
+def test_switching_to_disaggregated_from_full_places_drains_one_at_a_time():
+    lines: list[str] = []
+    sup = Supervisor(lines.append)
+    try:
+        children = [sup.spawn(f"worker-{i}", SLEEPER, "127.0.0.1:9") for i in range(3)]
+        scaler = _Scaler(sup, lines.append, AutoscaleSettings(3, 1.0, 0.5, 1.0, 3.0), True, PROFILE,
+                         WorkerLauncher(sup, lambda *a: SLEEPER, [None, None, None]),
+                         [ScaledWorker(c.name, i, "both", i, c) for i, c in enumerate(children)], ["http://unused"])
+        scaler.apply(_asking(ReplicaCounts.of_pools(1, 2)))
+        seen_capacity = []
+        for _ in range(12):
+            states = [w.state for w in scaler.workers]
+            assert states.count(DRAINING) <= 1, scaler.workers      # one place at a time
+            assert _can_decode(scaler), scaler.workers               # never without a worker that decodes
+            seen_capacity.append(sum(s == SERVING for s in states))
+            if sorted(w.role for w in scaler.workers) == ["decode", "decode", "prefill"] and states.count(DRAINING) == 0:
+                break
+            _exit_retired(scaler)
+            _serving(scaler)
+            scaler.housekeeping()
+        assert sorted(w.role for w in scaler.workers) == ["decode", "decode", "prefill"], scaler.workers
+        assert scaler.asked() == ReplicaCounts.of_pools(1, 2)
+        assert not any("no free place" in line for line in lines)
+    finally:
         sup.stop()

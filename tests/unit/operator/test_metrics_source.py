@@ -138,6 +138,8 @@ def test_live_scrape_turns_two_readings_into_a_sample(frontend):
                 m.ttft.observe(0.3)
             m.requests.labels(api="chat", status="cancelled").inc()
             m.in_flight.set(2)
+            m.admitted.inc(8)                                        # at admission (services/frontend/core.py)
+            m.admitted_prompt_tokens.inc(800)
             m.prompt_tokens.inc(500)
             m.generation_tokens.inc(120)
             for _ in range(20):
@@ -150,8 +152,8 @@ def test_live_scrape_turns_two_readings_into_a_sample(frontend):
             sample = await source.sample(target, replicas)
             assert sample is not None
             assert (sample.timestamp, sample.interval_s, sample.replicas) == (110.0, 10.0, replicas)
-            assert sample.num_arrivals == 6 + 2                      # ended in the interval + now in flight
-            assert sample.prompt_tokens_mean == 100.0                # 500 prompt tokens over 5 ok requests
+            assert sample.num_arrivals == 6 + 2                      # admitted: ended in the interval + in flight
+            assert sample.prompt_tokens_mean == 100.0                # 800 prompt tokens over 8 admitted
             assert sample.output_tokens_mean == 20.0                 # 120 generated over 6 ended
             assert 0.25 < sample.ttft_p90_s <= 0.5 and 0.01 < sample.itl_p90_s <= 0.025
             by_id = {w.worker_id: w for w in sample.workers}

@@ -19,8 +19,17 @@ def _exposition(m: FrontendMetrics) -> str:
     return m.exposition().decode()
 
 
+def _arrive(m: FrontendMetrics, prompt: int, count: int = 1, *, in_flight: bool = True):
+    """What the frontend records when it admits `count` requests (services/frontend/core.py)."""
+    m.admitted.inc(count)
+    m.admitted_prompt_tokens.inc(prompt * count)
+    if in_flight:
+        m.in_flight.inc(count)
+
+
 def _finish(m: FrontendMetrics, prompt: int, output: int, ttft: float, itls: list[float], status: str = "ok"):
-    """What the frontend records for one request that ended (services/frontend/core.py)."""
+    """What the frontend records for one request admitted and ended in the same interval."""
+    _arrive(m, prompt, in_flight=False)
     m.ttft.observe(ttft)
     for gap in itls:
         m.itl.observe(gap)
@@ -58,9 +67,10 @@ def test_parse_reads_the_frontends_own_metrics():
     _finish(m, 100, 10, 0.2, [0.01, 0.02])
     _finish(m, 300, 30, 0.7, [0.03])
     _finish(m, 0, 4, 0.3, [], status="cancelled")
-    m.in_flight.inc(2)
+    _arrive(m, 50, 2)
     c = FrontendCounters.parse(_exposition(m))
     assert (c.ended, c.ended_ok, c.in_flight) == (3, 2, 2)
+    assert (c.admitted, c.admitted_prompt_tokens) == (5, 500)
     assert (c.prompt_tokens, c.generation_tokens) == (400, 44)
     assert c.ttft_buckets[-1] == (float("inf"), 3.0)
     assert dict(c.ttft_buckets)[0.25] == 1.0 and dict(c.ttft_buckets)[1.0] == 3.0
@@ -73,6 +83,9 @@ def test_frontends_add_up():
     _finish(b, 50, 5, 2.0, [0.5])
     total = FrontendCounters.total([FrontendCounters.parse(_exposition(a)), FrontendCounters.parse(_exposition(b))])
     assert (total.ended, total.prompt_tokens, total.generation_tokens) == (2, 150, 15)
+    assert (total.admitted, total.admitted_prompt_tokens) == (2, 150)
+    # One frontend of an older version (no admission counters): the sum has none either.
+    assert FrontendCounters.total([FrontendCounters(ended=1), FrontendCounters.parse(_exposition(a))]).admitted is None
     assert total.ttft_buckets[-1] == (float("inf"), 2.0)
 
 
@@ -90,12 +103,12 @@ def test_the_first_reading_is_the_baseline_and_the_second_makes_a_sample_of_the_
     for i in range(9):
         _finish(m, 100, 20, 0.2, [0.01, 0.01])
     _finish(m, 100, 20, 0.9, [0.2, 0.2])
-    m.in_flight.inc(3)                                 # arrived in the interval, still running
+    _arrive(m, 100, 3)                                 # arrived in the interval, still running
     w1 = _worker(kv_usage=0.25, num_running=3, num_waiting=2, num_prompt_tokens_computed=2300,
                  num_generated_tokens=330)
     sample = builder.sample(Reading(102.0, FrontendCounters.parse(_exposition(m)), (w1,)), ONE)
     assert sample.interval_s == 2.0 and sample.timestamp == 102.0
-    assert sample.num_arrivals == 13                   # 10 ended + 3 still in flight
+    assert sample.num_arrivals == 13                   # 10 ended + 3 still running: 13 admitted
     assert sample.prompt_tokens_mean == 100 and sample.prompt_tokens_p90 == 100
     assert sample.output_tokens_mean == 20
     # 9 of 10 first tokens within 0.25 s, the 10th in (0.5, 1.0]: the p90 is the 0.25 bucket's top.
@@ -114,14 +127,29 @@ def test_an_interval_without_ends_keeps_the_last_means_and_has_no_latencies():
     builder.sample(Reading(0.0, FrontendCounters.parse(_exposition(m))), ONE)
     _finish(m, 64, 8, 0.1, [0.01])
     builder.sample(Reading(1.0, FrontendCounters.parse(_exposition(m))), ONE)
-    m.in_flight.inc()
+    _arrive(m, 64)
     quiet = builder.sample(Reading(2.0, FrontendCounters.parse(_exposition(m))), ONE)
     assert quiet.num_arrivals == 1
     assert (quiet.prompt_tokens_mean, quiet.output_tokens_mean) == (64, 8)
     assert quiet.ttft_p90_s is None and quiet.itl_p90_s is None
 
 
+def test_a_longer_prompt_mix_shows_when_it_is_admitted_not_when_it_ends():
+    m = FrontendMetrics()
+    builder = SampleBuilder()
+    builder.sample(Reading(0.0, FrontendCounters.parse(_exposition(m))), ONE)
+    for _ in range(4):
+        _finish(m, 64, 96, 0.2, [0.05])
+    assert builder.sample(Reading(5.0, FrontendCounters.parse(_exposition(m))), ONE).prompt_tokens_mean == 64
+    _arrive(m, 2048, 3)                                # waiting for their prefill: nothing ended
+    sample = builder.sample(Reading(10.0, FrontendCounters.parse(_exposition(m))), ONE)
+    assert sample.num_arrivals == 3 and sample.prompt_tokens_mean == 2048
+    assert sample.ttft_p90_s is None                   # no first token yet: TTFT alone would see nothing
+
+
 def test_restarts_count_from_zero_and_roles_shape_the_worker_sample():
+    # FrontendCounters without admission counters (admitted None): a frontend of an older
+    # version, whose arrivals are ends plus the change in flight and prompts count on success.
     builder = SampleBuilder(prompt_tokens_mean=50.0)
     builder.sample(Reading(0.0, FrontendCounters(ended=10, ended_ok=10, prompt_tokens=500, generation_tokens=50),
                            (_worker("prefill-0", "prefill", num_prompt_tokens_computed=900),
