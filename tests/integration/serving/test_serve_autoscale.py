@@ -256,3 +256,71 @@ async def _drive(server, log: Log, r1: float, r2: float, started_pids: dict[str,
         await asyncio.gather(*tasks)
     log.poll()
     return results, marks
+
+
+# -- a mode switch (--autoscale-mode auto, the default) ----------------------------------------
+SWITCH_STREAMS, SWITCH_PROMPT, SWITCH_OUTPUT = 2, 48, 48
+SWITCH_WITHIN_S = 90.0                     # light load -> the disaggregated workers gone
+
+
+def test_autoscale_switches_a_light_disaggregated_deployment_to_one_aggregated_worker_without_losing_a_request(
+        llama_dir):
+    """1 prefill + 1 decode worker under a light load that one aggregated worker meets: after the
+    cool-down the planner switches (aggregated needs 1 worker, disaggregated 2), the prefill worker
+    drains first, an aggregated worker starts in its place, and the decode worker drains once it
+    serves, while two streams keep running. Every request is answered in full."""
+    server = start_serve(str(llama_dir), "--prefill-workers", "1", "--decode-workers", "1", "--autoscale",
+                         "--max-workers", "2", "--slo-ttft-p90-ms", str(TTFT_MS), "--slo-itl-p90-ms", str(ITL_MS),
+                         "--autoscale-interval", str(INTERVAL_S), "--autoscale-cooldown", str(COOLDOWN_S),
+                         "--kv-cache-gib", "0.1", num_workers=2, aggregated=False)
+    log = Log(server.proc)
+    try:
+        assert "mode auto" in server.proc.output, server.proc.output
+        results = asyncio.run(_stream_until_switched(server, log))
+        worker_pid = _pid_of(server, "worker-0")
+        assert worker_pid is not None and pid_alive(worker_pid), server.proc.output
+    finally:
+        stop_serve(server)
+    output = server.proc.output
+    assert re.search(r"autoscale: planner: 1P\+1D -> 1A aggregated .*switch from disaggregated", output), output
+    assert "autoscale: switching to aggregated serving" in output
+    order = [log.first(p) for p in (r"autoscale: prefill-0 \(prefill\) leaves", r"autoscale: starting worker-0 \(both\)",
+                                    r"autoscale: worker-0 ready after", r"autoscale: decode-0 \(decode\) leaves",
+                                    r"autoscale: decode-0 drained and stopped after [\d.]+ s \(exit code 0\)")]
+    assert all(order), output
+    assert [t for t, _ in order] == sorted(t for t, _ in order), output
+    print(f"switched in {order[-1][0] - order[0][0]:.1f} s (prefill-0 leaves -> decode-0 gone); {len(results)} requests")
+    failed = [r for r in results if r.error]
+    assert not failed, (len(failed), [r.error for r in failed[:5]], output)
+    assert len(results) >= 10
+    assert "Traceback" not in output, output
+
+
+async def _stream_until_switched(server, log: Log) -> list[Result]:
+    """SWITCH_STREAMS clients, each one request after another, until decode-0 has drained and
+    exited and 3 more requests each ran on what is left (or SWITCH_WITHIN_S passed)."""
+    client = openai.AsyncOpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0, timeout=120)
+    model = (await client.models.list()).data[0].id
+    results: list[Result] = []
+    deadline = time.monotonic() + SWITCH_WITHIN_S
+    rng = random.Random(7)
+
+    async def stream_loop() -> None:
+        after = None
+        while time.monotonic() < deadline:
+            if after is None and log.first(r"autoscale: decode-0 drained and stopped"):
+                after = 0
+            if after is not None:
+                if after >= 3:
+                    return
+                after += 1
+            out = Result(time.monotonic(), SWITCH_OUTPUT)
+            results.append(out)
+            await _complete(client, model, [rng.randrange(1000, 30000) for _ in range(SWITCH_PROMPT)],
+                            SWITCH_OUTPUT, out)
+
+    try:
+        await asyncio.gather(*(stream_loop() for _ in range(SWITCH_STREAMS)))
+    finally:
+        await client.close()
+    return results
