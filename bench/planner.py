@@ -13,7 +13,8 @@ SmolLM2, fp32, one torch thread per worker, the kv router), driven by the same s
 - every static disaggregated split P:D with P + D = `--max-workers`;
 - aggregated with `--max-workers` workers;
 - the planner: `serve --autoscale --max-workers N`, starting disaggregated at 1P:1D (it chooses
-  the split; `--autoscale-interval`, `--autoscale-cooldown`).
+  the split, and whether to disaggregate at all: `--autoscale-mode auto`; `--autoscale-interval`,
+  `--autoscale-cooldown`).
 
 Goodput (per phase): requests arriving in the phase that completed with TTFT ≤ `--ttft-ms` and a
 mean inter-token latency ≤ `--itl-ms`, per second of the phase. The report has, per phase,

@@ -70,7 +70,10 @@ def test_a_prefix_computed_on_one_worker_is_fetched_by_another(llama_dir, backen
         want = run(w1, "A", "a1")                        # computed: nothing was anywhere
         stats = wait_held(store, 5)
         assert stats.blocks_held == 5 and stats.counters["stored"] == 5
+        lookups = stats.counters["lookups"]
         assert run(w2, "A", "a2") == want                # five blocks from the store, 3 tokens computed
+        # One Lookup for the admission (its second look at the same chain reuses the reply).
+        assert store_stats(store).counters["lookups"] - lookups == 1
         s2 = worker_stats(w2)
         assert tier_hits(w2) == {"store": 5} and s2.num_prefix_hit_tokens == 5 * BLOCK
         assert s2.num_prompt_tokens_computed == 3
