@@ -265,20 +265,22 @@ class Autoscaler:
             surplus = asked.count(pool) - decision.replicas.count(pool)
             if surplus > 0:
                 self._drain(ROLE_OF_POOL[pool], surplus)
-        switching = bool(self._foreign())
-        for role in self._missing_roles():
-            if switching and len(self.workers) >= len(self.launcher.slot_cores):
-                break                   # _converge frees places, one old-mode worker at a time
-            self._start(role)
         self._converge()
+        waiting = len(self._missing_roles())
+        if waiting and not self._foreign():
+            self.say(f"autoscale: no free place for {waiting} more worker(s) yet (--max-workers "
+                     f"{self.settings.max_workers}, draining workers still hold theirs); they start as places free")
 
     def _foreign(self) -> list[ScaledWorker]:
         """Workers of the mode a switch left, not draining yet."""
-        roles = {ROLE_OF_POOL[p] for p in self._pools()}
+        roles = self._roles()
         return [w for w in self.workers if w.state != DRAINING and w.role not in roles]
 
     def _pools(self) -> tuple[str, ...]:
         return ("aggregated",) if self.aggregated else ("decode", "prefill")
+
+    def _roles(self) -> set[str]:
+        return {ROLE_OF_POOL[p] for p in self._pools()}
 
     def _missing_roles(self) -> list[str]:
         """The roles of the workers the target still lacks, decode-capable ones first."""
@@ -300,7 +302,7 @@ class Autoscaler:
         foreign = self._foreign()
         if not foreign:
             return
-        roles = {ROLE_OF_POOL[p] for p in self._pools()}
+        roles = self._roles()
         if missing and not any(w.state == DRAINING for w in self.workers):    # one place at a time
             pick = self._foreign_to_drain(foreign)
             if pick is not None:
