@@ -21,10 +21,13 @@ mean inter-token latency ≤ `--itl-ms`, per second of the phase. The report has
 the planner's goodput ÷ the best static split's (`goodput_vs_best_static`, target ≥ 0.9) and,
 over the whole run, the planner's against every static split (target: above each).
 
-    python bench/planner.py --out bench/results/planner.json      # ~15 min on 2 cores
+    python bench/planner.py --out bench/results/planner.json      # ~17 min on 2 cores
 
-On 2 cores every worker after the second shares a core, so the machine, not the split, bounds
-most of what any configuration can do; the report prints the CPU it ran on.
+The defaults load each phase so that the split matters on 2 cores with one thread per worker:
+the decode-heavy phase needs two decode workers' token rate (~67 output tok/s), the
+prefill-heavy one two prefill workers' (~205 prompt tok/s), so a split that fits one phase
+overloads the other. On 2 cores every worker after the second shares a core; the report
+records the CPU it ran on.
 """
 
 from __future__ import annotations
@@ -190,14 +193,14 @@ def configs(args) -> list[tuple[str, list[str]]]:
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--max-workers", type=int, default=3)
-    p.add_argument("--phase-s", type=float, default=90.0, help="seconds per phase")
-    p.add_argument("--a-rate", type=float, default=0.4, help="decode-heavy phase: requests/s")
+    p.add_argument("--phase-s", type=float, default=100.0, help="seconds per phase")
+    p.add_argument("--a-rate", type=float, default=0.7, help="decode-heavy phase: requests/s")
     p.add_argument("--a-prompt", type=int, default=64)
     p.add_argument("--a-output", type=int, default=96)
-    p.add_argument("--b-rate", type=float, default=0.3, help="prefill-heavy phase: requests/s")
-    p.add_argument("--b-prompt", type=int, default=768)
+    p.add_argument("--b-rate", type=float, default=0.4, help="prefill-heavy phase: requests/s")
+    p.add_argument("--b-prompt", type=int, default=512)
     p.add_argument("--b-output", type=int, default=8)
-    p.add_argument("--ttft-ms", type=float, default=4000.0, help="SLO: time to first token")
+    p.add_argument("--ttft-ms", type=float, default=6000.0, help="SLO: time to first token")
     p.add_argument("--itl-ms", type=float, default=400.0, help="SLO: mean inter-token latency of a request")
     p.add_argument("--interval-s", type=float, default=5.0, help="the planner's --autoscale-interval")
     p.add_argument("--cooldown-s", type=float, default=30.0, help="the planner's --autoscale-cooldown")

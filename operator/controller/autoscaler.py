@@ -329,8 +329,10 @@ class Autoscaler:
             log.warning("autoscale %s/%s: a sample older than the last one, ignored", owner.namespace, owner.name)
             return None
         decision = state.planner.decide(state.history, sample)
+        previous = state.history[-1] if state.history else None
         state.history.append(sample)
-        state.planner = state.planner.with_profile(state.planner.profile.refine(observations_from_sample(sample)))
+        state.planner = state.planner.with_profile(state.planner.profile.refine(observations_from_sample(sample,
+                                                                                                        previous)))
         self.num_decisions += 1
         log.info("autoscale %s/%s: %s", owner.namespace, owner.name, decision.explain())
         decision_metrics().record(f"{owner.namespace}/{owner.name}", decision)

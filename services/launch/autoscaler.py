@@ -214,7 +214,8 @@ class Autoscaler:
             self.metrics.record("serve", decision)
         if decision.changed:
             self.apply(decision)
-        self.planner = self.planner.with_profile(self.planner.profile.refine(observations_from_sample(sample)))
+        self.planner = self.planner.with_profile(self.planner.profile.refine(
+            observations_from_sample(sample, self.history[-1] if self.history else None)))
         self.history.append(sample)
         return decision
 

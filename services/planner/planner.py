@@ -25,9 +25,11 @@ replica counts, so a recorded series replays to the same decisions.
    predicted load and at g times every window sample's load. A switch sizes the new
    pools at the larger of the two. With nothing running, the cheaper mode at the
    predicted load (a tie goes to disaggregated).
-5. Bounds: each pool within its PoolBounds; while the total is above max_workers, the
-   pool best covered after losing one worker (chosen - 1 over needed; ties: the larger)
-   loses one ("bound: max_workers").
+5. Bounds: each pool within its PoolBounds; while the total is above max_workers, one
+   worker is cut ("bound: max_workers"): from a pool's growth or from a pool whose last
+   change is a cool-down old (never from one changed more recently, unless nothing else
+   can give), the pool best covered after losing it first (chosen - 1 over needed; ties:
+   the larger). Two pools that both want more cannot swap a worker every interval.
 """
 
 from __future__ import annotations
@@ -70,7 +72,7 @@ class Planner:
             pools = [self._pool(name, model, load, sustained, samples, window) for name in names]
         else:
             pools = [self._fresh_pool(name, model, load, sustained) for name in names]
-        pools = self._fit_max_workers(pools)
+        pools = self._fit_max_workers(pools, samples)
         counts = {p.pool: p.chosen for p in pools}
         replicas = (ReplicaCounts.of_pools(counts["prefill"], counts["decode"]) if disaggregated
                     else ReplicaCounts.of_aggregated(counts["aggregated"]))
@@ -175,10 +177,20 @@ class Planner:
             return this_unreachable
         return other_total + self.config.mode_switch_saving <= this_total
 
-    def _fit_max_workers(self, pools: list[PoolDecision]) -> list[PoolDecision]:
+    def _fit_max_workers(self, pools: list[PoolDecision], samples: list[MetricsSample]) -> list[PoolDecision]:
+        """Cut one worker at a time while the total is above max_workers, from a pool's growth or
+        from a pool out of its cool-down, the pool best covered after the cut first. A pool
+        that changed within the cool-down keeps its count, so the cap cannot trade a worker
+        back and forth between two pools that both want more."""
+        now = samples[-1].timestamp
+
+        def settled(p: PoolDecision) -> bool:
+            return p.current == 0 or now - _last_change(samples, p.pool) >= self.config.cooldown_s
+
         excess = sum(p.chosen for p in pools) - self.config.max_workers
         while excess > 0:
             cuttable = [p for p in pools if p.chosen > self.config.bounds(p.pool).min_replicas]
+            cuttable = [p for p in cuttable if p.chosen > p.current or settled(p)] or cuttable
             victim = max(cuttable, key=lambda p: ((p.chosen - 1) / max(p.needed, 1), p.chosen))
             pools = [replace(p, chosen=p.chosen - 1, binding=Binding.MAX_WORKERS) if p is victim else p
                      for p in pools]

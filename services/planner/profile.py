@@ -21,8 +21,13 @@ of its error, never to the raw value. The start-up time is refined the same way.
 `observations_from_sample` reads one interval's worker counters, keeping only those
 that measure capacity: a decode-only worker that decoded without prefilling (its
 generated tokens/s at its batch), and a prefill-only worker still holding queued
-prompt tokens at the end of the interval (busy throughout: its prompt tokens/s at the
-interval's mean prompt length).
+prompt tokens at the end of the interval (its prompt tokens/s at the interval's mean
+prompt length). The worker counts a prompt's tokens when a step finishes a chunk, and a
+step of a batch of long prompts can outlast an interval: were only intervals that saw a
+chunk finish counted, the lumps would read as a worker several times faster than it is.
+So a worker that held queued tokens at both ends of an interval (`previous`) was busy
+throughout, and an interval in which it finished nothing is an observation of 0 tokens/s:
+the moving average of the lumps and the gaps is its throughput.
 """
 
 from __future__ import annotations
@@ -72,9 +77,9 @@ class ThroughputCurve:
         return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
 
     def refined(self, x: float, tokens_per_s: float, alpha: float) -> ThroughputCurve:
-        """This curve moved toward one observation (the module header's rule); one of no
-        throughput, or at a negative x, is ignored."""
-        if tokens_per_s <= 0 or x < 0:
+        """This curve moved toward one observation (the module header's rule); one of negative
+        throughput, or at a negative x, is ignored (0 counts: a busy interval that finished nothing)."""
+        if tokens_per_s < 0 or x < 0:
             return self
         pts = list(self.points)
         nearest = min(range(len(pts)), key=lambda i: abs(pts[i][0] - x))
@@ -154,16 +159,19 @@ class CapacityProfile:
         return replace(self, prefill=prefill, decode=decode, startup_s=startup)
 
 
-def observations_from_sample(sample: MetricsSample) -> list[CapacityObservation]:
-    """The capacity measurements hidden in one interval's worker counters (module header)."""
+def observations_from_sample(sample: MetricsSample, previous: MetricsSample | None = None) -> list[CapacityObservation]:
+    """The capacity measurements hidden in one interval's worker counters (module header);
+    `previous` is the sample before, which tells a prefill worker busy throughout."""
+    before = {w.worker_id: w for w in previous.workers} if previous is not None else {}
     observations = []
     for w in sample.workers:
         if w.role == "decode" and w.num_running_decodes > 0 and w.num_generated_tokens > 0 \
                 and w.num_prompt_tokens_computed == 0:
             observations.append(CapacityObservation(CapacityKind.DECODE, w.num_running_decodes,
                                                     w.num_generated_tokens / sample.interval_s))
-        elif w.role == "prefill" and w.prefill_queue_tokens > 0 and w.num_prompt_tokens_computed > 0 \
-                and sample.prompt_tokens_mean > 0:
-            observations.append(CapacityObservation(CapacityKind.PREFILL, sample.prompt_tokens_mean,
-                                                    w.num_prompt_tokens_computed / sample.interval_s))
+        elif w.role == "prefill" and w.prefill_queue_tokens > 0 and sample.prompt_tokens_mean > 0:
+            queued_before = w.worker_id in before and before[w.worker_id].prefill_queue_tokens > 0
+            if w.num_prompt_tokens_computed > 0 or queued_before:
+                observations.append(CapacityObservation(CapacityKind.PREFILL, sample.prompt_tokens_mean,
+                                                        w.num_prompt_tokens_computed / sample.interval_s))
     return observations

@@ -165,3 +165,16 @@ def test_the_planner_imports_no_torch_kubernetes_or_network_code():
     loaded = set(result.stdout.split())
     assert "splitserve" in loaded
     assert not loaded & {"torch", "numpy", "kubernetes", "kopf", "grpc", "httpx", "socket", "asyncio"}, loaded
+
+
+def test_max_workers_cannot_trade_a_worker_back_and_forth_between_two_wanting_pools():
+    cooldown_s = 60.0
+    prompts, outputs = Load(60, 2048, 32), Load(30, 64, 1024)     # prefill wants 3, then decode wants 4
+    loads = ([prompts, prompts, outputs, outputs] * 15)
+    planner = _planner(max_workers=4, cooldown_s=cooldown_s)
+    decisions = replay(planner, loads, ReplicaCounts.of_pools(2, 2))
+    assert all(d.replicas.total <= 4 for d in decisions)
+    changes = [d.timestamp for d in decisions if d.changed]
+    assert len(changes) >= 2                                       # it does follow the mix ...
+    assert all(b - a >= cooldown_s for a, b in zip(changes, changes[1:]))   # ... a cool-down apart at most
+    assert any(Binding.MAX_WORKERS in {p.binding for p in d.pools} for d in decisions)

@@ -78,3 +78,22 @@ def test_samples_validate_their_fields():
     with pytest.raises(ValueError):
         MetricsSample(timestamp=1.0, interval_s=0.0, num_arrivals=1, prompt_tokens_mean=1, prompt_tokens_p90=1,
                       output_tokens_mean=1, replicas=ReplicaCounts.of_pools(1, 1))
+
+
+def test_a_prefill_worker_busy_throughout_counts_the_intervals_it_finished_nothing_in():
+    """A step of a batch of long prompts outlasts an interval: its tokens land in every other
+    interval. Counting only the lumps would read 2x; with the empty busy intervals it reads true."""
+    def sample_at(t: float, computed: int) -> MetricsSample:
+        worker = WorkerLoadSample("prefill-0", "prefill", prefill_queue_tokens=2048, num_prompt_tokens_computed=computed)
+        return MetricsSample(timestamp=t, interval_s=5.0, num_arrivals=2, prompt_tokens_mean=512, prompt_tokens_p90=512,
+                             output_tokens_mean=8, replicas=ReplicaCounts.of_pools(1, 1), workers=(worker,))
+
+    series = [sample_at(5.0 * (i + 1), 2048 if i % 2 else 0) for i in range(80)]     # 2048 tokens / 10 s
+    assert observations_from_sample(series[0]) == []                   # nothing finished, busy since when?
+    assert observations_from_sample(series[2], series[1]) == [CapacityObservation(CapacityKind.PREFILL, 512, 0.0)]
+    lumps_only = busy = CapacityProfile(ThroughputCurve(((512, 300.0),)), ThroughputCurve(((8, 50.0),)), startup_s=10.0)
+    for previous, sample in zip(series, series[1:]):
+        busy = busy.refine(observations_from_sample(sample, previous), alpha=0.05)
+        lumps_only = lumps_only.refine(observations_from_sample(sample), alpha=0.05)
+    assert busy.prefill.at(512) == pytest.approx(204.8, rel=0.1)
+    assert lumps_only.prefill.at(512) == pytest.approx(409.6, rel=0.1)
