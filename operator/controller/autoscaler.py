@@ -23,7 +23,7 @@ For each ServingDeployment with `spec.autoscaling.enabled`, every `intervalSecon
    observed load, explain()). A patch not applied, or an interval the apiserver refused (say
    Forbidden on servingpools/scale), is a Warning Event `AutoscaleFailed`;
 6. refine the deployment's capacity profile with what the interval measured
-   (`observations_from_sample`); it starts from `spec.autoscaling.profile`.
+   (`Planner.learned`); it starts from `spec.autoscaling.profile`.
 
 State (sample history, refined profile) lives in memory per deployment uid: a restarted
 operator, or a new leader, starts a fresh history, so it scales down only after a whole
@@ -51,8 +51,7 @@ from splitserve.operator.kube import AsyncKube, KubeError, group_path
 from splitserve.operator.spec import (API_GROUP, API_VERSION, PLURAL, POOL_NAMES, CapacityProfileSpec,
                                       ServingDeploymentSpec, SloAutoscalingSpec)
 from splitserve.services.planner import (CapacityProfile, Decision, MetricsSample, Planner, PlannerConfig,
-                                         PlannerMode, PoolBounds, ReplicaCounts, SloTargets, ThroughputCurve,
-                                         observations_from_sample)
+                                         PlannerMode, PoolBounds, ReplicaCounts, SloTargets, ThroughputCurve)
 
 log = logging.getLogger(__name__)
 
@@ -329,10 +328,8 @@ class Autoscaler:
             log.warning("autoscale %s/%s: a sample older than the last one, ignored", owner.namespace, owner.name)
             return None
         decision = state.planner.decide(state.history, sample)
-        previous = state.history[-1] if state.history else None
+        state.planner = state.planner.learned(sample, state.history[-1] if state.history else None)
         state.history.append(sample)
-        state.planner = state.planner.with_profile(state.planner.profile.refine(observations_from_sample(sample,
-                                                                                                        previous)))
         self.num_decisions += 1
         log.info("autoscale %s/%s: %s", owner.namespace, owner.name, decision.explain())
         decision_metrics().record(f"{owner.namespace}/{owner.name}", decision)

@@ -67,8 +67,7 @@ from splitserve.services.launch.plan import AutoscaleSettings
 from splitserve.services.launch.probes import worker_serving
 from splitserve.services.launch.supervisor import Child, Supervisor
 from splitserve.services.planner import (CapacityProfile, Decision, MetricsSample, Planner, PlannerConfig,
-                                         PlannerMode, PoolBounds, ReplicaCounts, SloTargets,
-                                         observations_from_sample)
+                                         PlannerMode, PoolBounds, ReplicaCounts, SloTargets)
 from splitserve.tls import PLAINTEXT, TlsConfig
 
 HOUSEKEEPING_S = 0.5
@@ -214,8 +213,7 @@ class Autoscaler:
             self.metrics.record("serve", decision)
         if decision.changed:
             self.apply(decision)
-        self.planner = self.planner.with_profile(self.planner.profile.refine(
-            observations_from_sample(sample, self.history[-1] if self.history else None)))
+        self.planner = self.planner.learned(sample, self.history[-1] if self.history else None)
         self.history.append(sample)
         return decision
 

@@ -40,7 +40,7 @@ from dataclasses import dataclass, replace
 from splitserve.services.planner.config import PlannerConfig, PlannerMode
 from splitserve.services.planner.decision import Binding, Decision, PoolDecision
 from splitserve.services.planner.predictor import LoadPredictor, PredictedLoad
-from splitserve.services.planner.profile import CapacityProfile
+from splitserve.services.planner.profile import CapacityProfile, observations_from_sample
 from splitserve.services.planner.samples import MetricsSample, ReplicaCounts
 from splitserve.services.planner.sizing import PoolNeed, SizingModel
 
@@ -59,6 +59,11 @@ class Planner:
 
     def with_profile(self, profile: CapacityProfile) -> Planner:
         return replace(self, profile=profile)
+
+    def learned(self, sample: MetricsSample, previous: MetricsSample | None) -> Planner:
+        """This planner with its profile refined by what the interval of `sample` measured
+        (`previous`: the sample before it, None for the first)."""
+        return self.with_profile(self.profile.refine(observations_from_sample(sample, previous)))
 
     def decide(self, history: Sequence[MetricsSample], current: MetricsSample) -> Decision:
         samples = self._recent([*history, current])
