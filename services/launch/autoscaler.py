@@ -190,7 +190,15 @@ class Autoscaler:
         self._converge()
 
     # -- every interval ----------------------------------------------------------------
-    def asked(self):
+    def asked(self) -> ReplicaCounts:
+        """What the autoscaler has asked for (the planner's `sample.replicas`): the latest
+        decision's counts, workers still waiting for a place included; before any decision,
+        the workers running. In a switch the running count of the new mode is 0 at first,
+        which the planner would read as a deployment to start from nothing."""
+        return self.target if self.target is not None else self._running()
+
+    def _running(self) -> ReplicaCounts:
+        """The workers of the current mode not draining, starting ones included."""
         roles: dict[str, int] = {}
         for w in self.workers:
             if w.state != DRAINING:
@@ -259,9 +267,9 @@ class Autoscaler:
             old = sum(w.state != DRAINING for w in self.workers)
             self.say(f"autoscale: switching to {'aggregated' if aggregated else 'disaggregated'} serving: "
                      f"{old} worker(s) replaced one place at a time, no request lost")
-        asked = self.asked()
+        running = self._running()
         for pool in self._pools():      # shrink first: a draining worker's place frees sooner
-            surplus = asked.count(pool) - decision.replicas.count(pool)
+            surplus = running.count(pool) - decision.replicas.count(pool)
             if surplus > 0:
                 self._drain(ROLE_OF_POOL[pool], surplus)
         self._converge()
@@ -285,9 +293,9 @@ class Autoscaler:
         """The roles of the workers the target still lacks, decode-capable ones first."""
         if self.target is None:
             return []
-        asked = self.asked()
+        running = self._running()
         return [ROLE_OF_POOL[pool] for pool in self._pools()
-                for _ in range(max(0, self.target.count(pool) - asked.count(pool)))]
+                for _ in range(max(0, self.target.count(pool) - running.count(pool)))]
 
     def _converge(self) -> None:
         """Start what the target lacks where places are free (a start an interval deferred, a mode

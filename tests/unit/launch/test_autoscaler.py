@@ -372,7 +372,8 @@ def test_switching_to_aggregated_replaces_the_prefill_worker_first_and_always_ke
         # The free place takes an aggregated worker; the prefill worker drains for the second.
         assert {w.name: w.state for w in scaler.workers} == {"prefill-0": DRAINING, "decode-0": SERVING,
                                                              "worker-0": STARTING}
-        assert scaler.asked() == ReplicaCounts.of_aggregated(1) and _can_decode(scaler)
+        assert scaler._running() == ReplicaCounts.of_aggregated(1) and _can_decode(scaler)
+        assert scaler.asked() == ReplicaCounts.of_aggregated(2)       # what the planner reads
         _exit_retired(scaler)
         assert {w.name: w.state for w in scaler.workers} == {"decode-0": SERVING, "worker-0": STARTING,
                                                              "worker-1": STARTING}
@@ -411,5 +412,30 @@ def test_switching_to_disaggregated_from_full_places_drains_one_at_a_time():
         assert sorted(w.role for w in scaler.workers) == ["decode", "decode", "prefill"], scaler.workers
         assert scaler.asked() == ReplicaCounts.of_pools(1, 2)
         assert not any("no free place" in line for line in lines)
+    finally:
+        sup.stop()
+
+
+def test_in_a_switch_the_planner_reads_the_counts_asked_for_not_a_deployment_to_start():
+    # All places full: no aggregated worker can start until an old one leaves, so none of the
+    # new mode runs yet; the planner read that as 0 workers and chose a mode from scratch.
+    lines: list[str] = []
+    sup = Supervisor(lines.append)
+    try:
+        names = [("prefill-0", "prefill"), ("decode-0", "decode"), ("decode-1", "decode")]
+        children = [sup.spawn(n, SLEEPER, "127.0.0.1:9") for n, _ in names]
+        scaler = _Scaler(sup, lines.append, AutoscaleSettings(3, 1.0, 0.5, 1.0, 3.0), False, PROFILE,
+                         WorkerLauncher(sup, lambda *a: SLEEPER, [None, None, None]),
+                         [ScaledWorker(n, int(n[-1]), r, i, c) for i, ((n, r), c) in enumerate(zip(names, children))],
+                         ["http://unused"])
+        scaler.target = ReplicaCounts.of_pools(1, 2)
+        scaler.apply(_asking(ReplicaCounts.of_aggregated(3)))
+        assert scaler._running() == ReplicaCounts.of_aggregated(0)
+        assert scaler.asked() == ReplicaCounts.of_aggregated(3)
+        scaler.readings += [_reading(100.0, 0, 64), _reading(101.0, 1, 64)]
+        assert scaler.tick() is None                              # the baseline
+        decision = scaler.tick()
+        assert decision.current == ReplicaCounts.of_aggregated(3), decision.explain()
+        assert not decision.mode_reason.startswith("start"), decision.explain()
     finally:
         sup.stop()
