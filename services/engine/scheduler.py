@@ -112,6 +112,12 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running or self.pending_copies)
 
+    @property
+    def num_remote_blocks(self) -> int:
+        """Blocks reservations allocated for prompts a remote prefill has not filled yet (their
+        prefix-cache hits, which other requests may share, left out)."""
+        return sum(len(seq.block_ids) - seq.num_cached_blocks for seq in self.remote.values())
+
     def find(self, request_id: str) -> Sequence | None:
         """A sequence that is waiting, running or reserved (not finished ones)."""
         for seq in (*self.running, *self.waiting, *self.remote.values()):

@@ -117,7 +117,7 @@ class WorkerCounters:
 
     worker_id: str
     role: str                          # prefill | decode | both
-    kv_usage: float = 0.0
+    kv_usage: float = 0.0              # blocks reserved for a remote prefill left out (of_stats)
     num_running: int = 0
     num_waiting: int = 0
     num_in_flight: int = 0
@@ -126,8 +126,13 @@ class WorkerCounters:
 
     @classmethod
     def of_stats(cls, role: str, stats) -> WorkerCounters:
-        """From a worker_pb2.StatsResponse (`role` as serve started it)."""
-        return cls(stats.worker_id, role, stats.kv_usage, stats.num_running, stats.num_waiting,
+        """From a worker_pb2.StatsResponse (`role` as serve started it). KV reserved for prompts
+        still waiting on a prefill worker is prefill backlog: counted as decode KV in use, it
+        made the planner grow the decode pool while the prefill pool was short."""
+        kv_usage = stats.kv_usage
+        if stats.num_kv_blocks:
+            kv_usage = max(0, stats.num_used_kv_blocks - stats.num_remote_prefill_kv_blocks) / stats.num_kv_blocks
+        return cls(stats.worker_id, role, kv_usage, stats.num_running, stats.num_waiting,
                    stats.num_in_flight, stats.num_prompt_tokens_computed, stats.num_generated_tokens)
 
     @property

@@ -47,6 +47,8 @@ GAUGES = (
     ("splitserve_worker_requests_waiting", "num_waiting", "Requests waiting for the engine to admit them"),
     ("splitserve_worker_requests_remote_prefill", "num_remote_prefill",
      "Requests waiting for their prompt's KV from a prefill worker"),
+    ("splitserve_worker_kv_blocks_remote_prefill", "num_remote_prefill_kv_blocks",
+     "KV blocks reserved for prompts a prefill worker has not filled yet (of kv_blocks_used)"),
     ("splitserve_worker_calls_in_flight", "num_in_flight", "Generate and Prefill calls being served"),
     ("splitserve_worker_draining", "draining", "1 once the worker refuses new work (drain)"),
     ("splitserve_worker_kv_blocks_fenced", "num_fenced_kv_blocks",

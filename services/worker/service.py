@@ -333,6 +333,7 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
             num_cached_kv_blocks=len(pool.cached), kv_usage=pool.num_used_blocks / pool.num_blocks,
             num_running=len(sched.running), num_waiting=len(sched.waiting),
             num_remote_prefill=len(sched.remote), num_in_flight=c.num_in_flight,
+            num_remote_prefill_kv_blocks=sched.num_remote_blocks,
             num_steps=s.num_steps, num_computed_tokens=s.num_computed_tokens,
             num_prompt_tokens_computed=s.num_prompt_tokens_computed,
             num_prefix_hit_tokens=s.num_prefix_hit_tokens, num_generated_tokens=s.num_generated_tokens,

@@ -251,6 +251,8 @@ def test_cancel_mid_prefill_frees_both_workers(deployment, stream):
     _wait_for(lambda: worker_stats(prefill).num_running == 1, what="the prefill to start")
     d = worker_stats(decode)
     assert d.num_remote_prefill == 1 and d.num_transfer_reservations == 1
+    # The reservation's blocks (3000 random tokens: no prefix hit) are what the decode worker holds.
+    assert d.num_remote_prefill_kv_blocks == -(-3000 // 16) == d.num_used_kv_blocks
     sock.close()
     gone = time.monotonic()
     after = wait_idle(server.workers, 1.0, since=gone).stats        # fenced blocks included (num_used_kv_blocks)

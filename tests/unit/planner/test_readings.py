@@ -176,6 +176,13 @@ def test_worker_counters_from_stats():
     assert (w.num_prompt_tokens_computed, w.num_generated_tokens) == (77, 88)
 
 
+def test_kv_reserved_for_a_remote_prefill_is_not_decode_kv_in_use():
+    # 60 of 100 blocks used, 40 of them waiting for a prefill worker to fill them.
+    stats = worker_pb2.StatsResponse(worker_id="decode-0", num_kv_blocks=100, num_used_kv_blocks=60, kv_usage=0.6,
+                                     num_remote_prefill=4, num_remote_prefill_kv_blocks=40)
+    assert WorkerCounters.of_stats("decode", stats).kv_usage == pytest.approx(0.2)
+
+
 def test_replica_counts_by_mode():
     assert replica_counts(True, {"both": 3}) == ReplicaCounts.of_aggregated(3)
     assert replica_counts(False, {"prefill": 1, "decode": 2}) == ReplicaCounts.of_pools(1, 2)
