@@ -139,11 +139,16 @@ class Scheduler:
         self._enqueue_waiting(seq)
 
     def reserve_remote(self, seq: Sequence) -> BlockReservation | None:
-        """Reserve blocks for the whole prompt (reusing cached prefix blocks); None if full.
+        """Reserve blocks for the whole prompt (reusing cached prefix blocks); None if that would
+        leave fewer free blocks than running sequences (each may need its next block before the
+        prompt arrives: a queue of reservations must not preempt the decodes it waits to join).
         With `seq.transfer` RECEIVE, giving it up leaves the granted blocks to the transfer."""
         hits = self._prefix_hits(seq, allow_full=True)
         lower = self._lower_tier_hits(seq, len(hits), len(seq.prompt_token_ids) // self.block_size)
         num_new = self._blocks_for(len(seq.prompt_token_ids)) - len(hits)
+        idle_hits = sum(b in self.pool.evictable for b in hits)       # taking them makes them unfree
+        if self.pool.num_free_blocks - idle_hits - num_new < len(self.running):
+            return None
         self.pool.take_refs(hits)
         new_ids = self.pool.allocate(num_new, after=hits[-1] if hits else None)
         if new_ids is None:

@@ -2,7 +2,8 @@
 
 `RemotePrefill` decides whether the prompt is worth sending away (conditional
 disaggregation: the uncached part must reach a threshold), reserves blocks for
-it, lets the receiver accept writes into the blocks it does not hold yet, calls
+it (waiting while the pool is short, rather than stall the running decodes with a
+local prefill), lets the receiver accept writes into the blocks it does not hold yet, calls
 Prefill on a prefill worker, waits for the transfer's completion notification
 (whose payload is the first token), and hands that token to the engine. When a
 prefill worker fails (refused, unreachable, killed, transfer error) the next one
@@ -50,6 +51,7 @@ from splitserve.services.wire.outputs import RequestOutput, SampledToken
 
 log = logging.getLogger(__name__)
 
+RESERVE_RETRY_S = (0.02, 0.25)      # first and longest pause between reservation attempts
 GRPC_OPTIONS = [("grpc.max_receive_message_length", 64 * 2**20),
                 ("grpc.max_send_message_length", 64 * 2**20)]
 
@@ -123,13 +125,13 @@ class RemotePrefill:
         or None with the reservation given back (prefill locally). Cancellation
         gives the reservation back too.
         """
-        reservation = await self.loop.call(
-            lambda e: e.reserve_remote_prefill(request_id, token_ids, params, fence_writes=True, forks=forks))
-        if reservation is None:
-            log.info("request %s: no free blocks for a remote prefill; prefilling locally", request_id)
-            return PrefillOutcome(None, 0)
         clock = self.fences.clock
         deadline = clock() + self.timeout_s
+        reservation = await self._reserve(request_id, token_ids, params, forks, deadline)
+        if reservation is None:
+            log.info("request %s: no free blocks for a remote prefill within %.0f s; prefilling locally",
+                     request_id, self.timeout_s)
+            return PrefillOutcome(None, 0)
         grants_end = deadline + GRANT_GRACE_S       # no sender writes past a grant of this request
         fences: list[asyncio.Task] = []             # FenceTransfer asked of each prefill worker given up
         failures = 0
@@ -154,6 +156,20 @@ class RemotePrefill:
             raise
         self._give_up(request_id, fences, grants_end)
         return PrefillOutcome(None, failures)
+
+    async def _reserve(self, request_id: str, token_ids: list[int], params: SamplingParams,
+                       forks: list[tuple[str, SamplingParams]], deadline: float) -> BlockReservation | None:
+        """Blocks for the prompt, waiting while the pool is short (running decodes free theirs as
+        they finish). Prefilling locally at once instead would stall every running decode for
+        the whole prompt, which is what the prefill pool is there to spare them."""
+        pause = RESERVE_RETRY_S[0]
+        while True:
+            reservation = await self.loop.call(
+                lambda e: e.reserve_remote_prefill(request_id, token_ids, params, fence_writes=True, forks=forks))
+            if reservation is not None or self.fences.clock() + pause >= deadline:
+                return reservation
+            await self.fences.sleep(pause)
+            pause = min(2 * pause, RESERVE_RETRY_S[1])
 
     def _give_up(self, request_id: str, fences: list[asyncio.Task], grants_end: float) -> None:
         """Cancel the reservation: its granted blocks stay owned by the transfer, freed once

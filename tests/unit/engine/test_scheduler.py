@@ -294,3 +294,23 @@ def test_cache_salt_shares_blocks_only_within_one_salt():
     assert run("a2", 4, "tenant-a") == 8                      # same salt: the cached blocks (all but the last)
     assert run("plain2", 5, "") == 8
     assert_idle(s)
+
+
+def test_a_reservation_leaves_each_running_sequence_a_block_to_grow_into():
+    s = make(num_blocks=8)
+    a, b = seq("a", 4, 1, max_tokens=8), seq("b", 4, 2, max_tokens=8)       # one full block each
+    s.add(a)
+    s.add(b)
+    run_step(s)
+    assert s.pool.num_free_blocks == 6
+    # 5 blocks would leave 1 free for 2 running sequences: the first to grow would preempt.
+    assert s.reserve_remote(seq("x", 20, 3)) is None
+    assert s.pool.num_free_blocks == 6 and not s.remote
+    assert s.reserve_remote(seq("y", 16, 4)) is not None           # 4 blocks: 2 stay free
+    assert s.pool.num_free_blocks == 2
+    for _ in range(3):                                              # a and b each take their next block
+        assert not run_step(s).preempted
+    s.finish(s.remote["y"], FinishReason.ABORT)
+    drain(s)
+    assert s.num_preemptions == 0
+    assert_idle(s)

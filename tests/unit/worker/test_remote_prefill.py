@@ -195,15 +195,50 @@ def test_a_cancelled_remote_prefill_gives_its_reservation_back(engine_loop, rece
     asyncio.run(main())
 
 
-def test_a_full_pool_means_a_local_prefill_without_asking_any_prefill_worker(engine_loop, receiver, peers, clock,
-                                                                            engine_state):
+async def _sleeping(clock) -> None:
+    """Until the code under test waits on the fake clock (its engine calls run on a thread)."""
+    for _ in range(500):
+        if clock.num_sleeping:
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError("nothing waited on the clock")
+
+
+def test_a_full_pool_waits_for_blocks_then_asks_a_prefill_worker(engine_loop, receiver, peers, clock, engine_state):
+    # Prefilling locally at once would stall the running decodes for the whole prompt.
     async def main():
         remote = remote_prefill(engine_loop, receiver, peers, clock)
         worker = peers.add("p0")
         hog = await engine_loop.call(lambda e: e.reserve_remote_prefill("hog", prompt(8000, 200), SamplingParams()))
         assert hog is not None and len(hog.block_ids) == 13     # 11 of 24 blocks left
-        outcome = await remote.run("r", prompt(9000, 200), SamplingParams(max_tokens=2), ["p0"], lambda: None)
+        task = asyncio.create_task(remote.run("r", prompt(9000, 200), SamplingParams(max_tokens=2), ["p0"],
+                                              lambda: None))
+        await _sleeping(clock)
+        assert worker.prefill_requests == [] and not task.done()
+        assert await engine_loop.call(lambda e: e.cancel_remote_prefill("hog"))     # its blocks free
+        clock.advance(1.0)
+        outcome = await task
+        assert outcome.first_token is not None and len(worker.prefill_requests) == 1
+        assert len(await decode(engine_loop, remote, "r", outcome.first_token)) == 2
+        assert (await engine_state()).all_free
+    asyncio.run(main())
+
+
+def test_a_pool_full_until_the_deadline_means_a_local_prefill(engine_loop, receiver, peers, clock, engine_state):
+    async def main():
+        remote = remote_prefill(engine_loop, receiver, peers, clock, timeout_s=5.0)
+        worker = peers.add("p0")
+        hog = await engine_loop.call(lambda e: e.reserve_remote_prefill("hog", prompt(8000, 200), SamplingParams()))
+        assert hog is not None
+        task = asyncio.create_task(remote.run("r", prompt(9000, 200), SamplingParams(max_tokens=2), ["p0"],
+                                              lambda: None))
+        while not task.done():
+            await _sleeping(clock)
+            clock.advance(0.25)
+            await asyncio.sleep(0.01)
+        outcome = task.result()
         assert outcome.first_token is None and outcome.num_failures == 0
+        assert clock.now <= 1000.0 + 5.0 + 0.25
         assert worker.prefill_requests == [] and receiver.num_open() == 0
         assert await engine_loop.call(lambda e: e.cancel_remote_prefill("hog"))
         assert (await engine_state()).all_free
