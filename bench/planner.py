@@ -23,11 +23,12 @@ over the whole run, the planner's against every static split (target: above each
 
     python bench/planner.py --out bench/results/planner.json      # ~17 min on 2 cores
 
-The defaults load each phase so that the split matters on 2 cores with one thread per worker:
-the decode-heavy phase needs two decode workers' token rate (~67 output tok/s), the
-prefill-heavy one two prefill workers' (~205 prompt tok/s), so a split that fits one phase
-overloads the other. On 2 cores every worker after the second shares a core; the report
-records the CPU it ran on.
+The defaults load each phase so that the split matters, measured on 2 cores with one thread
+per worker (AMD EPYC, probes of each phase alone): at 2.5 req/s of 64 in / 96 out (240 output
+tok/s), one decode worker (2P:1D) served 58 % of the requests within the SLO and two (1P:2D)
+all of them; at 0.4 req/s of 512 in / 8 out (205 prompt tok/s), one prefill worker (1P:2D)
+served 16-41 % in two runs and two all. So each static split fails one phase. On 2 cores every worker
+after the second shares a core; the report records the CPU it ran on.
 """
 
 from __future__ import annotations
@@ -194,7 +195,7 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--max-workers", type=int, default=3)
     p.add_argument("--phase-s", type=float, default=100.0, help="seconds per phase")
-    p.add_argument("--a-rate", type=float, default=0.7, help="decode-heavy phase: requests/s")
+    p.add_argument("--a-rate", type=float, default=2.5, help="decode-heavy phase: requests/s")
     p.add_argument("--a-prompt", type=int, default=64)
     p.add_argument("--a-output", type=int, default=96)
     p.add_argument("--b-rate", type=float, default=0.4, help="prefill-heavy phase: requests/s")

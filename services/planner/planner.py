@@ -22,7 +22,8 @@ replica counts, so a recorded series replays to the same decisions.
    up rule saw from the same band, and the predictor's trend ignores such noise.
 4. Mode (AUTO): the running mode is kept unless the other one, after the cool-down,
    meets the SLO where this one cannot, or saves `mode_switch_saving` replicas at the
-   predicted load and at g times every window sample's load. A switch sizes the new
+   predicted load and at g times every window sample's load. When this mode needs more than
+   max_workers and the other fewer, only the cool-down after a mode switch holds the switch. A switch sizes the new
    pools at the larger of the two. With nothing running, the cheaper mode at the
    predicted load (a tie goes to disaggregated).
 5. Bounds: each pool within its PoolBounds; while the total is above max_workers, one
@@ -162,11 +163,23 @@ class Planner:
             return disaggregated, f"start {'disaggregated' if disaggregated else 'aggregated'}: {costs}"
         running = current.replicas.disaggregated
         name = "disaggregated" if running else "aggregated"
-        if current.timestamp - _last_change(samples, None) < self.config.cooldown_s:
+        if current.timestamp - _last_change(samples, None) < self.config.cooldown_s \
+                and not self._pressed(model, load, running, samples):
             return running, f"keep {name} (cool-down): {costs}"
         if all(self._other_mode_better(model, x, running) for x in [load, *sustained]):
             return not running, f"switch from {name}: {costs}, over the whole cool-down window"
         return running, f"keep {name}: {costs}"
+
+    def _pressed(self, model: SizingModel, load: PredictedLoad, running: bool,
+                 samples: list[MetricsSample]) -> bool:
+        """The running mode needs more than max_workers and the other fewer, and no mode switch
+        is in the samples: the cool-down after a count change (or the start) does not hold a
+        switch then, since every interval in this mode misses the SLO. The cool-down after a
+        switch still holds, so the modes cannot flap."""
+        if any(a.replicas.disaggregated != b.replicas.disaggregated for a, b in zip(samples, samples[1:])):
+            return False
+        this_total = self._mode_cost(model, load, running)[1]
+        return this_total > self.config.max_workers and self._other_mode_better(model, load, running)
 
     def _mode_cost(self, model: SizingModel, load: PredictedLoad, disaggregated: bool) -> tuple[bool, int]:
         """(unreachable, replicas) of one mode at this load; smaller is better."""

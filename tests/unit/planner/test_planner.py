@@ -125,6 +125,22 @@ def test_auto_mode_starts_aggregated_for_light_load_and_switches_only_after_the_
     assert decisions[switch].pools[0].pool == "aggregated" and decisions[-1].replicas == ReplicaCounts.of_aggregated(1)
 
 
+def test_a_mode_that_needs_more_than_max_workers_is_left_without_waiting_out_a_count_change():
+    # 6 req/s of long outputs: disaggregated needs 9 workers, aggregated 8; at most 3 run. The
+    # start's cool-down held 1P+2D for 120 s although every interval in it missed the SLO.
+    planner = Planner(make_config(mode=PlannerMode.AUTO, cooldown_s=120.0, max_workers=3), make_profile())
+    outputs, prompts = steady(60, 6.0, 64, 1024), steady(300, 12.0, 2048, 32)
+    decisions = replay(planner, outputs + prompts, SPLIT_1_1)
+    first = decisions[0]
+    assert first.replicas == ReplicaCounts.of_aggregated(3) and "switch from disaggregated" in first.mode_reason
+    # Then long prompts: aggregated needs 7, disaggregated 6, but the cool-down after a switch
+    # still holds, so the modes cannot flap.
+    switches = [d for d in decisions if d.replicas.disaggregated != d.current.disaggregated]
+    assert len(switches) == 2 and switches[1].replicas.disaggregated
+    assert switches[1].timestamp - switches[0].timestamp >= 120.0
+    assert all("cool-down" in d.mode_reason for d in decisions if 0 < d.timestamp - first.timestamp < 120.0)
+
+
 def test_a_decision_explains_inputs_load_counts_and_binding():
     planner = _planner()
     loads = steady(60, 3.0, 2048, 256)
