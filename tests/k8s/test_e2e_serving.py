@@ -57,6 +57,13 @@ def cases(llama_dir: Path):
 
 
 @pytest.fixture(scope="module")
+def fresh_cases(llama_dir: Path):
+    """Prompts no other test sends, so no worker holds a block of them."""
+    prompts = [prompt_ids(200 + i, 40) for i in range(6)]
+    return list(zip(prompts, hf_greedy(llama_dir, prompts, SHORT, ignore_eos=True)))
+
+
+@pytest.fixture(scope="module")
 def long_cases(llama_dir: Path):
     prompts = [prompt_ids(100 + i, 20 + 7 * i) for i in range(4)]
     return list(zip(prompts, hf_greedy(llama_dir, prompts, LONG, ignore_eos=True)))
@@ -135,7 +142,7 @@ def test_helm_install_serves_token_exact_through_pods(e2e: E2EDeployment, cases,
     _assert_no_leaks(e2e)
 
 
-def test_kubectl_scale_adds_a_decode_group_that_registers_and_serves(e2e: E2EDeployment, cases):
+def test_kubectl_scale_adds_a_decode_group_that_registers_and_serves(e2e: E2EDeployment, fresh_cases):
     before = set(e2e.groups("decode"))
     t0 = time.monotonic()
     e2e.cluster.kubectl("-n", e2e.namespace, "scale", f"servingpool/{names.pool_resource_name(SD_NAME, 'decode')}",
@@ -154,11 +161,16 @@ def test_kubectl_scale_adds_a_decode_group_that_registers_and_serves(e2e: E2EDep
     model = served_model(base)
     routed_before = _frontend_metric(e2e, "splitserve_router_decisions_total", leg="decode", winner=name)
     tally = Tally()
-    for prompt, ref in cases + cases[:2]:          # 6 requests, round robin over 3 groups
+    for prompt, ref in fresh_cases:
         run_one(tally, base, model, prompt, ref)
     assert tally.failures == [] and tally.exact == 6, tally.failures
-    assert _frontend_metric(e2e, "splitserve_router_decisions_total", leg="decode", winner=name) - routed_before == 2
-    assert e2e.stats()[name].num_requests - start >= 2     # and readiness canaries, if one ran meanwhile
+    # Not an exact share: on idle groups with no overlap the kv policy's tie-break is the fewest
+    # cached blocks (router/policies/kv.py), which depends on what earlier tests left in each
+    # cache. Whatever it is, six new prompts (4 blocks each with the answer) in turn reach every
+    # group the router knows.
+    routed = _frontend_metric(e2e, "splitserve_router_decisions_total", leg="decode", winner=name) - routed_before
+    assert routed >= 1, routed
+    assert e2e.stats()[name].num_requests - start >= routed     # and readiness canaries, if one ran meanwhile
     _assert_no_leaks(e2e)
 
 
