@@ -151,16 +151,26 @@ def run_config(name: str, argv: list[str], plan: list[Arrival], args, scratch: P
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                 start_new_session=True)
 
+        started = time.monotonic()
+        ready = threading.Event()
+
         def follow() -> None:
             for line in proc.stdout:
-                log.write(line)
+                log.write(f"{time.monotonic() - started:7.2f} {line}")     # seconds since serve started
                 if "autoscale: planner:" in line:
                     decisions.append(line.strip())
+                if line.startswith("splitserve is ready: "):
+                    ready.set()
 
         follower = threading.Thread(target=follow, daemon=True)
         follower.start()
         try:
+            # serve's own line, not /v1/models: with --autoscale the frontend answers while serve
+            # still runs the planner's profile (~45 s), before the autoscaler starts.
             wait_ready(f"{url}/v1/models", proc, 600)
+            if not ready.wait(600):
+                raise RuntimeError(f"{name}: no 'splitserve is ready' line within 600 s")
+            log.write(f"{time.monotonic() - started:7.2f} [bench] the load starts\n")
             outcomes = asyncio.run(drive(url, plan))
         finally:
             stop_group(proc, 60)
@@ -208,6 +218,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--configs", default="", help="run only configurations whose name contains one of these "
                                                  "(comma-separated; default: all)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--log-dir", type=Path, default=None,
+                   help="keep each configuration's `splitserve serve` log here (default: a temporary folder)")
     p.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "planner.json")
     args = p.parse_args(argv)
     console = Console(width=200)
@@ -217,10 +229,12 @@ def main(argv: list[str] | None = None) -> None:
     wanted = [c for c in args.configs.split(",") if c]
     records = []
     with tempfile.TemporaryDirectory(prefix="planner-bench-") as tmp:
+        logs = args.log_dir or Path(tmp)
+        logs.mkdir(parents=True, exist_ok=True)
         for name, extra in configs(args):
             if wanted and not any(w in name for w in wanted):
                 continue
-            records.append(run_config(name, extra, plan, args, Path(tmp), console))
+            records.append(run_config(name, extra, plan, args, logs, console))
     table = Table(title=f"Goodput (req/s within SLO), {args.max_workers} workers at most")
     for col in ("config", *(f"{ph} goodput" for ph in PHASES), "mean", *(f"{ph} TTFT p90 s" for ph in PHASES),
                 *(f"{ph} ITL p90 s" for ph in PHASES), "completed"):

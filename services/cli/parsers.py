@@ -319,8 +319,9 @@ def _add_autoscale_args(p: argparse.ArgumentParser) -> None:
                         f"every interval of that window says it can (default: {d['autoscale_cooldown']:g})")
     g.add_argument("--autoscale-mode", choices=("auto", "fixed"), default=None,
                    help="with --autoscale: `auto` lets the planner switch between aggregated and disaggregated "
-                        "serving when the other mode meets the SLO with fewer workers (it replaces the workers one "
-                        "place at a time, no request lost); `fixed` keeps the mode serve starts in "
+                        "serving when the other mode meets the SLO with fewer workers (workers that decode move "
+                        "between the aggregated and the decode pool in place; prefill workers are replaced one "
+                        "place at a time; no request lost); `fixed` keeps the mode serve starts in "
                         f"(default: {d['autoscale_mode']})")
     g.add_argument("--autoscale-metrics-port", type=int, default=None, metavar="PORT",
                    help="with --autoscale: serve each decision as Prometheus metrics (splitserve_planner_*: counts "

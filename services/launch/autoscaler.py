@@ -31,13 +31,18 @@ finishes its running requests, then deregisters and exits, and the frontends dro
 Mode (`--autoscale-mode`): `auto` lets the planner switch between aggregated and
 disaggregated serving (it does when the other mode meets the SLO where this one cannot, or
 needs fewer workers, over a whole cool-down window: planner.py); `fixed` keeps the mode serve
-started in. A switch replaces the workers one place at a time, never leaving the frontends
-without a worker that can decode (`_converge`, every HOUSEKEEPING_S): the new mode's workers
-start in free places; while places are missing, an old-mode worker drains to free one (a
-prefill worker first; one that decodes only while another decode-capable worker serves);
-once every new-mode worker serves, the old-mode ones left drain. Meanwhile the frontends
-route over both kinds (a decode or aggregated worker routed a prefill peer it cannot use
-prefills locally), and the planner's samples count only the new mode's workers.
+started in. In `auto` every worker that decodes runs as a decode process (plan.process_role),
+so a switch moves the decoding workers to the new mode's pool in place: aggregated -> decode
+keeps all of them (a surplus drains, freeing places for prefill workers), decode ->
+aggregated keeps them and replaces the prefill workers. Workers that cannot serve in the new
+mode (prefill workers, aggregated processes of a `fixed` start) are replaced one place at a
+time, never leaving the frontends without a worker that can decode (`_converge`, every
+HOUSEKEEPING_S): the new mode's workers start in free places; while places are missing, an
+old-mode worker drains to free one (a prefill worker first; one that decodes only while
+another decode-capable worker serves); once every new-mode worker serves, the old-mode ones
+left drain. Meanwhile the frontends route over both kinds (a decode or aggregated worker
+routed a prefill peer it cannot use prefills locally), and the planner's samples count only
+the new mode's workers.
 Pools: 1 to --max-workers workers (disaggregated: each pool 1 to --max-workers - 1, both
 within --max-workers). A worker needs a free place (plan.worker_slots): a draining worker
 holds its place (its cores) until it exits.
@@ -63,7 +68,7 @@ from splitserve.net import free_port
 from splitserve.proto.v1 import worker_pb2, worker_pb2_grpc
 from splitserve.services.planner.readings import (DrainCandidate, FrontendCounters, Reading, SampleBuilder,
                                                           WorkerCounters, choose_several, replica_counts)
-from splitserve.services.launch.plan import AutoscaleSettings
+from splitserve.services.launch.plan import AutoscaleSettings, process_role
 from splitserve.services.launch.probes import worker_serving
 from splitserve.services.launch.supervisor import Child, Supervisor
 from splitserve.services.planner import (CapacityProfile, Decision, MetricsSample, Planner, PlannerConfig,
@@ -80,7 +85,7 @@ def planner_config(settings: AutoscaleSettings, aggregated: bool) -> PlannerConf
     """The planner's config for local workers: 1..max workers a pool; the mode serve runs in
     (`--autoscale-mode fixed`, or one place only) or either (`auto`)."""
     m = settings.max_workers
-    if settings.switch_modes and m >= 2:
+    if settings.switches_modes:
         mode = PlannerMode.AUTO
     else:
         mode = PlannerMode.AGGREGATED if aggregated else PlannerMode.DISAGGREGATED
@@ -94,11 +99,17 @@ def planner_config(settings: AutoscaleSettings, aggregated: bool) -> PlannerConf
 class ScaledWorker:
     name: str
     index: int                  # from its name: worker-3 -> 3
-    role: str                   # both | prefill | decode
+    role: str                   # its pool's: both | prefill | decode
     slot: int                   # its place (cores) among plan.worker_slots
     child: Child
     state: str = SERVING        # starting | serving | draining
     changed_at: float = 0.0     # when it entered its state (monotonic)
+    process_role: str = ""      # the role its process started in, where not `role` (plan.process_role)
+
+    def can_serve_as(self, role: str) -> bool:
+        """A decode process serves in the aggregated pool too (plan.process_role)."""
+        started = self.process_role or self.role
+        return role == started or (started == "decode" and role == "both")
 
     @property
     def address(self) -> str:
@@ -264,9 +275,11 @@ class Autoscaler:
         aggregated = not decision.replicas.disaggregated
         if aggregated != self.aggregated:
             self.aggregated = aggregated
-            old = sum(w.state != DRAINING for w in self.workers)
-            self.say(f"autoscale: switching to {'aggregated' if aggregated else 'disaggregated'} serving: "
-                     f"{old} worker(s) replaced one place at a time, no request lost")
+            moved = self._move_to_new_mode()
+            kept = (f"{', '.join(w.name for w in moved)} now serve{'s' if len(moved) == 1 else ''} in the "
+                    f"{'aggregated' if aggregated else 'decode'} pool in place; " if moved else "")
+            self.say(f"autoscale: switching to {'aggregated' if aggregated else 'disaggregated'} serving: {kept}"
+                     f"{len(self._foreign())} worker(s) replaced one place at a time, no request lost")
         running = self._running()
         for pool in self._pools():      # shrink first: a draining worker's place frees sooner
             surplus = running.count(pool) - decision.replicas.count(pool)
@@ -277,6 +290,15 @@ class Autoscaler:
         if waiting and not self._foreign():
             self.say(f"autoscale: no free place for {waiting} more worker(s) yet (--max-workers "
                      f"{self.settings.max_workers}, draining workers still hold theirs); they start as places free")
+
+    def _move_to_new_mode(self) -> list[ScaledWorker]:
+        """In a switch, the workers that decode and can serve in the new mode's decoding pool move to it."""
+        role = "both" if self.aggregated else "decode"
+        moved = [w for w in self.workers if w.state != DRAINING and w.role in ("both", "decode")
+                 and w.role != role and w.can_serve_as(role)]
+        for w in moved:
+            w.role = role
+        return moved
 
     def _foreign(self) -> list[ScaledWorker]:
         """Workers of the mode a switch left, not draining yet."""
@@ -346,10 +368,12 @@ class Autoscaler:
         index = self._next_index[role]
         self._next_index[role] += 1
         name = f"{'worker' if role == 'both' else role}-{index}"
-        child = self.launcher.start(name, role, free[0])
-        w = ScaledWorker(name, index, role, free[0], child, STARTING, time.monotonic())
+        started_as = process_role(role, self.settings)
+        child = self.launcher.start(name, started_as, free[0])
+        w = ScaledWorker(name, index, role, free[0], child, STARTING, time.monotonic(), started_as)
         self.workers.append(w)
-        self.say(f"autoscale: starting {name} ({role}) at {child.address}")
+        how = role if started_as == role else f"{role}, a {started_as} process"
+        self.say(f"autoscale: starting {name} ({how}) at {child.address}")
         return w
 
     def _drain(self, role: str, count: int) -> None:

@@ -40,8 +40,8 @@ from splitserve.errors import SplitserveError
 from splitserve.net import free_port
 from splitserve.services.launch.children import export_serve_secrets, frontend_argv, kvstore_argv, worker_argv
 from splitserve.services.launch.membership import ETCD_ENV, LocalEtcd
-from splitserve.services.launch.plan import (autoscale_settings, default_threads, plan_workers, resolve_model,
-                                             worker_cores, worker_slots)
+from splitserve.services.launch.plan import (autoscale_settings, default_threads, plan_workers, process_role,
+                                             resolve_model, worker_cores, worker_slots)
 from splitserve.services.launch.probes import http_ready, transfer_backend, worker_serving
 from splitserve.services.launch.supervisor import Child, Supervisor
 from splitserve.tls import PLAINTEXT, TlsConfig
@@ -135,7 +135,8 @@ def _start_autoscaler(sup: Supervisor, args: argparse.Namespace, settings, pytho
         raise SplitserveError(f"the autoscaler's profile run on {first.name} failed: {exc.code().name}: "
                               f"{exc.details()}") from None
     say(f"  autoscale: {first.name}'s profile: {result.describe()}")
-    scaled = [ScaledWorker(c.name, int(c.name.rsplit("-", 1)[1]), w.role, i, c, changed_at=time.monotonic())
+    scaled = [ScaledWorker(c.name, int(c.name.rsplit("-", 1)[1]), w.role, i, c, changed_at=time.monotonic(),
+                           process_role=process_role(w.role, settings))
               for i, (c, w) in enumerate(zip(workers, plan))]
     autoscaler = Autoscaler(sup, say, settings, args.aggregated, result.profile,
                             launcher_for(sup, args, python, model, slot_cores, kv_store, etcd.endpoint),
@@ -191,7 +192,8 @@ def run_serve(args: argparse.Namespace) -> int:
         endpoint = etcd.endpoint if etcd else None
         for w, wcores in zip(plan, cores):
             wport = free_port("127.0.0.1")
-            workers.append(sup.spawn(w.name, [*python, *worker_argv(args, w.name, w.role, wport, model, wcores,
+            role = process_role(w.role, autoscale)
+            workers.append(sup.spawn(w.name, [*python, *worker_argv(args, w.name, role, wport, model, wcores,
                                                                     kv_store, endpoint)], f"127.0.0.1:{wport}"))
         ports = [port] + [free_port(host) for _ in range(max(args.frontends, 1) - 1)]
         for i, fport in enumerate(ports):

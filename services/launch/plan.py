@@ -103,6 +103,25 @@ class AutoscaleSettings:
     cooldown_s: float
     switch_modes: bool = True       # --autoscale-mode auto: the planner may switch aggregated <-> disaggregated
 
+    @property
+    def switches_modes(self) -> bool:
+        """The planner may switch modes: `--autoscale-mode auto` with places for two workers."""
+        return self.switch_modes and self.max_workers >= 2
+
+
+def process_role(role: str, settings: AutoscaleSettings | None) -> str:
+    """The role a worker's process starts in for a pool `role` (both | prefill | decode).
+
+    Where the planner may switch modes, an aggregated worker starts as a decode worker: one
+    whose requests name no prefill worker prefills its own prompts on the same path as an
+    aggregated worker (worker/service.py), so a switch moves it between the aggregated and the
+    decode pool in place instead of replacing it (autoscaler.py). Its only extra is the KV
+    transfer agent, ~0.5 s of its start.
+    """
+    if role == "both" and settings is not None and settings.switches_modes:
+        return "decode"
+    return role
+
 
 def autoscale_settings(args: argparse.Namespace, plan: list[PlannedWorker]) -> AutoscaleSettings | None:
     """`serve --autoscale`'s settings (None without --autoscale), defaults filled in; raises

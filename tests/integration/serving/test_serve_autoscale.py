@@ -260,15 +260,16 @@ async def _drive(server, log: Log, r1: float, r2: float, started_pids: dict[str,
 
 # -- a mode switch (--autoscale-mode auto, the default) ----------------------------------------
 SWITCH_STREAMS, SWITCH_PROMPT, SWITCH_OUTPUT = 2, 48, 48
-SWITCH_WITHIN_S = 90.0                     # light load -> the disaggregated workers gone
+SWITCH_WITHIN_S = 90.0                     # light load -> the prefill worker gone
 
 
 def test_autoscale_switches_a_light_disaggregated_deployment_to_one_aggregated_worker_without_losing_a_request(
         llama_dir):
     """1 prefill + 1 decode worker under a light load that one aggregated worker meets: after the
-    cool-down the planner switches (aggregated needs 1 worker, disaggregated 2), the prefill worker
-    drains first, an aggregated worker starts in its place, and the decode worker drains once it
-    serves, while two streams keep running. Every request is answered in full."""
+    cool-down the planner switches (aggregated needs 1 worker, disaggregated 2). The decode worker
+    moves to the aggregated pool in place (the same process, which now prefills its prompts
+    itself) and the prefill worker drains, while two streams keep running. No worker starts, and
+    every request is answered in full, also those after the prefill worker is gone."""
     server = start_serve(str(llama_dir), "--prefill-workers", "1", "--decode-workers", "1", "--autoscale",
                          "--max-workers", "2", "--slo-ttft-p90-ms", str(TTFT_MS), "--slo-itl-p90-ms", str(ITL_MS),
                          "--autoscale-interval", str(INTERVAL_S), "--autoscale-cooldown", str(COOLDOWN_S),
@@ -276,20 +277,23 @@ def test_autoscale_switches_a_light_disaggregated_deployment_to_one_aggregated_w
     log = Log(server.proc)
     try:
         assert "mode auto" in server.proc.output, server.proc.output
+        decode_pid = _pid_of(server, "decode-0")
+        assert decode_pid is not None, server.proc.output
         results = asyncio.run(_stream_until_switched(server, log))
-        worker_pid = _pid_of(server, "worker-0")
-        assert worker_pid is not None and pid_alive(worker_pid), server.proc.output
+        assert _pid_of(server, "decode-0") == decode_pid and pid_alive(decode_pid), server.proc.output
+        assert _pid_of(server, "prefill-0") is None, server.proc.output
     finally:
         stop_serve(server)
     output = server.proc.output
     assert re.search(r"autoscale: planner: 1P\+1D -> 1A aggregated .*switch from disaggregated", output), output
-    assert "autoscale: switching to aggregated serving" in output
-    order = [log.first(p) for p in (r"autoscale: prefill-0 \(prefill\) leaves", r"autoscale: starting worker-0 \(both\)",
-                                    r"autoscale: worker-0 ready after", r"autoscale: decode-0 \(decode\) leaves",
-                                    r"autoscale: decode-0 drained and stopped after [\d.]+ s \(exit code 0\)")]
+    assert "autoscale: switching to aggregated serving: decode-0 now serves in the aggregated pool in place" in output
+    order = [log.first(p) for p in (r"autoscale: switching to aggregated serving",
+                                    r"autoscale: prefill-0 \(prefill\) leaves",
+                                    r"autoscale: prefill-0 drained and stopped after [\d.]+ s \(exit code 0\)")]
     assert all(order), output
     assert [t for t, _ in order] == sorted(t for t, _ in order), output
-    print(f"switched in {order[-1][0] - order[0][0]:.1f} s (prefill-0 leaves -> decode-0 gone); {len(results)} requests")
+    assert "autoscale: starting" not in output, output
+    print(f"switched in {order[-1][0] - order[0][0]:.1f} s (switch -> prefill-0 gone); {len(results)} requests")
     failed = [r for r in results if r.error]
     assert not failed, (len(failed), [r.error for r in failed[:5]], output)
     assert len(results) >= 10
@@ -297,7 +301,7 @@ def test_autoscale_switches_a_light_disaggregated_deployment_to_one_aggregated_w
 
 
 async def _stream_until_switched(server, log: Log) -> list[Result]:
-    """SWITCH_STREAMS clients, each one request after another, until decode-0 has drained and
+    """SWITCH_STREAMS clients, each one request after another, until prefill-0 has drained and
     exited and 3 more requests each ran on what is left (or SWITCH_WITHIN_S passed)."""
     client = openai.AsyncOpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0, timeout=120)
     model = (await client.models.list()).data[0].id
@@ -308,7 +312,7 @@ async def _stream_until_switched(server, log: Log) -> list[Result]:
     async def stream_loop() -> None:
         after = None
         while time.monotonic() < deadline:
-            if after is None and log.first(r"autoscale: decode-0 drained and stopped"):
+            if after is None and log.first(r"autoscale: prefill-0 drained and stopped"):
                 after = 0
             if after is not None:
                 if after >= 3:

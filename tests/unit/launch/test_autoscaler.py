@@ -211,9 +211,10 @@ def test_the_loop_starts_a_worker_for_a_step_and_drains_one_after_the_cooldown()
         scaler.readings.append(_reading(t, total, 1024))
         decision = scaler.tick()
         assert decision.replicas == ReplicaCounts.of_aggregated(2), decision.explain()
-        assert [(n, r) for n, r, _ in started] == [("worker-1", "both")]
+        # In auto mode a decode process, counted in the aggregated pool (plan.process_role).
+        assert [(n, r) for n, r, _ in started] == [("worker-1", "decode")]
         new = scaler.workers[-1]
-        assert (new.name, new.state, new.slot) == ("worker-1", STARTING, 1)
+        assert (new.name, new.role, new.state, new.slot) == ("worker-1", "both", STARTING, 1)
         assert any(line.startswith("autoscale: planner: 1A -> 2A") for line in lines)
         new.state = SERVING                                       # (the probe's part)
         # Quiet: after the 3 s cool-down the pool shrinks; worker-1 (the newest, both idle) drains.
@@ -357,7 +358,7 @@ def test_auto_mode_lets_the_planner_switch_and_fixed_keeps_the_start_mode():
     assert autoscale_settings(args, plan_workers(args)).switch_modes is False
 
 
-def test_switching_to_aggregated_replaces_the_prefill_worker_first_and_always_keeps_a_decoder():
+def test_switching_to_aggregated_moves_the_decode_worker_in_place_and_replaces_the_prefill_worker():
     lines: list[str] = []
     sup = Supervisor(lines.append)
     try:
@@ -367,24 +368,43 @@ def test_switching_to_aggregated_replaces_the_prefill_worker_first_and_always_ke
                          WorkerLauncher(sup, lambda *a: SLEEPER, [None, None, None]),
                          [ScaledWorker("prefill-0", 0, "prefill", 0, p0), ScaledWorker("decode-0", 0, "decode", 1, d0)],
                          ["http://unused"])
-        scaler.apply(_asking(ReplicaCounts.of_aggregated(2)))
-        assert "switching to aggregated serving" in " ".join(lines)
-        # The free place takes an aggregated worker; the prefill worker drains for the second.
-        assert {w.name: w.state for w in scaler.workers} == {"prefill-0": DRAINING, "decode-0": SERVING,
-                                                             "worker-0": STARTING}
-        assert scaler._running() == ReplicaCounts.of_aggregated(1) and _can_decode(scaler)
-        assert scaler.asked() == ReplicaCounts.of_aggregated(2)       # what the planner reads
+        scaler.apply(_asking(ReplicaCounts.of_aggregated(3)))
+        assert "switching to aggregated serving: decode-0 now serves in the aggregated pool in place" \
+            in " ".join(lines)
+        # decode-0 serves on as an aggregated worker; the free place takes a new one, and the
+        # prefill worker drains for the third.
+        assert {w.name: (w.role, w.state) for w in scaler.workers} == {
+            "prefill-0": ("prefill", DRAINING), "decode-0": ("both", SERVING), "worker-0": ("both", STARTING)}
+        assert scaler._running() == ReplicaCounts.of_aggregated(2) and _can_decode(scaler)
+        assert scaler.asked() == ReplicaCounts.of_aggregated(3)       # what the planner reads
         _exit_retired(scaler)
-        assert {w.name: w.state for w in scaler.workers} == {"decode-0": SERVING, "worker-0": STARTING,
-                                                             "worker-1": STARTING}
-        scaler.housekeeping()
-        assert _can_decode(scaler)                      # decode-0 stays until the new workers serve
         _serving(scaler)
         scaler.housekeeping()
-        assert next(w for w in scaler.workers if w.name == "decode-0").state == DRAINING
+        assert {w.name: (w.role, w.state) for w in scaler.workers} == {
+            "decode-0": ("both", SERVING), "worker-0": ("both", SERVING), "worker-1": ("both", SERVING)}
+        assert all(w.child not in sup.retired for w in scaler.workers)
+    finally:
+        sup.stop()
+
+
+def test_switching_to_disaggregated_moves_the_aggregated_decode_processes_and_drains_one_for_a_prefill_worker():
+    lines: list[str] = []
+    sup = Supervisor(lines.append)
+    try:
+        children = [sup.spawn(f"worker-{i}", SLEEPER, "127.0.0.1:9") for i in range(3)]
+        scaler = _Scaler(sup, lines.append, AutoscaleSettings(3, 1.0, 0.5, 1.0, 3.0), True, PROFILE,
+                         WorkerLauncher(sup, lambda *a: SLEEPER, [None, None, None]),
+                         [ScaledWorker(c.name, i, "both", i, c, process_role="decode")
+                          for i, c in enumerate(children)],
+                         ["http://unused"])
+        scaler.apply(_asking(ReplicaCounts.of_pools(1, 2)))
+        assert [(w.role, w.state) for w in scaler.workers].count(("decode", SERVING)) == 2
+        assert [w.state for w in scaler.workers].count(DRAINING) == 1           # the surplus, for a place
+        assert scaler.asked() == ReplicaCounts.of_pools(1, 2)
+        assert "no free place for 1 more worker(s) yet" in lines[-1]            # the prefill worker waits
         _exit_retired(scaler)
-        assert sorted((w.name, w.role) for w in scaler.workers) == [("worker-0", "both"), ("worker-1", "both")]
-        assert scaler.asked() == ReplicaCounts.of_aggregated(2)
+        assert sorted((w.role, w.state) for w in scaler.workers) == [
+            ("decode", SERVING), ("decode", SERVING), ("prefill", STARTING)]
     finally:
         sup.stop()
 
@@ -417,25 +437,24 @@ def test_switching_to_disaggregated_from_full_places_drains_one_at_a_time():
 
 
 def test_in_a_switch_the_planner_reads_the_counts_asked_for_not_a_deployment_to_start():
-    # All places full: no aggregated worker can start until an old one leaves, so none of the
-    # new mode runs yet; the planner read that as 0 workers and chose a mode from scratch.
+    # All places full of aggregated processes (a `fixed` start cannot move them): no worker of
+    # the new mode can start until an old one leaves, so none runs yet; the planner read that as
+    # 0 workers and chose a mode from scratch.
     lines: list[str] = []
     sup = Supervisor(lines.append)
     try:
-        names = [("prefill-0", "prefill"), ("decode-0", "decode"), ("decode-1", "decode")]
-        children = [sup.spawn(n, SLEEPER, "127.0.0.1:9") for n, _ in names]
-        scaler = _Scaler(sup, lines.append, AutoscaleSettings(3, 1.0, 0.5, 1.0, 3.0), False, PROFILE,
+        children = [sup.spawn(f"worker-{i}", SLEEPER, "127.0.0.1:9") for i in range(3)]
+        scaler = _Scaler(sup, lines.append, AutoscaleSettings(3, 1.0, 0.5, 1.0, 3.0), True, PROFILE,
                          WorkerLauncher(sup, lambda *a: SLEEPER, [None, None, None]),
-                         [ScaledWorker(n, int(n[-1]), r, i, c) for i, ((n, r), c) in enumerate(zip(names, children))],
-                         ["http://unused"])
-        scaler.target = ReplicaCounts.of_pools(1, 2)
-        scaler.apply(_asking(ReplicaCounts.of_aggregated(3)))
-        assert scaler._running() == ReplicaCounts.of_aggregated(0)
-        assert scaler.asked() == ReplicaCounts.of_aggregated(3)
+                         [ScaledWorker(c.name, i, "both", i, c) for i, c in enumerate(children)], ["http://unused"])
+        scaler.target = ReplicaCounts.of_aggregated(3)
+        scaler.apply(_asking(ReplicaCounts.of_pools(1, 2)))
+        assert scaler._running() == ReplicaCounts.of_pools(0, 0)
+        assert scaler.asked() == ReplicaCounts.of_pools(1, 2)
         scaler.readings += [_reading(100.0, 0, 64), _reading(101.0, 1, 64)]
         assert scaler.tick() is None                              # the baseline
         decision = scaler.tick()
-        assert decision.current == ReplicaCounts.of_aggregated(3), decision.explain()
+        assert decision.current == ReplicaCounts.of_pools(1, 2), decision.explain()
         assert not decision.mode_reason.startswith("start"), decision.explain()
     finally:
         sup.stop()
