@@ -24,11 +24,14 @@ over the whole run, the planner's against every static split (target: above each
     python bench/planner.py --out bench/results/planner.json      # ~17 min on 2 cores
 
 The defaults load each phase so that the split matters, measured on 2 cores with one thread
-per worker (AMD EPYC, probes of each phase alone): at 2.5 req/s of 64 in / 96 out (240 output
-tok/s), one decode worker (2P:1D) served 58 % of the requests within the SLO and two (1P:2D)
+per worker (AMD EPYC, probes of each phase alone): at 2.0 req/s of 64 in / 96 out (192 output
+tok/s), one decode worker (2P:1D) served 80 % of the requests within the SLO and two (1P:2D)
 all of them; at 0.4 req/s of 512 in / 8 out (205 prompt tok/s), one prefill worker (1P:2D)
-served 16-41 % in two runs and two all. So each static split fails one phase. On 2 cores every worker
-after the second shares a core; the report records the CPU it ran on.
+served 16-41 % in two runs and two all. So each static split fails one phase. At 2.5 req/s
+(runs 6-12 in bench/README.md) three workers ran at ~94 % of what the ITL target lets them
+decode, and goodput became a cliff: the same static split measured 2.41 and 1.43 req/s in two
+runs. On 2 cores every worker after the second shares a core; the report records the CPU it
+ran on.
 """
 
 from __future__ import annotations
@@ -205,7 +208,7 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--max-workers", type=int, default=3)
     p.add_argument("--phase-s", type=float, default=100.0, help="seconds per phase")
-    p.add_argument("--a-rate", type=float, default=2.5, help="decode-heavy phase: requests/s")
+    p.add_argument("--a-rate", type=float, default=2.0, help="decode-heavy phase: requests/s")
     p.add_argument("--a-prompt", type=int, default=64)
     p.add_argument("--a-output", type=int, default=96)
     p.add_argument("--b-rate", type=float, default=0.4, help="prefill-heavy phase: requests/s")
