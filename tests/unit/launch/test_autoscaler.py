@@ -348,6 +348,16 @@ def _can_decode(scaler: Autoscaler) -> bool:
     return any(w.state == SERVING and w.role != "prefill" for w in scaler.workers)
 
 
+def _three_aggregated(sup: Supervisor, lines: list[str], process_role: str = "") -> Autoscaler:
+    """Three aggregated workers in all of --max-workers 3's places; process_role "decode": as an
+    `auto` start runs them (plan.process_role), "": `both` processes (a `fixed` start)."""
+    children = [sup.spawn(f"worker-{i}", SLEEPER, "127.0.0.1:9") for i in range(3)]
+    return _Scaler(sup, lines.append, AutoscaleSettings(3, 1.0, 0.5, 1.0, 3.0), True, PROFILE,
+                   WorkerLauncher(sup, lambda *a: SLEEPER, [None, None, None]),
+                   [ScaledWorker(c.name, i, "both", i, c, process_role=process_role) for i, c in enumerate(children)],
+                   ["http://unused"])
+
+
 def test_auto_mode_lets_the_planner_switch_and_fixed_keeps_the_start_mode():
     assert planner_config(AutoscaleSettings(3, 1.0, 0.1, 5.0, 30.0), False).mode is PlannerMode.AUTO
     assert planner_config(AutoscaleSettings(3, 1.0, 0.1, 5.0, 30.0, switch_modes=False), False).mode \
@@ -391,12 +401,7 @@ def test_switching_to_disaggregated_moves_the_aggregated_decode_processes_and_dr
     lines: list[str] = []
     sup = Supervisor(lines.append)
     try:
-        children = [sup.spawn(f"worker-{i}", SLEEPER, "127.0.0.1:9") for i in range(3)]
-        scaler = _Scaler(sup, lines.append, AutoscaleSettings(3, 1.0, 0.5, 1.0, 3.0), True, PROFILE,
-                         WorkerLauncher(sup, lambda *a: SLEEPER, [None, None, None]),
-                         [ScaledWorker(c.name, i, "both", i, c, process_role="decode")
-                          for i, c in enumerate(children)],
-                         ["http://unused"])
+        scaler = _three_aggregated(sup, lines, process_role="decode")
         scaler.apply(_asking(ReplicaCounts.of_pools(1, 2)))
         assert [(w.role, w.state) for w in scaler.workers].count(("decode", SERVING)) == 2
         assert [w.state for w in scaler.workers].count(DRAINING) == 1           # the surplus, for a place
@@ -413,10 +418,7 @@ def test_switching_to_disaggregated_from_full_places_drains_one_at_a_time():
     lines: list[str] = []
     sup = Supervisor(lines.append)
     try:
-        children = [sup.spawn(f"worker-{i}", SLEEPER, "127.0.0.1:9") for i in range(3)]
-        scaler = _Scaler(sup, lines.append, AutoscaleSettings(3, 1.0, 0.5, 1.0, 3.0), True, PROFILE,
-                         WorkerLauncher(sup, lambda *a: SLEEPER, [None, None, None]),
-                         [ScaledWorker(c.name, i, "both", i, c) for i, c in enumerate(children)], ["http://unused"])
+        scaler = _three_aggregated(sup, lines)
         scaler.apply(_asking(ReplicaCounts.of_pools(1, 2)))
         seen_capacity = []
         for _ in range(12):
@@ -443,10 +445,7 @@ def test_in_a_switch_the_planner_reads_the_counts_asked_for_not_a_deployment_to_
     lines: list[str] = []
     sup = Supervisor(lines.append)
     try:
-        children = [sup.spawn(f"worker-{i}", SLEEPER, "127.0.0.1:9") for i in range(3)]
-        scaler = _Scaler(sup, lines.append, AutoscaleSettings(3, 1.0, 0.5, 1.0, 3.0), True, PROFILE,
-                         WorkerLauncher(sup, lambda *a: SLEEPER, [None, None, None]),
-                         [ScaledWorker(c.name, i, "both", i, c) for i, c in enumerate(children)], ["http://unused"])
+        scaler = _three_aggregated(sup, lines)
         scaler.target = ReplicaCounts.of_aggregated(3)
         scaler.apply(_asking(ReplicaCounts.of_pools(1, 2)))
         assert scaler._running() == ReplicaCounts.of_pools(0, 0)
