@@ -19,7 +19,8 @@ from splitserve.services.planner.readings import FrontendCounters, Reading, Work
 from splitserve.services.launch.autoscaler import (DRAINING, SERVING, STARTING, Autoscaler, ScaledWorker,
                                                    WorkerLauncher, planner_config)
 from splitserve.services.launch.children import frontend_argv, worker_argv
-from splitserve.services.launch.plan import AutoscaleSettings, autoscale_settings, plan_workers, worker_slots
+from splitserve.services.launch.plan import (AutoscaleSettings, autoscale_settings, plan_workers, process_role,
+                                             worker_slots)
 from splitserve.services.launch.profile_run import decode_step_seconds
 from splitserve.services.launch.supervisor import Supervisor
 from splitserve.services.planner import CapacityProfile, PlannerMode, ReplicaCounts, ThroughputCurve
@@ -356,6 +357,17 @@ def _three_aggregated(sup: Supervisor, lines: list[str], process_role: str = "")
                    WorkerLauncher(sup, lambda *a: SLEEPER, [None, None, None]),
                    [ScaledWorker(c.name, i, "both", i, c, process_role=process_role) for i, c in enumerate(children)],
                    ["http://unused"])
+
+
+def test_where_modes_may_switch_an_aggregated_worker_starts_as_a_decode_process():
+    auto, fixed = AutoscaleSettings(3, 1.0, 0.1, 5.0, 30.0), AutoscaleSettings(3, 1.0, 0.1, 5.0, 30.0, False)
+    assert [process_role(r, auto) for r in ("both", "prefill", "decode")] == ["decode", "prefill", "decode"]
+    assert [process_role(r, fixed) for r in ("both", "prefill", "decode")] == ["both", "prefill", "decode"]
+    assert process_role("both", AutoscaleSettings(1, 1.0, 0.1, 5.0, 30.0)) == "both"     # one place: no switch
+    assert process_role("both", None) == "both"                                          # no --autoscale
+    worker = ScaledWorker("worker-0", 0, "both", 0, None, process_role="decode")
+    assert worker.can_serve_as("decode") and worker.can_serve_as("both") and not worker.can_serve_as("prefill")
+    assert not ScaledWorker("worker-1", 1, "both", 1, None).can_serve_as("decode")
 
 
 def test_auto_mode_lets_the_planner_switch_and_fixed_keeps_the_start_mode():
