@@ -54,7 +54,7 @@ import httpx
 from rich.console import Console
 from rich.table import Table
 
-from bench_support import stop_group, wait_ready
+from bench_support import stop_group
 from splitserve.hardware import write_report
 from splitserve.net import free_port
 
@@ -170,9 +170,11 @@ def run_config(name: str, argv: list[str], plan: list[Arrival], args, scratch: P
         try:
             # serve's own line, not /v1/models: with --autoscale the frontend answers while serve
             # still runs the planner's profile (~45 s), before the autoscaler starts.
-            wait_ready(f"{url}/v1/models", proc, 600)
-            if not ready.wait(600):
-                raise RuntimeError(f"{name}: no 'splitserve is ready' line within 600 s")
+            deadline = time.monotonic() + 600
+            while not ready.wait(0.5):
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"{name}: serve exited (code {proc.returncode}) or printed no "
+                                       f"'splitserve is ready' line within 600 s")
             log.write(f"{time.monotonic() - started:7.2f} [bench] the load starts\n")
             outcomes = asyncio.run(drive(url, plan))
         finally:

@@ -85,7 +85,7 @@ def planner_config(settings: AutoscaleSettings, aggregated: bool) -> PlannerConf
     """The planner's config for local workers: 1..max workers a pool; the mode serve runs in
     (`--autoscale-mode fixed`, or one place only) or either (`auto`)."""
     m = settings.max_workers
-    if settings.switches_modes:
+    if settings.may_switch_modes:
         mode = PlannerMode.AUTO
     else:
         mode = PlannerMode.AGGREGATED if aggregated else PlannerMode.DISAGGREGATED
@@ -294,8 +294,7 @@ class Autoscaler:
     def _move_to_new_mode(self) -> list[ScaledWorker]:
         """In a switch, the workers that decode and can serve in the new mode's decoding pool move to it."""
         role = "both" if self.aggregated else "decode"
-        moved = [w for w in self.workers if w.state != DRAINING and w.role in ("both", "decode")
-                 and w.role != role and w.can_serve_as(role)]
+        moved = [w for w in self.workers if w.state != DRAINING and w.role != role and w.can_serve_as(role)]
         for w in moved:
             w.role = role
         return moved

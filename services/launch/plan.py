@@ -104,7 +104,7 @@ class AutoscaleSettings:
     switch_modes: bool = True       # --autoscale-mode auto: the planner may switch aggregated <-> disaggregated
 
     @property
-    def switches_modes(self) -> bool:
+    def may_switch_modes(self) -> bool:
         """The planner may switch modes: `--autoscale-mode auto` with places for two workers."""
         return self.switch_modes and self.max_workers >= 2
 
@@ -118,7 +118,7 @@ def process_role(role: str, settings: AutoscaleSettings | None) -> str:
     decode pool in place instead of replacing it (autoscaler.py). Its only extra is the KV
     transfer agent, ~0.5 s of its start.
     """
-    if role == "both" and settings is not None and settings.switches_modes:
+    if role == "both" and settings is not None and settings.may_switch_modes:
         return "decode"
     return role
 
