@@ -22,6 +22,7 @@ the planner's goodput ÷ the best static split's (`goodput_vs_best_static`, targ
 over the whole run, the planner's against every static split (target: above each).
 
     python bench/planner.py --out bench/results/planner.json      # ~17 min on 2 cores
+    python bench/planner.py --repeats 3 --out ...                  # medians of 3 (~50 min)
 
 The defaults load each phase so that the split matters, measured on 2 cores with one thread
 per worker (AMD EPYC, probes of each phase alone): at 2.0 req/s of 64 in / 96 out (192 output
@@ -42,6 +43,7 @@ import json
 import os
 import random
 import re
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -194,6 +196,25 @@ def run_config(name: str, argv: list[str], plan: list[Arrival], args, scratch: P
     return record
 
 
+def median_record(name: str, runs: list[Record]) -> Record:
+    """One configuration over its repeats: the median of each phase's goodput and p90s, the
+    requests summed, the last repeat's planner decisions."""
+    def median(values: list[float | None]) -> float | None:
+        known = [v for v in values if v is not None]
+        return statistics.median(known) if known else None
+
+    if len(runs) == 1:
+        return runs[0]
+    out = Record(name, decisions=runs[-1].decisions)
+    for ph in PHASES:
+        out.goodput[ph] = statistics.median(r.goodput[ph] for r in runs)
+        out.completed[ph] = sum(r.completed[ph] for r in runs)
+        out.arrived[ph] = sum(r.arrived[ph] for r in runs)
+        out.ttft_p90_s[ph] = median([r.ttft_p90_s[ph] for r in runs])
+        out.itl_p90_s[ph] = median([r.itl_p90_s[ph] for r in runs])
+    return out
+
+
 def configs(args) -> list[tuple[str, list[str]]]:
     m = args.max_workers
     out = [(f"static {p}P:{m - p}D", ["--prefill-workers", str(p), "--decode-workers", str(m - p)])
@@ -223,24 +244,33 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--configs", default="", help="run only configurations whose name contains one of these "
                                                  "(comma-separated; default: all)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--repeats", type=int, default=1,
+                   help="run every configuration this many times, round robin, and report each phase's median "
+                        "(the same seeded arrivals each time: the spread is the machine's)")
     p.add_argument("--log-dir", type=Path, default=None,
                    help="keep each configuration's `splitserve serve` log here (default: a temporary folder)")
     p.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "planner.json")
     args = p.parse_args(argv)
+    if args.repeats < 1:
+        p.error("--repeats must be >= 1")
     console = Console(width=200)
     plan = arrivals(args)
     console.print(f"{len(plan)} requests over 2 × {args.phase_s:g} s; SLO TTFT ≤ {args.ttft_ms:g} ms, "
                   f"ITL ≤ {args.itl_ms:g} ms; at most {args.max_workers} workers")
     wanted = [c for c in args.configs.split(",") if c]
-    records = []
+    chosen = [(name, extra) for name, extra in configs(args) if not wanted or any(w in name for w in wanted)]
+    runs: dict[str, list[Record]] = {name: [] for name, _ in chosen}
     with tempfile.TemporaryDirectory(prefix="planner-bench-") as tmp:
         logs = args.log_dir or Path(tmp)
         logs.mkdir(parents=True, exist_ok=True)
-        for name, extra in configs(args):
-            if wanted and not any(w in name for w in wanted):
-                continue
-            records.append(run_config(name, extra, plan, args, logs, console))
-    table = Table(title=f"Goodput (req/s within SLO), {args.max_workers} workers at most")
+        for repeat in range(args.repeats):
+            # Round robin, so that the VM's slow spells fall on every configuration alike.
+            for name, extra in chosen:
+                label = name if args.repeats == 1 else f"{name} #{repeat + 1}"
+                runs[name].append(run_config(label, extra, plan, args, logs, console))
+    records = [median_record(name, rs) for name, rs in runs.items()]
+    medians = f", medians of {args.repeats} repeats" if args.repeats > 1 else ""
+    table = Table(title=f"Goodput (req/s within SLO), {args.max_workers} workers at most{medians}")
     for col in ("config", *(f"{ph} goodput" for ph in PHASES), "mean", *(f"{ph} TTFT p90 s" for ph in PHASES),
                 *(f"{ph} ITL p90 s" for ph in PHASES), "completed"):
         table.add_column(col, justify="right")
@@ -260,12 +290,15 @@ def main(argv: list[str] | None = None) -> None:
             vs_best[ph] = planner.goodput[ph] / best if best else None
         vs_each = {s.config: (planner.total_goodput / s.total_goodput if s.total_goodput else None) for s in statics}
         console.print(f"planner ÷ best static split per phase: {vs_best} (target ≥ 0.9); whole run ÷ each static "
-                      f"split: {vs_each} (target > 1)")
-        for line in planner.decisions:
+                      f"split: {vs_each} (target > 1)" + (f"; medians of {args.repeats} repeats" if args.repeats > 1
+                                                         else ""))
+        for line in runs["planner"][-1].decisions:
             console.print(f"  {line[:190]}")
     write_report(args.out, {
         "benchmark": "planner", "records": [{**asdict(r), "total_goodput": r.total_goodput} for r in records],
         "goodput_vs_best_static": vs_best, "planner_vs_each_static_whole_run": vs_each,
+        "repeats": args.repeats,
+        "runs": {name: [{**asdict(r), "total_goodput": r.total_goodput} for r in rs] for name, rs in runs.items()},
         "workload": {k: getattr(args, k) for k in ("phase_s", "a_rate", "a_prompt", "a_output", "b_rate",
                                                     "b_prompt", "b_output", "ttft_ms", "itl_ms", "max_workers",
                                                     "interval_s", "cooldown_s", "seed")},

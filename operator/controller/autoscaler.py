@@ -328,7 +328,7 @@ class Autoscaler:
             log.warning("autoscale %s/%s: a sample older than the last one, ignored", owner.namespace, owner.name)
             return None
         decision = state.planner.decide(state.history, sample)
-        state.planner = state.planner.learned(sample, state.history[-1] if state.history else None)
+        state.planner = state.planner.learned(state.history, sample)
         state.history.append(sample)
         self.num_decisions += 1
         log.info("autoscale %s/%s: %s", owner.namespace, owner.name, decision.explain())

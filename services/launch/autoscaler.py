@@ -232,7 +232,7 @@ class Autoscaler:
             self.metrics.record("serve", decision)
         if decision.changed:
             self.apply(decision)
-        self.planner = self.planner.learned(sample, self.history[-1] if self.history else None)
+        self.planner = self.planner.learned(list(self.history), sample)
         self.history.append(sample)
         return decision
 

@@ -29,7 +29,7 @@ Use, once per interval (say every 10 s):
     log.info("%s", decision.explain())
     if decision.changed:
         apply(decision.replicas)          # start workers at once; drain before removing
-    planner = planner.learned(sample, history[-1] if history else None)
+    planner = planner.learned(history, sample)
     history.append(sample)
 
 `sample.replicas` must be the counts asked for (the last decision applied, starting workers

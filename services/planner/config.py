@@ -18,6 +18,8 @@
 - backlog_drain_s: a backlog already waiting is to be cleared within this time [30].
 - mode_switch_saving: replicas the other mode must save, over the whole cool-down window,
   before AUTO switches to it [1].
+- mode_memory_s: how long a mode's observed miss at max_workers (mode_misses.py) keeps
+  AUTO from switching to it at that load or a heavier one [1800].
 - window_s, ewma_alpha: the load predictor's (predictor.py) [60 s, 0.5].
 """
 
@@ -71,6 +73,7 @@ class PlannerConfig:
     cooldown_s: float = 300.0
     backlog_drain_s: float = 30.0
     mode_switch_saving: int = 1
+    mode_memory_s: float = 1800.0
     window_s: float = 60.0
     ewma_alpha: float = 0.5
 
@@ -84,8 +87,10 @@ class PlannerConfig:
             raise ValueError("max_utilisation must be within (0, 1) and kv_fraction within (0, 1]")
         if not 0.0 <= self.dead_band < 1.0:
             raise ValueError(f"dead_band must be within [0, 1), got {self.dead_band}")
-        if self.max_batch < 1 or self.cooldown_s < 0 or self.backlog_drain_s <= 0 or self.mode_switch_saving < 0:
-            raise ValueError("max_batch >= 1, cooldown_s >= 0, backlog_drain_s > 0, mode_switch_saving >= 0")
+        if self.max_batch < 1 or self.cooldown_s < 0 or self.backlog_drain_s <= 0 or self.mode_switch_saving < 0 \
+                or self.mode_memory_s < 0:
+            raise ValueError("max_batch >= 1, cooldown_s >= 0, backlog_drain_s > 0, mode_switch_saving >= 0, "
+                             "mode_memory_s >= 0")
 
     def bounds(self, pool: str) -> PoolBounds:
         if pool == "prefill":

@@ -1,8 +1,10 @@
 """The SLO planner: the replica counts for what comes next, from a deployment's recent samples.
 
-`Planner.decide(history, current)` is a pure function of its arguments, the config and the
-profile: state such as "when did this pool last change" is read from the samples'
-replica counts, so a recorded series replays to the same decisions.
+`Planner.decide(history, current)` is a pure function of its arguments, the config, the
+profile and the mode misses: state such as "when did this pool last change" is read from
+the samples' replica counts, so a recorded series replays to the same decisions.
+`Planner.learned(history, current)` is the planner after that interval: its profile
+refined by what the workers measured, and a mode's miss at max_workers remembered.
 
 1. Samples: `history` (oldest first) then `current`; only those of the last
    max(cooldown_s, window_s) are read, plus the one before (it tells whether the window is covered).
@@ -23,7 +25,12 @@ replica counts, so a recorded series replays to the same decisions.
 4. Mode (AUTO): the running mode is kept unless the other one, after the cool-down,
    meets the SLO where this one cannot, or saves `mode_switch_saving` replicas at the
    predicted load and at g times every window sample's load. When this mode needs more than
-   max_workers and the other fewer, only the cool-down after a mode switch holds the switch. A switch sizes the new
+   max_workers and the other fewer, only the cool-down after a mode switch holds the switch.
+   What the modes served outranks the model (mode_misses.py): when the running mode has
+   missed the SLO with max_workers workers for MISS_INTERVALS intervals after its last change
+   was ready ("observed miss"), and the model does not rate the other mode worse, the
+   deployment switches; a mode that missed at this load (within g) in the last
+   `mode_memory_s` is never switched to. A switch sizes the new
    pools at the larger of the two. With nothing running, the cheaper mode at the
    predicted load (a tie goes to disaggregated).
 5. Bounds: each pool within its PoolBounds; while the total is above max_workers, one
@@ -40,6 +47,7 @@ from dataclasses import dataclass, replace
 
 from splitserve.services.planner.config import PlannerConfig, PlannerMode
 from splitserve.services.planner.decision import Binding, Decision, PoolDecision
+from splitserve.services.planner.mode_misses import MISS_INTERVALS, ModeMiss, ModeMisses
 from splitserve.services.planner.predictor import LoadPredictor, PredictedLoad
 from splitserve.services.planner.profile import CapacityProfile, observations_from_sample
 from splitserve.services.planner.samples import MetricsSample, ReplicaCounts
@@ -53,6 +61,7 @@ AGGREGATED_POOLS = ("aggregated",)
 class Planner:
     config: PlannerConfig
     profile: CapacityProfile
+    misses: ModeMisses = ModeMisses()
 
     @property
     def predictor(self) -> LoadPredictor:
@@ -61,10 +70,42 @@ class Planner:
     def with_profile(self, profile: CapacityProfile) -> Planner:
         return replace(self, profile=profile)
 
-    def learned(self, sample: MetricsSample, previous: MetricsSample | None) -> Planner:
-        """This planner with its profile refined by what the interval of `sample` measured
-        (`previous`: the sample before it, None for the first)."""
-        return self.with_profile(self.profile.refine(observations_from_sample(sample, previous)))
+    def learned(self, history: Sequence[MetricsSample], current: MetricsSample) -> Planner:
+        """This planner after the interval of `current` (`history` as for `decide`): its profile
+        refined by what the workers measured, and the running mode's observed miss remembered."""
+        planner = self.with_profile(self.profile.refine(
+            observations_from_sample(current, history[-1] if history else None)))
+        miss = self.sustained_miss(self._recent([*history, current]))
+        if miss is not None and self.config.mode is PlannerMode.AUTO:
+            planner = replace(planner, misses=self.misses.with_miss(miss, self.config.mode_memory_s))
+        return planner
+
+    def sustained_miss(self, samples: list[MetricsSample]) -> ModeMiss | None:
+        """The running deployment's miss (mode_misses.py), if the samples show one: it runs
+        max_workers workers, and each of the last MISS_INTERVALS or more intervals that began
+        after its last change was ready (start-up) missed the TTFT or the ITL target."""
+        current = samples[-1]
+        if current.replicas.total < self.config.max_workers:
+            return None
+        ready_at = _last_change(samples, None) + self.profile.startup_s
+        settled = [s for s in samples if s.timestamp - s.interval_s >= ready_at]
+        if len(settled) < MISS_INTERVALS:
+            return None
+        worst = [self._worst_miss(s) for s in settled]
+        if any(w is None for w in worst):
+            return None
+        load = self.predictor.predict(settled)
+        return ModeMiss(current.timestamp, current.replicas, load,
+                        current.timestamp - settled[0].timestamp + settled[0].interval_s, worst[-1])
+
+    def _worst_miss(self, sample: MetricsSample) -> str | None:
+        """The target this sample's p90 missed by the most ("itl p90 0.79 s > 0.4 s"); None: met both."""
+        slo = self.config.slo
+        ratios = [(seen / target, f"{name} p90 {seen:.3g} s > {target:.3g} s")
+                  for name, seen, target in (("ttft", sample.ttft_p90_s, slo.ttft_p90_s),
+                                             ("itl", sample.itl_p90_s, slo.itl_p90_s))
+                  if seen is not None and seen > target]
+        return max(ratios)[1] if ratios else None
 
     def decide(self, history: Sequence[MetricsSample], current: MetricsSample) -> Decision:
         samples = self._recent([*history, current])
@@ -163,6 +204,13 @@ class Planner:
             return disaggregated, f"start {'disaggregated' if disaggregated else 'aggregated'}: {costs}"
         running = current.replicas.disaggregated
         name = "disaggregated" if running else "aggregated"
+        other_missed = self.misses.known(not running, load, current.timestamp, self.config.mode_memory_s,
+                                         self.config.noise_ratio)
+        if other_missed is not None:
+            return running, f"keep {name}: {other_missed.describe()}; {costs}"
+        missing = self.sustained_miss(samples)
+        if missing is not None and self._mode_cost(model, load, not running) <= self._mode_cost(model, load, running):
+            return not running, f"switch from {name}: observed miss, {missing.describe()}; {costs}"
         if current.timestamp - _last_change(samples, None) < self.config.cooldown_s \
                 and not self._pressed(model, load, running, samples):
             return running, f"keep {name} (cool-down): {costs}"

@@ -1,7 +1,8 @@
 """Helpers for the planner's tests: a fixed capacity profile and a closed-loop replay.
 
-`replay` feeds a planner one sample per interval, built from a scripted load, and puts
-each decision's counts into the next sample, as the `serve --autoscale` loop does.
+`replay` feeds a planner one sample per interval, built from a scripted load, puts each
+decision's counts into the next sample and lets the planner learn from the interval, as
+the `serve --autoscale` loop does.
 Timestamps are explicit: nothing sleeps.
 """
 
@@ -63,6 +64,7 @@ def replay(planner: Planner, loads: Iterable[Load], start: ReplicaCounts) -> lis
     for i, load in enumerate(loads):
         sample = sample_of((i + 1) * INTERVAL_S, load, replicas)
         decision = planner.decide(history, sample)
+        planner = planner.learned(history, sample)
         decisions.append(decision)
         replicas = decision.replicas
         history.append(sample)
