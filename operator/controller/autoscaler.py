@@ -8,13 +8,17 @@ For each ServingDeployment with `spec.autoscaling.enabled`, every `intervalSecon
 2. ask the `MetricsSource` for the interval's `MetricsSample` (metrics_source.py scrapes the
    frontend pods' /metrics and the rank-0 workers' Stats; tests inject a stand-in). None: no
    sample this interval (the first reading only sets a baseline, no frontend answers, ...);
-3. `Planner.decide(history, sample)` (services/planner), in the fixed DISAGGREGATED mode: the
-   operator never switches a deployment to aggregated workers;
+3. `Planner.decide(history, sample)` (services/planner): in the DISAGGREGATED mode, or with
+   `switchModes` in AUTO, where "aggregated" is the prefill pool at 0 groups: the decode
+   groups then prefill their own prompts, since the router sends a request no prefill
+   worker when none is registered (the counts read as `ReplicaCounts.of_aggregated`);
 4. apply the counts: a merge patch of `spec.replicas` through each changed ServingPool's
    `scale` subresource, conditional on the count still being the one the decision read (a
    user who scaled in between wins; the planner reads the new count next interval). The
    reconciler then copies the count into the ServingDeployment and creates groups, or drains
-   the ones it removes (no request lost), as for `kubectl scale`;
+   the ones it removes (no request lost), as for `kubectl scale`. A mode switch is two
+   patches, the growing pool first: to aggregated, the decode pool grows, then the prefill
+   pool drains to 0; back, the prefill pool grows first;
 5. record the decision: a log line with `decision.explain()`; the `splitserve_planner_*` metrics
    (planner/decision_metrics.py; `splitserve operator --metrics-port`); an Event `AutoscaleDecision` on
    the ServingDeployment whose message is `explain()` (a decision with the same counts and
@@ -71,12 +75,28 @@ def planner_config(spec: SloAutoscalingSpec) -> PlannerConfig:
     """The planner's config for an enabled `spec.autoscaling` (targets required)."""
     if spec.ttft_p90_ms is None or spec.itl_p90_ms is None:
         raise ValueError("spec.autoscaling: ttftP90Ms and itlP90Ms are required when autoscaling is enabled")
+    decode = PoolBounds(spec.decode.min_replicas, spec.decode.max_replicas)
     return PlannerConfig(
         SloTargets(spec.ttft_p90_ms / 1e3, spec.itl_p90_ms / 1e3),
-        prefill=PoolBounds(spec.prefill.min_replicas, spec.prefill.max_replicas),
-        decode=PoolBounds(spec.decode.min_replicas, spec.decode.max_replicas),
-        max_workers=spec.worker_limit, mode=PlannerMode.DISAGGREGATED, cooldown_s=float(spec.cooldown_s),
-        window_s=max(MIN_WINDOW_S, 3.0 * spec.interval_s))
+        prefill=PoolBounds(spec.prefill.min_replicas, spec.prefill.max_replicas), decode=decode,
+        aggregated=decode,                # aggregated groups are the decode pool's
+        max_workers=spec.worker_limit, mode=PlannerMode.AUTO if spec.switch_modes else PlannerMode.DISAGGREGATED,
+        cooldown_s=float(spec.cooldown_s), window_s=max(MIN_WINDOW_S, 3.0 * spec.interval_s))
+
+
+def replica_counts(prefill: int, decode: int, switch_modes: bool) -> ReplicaCounts:
+    """The planner's counts for the pools' asked-for group counts: with `switch_modes`, no
+    prefill group is the aggregated mode (the decode groups prefill their own prompts)."""
+    if switch_modes and prefill == 0:
+        return ReplicaCounts.of_aggregated(decode)
+    return ReplicaCounts.of_pools(prefill, decode)
+
+
+def pool_counts(replicas: ReplicaCounts) -> dict[str, int]:
+    """The ServingPools' group counts for the planner's: aggregated workers are decode groups."""
+    if replicas.disaggregated:
+        return {"prefill": replicas.num_prefill, "decode": replicas.num_decode}
+    return {"prefill": 0, "decode": replicas.num_aggregated}
 
 
 def capacity_profile(spec: CapacityProfileSpec) -> CapacityProfile:
@@ -110,13 +130,10 @@ class ScalePatch:
 
 def scale_patches(deployment: str, decision: Decision, current: Mapping[str, int]) -> list[ScalePatch]:
     """The patches that take the pools from `current` (their Scale's spec.replicas) to the
-    decision's counts; pools growing first, so that capacity comes before any goes."""
-    if not decision.replicas.disaggregated:
-        raise ValueError(f"the operator runs disaggregated pools only, the planner chose "
-                         f"{decision.replicas.describe()}")
-    patches = [ScalePatch(pool, names.pool_resource_name(deployment, pool), current[pool],
-                          decision.replicas.count(pool))
-               for pool in POOL_NAMES if decision.replicas.count(pool) != current[pool]]
+    decision's counts (`pool_counts`); pools growing first, so that capacity comes before any goes."""
+    wanted = pool_counts(decision.replicas)
+    patches = [ScalePatch(pool, names.pool_resource_name(deployment, pool), current[pool], wanted[pool])
+               for pool in POOL_NAMES if wanted[pool] != current[pool]]
     return sorted(patches, key=lambda p: p.replicas < p.current)
 
 
@@ -137,7 +154,7 @@ def autoscaling_status(decision: Decision, now: str, last_scale_time: str | None
     seen, load = decision.inputs, decision.load
     status: dict[str, Any] = {
         "enabled": True,
-        "mode": "disaggregated",
+        "mode": "disaggregated" if decision.replicas.disaggregated else "aggregated",
         "lastDecisionTime": now,
         "replicas": decision.replicas.describe(),
         "changed": decision.changed,
@@ -316,7 +333,8 @@ class Autoscaler:
         scales = {pool: await self._read_scale(owner, pool) for pool in POOL_NAMES}
         if any(s is None for s in scales.values()):
             return {}, None               # the reconciler has not created the ServingPools yet
-        replicas = ReplicaCounts.of_pools(scales["prefill"].replicas, scales["decode"].replicas)
+        replicas = replica_counts(scales["prefill"].replicas, scales["decode"].replicas,
+                                  spec.autoscaling.switch_modes)
         return scales, await self.source.sample(AutoscaleTarget(owner, spec), replicas)
 
     async def interval(self, owner: Owner, spec: ServingDeploymentSpec, state: DeploymentState) -> Decision | None:

@@ -291,7 +291,9 @@ class SloAutoscalingSpec:
     subresources. Not the per-pool `autoscaling` (Ray Serve's).
 
     Targets in milliseconds (p90 time to first token and inter-token latency), required when
-    `enabled`; `max_workers` None: the sum of the pools' maxReplicas.
+    `enabled`; `max_workers` None: the sum of the pools' maxReplicas. `switch_modes`: the
+    planner may also run the deployment aggregated, the prefill pool at 0 groups and the decode
+    groups prefilling their own prompts (the router sends a request no prefill worker then).
     """
 
     enabled: bool = False
@@ -303,9 +305,10 @@ class SloAutoscalingSpec:
     prefill: PoolBoundsSpec = field(default_factory=PoolBoundsSpec)
     decode: PoolBoundsSpec = field(default_factory=PoolBoundsSpec)
     profile: CapacityProfileSpec = field(default_factory=CapacityProfileSpec)
+    switch_modes: bool = False
 
-    _FIELDS = ("enabled", "ttftP90Ms", "itlP90Ms", "intervalSeconds", "cooldownSeconds", "maxWorkers", "prefill",
-               "decode", "profile")
+    _FIELDS = ("enabled", "switchModes", "ttftP90Ms", "itlP90Ms", "intervalSeconds", "cooldownSeconds", "maxWorkers",
+               "prefill", "decode", "profile")
 
     @property
     def worker_limit(self) -> int:
@@ -343,10 +346,11 @@ class SloAutoscalingSpec:
                    interval_s=_int(d, "intervalSeconds", 30, path, minimum=1),
                    cooldown_s=_int(d, "cooldownSeconds", 300, path, minimum=0),
                    max_workers=max_workers, prefill=prefill, decode=decode,
-                   profile=CapacityProfileSpec.from_dict(d.get("profile"), f"{path}.profile"))
+                   profile=CapacityProfileSpec.from_dict(d.get("profile"), f"{path}.profile"),
+                   switch_modes=_bool(d, "switchModes", False, path))
 
     def to_dict(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"enabled": self.enabled}
+        out: dict[str, Any] = {"enabled": self.enabled, "switchModes": self.switch_modes}
         if self.ttft_p90_ms is not None:
             out["ttftP90Ms"] = self.ttft_p90_ms
         if self.itl_p90_ms is not None:

@@ -13,7 +13,8 @@ One job per module:
 - `predictor.py` `LoadPredictor`: the load of the next interval (`PredictedLoad`);
 - `sizing.py`    the queueing model: the workers a load needs per pool (`SizingModel`);
 - `config.py`    `PlannerConfig`: `SloTargets`, `PoolBounds`, mode, dead band, cool-down;
-- `planner.py`   `Planner.decide`: hysteresis, cool-down, mode, bounds;
+- `planner.py`   `Planner.decide`: hysteresis, cool-down, mode, bounds; `Planner.learned`;
+- `mode_misses.py` what the modes served: a mode that missed the SLO with all its workers;
 - `decision.py`  `Decision`: the counts and why (`explain()` log line, `fields()` for metrics);
 - `readings.py`  live inputs: `SampleBuilder` turns two readings of the frontends' /metrics and
                  the workers' Stats into a `MetricsSample`; `choose_to_drain` picks a worker.

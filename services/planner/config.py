@@ -18,7 +18,7 @@
 - backlog_drain_s: a backlog already waiting is to be cleared within this time [30].
 - mode_switch_saving: replicas the other mode must save, over the whole cool-down window,
   before AUTO switches to it [1].
-- mode_memory_s: how long a mode's observed miss at max_workers (mode_misses.py) keeps
+- mode_memory_s: how long a mode's observed miss with all its workers (mode_misses.py) keeps
   AUTO from switching to it at that load or a heavier one [1800].
 - window_s, ewma_alpha: the load predictor's (predictor.py) [60 s, 0.5].
 """

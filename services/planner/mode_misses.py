@@ -1,4 +1,4 @@
-"""What a deployment showed about a mode: it missed the SLO with every worker it may run.
+"""What a deployment showed about a mode: it missed the SLO with all the workers it may run.
 
 The sizing model compares the two modes by the workers each needs (planner.py). Where
 both need more than `max_workers`, or about the same, the model cannot tell which serves
@@ -6,9 +6,11 @@ more of the load; how the workers share a machine's cores, the KV transfer and t
 router decide it, and the model knows none of them. What each mode served does.
 
 A `ModeMiss` is one such observation: the deployment ran `replicas` (as many workers as
-`max_workers` allows) and the observed TTFT or ITL p90 missed its target in each of the
-last `MISS_INTERVALS` or more intervals that began after its last change had started
-(`Planner.sustained_miss`). The planner keeps the newest per mode for `mode_memory_s`
+`max_workers` or the pools' `max_replicas` allow), the model gave it no worker to spare,
+and the observed TTFT or ITL p90 missed its target in each of the last `MISS_INTERVALS` or
+more intervals that began after its last change was ready (`Planner.sustained_miss`). A
+miss with a worker to spare is a transient (the backlog after a shift in the mix, say),
+not the mode's. The planner keeps the newest per mode for `mode_memory_s`
 (`ModeMisses`) and reads it two ways (planner.py, step 4):
 
 - the running mode missed and the model does not rate the other one worse: switch to it,
@@ -34,7 +36,7 @@ MISS_INTERVALS = 2
 class ModeMiss:
     timestamp: float              # the sample that showed it
     replicas: ReplicaCounts       # what ran (its mode: replicas.disaggregated)
-    load: PredictedLoad           # the load it missed under (the predictor's, over the miss)
+    load: PredictedLoad           # the load it missed under (the one the decision planned for)
     seconds: float                # how long it had been missing
     worst: str                    # e.g. "itl p90 0.79 s > 0.4 s"
 

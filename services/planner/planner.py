@@ -27,7 +27,8 @@ refined by what the workers measured, and a mode's miss at max_workers remembere
    predicted load and at g times every window sample's load. When this mode needs more than
    max_workers and the other fewer, only the cool-down after a mode switch holds the switch.
    What the modes served outranks the model (mode_misses.py): when the running mode has
-   missed the SLO with max_workers workers for MISS_INTERVALS intervals after its last change
+   missed the SLO with all the workers it may run (max_workers, or each pool at its
+   max_replicas) and, by the model, none to spare, for MISS_INTERVALS intervals after its last change
    was ready ("observed miss"), and the model does not rate the other mode worse, the
    deployment switches; a mode that missed at this load (within g) in the last
    `mode_memory_s` is never switched to. A switch sizes the new
@@ -81,11 +82,14 @@ class Planner:
         return planner
 
     def sustained_miss(self, samples: list[MetricsSample]) -> ModeMiss | None:
-        """The running deployment's miss (mode_misses.py), if the samples show one: it runs
-        max_workers workers, and each of the last MISS_INTERVALS or more intervals that began
-        after its last change was ready (start-up) missed the TTFT or the ITL target."""
+        """The running deployment's miss (mode_misses.py), if the samples show one: it cannot
+        grow (max_workers, or every pool at its max_replicas), the model gives it no worker to
+        spare at the load planned for (it needs at least those it runs), and each of the last
+        MISS_INTERVALS or more intervals that began after its last change was ready missed the
+        TTFT or the ITL target. A miss with a worker to spare is a transient, such as the
+        backlog after a shift in the mix, and the pools' observed-SLO rule answers it."""
         current = samples[-1]
-        if current.replicas.total < self.config.max_workers:
+        if not self._cannot_grow(current.replicas):
             return None
         ready_at = _last_change(samples, None) + self.profile.startup_s
         settled = [s for s in samples if s.timestamp - s.interval_s >= ready_at]
@@ -94,9 +98,18 @@ class Planner:
         worst = [self._worst_miss(s) for s in settled]
         if any(w is None for w in worst):
             return None
-        load = self.predictor.predict(settled)
+        load = self.predictor.predict(samples, self.profile.startup_s)
+        model = SizingModel.of(self.profile, self.config)
+        if self._mode_cost(model, load, current.replicas.disaggregated)[1] < current.replicas.total:
+            return None
         return ModeMiss(current.timestamp, current.replicas, load,
                         current.timestamp - settled[0].timestamp + settled[0].interval_s, worst[-1])
+
+    def _cannot_grow(self, replicas: ReplicaCounts) -> bool:
+        """max_workers reached, or every pool of the mode at its max_replicas."""
+        pools = DISAGGREGATED_POOLS if replicas.disaggregated else AGGREGATED_POOLS
+        return replicas.total >= self.config.max_workers or \
+            all(replicas.count(p) >= self.config.bounds(p).max_replicas for p in pools)
 
     def _worst_miss(self, sample: MetricsSample) -> str | None:
         """The target this sample's p90 missed by the most ("itl p90 0.79 s > 0.4 s"); None: met both."""

@@ -126,19 +126,20 @@ class E2EDeployment:
                 "disaggregationThreshold": 0, "drainTimeoutSeconds": 60}
         self.api.apply(sd_doc(SD_NAME, spec))
 
-    def wait_ready(self, decode: int, timeout: float = 180.0) -> dict[str, Any]:
+    def wait_ready(self, decode: int, timeout: float = 180.0, prefill: int = 1) -> dict[str, Any]:
         def ready() -> dict[str, Any] | None:
             sd = self.api.sd(SD_NAME)
             status = sd.get("status") or {}
             ok = (condition(sd, "Ready").get("status") == "True"
                   and pool_status(sd, "decode").get("ready") == decode
-                  and pool_status(sd, "prefill").get("ready") == 1
+                  and pool_status(sd, "prefill").get("ready", 0) == prefill
                   and (status.get("frontend") or {}).get("ready") == 1
                   and sd.get("status", {}).get("observedGeneration") == sd["metadata"]["generation"])
             return sd if ok else None
 
         try:
-            return wait_until(ready, timeout=timeout, what=f"{SD_NAME} Ready with {decode} decode groups", interval=0.5)
+            return wait_until(ready, timeout=timeout, what=f"{SD_NAME} Ready with {prefill} prefill and {decode} decode "
+                                                           f"groups", interval=0.5)
         except TimeoutError:
             raise AssertionError(self.diagnostics()) from None
 

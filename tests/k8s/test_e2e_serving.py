@@ -6,7 +6,8 @@ client certificates, the chart's operator running in a pod of the test node agen
 and a ServingDeployment of 1 prefill group and 2 decode groups of tensorParallel 2
 (each two pods: rank 1 joins rank 0's gloo group through the headless Service's
 name). The tests run in file order, each starting from the state the one before
-left, as an operator's day goes: serve, scale up, lose a pod, scale down, roll.
+left, as an operator's day goes: serve, scale up, lose a pod, scale down, roll, and
+run without prefill groups (the aggregated mode of the planner's switchModes) and back.
 Every answer is checked token for token against transformers' greedy output
 (e2e_load.py), and every scenario ends with the leak check on every worker.
 """
@@ -259,4 +260,54 @@ def test_rolling_update_under_load_zero_failures_never_zero_ready(e2e: E2EDeploy
     assert least_ready >= 1
     for pod in e2e.api.pods(SD_NAME, "decode"):
         assert pod["spec"]["containers"][0]["args"][-2:] == ["--max-num-seqs", "32"]
+    _assert_no_leaks(e2e)
+
+
+def test_a_prefill_pool_at_zero_serves_on_the_decode_groups_and_comes_back(e2e: E2EDeployment, cases, llama_dir: Path):
+    """The aggregated mode of `spec.autoscaling.switchModes` is the prefill ServingPool at 0
+    groups: the planner scales it there, as `kubectl scale` does here. Under load, the prefill
+    group drains with no request lost; the decode groups then prefill their own prompts (the
+    router sends a request no prefill worker when none is registered); then it comes back."""
+    pool = f"servingpool/{names.pool_resource_name(SD_NAME, 'prefill')}"
+    base = e2e.open_frontend()
+    model = served_model(base)
+    load = Load(base, model, cases, concurrency=4).start()
+    wait_until(lambda: load.tally.completed >= 8, timeout=60, what="the load to be flowing")
+    t0 = time.monotonic()
+    e2e.cluster.kubectl("-n", e2e.namespace, "scale", pool, "--replicas=0")
+    wait_until(lambda: not e2e.groups("prefill"), timeout=150, what="the prefill group's pods to be gone")
+    e2e.wait_ready(decode=2, prefill=0)
+    wait_until(lambda: not [r for r in e2e.etcd_records() if r.get("role") == "prefill"], timeout=20,
+               what="no prefill worker left in etcd")
+    tally = load.stop()
+    print(f"[e2e] prefill pool 1 -> 0 under load: {tally.summary()}, {elapsed(t0)}")
+    assert tally.failures == [] and tally.completed == tally.exact == tally.sent > 8, tally.failures
+
+    # Prompts no other test sends, so no worker holds a block of them: the decode workers compute each whole.
+    prompts = [prompt_ids(400 + i, 40) for i in range(4)]
+    new_cases = list(zip(prompts, hf_greedy(llama_dir, prompts, SHORT, ignore_eos=True)))
+    before = e2e.stats()
+    assert set(before) == {p["metadata"]["name"] for p in e2e.rank0_pods("decode")}, sorted(before)
+    tally = Tally()
+    for prompt, ref in new_cases:
+        run_one(tally, base, model, prompt, ref)
+    assert tally.failures == [] and tally.exact == len(new_cases), tally.failures
+    after = e2e.stats()
+    computed = sum(after[n].num_prompt_tokens_computed - before[n].num_prompt_tokens_computed for n in before)
+    assert computed >= 4 * 40, computed
+
+    t0 = time.monotonic()
+    e2e.cluster.kubectl("-n", e2e.namespace, "scale", pool, "--replicas=1")
+    e2e.wait_ready(decode=2, prefill=1)
+    print(f"[e2e] prefill pool back at 1 group Ready {elapsed(t0)} after kubectl scale")
+    (leader,) = e2e.rank0_pods("prefill")
+    address = f"{leader['status']['podIP']}:{names.WORKER_PORT}"
+    wait_until(lambda: address in {r.get("address") for r in e2e.etcd_records()}, timeout=20,
+               what=f"the new prefill worker {address} in etcd")
+    before = e2e.stats()[leader["metadata"]["name"]].num_prefills_served
+    # New prompts (seeds no test used): with threshold 0, every one is prefilled remotely again.
+    fresh = [(prompt_ids(300 + i, 40), None) for i in range(2)]
+    for prompt, _ in fresh:
+        assert len(stream(base, model, prompt, 4)) == 4
+    assert e2e.stats()[leader["metadata"]["name"]].num_prefills_served - before == len(fresh)
     _assert_no_leaks(e2e)

@@ -261,6 +261,38 @@ def test_the_operator_follows_the_planner_through_the_serving_pools(env):
     assert max(counts) > 1 and sum(counts) >= 1 + COOLDOWN_S, counts
 
 
+def test_with_switch_modes_the_operator_runs_the_deployment_aggregated_and_back(env):
+    api = env.api
+    env.source.rate = QUIET_RATE
+    switch_modes = lambda on: env.cluster.kubectl(  # noqa: E731
+        "-n", env.namespace, "patch", "sd", SD, "--type", "merge",
+        "-p", json.dumps({"spec": {"autoscaling": {"switchModes": on}}}))
+    env.wait(lambda: len(env.running_groups("prefill")) == 1 and len(env.running_groups("decode")) == 1,
+             "one prefill and one decode group Running")
+    switch_modes(True)
+    # Quiet: one aggregated group does the work of a prefill and a decode group. After the
+    # cool-down the planner switches: the prefill ServingPool goes to 0 through its scale
+    # subresource and its group is drained and deleted; the decode group stays, and prefills
+    # its own prompts (the router sends a request no prefill worker when none is registered).
+    env.wait(lambda: env.pool("prefill")["spec"]["replicas"] == 0, "the prefill ServingPool scaled to 0",
+             timeout=WAIT_S + COOLDOWN_S)
+    env.wait(lambda: not api.groups(SD, "prefill"), "the prefill group drained and deleted")
+    assert env.pool("decode")["spec"]["replicas"] == 1 and len(env.running_groups("decode")) == 1
+    switch = env.wait(lambda: [m for m in env.decisions() if "1P+1D -> 1A aggregated" in m], "the switch Event")
+    assert "switch from disaggregated" in switch[0], switch[0]
+    assert api.sd(SD)["spec"]["prefill"]["replicas"] == 0
+    env.wait(lambda: api.sd(SD)["status"]["autoscaling"]["replicas"] == "1A", "status.autoscaling at 1A")
+    status = api.sd(SD)["status"]["autoscaling"]
+    assert status["mode"] == "aggregated" and status["aggregated"]["chosen"] == 1, status
+    # switchModes off: the planner runs disaggregated again and brings the prefill pool to its minimum.
+    switch_modes(False)
+    env.wait(lambda: env.pool("prefill")["spec"]["replicas"] == 1, "the prefill ServingPool back at 1")
+    env.wait(lambda: len(env.running_groups("prefill")) == 1, "a prefill group Running again")
+    back = env.wait(lambda: [m for m in env.decisions() if "0P+1D -> 1P+1D" in m], "the way-back Event")
+    assert "prefill 0->1" in back[0], back[0]
+    assert not api.event_messages(SD, "AutoscaleFailed")
+
+
 def test_turning_autoscaling_off_clears_its_status(env):
     api = env.api
     env.api.apply(sd_doc(SD, {**SPEC, "autoscaling": {**AUTOSCALING, "enabled": False}}))

@@ -12,7 +12,7 @@ from prometheus_client import REGISTRY
 
 from splitserve.operator.autoscaler import (EVENT_REASON, FAILED_REASON, Autoscaler, AutoscaleTarget,
                                             DeploymentState, ScalePatch, autoscaling_status, capacity_profile,
-                                            decision_key, planner_config, scale_patches)
+                                            decision_key, planner_config, replica_counts, scale_patches)
 from splitserve.operator.builders import Owner
 from splitserve.operator.events import EventRecorder
 from splitserve.operator.kube import KubeError
@@ -92,8 +92,38 @@ def test_no_patch_without_a_change_and_growing_pools_first():
     both = replace(steady, replicas=ReplicaCounts.of_pools(3, 1))
     assert [(p.pool, p.current, p.replicas) for p in scale_patches(NAME, both, {"prefill": 1, "decode": 2})] == [
         ("prefill", 1, 3), ("decode", 2, 1)]
-    with pytest.raises(ValueError, match="disaggregated pools only"):
-        scale_patches(NAME, replace(steady, replicas=ReplicaCounts.of_aggregated(2)), {"prefill": 1, "decode": 1})
+    # Aggregated is the prefill pool at 0: the decode pool grows before the prefill pool drains.
+    joined = replace(steady, replicas=ReplicaCounts.of_aggregated(3))
+    assert [(p.pool, p.current, p.replicas) for p in scale_patches(NAME, joined, {"prefill": 1, "decode": 1})] == [
+        ("decode", 1, 3), ("prefill", 1, 0)]
+    split = replace(steady, replicas=ReplicaCounts.of_pools(1, 2))
+    assert [(p.pool, p.current, p.replicas) for p in scale_patches(NAME, split, {"prefill": 0, "decode": 3})] == [
+        ("prefill", 0, 1), ("decode", 3, 2)]
+
+
+def test_switch_modes_lets_the_planner_run_the_decode_groups_aggregated():
+    auto = SloAutoscalingSpec.from_dict({**AUTOSCALING, "switchModes": True})
+    config = planner_config(auto)
+    assert config.mode is PlannerMode.AUTO and config.aggregated == config.decode
+    assert SloAutoscalingSpec.from_dict(auto.to_dict()) == auto
+    assert replica_counts(0, 3, switch_modes=True) == ReplicaCounts.of_aggregated(3)
+    # Without switchModes a prefill pool at 0 is a disaggregated deployment short of its minimum.
+    assert replica_counts(0, 3, switch_modes=False) == ReplicaCounts.of_pools(0, 3)
+    assert replica_counts(2, 3, switch_modes=True) == ReplicaCounts.of_pools(2, 3)
+    # A quiet load: one aggregated group does what a prefill and a decode group do; the planner
+    # switches once the cool-down is over, and the patches take the prefill pool to 0.
+    planner = Planner(config, capacity_profile(auto.profile))
+    history, counts, switch = [], ReplicaCounts.of_pools(1, 1), None
+    for t in range(1, 12):
+        decision = planner.decide(history, sample(float(t), QUIET, counts))
+        history.append(decision.inputs)
+        counts = decision.replicas
+        if switch is None and not counts.disaggregated:
+            switch = decision
+    assert switch is not None and switch.timestamp >= AUTOSCALING["cooldownSeconds"], switch
+    assert switch.replicas == ReplicaCounts.of_aggregated(1)
+    assert [(p.pool, p.replicas) for p in scale_patches(NAME, switch, {"prefill": 1, "decode": 1})] == [("prefill", 0)]
+    assert autoscaling_status(switch, "now", None)["mode"] == "aggregated"
 
 
 def test_quiet_after_the_cooldown_patches_the_decode_pool_down():

@@ -125,7 +125,9 @@ def test_live_scrape_turns_two_readings_into_a_sample(frontend):
                             worker_pod("chat-prefill-a", "prefill", addresses["prefill-a"]),
                             worker_pod("chat-decode-gone", "decode", "127.0.0.1:9")])   # nothing listens
             clock = iter([100.0, 110.0, 120.0, 130.0])
-            source = PodMetricsSource(pods, use_pod_ip=False, timeout_s=1.0, clock=lambda: next(clock))
+            # 5 s: on a busy machine a 1 s scrape of the local servers timed out (no sample). The
+            # address nothing listens on is refused at once, so the wait never runs out here.
+            source = PodMetricsSource(pods, use_pod_ip=False, timeout_s=5.0, clock=lambda: next(clock))
             spec = ServingDeploymentSpec.from_dict({"model": {"source": "m"}, "frontend": {"port": frontend.port}})
             target, replicas = AutoscaleTarget(OWNER, spec), ReplicaCounts.of_pools(1, 2)
 

@@ -106,7 +106,7 @@ def test_crd_schema_agrees_with_the_dataclass():
         assert props[target]["exclusiveMinimum"] is True and props[target]["minimum"] == 0
     # The schema's defaults are the dataclass's (the apiserver fills them in before the operator reads).
     defaults = SloAutoscalingSpec().to_dict()
-    for key in ("enabled", "intervalSeconds", "cooldownSeconds"):
+    for key in ("enabled", "switchModes", "intervalSeconds", "cooldownSeconds"):
         assert props[key]["default"] == defaults[key], key
     for key, value in CapacityProfileSpec().to_dict().items():
         assert props["profile"]["properties"][key]["default"] == value, key

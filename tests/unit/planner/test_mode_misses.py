@@ -8,7 +8,7 @@ from dataclasses import replace
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from splitserve.services.planner import Planner, PlannerMode, ReplicaCounts
+from splitserve.services.planner import Planner, PlannerMode, PoolBounds, ReplicaCounts
 from splitserve.services.planner.mode_misses import ModeMiss, ModeMisses
 
 from .conftest import INTERVAL_S, Load, make_config, make_profile, replay, sample_of
@@ -47,6 +47,23 @@ def test_the_same_load_met_keeps_the_running_mode():
     assert all("missed" not in d.mode_reason for d in decisions)
 
 
+def test_a_miss_with_a_worker_to_spare_by_the_model_is_a_transient_not_the_modes():
+    # 1 req/s of short requests: the model says one prefill and one decode worker do. 1P+2D at
+    # max_workers missing its ITL target is then a backlog or a slow spell, not disaggregation's fault.
+    light = Load(10, 128, 32, itl_p90_s=0.09)
+    planner, history, replicas = _planner(), [], SPLIT_1_2
+    for i in range(20):
+        sample = sample_of((i + 1) * INTERVAL_S, light, replicas)
+        decision = planner.decide(history, sample)
+        planner = planner.learned(history, sample)
+        history.append(sample)
+        replicas = decision.replicas
+        assert "observed miss" not in decision.mode_reason, decision.explain()
+        if decision.timestamp < 120.0:          # then the model's own switch (aggregated needs 1), after the cool-down
+            assert decision.replicas == SPLIT_1_2, decision.explain()
+    assert not [m for m in planner.misses.misses if m.disaggregated]
+
+
 def test_with_room_to_grow_the_pool_grows_first_and_only_a_miss_at_max_workers_switches():
     decisions = replay(_planner(max_workers=4), [TIED_MISSING_ITL] * 20, SPLIT_1_2)
     assert decisions[0].replicas == ReplicaCounts.of_pools(1, 3)
@@ -67,6 +84,9 @@ def test_a_miss_is_remembered_only_in_auto_mode_and_at_max_workers():
         return planner.misses
 
     assert [m.replicas for m in remembered(_planner(), SPLIT_1_2).misses] == [SPLIT_1_2]
+    # Each pool at its max_replicas, below max_workers: it cannot grow either.
+    capped = _planner(max_workers=8, prefill=PoolBounds(1, 1), decode=PoolBounds(1, 2))
+    assert [m.replicas for m in remembered(capped, SPLIT_1_2).misses] == [SPLIT_1_2]
     assert remembered(_planner(), SPLIT_1_1).misses == ()
     assert remembered(_planner(PlannerMode.DISAGGREGATED), SPLIT_1_2).misses == ()
 
