@@ -18,12 +18,15 @@ not the mode's. The planner keeps the newest per mode for `mode_memory_s`
 - a mode known to miss at this load is not switched to, whatever the model says.
 
 "At this load": the miss's load is no more than g = (1 + dead_band) / (1 - dead_band) times
-the load now, in both prompt and output tokens/s. A heavier load then cannot do better.
-So two modes that both miss cannot flap: the second to miss stays.
+the predicted load, or times one interval's load in the cool-down window, in both prompt and
+output tokens/s (the window, because one interval of Poisson arrivals can be well under the
+next; the model's switch rule reads the same window). A heavier load cannot do better. So
+two modes that both miss cannot flap: the second to miss stays.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from splitserve.services.planner.predictor import PredictedLoad
@@ -44,10 +47,11 @@ class ModeMiss:
     def disaggregated(self) -> bool:
         return self.replicas.disaggregated
 
-    def covers(self, load: PredictedLoad, noise_ratio: float) -> bool:
-        """Whether this miss says the mode would miss at `load` too (not lighter beyond the noise)."""
-        return (self.load.prefill_tokens_per_s <= noise_ratio * load.prefill_tokens_per_s
-                and self.load.decode_tokens_per_s <= noise_ratio * load.decode_tokens_per_s)
+    def covers(self, ceiling: PredictedLoad) -> bool:
+        """Whether this miss says the mode would miss under `ceiling` (a load already raised by
+        the noise ratio g): it missed at no more than that, in prompt and in output tokens/s."""
+        return (self.load.prefill_tokens_per_s <= ceiling.prefill_tokens_per_s
+                and self.load.decode_tokens_per_s <= ceiling.decode_tokens_per_s)
 
     def describe(self) -> str:
         mode = "disaggregated" if self.disaggregated else "aggregated"
@@ -64,8 +68,10 @@ class ModeMisses:
         kept = [m for m in self.misses if m.disaggregated != miss.disaggregated]
         return ModeMisses(tuple(m for m in [*kept, miss] if m.timestamp >= miss.timestamp - memory_s))
 
-    def known(self, disaggregated: bool, load: PredictedLoad, now: float, memory_s: float,
-              noise_ratio: float) -> ModeMiss | None:
-        """The miss that says this mode misses at `load`, if one within memory does."""
+    def known(self, disaggregated: bool, ceilings: Iterable[PredictedLoad], now: float,
+              memory_s: float) -> ModeMiss | None:
+        """The miss within memory that says this mode misses under one of `ceilings` (loads
+        already raised by g), if any."""
+        ceilings = list(ceilings)
         return next((m for m in self.misses if m.disaggregated == disaggregated and m.timestamp >= now - memory_s
-                     and m.covers(load, noise_ratio)), None)
+                     and any(m.covers(c) for c in ceilings)), None)

@@ -30,8 +30,8 @@ refined by what the workers measured, and a mode's miss at max_workers remembere
    missed the SLO with all the workers it may run (max_workers, or each pool at its
    max_replicas) and, by the model, none to spare, for MISS_INTERVALS intervals after its last change
    was ready ("observed miss"), and the model does not rate the other mode worse, the
-   deployment switches; a mode that missed at this load (within g) in the last
-   `mode_memory_s` is never switched to. A switch sizes the new
+   deployment switches; a mode that missed at this load (within g of the predicted load or of
+   one window sample's) in the last `mode_memory_s` is never switched to. A switch sizes the new
    pools at the larger of the two. With nothing running, the cheaper mode at the
    predicted load (a tie goes to disaggregated).
 5. Bounds: each pool within its PoolBounds; while the total is above max_workers, one
@@ -217,8 +217,8 @@ class Planner:
             return disaggregated, f"start {'disaggregated' if disaggregated else 'aggregated'}: {costs}"
         running = current.replicas.disaggregated
         name = "disaggregated" if running else "aggregated"
-        other_missed = self.misses.known(not running, load, current.timestamp, self.config.mode_memory_s,
-                                         self.config.noise_ratio)
+        other_missed = self.misses.known(not running, [load.scaled(self.config.noise_ratio), *sustained],
+                                         current.timestamp, self.config.mode_memory_s)
         if other_missed is not None:
             return running, f"keep {name}: {other_missed.describe()}; {costs}"
         missing = self.sustained_miss(samples)

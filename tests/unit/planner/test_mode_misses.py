@@ -114,6 +114,19 @@ def test_a_miss_at_a_heavier_load_or_past_the_memory_does_not_hold_a_switch():
         assert not replay(planner, [AGGREGATED_BETTER] * 3, SPLIT_1_2)[0].replicas.disaggregated
 
 
+def test_a_miss_counts_against_any_load_of_the_window_not_only_the_prediction():
+    # Aggregated missed at 7 req/s; the prediction now is 4.8 req/s, but one interval of the
+    # window saw 6 (7 <= g * 6): aggregated is known to miss at this load.
+    miss = _known_aggregated_miss(0.0, replace(AGGREGATED_BETTER, num_arrivals=70))
+    lighter = replace(AGGREGATED_BETTER, num_arrivals=48)
+    seen_six = replay(replace(_planner(), misses=miss), [AGGREGATED_BETTER] + [lighter] * 3, SPLIT_1_2)
+    assert all(d.replicas.disaggregated for d in seen_six)
+    assert "keep disaggregated: aggregated (3A) missed" in seen_six[-1].mode_reason
+    # Only the lighter intervals: the miss says nothing about them (7 > g * 4.8).
+    only_lighter = replay(replace(_planner(), misses=miss), [lighter] * 4, SPLIT_1_2)
+    assert all("missed" not in d.mode_reason for d in only_lighter), [d.mode_reason for d in only_lighter]
+
+
 @settings(max_examples=80, deadline=None)
 @given(arrivals=st.lists(st.integers(min_value=30, max_value=41), min_size=10, max_size=40),
        output=st.sampled_from([128, 512, 1024]), start=st.sampled_from([SPLIT_1_2, ReplicaCounts.of_aggregated(3)]))
