@@ -4,7 +4,7 @@
 profile and the mode misses: state such as "when did this pool last change" is read from
 the samples' replica counts, so a recorded series replays to the same decisions.
 `Planner.learned(history, current)` is the planner after that interval: its profile
-refined by what the workers measured, and a mode's miss at max_workers remembered.
+refined by what the workers measured, and a mode's miss with all its workers remembered.
 
 1. Samples: `history` (oldest first) then `current`; only those of the last
    max(cooldown_s, window_s) are read, plus the one before (it tells whether the window is covered).
@@ -92,18 +92,21 @@ class Planner:
         if not self._cannot_grow(current.replicas):
             return None
         ready_at = _last_change(samples, None) + self.profile.startup_s
-        settled = [s for s in samples if s.timestamp - s.interval_s >= ready_at]
-        if len(settled) < MISS_INTERVALS:
-            return None
-        worst = [self._worst_miss(s) for s in settled]
-        if any(w is None for w in worst):
+        missed: list[tuple[MetricsSample, str]] = []       # the trailing run of settled intervals that missed
+        for s in reversed(samples):
+            worst = self._worst_miss(s) if s.timestamp - s.interval_s >= ready_at else None
+            if worst is None:
+                break
+            missed.append((s, worst))
+        if len(missed) < MISS_INTERVALS:
             return None
         load = self.predictor.predict(samples, self.profile.startup_s)
         model = SizingModel.of(self.profile, self.config)
         if self._mode_cost(model, load, current.replicas.disaggregated)[1] < current.replicas.total:
             return None
+        first = missed[-1][0]
         return ModeMiss(current.timestamp, current.replicas, load,
-                        current.timestamp - settled[0].timestamp + settled[0].interval_s, worst[-1])
+                        current.timestamp - first.timestamp + first.interval_s, missed[0][1])
 
     def _cannot_grow(self, replicas: ReplicaCounts) -> bool:
         """max_workers reached, or every pool of the mode at its max_replicas."""

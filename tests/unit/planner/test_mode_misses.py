@@ -41,6 +41,14 @@ def test_a_mode_missing_the_slo_at_max_workers_is_left_when_the_model_cannot_tel
     assert "keep aggregated: disaggregated (1P+2D) missed" in decisions[-1].mode_reason
 
 
+def test_a_miss_that_starts_after_intervals_that_met_counts_from_its_start():
+    decisions = replay(_planner(), [TIED] * 8 + [TIED_MISSING_ITL] * 4, SPLIT_1_2)
+    assert all(d.replicas == SPLIT_1_2 for d in decisions[:9])
+    # The intervals ending at 90 and 100 missed: the second is a sustained miss.
+    assert not decisions[9].replicas.disaggregated
+    assert "disaggregated (1P+2D) missed for 20 s" in decisions[9].mode_reason
+
+
 def test_the_same_load_met_keeps_the_running_mode():
     decisions = replay(_planner(), [TIED] * 20, SPLIT_1_2)
     assert all(d.replicas == SPLIT_1_2 for d in decisions)
