@@ -54,6 +54,8 @@ class GenerationRequest:
     params: SamplingParams
     arrival: float = field(default_factory=time.monotonic)
     skip_special_tokens: bool = True      # the text of the output (workers see token ids only)
+    # params.max_tokens is a cap the client set (or its API's default), not the rest of the context.
+    max_tokens_from_client: bool = False
 
 
 @dataclass(slots=True)
@@ -101,6 +103,11 @@ class SamplingRequest:
     bad_words: list[str] = field(default_factory=list)   # text: tokenized here (text/bad_words.py)
     cache_salt: str = ""
     prompt_logprobs: int | None = None
+
+    @property
+    def caps_output(self) -> bool:
+        """The output has a cap the client chose (or its API's default), not the rest of the context."""
+        return self.max_tokens is not None or self.default_max_tokens is not None
 
 
 def new_request_id(prefix: str) -> str:
@@ -240,6 +247,9 @@ class Frontend:
         self.metrics.in_flight.inc()
         self.metrics.admitted.inc()
         self.metrics.admitted_prompt_tokens.inc(len(req.prompt_ids))
+        if req.max_tokens_from_client:
+            self.metrics.admitted_capped.inc()
+            self.metrics.admitted_max_tokens.inc(req.params.max_tokens)
         self.num_in_flight += 1
         try:
             while True:

@@ -45,6 +45,13 @@ class FrontendMetrics:
                                 registry=r)
         self.admitted_prompt_tokens = Counter("splitserve_admitted_prompt_tokens",
                                               "Prompt tokens of admitted requests", registry=r)
+        # The planner's output-length prior until requests end (planner/readings.py). Only caps a
+        # client chose: the rest of the context, a request without one, says nothing of its length.
+        self.admitted_capped = Counter("splitserve_admitted_capped_requests",
+                                       "Admitted requests whose max_tokens the client set (or its API's default)",
+                                       registry=r)
+        self.admitted_max_tokens = Counter("splitserve_admitted_max_tokens",
+                                           "max_tokens of the admitted requests that set one", registry=r)
         self.generation_tokens = Counter("splitserve_generation_tokens", "Tokens generated",
                                          registry=r)
         self.faults = FaultMetrics(r)     # migrations, cancellations, failures (fault_metrics.py)

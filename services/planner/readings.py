@@ -15,6 +15,13 @@ replicas)` turns the difference between this reading and the previous one into a
   delta(splitserve_prompt_tokens_total) / delta(requests ended "ok").
 - output_tokens_mean = delta(splitserve_generation_tokens_total) / delta(requests ended).
   An interval in which nothing arrived (nothing ended) keeps the last prompt (output) mean.
+  Until the first request ends, the output length is the prior of the requests admitted:
+  delta(splitserve_admitted_max_tokens_total) / delta(splitserve_admitted_capped_requests_total),
+  the mean cap of those whose client set max_tokens (a request without one is left out: the
+  rest of the context says nothing of its length). Without it the first decisions of a ramp
+  read the output as 0 tokens long and planned one decode worker for any load (bench run 18).
+  A cap is an upper bound, so the prior errs towards more decode capacity, for as long as no
+  request has ended.
 - prompt_tokens_p90 = prompt_tokens_mean: the frontend has no histogram of prompt lengths
   (the predictor takes the largest p90 of its window, so a long-prompt phase still shows).
 - ttft_p90_s, itl_p90_s: the 0.9 quantile of the interval's histogram (bucket counts of this
@@ -60,6 +67,8 @@ class FrontendCounters:
     in_flight: float = 0.0
     admitted: float | None = None      # None: a frontend without the admission counters
     admitted_prompt_tokens: float = 0.0
+    admitted_capped: float = 0.0       # admitted requests whose client set max_tokens
+    admitted_max_tokens: float = 0.0   # their max_tokens, summed
     prompt_tokens: float = 0.0
     generation_tokens: float = 0.0
     ttft_buckets: tuple[tuple[float, float], ...] = ()    # (upper bound, cumulative count), +Inf last
@@ -85,6 +94,8 @@ class FrontendCounters:
         return cls(ended=ended, ended_ok=ended_ok, in_flight=values.get("splitserve_requests_in_flight", 0.0),
                    admitted=values.get("splitserve_admitted_requests_total"),
                    admitted_prompt_tokens=values.get("splitserve_admitted_prompt_tokens_total", 0.0),
+                   admitted_capped=values.get("splitserve_admitted_capped_requests_total", 0.0),
+                   admitted_max_tokens=values.get("splitserve_admitted_max_tokens_total", 0.0),
                    prompt_tokens=values.get("splitserve_prompt_tokens_total", 0.0),
                    generation_tokens=values.get("splitserve_generation_tokens_total", 0.0),
                    ttft_buckets=tuple(sorted(buckets[TTFT_HISTOGRAM].items())),
@@ -95,6 +106,8 @@ class FrontendCounters:
         return FrontendCounters(self.ended + other.ended, self.ended_ok + other.ended_ok,
                                 self.in_flight + other.in_flight, admitted,
                                 self.admitted_prompt_tokens + other.admitted_prompt_tokens,
+                                self.admitted_capped + other.admitted_capped,
+                                self.admitted_max_tokens + other.admitted_max_tokens,
                                 self.prompt_tokens + other.prompt_tokens,
                                 self.generation_tokens + other.generation_tokens,
                                 _add_buckets(self.ttft_buckets, other.ttft_buckets),
@@ -197,6 +210,7 @@ class SampleBuilder:
     previous: Reading | None = None
     prompt_tokens_mean: float = 0.0        # the last means seen (kept through intervals without ends)
     output_tokens_mean: float = 0.0
+    outputs_seen: bool = False             # a request has ended: the output mean is measured, not the prior
     _last_workers: dict[str, WorkerCounters] = field(default_factory=dict)
 
     def sample(self, reading: Reading, replicas: ReplicaCounts) -> MetricsSample | None:
@@ -222,6 +236,9 @@ class SampleBuilder:
                 self.prompt_tokens_mean = _delta(now.prompt_tokens, before.prompt_tokens) / ended_ok
         if ended > 0:
             self.output_tokens_mean = _delta(now.generation_tokens, before.generation_tokens) / ended
+            self.outputs_seen = True
+        elif not self.outputs_seen and (capped := _delta(now.admitted_capped, before.admitted_capped)) > 0:
+            self.output_tokens_mean = _delta(now.admitted_max_tokens, before.admitted_max_tokens) / capped
         workers = tuple(self._worker_sample(w, self._last_workers.get(w.worker_id)) for w in reading.workers)
         return MetricsSample(
             timestamp=reading.timestamp, interval_s=interval, num_arrivals=arrivals,

@@ -94,7 +94,8 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
             structured=StructuredOutput(request.structured.kind, request.structured.spec)
             if request.HasField("structured") else None)
         params = fe.sampling_params(sampling, len(prompt_ids))
-        return GenerationRequest(request.request_id or new_request_id("grpc"), "grpc", prompt_ids, params)
+        return GenerationRequest(request.request_id or new_request_id("grpc"), "grpc", prompt_ids, params,
+                                 max_tokens_from_client=sampling.caps_output)
 
 
 

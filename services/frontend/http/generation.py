@@ -168,7 +168,8 @@ class GenerationEndpoints:
         self._refusing(api, lambda: check_prompt_tokens(len(prompt_ids), self.max_prompt_tokens, param))
         params = self._refusing(api, lambda: self.frontend.sampling_params(sampling, len(prompt_ids)))
         return GenerationRequest(request_id if index == 0 else f"{request_id}-{index}", api, prompt_ids, params,
-                                 skip_special_tokens=sampling.skip_special_tokens)
+                                 skip_special_tokens=sampling.skip_special_tokens,
+                                 max_tokens_from_client=sampling.caps_output)
 
     def _refusing(self, api: str, fn):
         """fn(); a refusal is counted in the requests metric (the lifecycle counts the rest)."""

@@ -319,6 +319,9 @@ def test_metrics(server, model_name):
     admitted = ("splitserve_admitted_requests_total", ())
     assert during[admitted] - before.get(admitted, 0.0) == 1 and grew(admitted[0]) == 1
     assert grew("splitserve_admitted_prompt_tokens_total") == len(PROMPT_IDS)
+    # The cap it asked for: the planner's output-length prior until requests end.
+    assert grew("splitserve_admitted_capped_requests_total") == 1
+    assert grew("splitserve_admitted_max_tokens_total") == 300
     assert grew("splitserve_time_to_first_token_seconds_count") == 1
     assert grew("splitserve_e2e_request_latency_seconds_count") == 1
     assert 1 <= grew("splitserve_inter_token_latency_seconds_count") <= 299     # a gap per later delta
@@ -330,6 +333,15 @@ def test_metrics(server, model_name):
     assert refused.status_code == 400
     invalid = ("splitserve_requests_total", (("api", "completions"), ("status", "invalid")))
     assert _scrape(server.base_url).get(invalid, 0.0) - before.get(invalid, 0.0) == 1
+    # A chat without max_tokens may run to the end of the context, which says nothing of its
+    # length: admitted, but not a cap the prior counts.
+    chat = httpx.post(f"{server.openai_url}/chat/completions", timeout=60,
+                      json={"model": model_name, "messages": [{"role": "user", "content": "hi"}], "temperature": 0,
+                            "allowed_token_ids": [415], "stop_token_ids": [415]})    # one token, then stop
+    assert chat.status_code == 200, chat.text
+    last = _scrape(server.base_url)
+    assert last[admitted] - after[admitted] == 1
+    assert last[("splitserve_admitted_capped_requests_total", ())] == after[("splitserve_admitted_capped_requests_total", ())]
 
 
 def test_public_grpc_generate(server, model_name, engine):

@@ -183,3 +183,20 @@ def test_serve_forwards_the_flag_to_the_frontends_it_starts(given, expected):
     serve = parser.parse_args(["serve", *given])
     argv = frontend_argv(serve, "/m", "127.0.0.1", 8000, 8001, [], [])
     assert parser.parse_args(["frontend", "--worker", "both=127.0.0.1:1", *argv]).generation_config == expected
+
+
+def test_an_omitted_max_tokens_is_a_cap_the_planner_counts_only_where_the_api_has_a_default(tokenizer):
+    # Completions default to 16 tokens (vLLM, OpenAI); a chat without one may run to the end of
+    # the context, which says nothing of its length (the planner's output prior, core.py).
+    endpoints = _endpoints(tokenizer, None)
+
+    def gen(prepare, **body):
+        return prepare(orjson.dumps({"model": MODEL, **body})).gen
+
+    chat = {"messages": [{"role": "user", "content": "hi"}]}
+    uncapped = gen(endpoints.prepare_chat, **chat)
+    assert not uncapped.max_tokens_from_client and uncapped.params.max_tokens > 200
+    capped = gen(endpoints.prepare_chat, **chat, max_completion_tokens=7)
+    assert capped.max_tokens_from_client and capped.params.max_tokens == 7
+    default = gen(endpoints.prepare_completion, prompt=[5, 6, 7])
+    assert default.max_tokens_from_client and default.params.max_tokens == 16

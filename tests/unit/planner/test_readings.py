@@ -19,10 +19,14 @@ def _exposition(m: FrontendMetrics) -> str:
     return m.exposition().decode()
 
 
-def _arrive(m: FrontendMetrics, prompt: int, count: int = 1, *, in_flight: bool = True):
-    """What the frontend records when it admits `count` requests (services/frontend/core.py)."""
+def _arrive(m: FrontendMetrics, prompt: int, count: int = 1, *, in_flight: bool = True, max_tokens: int | None = None):
+    """What the frontend records when it admits `count` requests (services/frontend/core.py);
+    `max_tokens`: the cap their client set (None: they set none)."""
     m.admitted.inc(count)
     m.admitted_prompt_tokens.inc(prompt * count)
+    if max_tokens is not None:
+        m.admitted_capped.inc(count)
+        m.admitted_max_tokens.inc(max_tokens * count)
     if in_flight:
         m.in_flight.inc(count)
 
@@ -145,6 +149,34 @@ def test_a_longer_prompt_mix_shows_when_it_is_admitted_not_when_it_ends():
     sample = builder.sample(Reading(10.0, FrontendCounters.parse(_exposition(m))), ONE)
     assert sample.num_arrivals == 3 and sample.prompt_tokens_mean == 2048
     assert sample.ttft_p90_s is None                   # no first token yet: TTFT alone would see nothing
+
+
+def test_until_a_request_ends_the_output_length_is_the_mean_cap_clients_asked_for():
+    m = FrontendMetrics()
+    builder = SampleBuilder()
+    builder.sample(Reading(0.0, FrontendCounters.parse(_exposition(m))), ONE)
+    _arrive(m, 64, 3, max_tokens=96)
+    _arrive(m, 64, 1, max_tokens=200)
+    _arrive(m, 64, 2)                                  # no cap: the rest of the context, no length
+    first = builder.sample(Reading(5.0, FrontendCounters.parse(_exposition(m))), ONE)
+    assert first.num_arrivals == 6 and first.output_tokens_mean == pytest.approx((3 * 96 + 200) / 4)
+    _arrive(m, 64, 2)                                  # uncapped only: the prior stays
+    assert builder.sample(Reading(10.0, FrontendCounters.parse(_exposition(m))), ONE).output_tokens_mean == 122
+    m.generation_tokens.inc(40)                        # the first two end, after 20 tokens each
+    m.requests.labels("completions", "ok").inc(2)
+    measured = builder.sample(Reading(15.0, FrontendCounters.parse(_exposition(m))), ONE)
+    assert measured.output_tokens_mean == 20
+    # Measured once: a later interval without ends keeps it, whatever the new arrivals' caps.
+    _arrive(m, 64, 4, max_tokens=500)
+    assert builder.sample(Reading(20.0, FrontendCounters.parse(_exposition(m))), ONE).output_tokens_mean == 20
+
+
+def test_frontends_sum_their_caps():
+    a, b = FrontendMetrics(), FrontendMetrics()
+    _arrive(a, 10, 2, max_tokens=50)
+    _arrive(b, 10, 1, max_tokens=80)
+    total = FrontendCounters.total([FrontendCounters.parse(_exposition(a)), FrontendCounters.parse(_exposition(b))])
+    assert (total.admitted_capped, total.admitted_max_tokens) == (3, 180)
 
 
 def test_restarts_count_from_zero_and_roles_shape_the_worker_sample():
