@@ -3,6 +3,8 @@ from two readings of the frontend's /metrics and the workers' Stats, and which w
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from splitserve.proto.v1 import worker_pb2
@@ -10,7 +12,9 @@ from splitserve.services.frontend.metrics import FrontendMetrics
 from splitserve.services.planner.readings import (DrainCandidate, FrontendCounters, Reading, SampleBuilder,
                                                           WorkerCounters, bucket_delta, choose_several,
                                                           choose_to_drain, histogram_quantile, replica_counts)
-from splitserve.services.planner import ReplicaCounts
+from splitserve.services.planner import Planner, PlannerMode, ReplicaCounts
+
+from .conftest import make_config, make_profile
 
 ONE = ReplicaCounts.of_aggregated(1)
 
@@ -234,3 +238,19 @@ def test_else_the_least_loaded_then_the_least_kv_then_the_newest():
     assert [x.name for x in choose_several(c, 3)] == ["worker-3", "worker-0", "worker-2"]
     assert choose_to_drain([]) is None
     assert [x.name for x in choose_several(c[:1], 5)] == ["worker-0"]
+
+
+def test_a_ramp_before_any_request_ended_sizes_decode_from_the_caps():
+    # As at run 18's second decision: a decode-heavy load has begun and nothing has ended yet.
+    split = ReplicaCounts.of_pools(1, 1)
+    planner = Planner(make_config(mode=PlannerMode.DISAGGREGATED), make_profile())
+    m, builder = FrontendMetrics(), SampleBuilder()
+    builder.sample(Reading(0.0, FrontendCounters.parse(_exposition(m))), split)
+    _arrive(m, 64, 300, max_tokens=1024)               # 30 req/s for 10 s, none ended
+    sample = builder.sample(Reading(10.0, FrontendCounters.parse(_exposition(m))), split)
+    assert sample.output_tokens_mean == 1024
+    decision = planner.decide([], sample)
+    assert decision.replicas.num_decode > 1, decision.explain()
+    # The same interval with the prior unknown (a frontend without the counters): one decode worker.
+    blind = replace(sample, output_tokens_mean=0.0)
+    assert planner.decide([], blind).replicas.num_decode == 1
