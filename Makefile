@@ -7,6 +7,8 @@
 
 PYTHON ?= python3
 PYTEST_ARGS ?=
+# Two pytest-xdist workers overlap the suite's waiting (splitserve/testing/parallel.py); 0: one process.
+PYTEST_WORKERS ?= 2
 
 .PHONY: test test-image install
 
@@ -14,7 +16,7 @@ install:
 	PYTHON=$(PYTHON) bash scripts/install-test-deps.sh
 
 test: install
-	pytest -p no:cacheprovider -m "not gpu and not image" tests/ $(PYTEST_ARGS)
+	pytest -p no:cacheprovider -n $(PYTEST_WORKERS) --dist loadgroup --no-loadscope-reorder -m "not gpu and not image" tests/ $(PYTEST_ARGS)
 
 # The container image, built offline (debootstrap + buildah) and run: about 3 minutes cold.
 # Where PyTorch's CPU index is unreachable set TORCH_INDEX_URL=https://pypi.org/simple.

@@ -1,4 +1,5 @@
-"""Session-wide fixtures: random-weight test checkpoints and torch's thread count.
+"""Session-wide fixtures: random-weight test checkpoints and torch's thread count; how the
+suite runs on pytest-xdist workers (splitserve/testing/parallel.py).
 
 The checkpoints are built once per session (about half a second each; DESIGN
 section 3) into pytest's temporary directory. Tests must not write into them:
@@ -14,13 +15,46 @@ import pytest
 
 from splitserve.testing.etcd import Etcd
 
+TESTS = Path(__file__).resolve().parent
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Every test on the Kubernetes control plane is one xdist unit (the cluster is one per
+    session); under `--dist loadgroup` the groups come first (parallel.py)."""
+    for item in items:
+        if TESTS / "k8s" in item.path.parents:
+            item.add_marker(pytest.mark.xdist_group("k8s"))
+    if config.getoption("dist", "no") == "loadgroup":
+        items[:] = sorted(items, key=lambda item: item.get_closest_marker("xdist_group") is None)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    from splitserve.testing.parallel import ModuleOrGroupScheduling
+
+    return ModuleOrGroupScheduling(config, log)
+
+
+@pytest.fixture(autouse=True)
+def alone_or_shared(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):
+    """On xdist workers: a test marked `alone` runs while no other test does; the others share."""
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        yield
+        return
+    from splitserve.testing.parallel import AloneLock
+
+    lock = AloneLock(tmp_path_factory.getbasetemp().parent)
+    with lock.exclusive() if request.node.get_closest_marker("alone") else lock.shared():
+        yield
+
 
 @pytest.fixture(scope="session", autouse=True)
 def torch_threads():
     """One torch thread unless SPLITSERVE_TEST_THREADS says otherwise.
 
-    The CI machines have 2 cores and tests run in one process; a second thread
-    only helps when nothing else runs (DESIGN section 3).
+    The CI machines have 2 cores and `make test` runs two xdist workers; a second
+    thread only helps when nothing else runs (DESIGN section 3).
     """
     import torch
 

@@ -20,9 +20,13 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[3]
 README = REPO / "README.md"
 INSTALL_TIMEOUT_S = 1500.0        # a cold pip cache downloads torch and its CUDA libraries
+# Its own xdist unit, started first (splitserve/testing/parallel.py): the suite's longest test.
+pytestmark = pytest.mark.xdist_group("quickstart")
 
 
 def _blocks(text: str, lang: str) -> list[str]:

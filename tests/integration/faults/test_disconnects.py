@@ -10,11 +10,15 @@ import random
 import signal
 import time
 
+import pytest
+
 from splitserve.testing.workers import wait_idle
 
 from .conftest import MODEL_NAME, make_jobs, run_load, wait_progress
 
 IDLE_WITHIN_S = 1.0
+
+pytestmark = pytest.mark.alone      # a 1 s bound on freeing the workers: no other test on the cores
 
 
 def test_random_client_disconnects_leave_every_worker_idle_within_1s_then_frontend_drains(cluster):

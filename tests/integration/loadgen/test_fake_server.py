@@ -22,6 +22,7 @@ def workload(prompts: list[str], max_tokens: int = 8) -> Workload:
                     cyclic=False)
 
 
+@pytest.mark.alone          # medians within 5 %: no other test on the cores
 def test_measured_ttft_and_itl_match_the_injected_delays(fake_server, llama_vocab):
     # Delays large enough that scheduling noise on a busy 2-core machine stays well inside 5% of
     # the medians. A single request can still be stalled by the machine (once in CI: a 0.5 s
@@ -62,6 +63,7 @@ def test_refused_connections_are_counted(llama_vocab):
     assert [r.error_kind for r in records] == ["connect"] * 3
 
 
+@pytest.mark.alone          # a bound on its wall time
 def test_a_run_bounded_by_duration_stops_by_itself(fake_server, llama_vocab):
     slow = Workload("slow", [Conversation("c", [Turn("delay-50-200-100 slow", 1, 100)])], cyclic=True)
     started = time.monotonic()

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import openai
+import pytest
 
 from splitserve.services.launch.autoscaler import planner_config
 from splitserve.services.launch.plan import AutoscaleSettings
@@ -32,6 +33,8 @@ from splitserve.services.planner import (CapacityProfile, DecodeMeasurement, Pre
 from splitserve.testing.processes import pid_alive
 
 from .conftest import start_serve, stop_serve
+
+pytestmark = pytest.mark.alone             # SLO and time bounds: no other test on the cores
 
 TTFT_MS, ITL_MS = 3000.0, 1000.0
 INTERVAL_S, COOLDOWN_S, MAX_WORKERS = 2.0, 6.0, 2
