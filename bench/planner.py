@@ -80,6 +80,7 @@ class Outcome:
     ttft_s: float | None = None
     itl_s: float | None = None
     tokens: int = 0
+    error: str | None = None         # why a request did not complete: the status and body, or the exception
 
 
 @dataclass(slots=True)
@@ -91,6 +92,7 @@ class Record:
     ttft_p90_s: dict[str, float | None] = field(default_factory=dict)
     itl_p90_s: dict[str, float | None] = field(default_factory=dict)
     decisions: list[str] = field(default_factory=list)             # the planner's log lines (planner only)
+    failures: list[str] = field(default_factory=list)              # "phase: error" of each request that did not complete
 
     @property
     def total_goodput(self) -> float:
@@ -121,15 +123,15 @@ async def one(client: httpx.AsyncClient, url: str, a: Arrival, start: float) -> 
     try:
         async with client.stream("POST", f"{url}/v1/completions", json=body, timeout=600) as reply:
             if reply.status_code != 200:
-                return Outcome(a.phase, False)
+                return Outcome(a.phase, False, error=f"HTTP {reply.status_code}: {(await reply.aread())[:200]!r}")
             async for line in reply.aiter_lines():
                 if line.startswith("data: ") and line != "data: [DONE]":
                     if json.loads(line[6:])["choices"][0].get("text"):
                         times.append(time.monotonic())
-    except httpx.HTTPError:
-        return Outcome(a.phase, False)
+    except httpx.HTTPError as e:
+        return Outcome(a.phase, False, error=f"{type(e).__name__}: {e} after {len(times)} chunks")
     if not times:
-        return Outcome(a.phase, False)
+        return Outcome(a.phase, False, error="the stream ended without text")
     itl = (times[-1] - times[0]) / (len(times) - 1) if len(times) > 1 else 0.0
     return Outcome(a.phase, True, times[0] - sent, itl, len(times))
 
@@ -191,8 +193,10 @@ def run_config(name: str, argv: list[str], plan: list[Arrival], args, scratch: P
         record.completed[phase], record.arrived[phase] = len(done), len(mine)
         record.ttft_p90_s[phase] = p90([o.ttft_s for o in done])
         record.itl_p90_s[phase] = p90([o.itl_s for o in done])
+    record.failures = [f"{o.phase}: {o.error}" for o in outcomes if not o.ok]
     console.print(f"  {name}: goodput {record.goodput}, TTFT p90 {record.ttft_p90_s}, ITL p90 {record.itl_p90_s}"
-                  + (f", {len(decisions)} planner decisions" if decisions else ""))
+                  + (f", {len(decisions)} planner decisions" if decisions else "")
+                  + (f"; did not complete: {record.failures}" if record.failures else ""))
     return record
 
 
@@ -212,6 +216,7 @@ def median_record(name: str, runs: list[Record]) -> Record:
         out.arrived[ph] = sum(r.arrived[ph] for r in runs)
         out.ttft_p90_s[ph] = median([r.ttft_p90_s[ph] for r in runs])
         out.itl_p90_s[ph] = median([r.itl_p90_s[ph] for r in runs])
+    out.failures = [f for r in runs for f in r.failures]
     return out
 
 
