@@ -374,6 +374,12 @@ class LLMEngine:
         """
         self._event_subscribers.append(callback)
 
+    def flush_store_events(self) -> None:
+        """The shared store's events to the subscribers now, between steps (engine thread)."""
+        if self.tiers is not None:
+            self.tiers.take_store_events()
+        self._publish_events()
+
     def _publish_events(self) -> None:
         if self._event_subscribers:
             events = self.pool.take_events()

@@ -21,6 +21,7 @@ measurements on the 2-core EPYC: a SmolLM2 block of 16 tokens is ~59 ms to compu
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -35,6 +36,10 @@ class SharedStore(Protocol):
 
     round_trip_s: float                  # moving average of a Lookup's round trip
     occupancy: tuple[int, int]           # the store's (blocks held, capacity) as last seen
+    # Called from any thread when events wait in `take_events` (the worker's engine loop then
+    # takes them on the engine thread): the store answers after the step that published, and an
+    # idle engine has no next step.
+    on_events: Callable[[], None] | None
 
     def lookup(self, block_hashes: list[bytes]) -> int:
         """Leading hashes the store holds; 0 when it cannot be reached (never raises)."""

@@ -187,15 +187,21 @@ class KVTiers:
         if self.store is None:
             return
         self.rule.observe_prefill(prompt_tokens, seconds)
+        self.take_store_events()
+        if self._new_blocks:
+            blocks, self._new_blocks = self._new_blocks, []
+            self.store.publish(self.kv.tensor, blocks)
+            self.stats.written_down["store"] += len(blocks)
+
+    def take_store_events(self) -> None:
+        """The store's events since the last call, as this engine's KV events (tier "store")."""
+        if self.store is None:
+            return
         for kind, hashes in self.store.take_events():
             if kind == "stored":
                 self.events.stored(hashes, None, (), tier="store")
             else:
                 self.events.removed(hashes, tier="store")
-        if self._new_blocks:
-            blocks, self._new_blocks = self._new_blocks, []
-            self.store.publish(self.kv.tensor, blocks)
-            self.stats.written_down["store"] += len(blocks)
 
     def _read(self, block_hash: bytes) -> tuple[str, torch.Tensor | None]:
         try:

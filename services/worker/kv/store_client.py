@@ -30,6 +30,7 @@ import queue
 import threading
 import time
 from collections import Counter
+from collections.abc import Callable
 
 import grpc
 import torch
@@ -110,6 +111,7 @@ class StoreClient:
         self.counts: Counter = Counter()         # published, fetched, lookups
         # KV events for the router (tier "store"), drained on the engine thread (take_events).
         self._events: list[tuple[str, tuple[bytes, ...]]] = []
+        self.on_events: Callable[[], None] | None = None     # SharedStore: events wait (any thread)
         self._reported: set[bytes] = set()       # said stored, not said removed
         self._incarnation = ""                   # the store's, when we last attached
         self._outbox: queue.Queue = queue.Queue()
@@ -161,6 +163,7 @@ class StoreClient:
                     self._reported.clear()
                 self._events.append(("stored", ()))     # attached: the router credits this worker
                 self._incarnation = store.incarnation
+        self._events_waiting()
         log.info("KV store %s: attached at %s (%d blocks)", self.address, self._target, reply.capacity_blocks)
         return True
 
@@ -294,6 +297,13 @@ class StoreClient:
                 self._events.append(("stored", tuple(stored)))
                 if len(self._reported) < MAX_REPORTED:
                     self._reported.update(stored)
+        if stored or removed:
+            self._events_waiting()
+
+    def _events_waiting(self) -> None:
+        callback = self.on_events
+        if callback is not None and self._events:
+            callback()
 
     def rejections(self) -> dict[str, int]:
         with self._lock:

@@ -16,6 +16,8 @@ import threading
 import pytest
 
 from splitserve.errors import InvalidRequestError
+from splitserve.services.engine.config import EngineConfig
+from splitserve.services.engine.engine import LLMEngine
 from splitserve.services.engine.sequence import FinishReason
 from splitserve.services.wire.sampling_params import SamplingParams
 from splitserve.services.worker.engine_loop import EngineLoop, EngineStepError, EngineStoppedError
@@ -217,3 +219,72 @@ def test_stop_fails_open_streams_and_later_calls(engine):
     asyncio.run(main())
     assert not loop.alive
     assert_engine_idle(engine)
+
+
+class StoreStandIn:
+    """A SharedStore (kv_tiers/shared_store.py) without a store process: what it "took" is
+    said by the test, from another thread, as the real client's publisher thread does."""
+
+    round_trip_s = 1e-3
+    occupancy = (0, 0)
+
+    def __init__(self) -> None:
+        self.on_events = None
+        self.published: list[bytes] = []
+        self._events: list[tuple[str, tuple[bytes, ...]]] = []
+        self._lock = threading.Lock()
+
+    def lookup(self, block_hashes):
+        return 0
+
+    def fetch(self, block_hashes, block_ids, pool):
+        return 0
+
+    def publish(self, pool, blocks):
+        self.published.extend(h for _, h in blocks)
+
+    def take_events(self):
+        with self._lock:
+            events, self._events = self._events, []
+        return events
+
+    def took(self, hashes: tuple[bytes, ...]) -> None:
+        with self._lock:
+            self._events.append(("stored", hashes))
+        if self.on_events is not None:
+            self.on_events()
+
+    def rejections(self):
+        return {}
+
+    def close(self) -> None:
+        pass
+
+
+def test_the_stores_events_reach_subscribers_while_the_engine_is_idle(llama_dir):
+    engine = LLMEngine(EngineConfig(model=str(llama_dir), num_kv_blocks=24, num_threads=1))
+    store = StoreStandIn()
+    engine.attach_store(store)
+    delivered = threading.Event()
+    seen: list = []
+
+    def subscriber(events):
+        seen.extend(events)
+        if any(getattr(e, "tier", "") == "store" and e.block_hashes for e in events):
+            delivered.set()
+
+    engine.subscribe_events(subscriber)
+    loop = EngineLoop(engine)
+    loop.start()
+    try:
+        assert asyncio.run(_collect(loop, "r", 2))[-1].finished
+        assert store.published                        # the prompt's full blocks, offered after the step
+        assert not engine.has_unfinished()            # idle: no step will come
+        # The store acknowledges after the engine's last step (its publisher thread).
+        threading.Thread(target=store.took, args=(tuple(store.published),)).start()
+        assert delivered.wait(10), seen
+        stored = [e for e in seen if getattr(e, "tier", "") == "store"]
+        assert stored[-1].block_hashes == tuple(store.published)
+    finally:
+        loop.stop()
+        engine.close()
