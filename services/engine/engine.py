@@ -374,6 +374,13 @@ class LLMEngine:
         """
         self._event_subscribers.append(callback)
 
+    def wake_on_store_events(self, wake: Callable[[], None]) -> None:
+        """Call `wake` (from any thread) when the shared store has events waiting: the store answers
+        on its own threads, often after the engine's last step, and the caller then runs
+        `flush_store_events` on the engine thread."""
+        if self.tiers is not None and self.tiers.store is not None:
+            self.tiers.store.on_events = wake
+
     def flush_store_events(self) -> None:
         """The shared store's events to the subscribers now, between steps (engine thread)."""
         if self.tiers is not None:

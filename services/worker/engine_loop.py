@@ -65,11 +65,8 @@ class EngineLoop:
         self._flush = False                       # an abort queued an output: step once
         self._stopping = threading.Event()
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
-        store = engine.tiers.store if getattr(engine, "tiers", None) is not None else None
-        if store is not None:
-            # The store acknowledges a publish on its own thread, often after the engine's last
-            # step: its events reach the router now, not at the next request.
-            store.on_events = lambda: self._jobs.put(engine.flush_store_events)
+        # The shared store's events reach the router between steps, not at the next request.
+        engine.wake_on_store_events(lambda: self._jobs.put(engine.flush_store_events))
 
     # -- lifecycle ---------------------------------------------------------------
     def start(self) -> None:

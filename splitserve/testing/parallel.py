@@ -7,8 +7,8 @@ waiting. Three rules keep the tests' meaning:
 - **A test module is one unit.** Its tests run in order on one worker, so a module-scoped
   server starts once (`--dist load` would start it on both workers).
 - **A named group is one unit** (`@pytest.mark.xdist_group("name")`): every test on the
-  Kubernetes control plane (one per session, `tests/k8s`), and the two tests that need
-  127.0.0.1:8000, where the README's `serve` listens. The conftest puts the groups first in
+  Kubernetes control plane (one per session, `tests/k8s`), and the quick start (the longest
+  test; it also holds 127.0.0.1:8000, where the README's `serve` listens). The conftest puts the groups first in
   the collection and `--no-loadscope-reorder` keeps its order: the groups are the longest
   units (a long unit started last would be the run's tail), and the quick unit tests, last,
   fill the gaps at the end.

@@ -297,10 +297,10 @@ class StoreClient:
                 self._events.append(("stored", tuple(stored)))
                 if len(self._reported) < MAX_REPORTED:
                     self._reported.update(stored)
-        if stored or removed:
-            self._events_waiting()
+        self._events_waiting()
 
     def _events_waiting(self) -> None:
+        """Tell the engine loop (on_events) that events wait, if any do."""
         callback = self.on_events
         if callback is not None and self._events:
             callback()
