@@ -23,10 +23,11 @@ from splitserve.services.engine.model.triton_paged_attention import TritonPagedA
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 2e-3}
 
 
-def _case(lens: list[int], heads: int, kv_heads: int, head_dim: int, block_size: int, dtype, seed: int):
+def _case(lens: list[int], heads: int, kv_heads: int, head_dim: int, block_size: int, dtype, seed: int,
+          device: str = "cpu"):
     gen = torch.Generator().manual_seed(seed)
     num_blocks = sum(-(-n // block_size) for n in lens) * 2 + 4
-    kv = KVCache(3, num_blocks, block_size, kv_heads, head_dim, dtype, torch.device("cpu"))
+    kv = KVCache(3, num_blocks, block_size, kv_heads, head_dim, dtype, torch.device(device))
     kv.tensor.copy_(torch.randn(kv.tensor.shape, generator=gen))
     order = torch.randperm(num_blocks, generator=gen)
     width = max(-(-n // block_size) for n in lens)
@@ -37,11 +38,12 @@ def _case(lens: list[int], heads: int, kv_heads: int, head_dim: int, block_size:
         tables[row, :count] = order[used:used + count]
         used += count
     q = torch.randn(len(lens), heads, head_dim, generator=gen).to(dtype)
-    return q, kv, tables, torch.tensor(lens, dtype=torch.long)
+    return q.to(device), kv, tables.to(device), torch.tensor(lens, dtype=torch.long, device=device)
 
 
-def _compare(lens, heads, kv_heads, head_dim, block_size, dtype, window, seed=0, kernel=PagedAttention):
-    q, kv, tables, ctx = _case(lens, heads, kv_heads, head_dim, block_size, dtype, seed)
+def _compare(lens, heads, kv_heads, head_dim, block_size, dtype, window, seed=0, kernel=PagedAttention,
+             device="cpu"):
+    q, kv, tables, ctx = _case(lens, heads, kv_heads, head_dim, block_size, dtype, seed, device)
     want = GatherAttention(heads, kv_heads, head_dim ** -0.5, window)(1, q, kv, tables, ctx)
     got = kernel(heads, kv_heads, head_dim, head_dim ** -0.5, window)(1, q, kv, tables, ctx)
     assert got.shape == want.shape and got.dtype == want.dtype
@@ -136,12 +138,12 @@ TRITON_CASES = [   # lens, heads, kv_heads, head_dim, block_size, dtype, window
 ]
 
 
-def _interpreted_cases() -> int:
+def _triton_cases(device: str = "cpu") -> int:
     for lens, heads, kv_heads, head_dim, block_size, dtype, window in TRITON_CASES:
         _compare(lens, heads, kv_heads, head_dim, block_size, getattr(torch, dtype), window, seed=3,
-                 kernel=TritonPagedAttention)
+                 kernel=TritonPagedAttention, device=device)
     # Poison every block outside the tables: the output must not move.
-    q, kv, tables, ctx = _case([20, 33], 6, 2, 16, 8, torch.float32, seed=1)
+    q, kv, tables, ctx = _case([20, 33], 6, 2, 16, 8, torch.float32, seed=1, device=device)
     attention = TritonPagedAttention(6, 2, 16, 0.25, None)
     before = attention(0, q, kv, tables, ctx)
     owned = set(tables.flatten().tolist())
@@ -159,6 +161,11 @@ def test_triton_kernel_matches_gather_interpreted():
     proc = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert proc.stdout.split()[-2:] == ["checked", str(len(TRITON_CASES) + 1)]
+
+
+@pytest.mark.gpu
+def test_triton_kernel_matches_gather_compiled_on_cuda():
+    assert _triton_cases("cuda") == len(TRITON_CASES) + 1
 
 
 def test_triton_auto_falls_back_to_gather_and_paged_refuses(caplog):
@@ -188,4 +195,4 @@ def test_triton_compile_failure_falls_back_once(monkeypatch, caplog):
 
 
 if __name__ == "__main__":
-    print("checked", _interpreted_cases())
+    print("checked", _triton_cases())
