@@ -10,13 +10,18 @@ PYTEST_ARGS ?=
 # Two pytest-xdist workers overlap the suite's waiting (splitserve/testing/parallel.py); 0: one process.
 PYTEST_WORKERS ?= 2
 
-.PHONY: test test-image install
+.PHONY: test test-image install lint-imports
 
 install:
 	PYTHON=$(PYTHON) bash scripts/install-test-deps.sh
 
 test: install
 	pytest -p no:cacheprovider -n $(PYTEST_WORKERS) --dist loadgroup --no-loadscope-reorder -m "not gpu and not image" tests/ $(PYTEST_ARGS)
+
+# The layer contracts of pyproject.toml ([tool.importlinter]); the suite runs the same check
+# (tests/unit/test_architecture.py).
+lint-imports:
+	$(PYTHON) scripts/lint_imports.py
 
 # The container image, built offline (debootstrap + buildah) and run: about 3 minutes cold.
 # Where PyTorch's CPU index is unreachable set TORCH_INDEX_URL=https://pypi.org/simple.

@@ -79,7 +79,7 @@ def _sync(device: str) -> None:
 
 def measure(model: str, context: int, batch: int, args) -> Row:
     from splitserve.services.engine.model.paged_attention import GatherAttention
-    from splitserve.services.wire.sampling_params import SamplingParams
+    from splitserve.services.worker_protocol.sampling_params import SamplingParams
 
     engine = _engine(model, context, batch, args)
     lm = engine.runner.model
@@ -137,7 +137,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "decode_attention.json")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
-    from splitserve.services.engine.loading.model_source import resolve_smollm2
+    from splitserve.services.engine.loading.smollm2 import resolve_smollm2
 
     model = str(resolve_smollm2(progress=False)) if args.model == "smollm2" else args.model
     console = Console(width=120)

@@ -102,7 +102,7 @@ class EngineSide:
         self._ids = itertools.count()
 
     def _add(self, prompts: list[list[int]], max_tokens: int) -> list[str]:
-        from splitserve.services.wire.sampling_params import SamplingParams
+        from splitserve.services.worker_protocol.sampling_params import SamplingParams
 
         request_ids = [f"bench-{next(self._ids)}" for _ in prompts]
         for rid, ids in zip(request_ids, prompts):
@@ -309,7 +309,7 @@ def resolve_model(name: str, tmp: Path) -> Path:
         from splitserve.testing.models import build_random_model
         return build_random_model("llama", tmp / "random-llama")
     if name == "smollm2":
-        from splitserve.services.engine.loading.model_source import resolve_smollm2
+        from splitserve.services.engine.loading.smollm2 import resolve_smollm2
         return resolve_smollm2(progress=False)
     raise SystemExit(f"unknown model {name!r}; choose from {', '.join(MODELS)}")
 

@@ -48,7 +48,7 @@ SCHEMAS = {
 def _smollm2_tokenizer():
     from transformers import AutoTokenizer
 
-    from splitserve.services.engine.loading.model_source import resolve_smollm2
+    from splitserve.services.engine.loading.smollm2 import resolve_smollm2
     return AutoTokenizer.from_pretrained(str(resolve_smollm2(progress=False)))
 
 

@@ -22,7 +22,7 @@ from splitserve.kvtransfer.tp_slicing import run_arrays, run_length_histogram
 from splitserve.services.engine.block_pool import BlockPool
 from splitserve.services.engine.scheduler import Scheduler
 from splitserve.services.engine.sequence import FinishReason, Sequence, TransferUse
-from splitserve.services.wire.sampling_params import SamplingParams
+from splitserve.services.worker_protocol.sampling_params import SamplingParams
 
 SYSTEM_PROMPTS = (0, 300, 1200, 2500)         # shared prefix lengths in tokens (0: none)
 FOLLOW_UP = 0.3                               # share of requests that continue an earlier conversation

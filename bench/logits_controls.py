@@ -26,7 +26,7 @@ import torch
 
 from splitserve.hardware import cpu_model
 from splitserve.services.engine.logits_controls import TokenCounts, TokenHistory, apply_logits_controls
-from splitserve.services.wire.sampling_params import SamplingParams
+from splitserve.services.worker_protocol.sampling_params import SamplingParams
 
 VOCAB = 49152
 

@@ -69,7 +69,7 @@ from pathlib import Path
 from bench_support import stop_group
 from splitserve.proto.v1 import worker_pb2
 from splitserve.router.core import RouterCore, WorkerSpec
-from splitserve.router.hashing import block_hashes
+from splitserve.block_hashes import block_hashes
 from splitserve.router.index import KvIndex
 from splitserve.router.policies import DEFAULT_PREFILL_WEIGHT, make_policy
 from splitserve.router.subscriber import EventSubscriber

@@ -410,7 +410,7 @@ def main() -> int:
         if model is None:
             from splitserve.testing.models import build_random_model
             model = str(build_random_model("llama", tmp / "llama-h256", seed=0))
-        from splitserve.services.worker.kv.connector_transfer import resolve_backend
+        from splitserve.services.engine.rank_connectors import resolve_backend
         transfer = resolve_backend(args.transfer)
         results = {"model": "random h256 Llama (4 layers)" if args.model is None else model,
                    "transfer": transfer, "workload": asdict(w), "cpus": os.cpu_count(),

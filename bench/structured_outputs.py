@@ -34,7 +34,7 @@ PROMPT = "List forty people with a score and tags, as JSON."
 
 
 def decode_tokens_per_s(engine, batch: int, tokens: int, structured, round_id: str) -> float:
-    from splitserve.services.wire.sampling_params import SamplingParams
+    from splitserve.services.worker_protocol.sampling_params import SamplingParams
 
     prompt = engine.tokenizer.apply_chat_template([{"role": "user", "content": PROMPT}])
     params = SamplingParams(max_tokens=tokens, ignore_eos=True, structured=structured)
@@ -68,8 +68,8 @@ def main() -> None:
     os.sched_setaffinity(0, set(sorted(os.sched_getaffinity(0))[:args.threads]))
     from splitserve.services.engine.config import EngineConfig
     from splitserve.services.engine.engine import LLMEngine
-    from splitserve.services.engine.loading.model_source import resolve_smollm2
-    from splitserve.services.wire.sampling_params import StructuredOutput
+    from splitserve.services.engine.loading.smollm2 import resolve_smollm2
+    from splitserve.services.worker_protocol.sampling_params import StructuredOutput
 
     engine = LLMEngine(EngineConfig(model=str(resolve_smollm2(progress=False)), num_threads=args.threads,
                                     num_kv_blocks=max(64, max(args.batch) * 8)))

@@ -60,7 +60,7 @@ from splitserve.kvtransfer.connector import AgentMetadata, Connector, Reservatio
 from splitserve.kvtransfer import auth
 from splitserve.kvtransfer.errors import PeerAuthError, PeerLostError, TransferError
 from splitserve.kvtransfer.tp_slicing import HeadSlice, row_descriptors
-from splitserve.kvtransfer.wire import Notification
+from splitserve.kvtransfer.frames import Notification
 
 logger = logging.getLogger(__name__)
 

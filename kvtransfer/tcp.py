@@ -52,7 +52,7 @@ from splitserve.kvtransfer import auth
 from splitserve.kvtransfer.errors import (CODE_BY_ERROR, ERRORS_BY_CODE, LayoutMismatchError, PeerAuthError, PeerLostError, StalePeerError,
                      TransferError)
 from splitserve.kvtransfer.tp_slicing import HeadSlice, gather_slice, layer_spans, scatter_slice, side_runs
-from splitserve.kvtransfer.wire import (CHALLENGE, CHALLENGE_MAGIC, FRAME_HEADER, HELLO, HELLO_MAGIC, KIND_NOTIFY, KIND_WRITE, REPLY_HEADER,
+from splitserve.kvtransfer.frames import (CHALLENGE, CHALLENGE_MAGIC, FRAME_HEADER, HELLO, HELLO_MAGIC, KIND_NOTIFY, KIND_WRITE, REPLY_HEADER,
                    FrameHeader, encode_reply)
 
 logger = logging.getLogger(__name__)

@@ -110,24 +110,6 @@ def build_compare_parser(prog: str = "splitserve bench compare") -> argparse.Arg
     return p
 
 
-def parse_slo(text: str | None):
-    from splitserve.loadgen.metrics import SLO
-
-    if not text:
-        return SLO()
-    values = {}
-    for part in text.split(","):
-        key, _, raw = part.partition("=")
-        key, raw = key.strip(), raw.strip().lower()
-        if key not in ("ttft", "itl", "e2e") or not raw:
-            raise SplitserveError(f"bad --slo part {part!r}: use ttft=S,itl=S,e2e=S (seconds, or e.g. 200ms)")
-        try:
-            values[f"{key}_s"] = float(raw[:-2]) / 1000 if raw.endswith("ms") else float(raw.removesuffix("s"))
-        except ValueError:
-            raise SplitserveError(f"bad --slo value {raw!r}") from None
-    return SLO(**values)
-
-
 def parse_rates(text: str) -> list[float]:
     try:
         rates = [float(r) for r in text.split(",") if r.strip()]

@@ -98,8 +98,6 @@ def _arrival_kind(args: argparse.Namespace) -> str:
 
 
 def build_spec(args: argparse.Namespace) -> BenchSpec:
-    from splitserve.loadgen.cli import parse_slo
-
     if args.api == "chat" and args.prompt_format == "ids":
         raise SplitserveError("--prompt-format ids works with --api completions only")
     num_requests = args.num_requests
@@ -115,3 +113,21 @@ def build_spec(args: argparse.Namespace) -> BenchSpec:
     arrivals = make_arrivals(kind, rate=rate, concurrency=args.concurrency, seed=args.seed)
     return BenchSpec(target, vocab, workload, arrivals, limits, parse_slo(args.slo), args.think_time,
                      progress=not args.no_progress, label=args.label or workload.name)
+
+
+def parse_slo(text: str | None):
+    from splitserve.loadgen.metrics import SLO
+
+    if not text:
+        return SLO()
+    values = {}
+    for part in text.split(","):
+        key, _, raw = part.partition("=")
+        key, raw = key.strip(), raw.strip().lower()
+        if key not in ("ttft", "itl", "e2e") or not raw:
+            raise SplitserveError(f"bad --slo part {part!r}: use ttft=S,itl=S,e2e=S (seconds, or e.g. 200ms)")
+        try:
+            values[f"{key}_s"] = float(raw[:-2]) / 1000 if raw.endswith("ms") else float(raw.removesuffix("s"))
+        except ValueError:
+            raise SplitserveError(f"bad --slo value {raw!r}") from None
+    return SLO(**values)

@@ -34,7 +34,7 @@ class Word:
 
 def load_tokenizer(spec: str):
     """The tokenizer of a splitserve model spec: 'smollm2', a Hugging Face folder or a .gguf file."""
-    from splitserve.services.engine.loading.model_source import open_checkpoint
+    from splitserve.checkpoints.model_source import open_checkpoint
     from splitserve.services.text.tokenizer import Tokenizer
 
     return Tokenizer(open_checkpoint(spec))

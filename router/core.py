@@ -29,7 +29,7 @@ from itertools import repeat
 from splitserve.router.index import KvIndex
 from splitserve.router.load import LoadTracker
 from splitserve.router.metrics import RouterMetrics
-from splitserve.router.hashing import ChainHasher, salted_key
+from splitserve.block_hashes import ChainHasher, salted_key
 from splitserve.router.policies import CandidateTable, Decision, Policy
 
 log = logging.getLogger(__name__)

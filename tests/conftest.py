@@ -101,7 +101,7 @@ def smollm2_dir(tmp_path_factory) -> Path:
     Converted into SPLITSERVE_TEST_CACHE when set (kept between sessions),
     otherwise into this session's temporary directory.
     """
-    from splitserve.services.engine.loading.model_source import resolve_smollm2
+    from splitserve.services.engine.loading.smollm2 import resolve_smollm2
 
     cache = os.environ.get("SPLITSERVE_TEST_CACHE")
     cache_dir = Path(cache) if cache else tmp_path_factory.mktemp("smollm2-cache")

@@ -52,7 +52,7 @@ from splitserve.operator import names
 from splitserve.operator.builders import POOL_PLURAL, Owner
 from splitserve.operator.events import EventRecorder, now_iso
 from splitserve.operator.kube import AsyncKube, KubeError, group_path
-from splitserve.operator.spec import (API_GROUP, API_VERSION, PLURAL, POOL_NAMES, CapacityProfileSpec,
+from splitserve.services.spec.serving_deployment import (API_GROUP, API_VERSION, PLURAL, POOL_NAMES, CapacityProfileSpec,
                                       ServingDeploymentSpec, SloAutoscalingSpec)
 from splitserve.services.planner import (CapacityProfile, Decision, MetricsSample, Planner, PlannerConfig,
                                          PlannerMode, PoolBounds, ReplicaCounts, SloTargets, ThroughputCurve)

@@ -16,7 +16,7 @@ from typing import Any
 import yaml
 
 from splitserve.operator import names
-from splitserve.operator.spec import API_GROUP, API_VERSION, KIND, PoolSpec, ServingDeploymentSpec
+from splitserve.services.spec.serving_deployment import API_GROUP, API_VERSION, KIND, PoolSpec, ServingDeploymentSpec
 
 POOL_KIND = "ServingPool"
 POOL_PLURAL = "servingpools"

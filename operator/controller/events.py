@@ -16,7 +16,7 @@ from typing import Any
 
 from splitserve.operator.builders import Owner
 from splitserve.operator.kube import AsyncKube, KubeError, core_path
-from splitserve.operator.spec import API_GROUP, API_VERSION, KIND
+from splitserve.services.spec.serving_deployment import API_GROUP, API_VERSION, KIND
 
 log = logging.getLogger(__name__)
 COMPONENT = "splitserve-operator"

@@ -25,7 +25,7 @@ from splitserve.operator.kube import AsyncKube, KubeError, core_path, group_path
 from splitserve.operator.leader import LeaseElector
 from splitserve.operator.reconciler import Reconciler
 from splitserve.operator.scheduler import GangScheduler, not_ready_seconds
-from splitserve.operator.spec import API_GROUP, API_VERSION, PLURAL
+from splitserve.services.spec.serving_deployment import API_GROUP, API_VERSION, PLURAL
 from splitserve.operator.builders import WorkloadOptions
 
 log = logging.getLogger(__name__)

@@ -27,7 +27,7 @@ from splitserve.operator.events import EventRecorder, now_iso
 from splitserve.operator.groups import Group, observe_groups, plan_pool
 from splitserve.operator.kube import AsyncKube, KubeError, core_path, group_path
 from splitserve.operator.scheduler import GangScheduler
-from splitserve.operator.spec import API_GROUP, API_VERSION, PLURAL, POOL_NAMES, ServingDeploymentSpec
+from splitserve.services.spec.serving_deployment import API_GROUP, API_VERSION, PLURAL, POOL_NAMES, ServingDeploymentSpec
 from splitserve.operator.status import Observed, build_status, pool_status, reconciler_owned
 
 log = logging.getLogger(__name__)

@@ -28,7 +28,7 @@ from splitserve.operator.builders import WorkloadOptions
 from splitserve.operator.kube import AsyncKube, Kube, load_api_client
 from splitserve.operator.leader import LeaseElector
 from splitserve.operator.loop import OperatorLoop
-from splitserve.operator.spec import API_GROUP, API_VERSION, PLURAL
+from splitserve.services.spec.serving_deployment import API_GROUP, API_VERSION, PLURAL
 
 log = logging.getLogger(__name__)
 

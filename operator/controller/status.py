@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from splitserve.operator.groups import Group
-from splitserve.operator.spec import Condition, GroupStatus, PoolStatus
+from splitserve.services.spec.serving_deployment import Condition, GroupStatus, PoolStatus
 
 
 def group_phase(group: Group, pending_reason: str | None) -> GroupStatus:

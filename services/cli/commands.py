@@ -30,7 +30,7 @@ def _engine_config(args: argparse.Namespace):
 def cmd_generate(args: argparse.Namespace) -> int:
     from splitserve.services.engine.engine import LLMEngine
     from splitserve.services.text.generate import generate_text
-    from splitserve.services.wire.sampling_params import SamplingParams
+    from splitserve.services.worker_protocol.sampling_params import SamplingParams
 
     if not args.prompt and not args.prompt_ids:
         raise SplitserveError("give at least one --prompt or --prompt-ids")
@@ -79,6 +79,7 @@ def _group_engine_config(args: argparse.Namespace):
 def cmd_worker(args: argparse.Namespace) -> int:
     import asyncio
 
+    from splitserve.services.engine.builtin import BuiltinEngineLauncher
     from splitserve.services.worker.server import WorkerServerConfig, registered_host, serve
     from splitserve.services.worker.service import Role, WorkerOptions
 
@@ -95,7 +96,8 @@ def cmd_worker(args: argparse.Namespace) -> int:
     options = WorkerOptions(worker_id=args.worker_id or f"{role.value}-{args.port}", role=role,
                             remote_prefill_threshold=args.remote_prefill_threshold,
                             prefill_timeout_s=args.prefill_timeout)
-    config = WorkerServerConfig(options=options, engine=engine, host=args.host, advertise_host=args.advertise_host,
+    config = WorkerServerConfig(options=options, engine=BuiltinEngineLauncher(engine), host=args.host,
+                                advertise_host=args.advertise_host,
                                 port=args.port, transfer=args.transfer, etcd=etcd_endpoints(args.etcd),
                                 etcd_prefix=args.etcd_prefix, etcd_ttl_s=args.etcd_ttl,
                                 drain_timeout_s=args.drain_timeout, metrics_port=args.metrics_port,

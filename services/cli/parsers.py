@@ -295,7 +295,7 @@ def _add_frontend_parser(sub) -> None:
 
 
 def _add_autoscale_args(p: argparse.ArgumentParser) -> None:
-    from splitserve.services.launch.plan import AUTOSCALE_DEFAULTS as d
+    from splitserve.services.launch.topology import AUTOSCALE_DEFAULTS as d
 
     g = p.add_argument_group("autoscaling (services/planner, services/launch/autoscaler.py)")
     g.add_argument("--autoscale", action="store_true",

@@ -28,7 +28,7 @@ import itertools
 from collections import OrderedDict
 from collections.abc import Callable
 
-from splitserve.services.engine.kv_events import KVEvent, KVEventLog
+from splitserve.services.engine_api.kv_events import KVEvent, KVEventLog
 
 EVICTION_SLACK = 16      # cached blocks beyond the strict LRU ones that eviction may pick to form runs
 

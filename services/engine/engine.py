@@ -7,7 +7,7 @@ calls back after each layer with the blocks it wrote (so a connector can push
 them while the next layer computes), and a decode worker reserves blocks for a
 prompt that another worker fills, then joins it to the batch with its first token.
 Outputs are token ids: a request stops on token ids, max_tokens or the context
-limit (stopping.py); text and stop strings are the frontend's (services/text/).
+limit (`token_stop_reason`); text and stop strings are the frontend's (services/text/).
 
 A request may carry `forks`: sibling samples of the same prompt (n > 1, best_of), each
 an ordinary request id of its own. The prompt is prefilled once; when that prefill
@@ -34,24 +34,25 @@ from splitserve.services.engine.config import EngineConfig, ModelConfig
 from splitserve.services.engine.cpu_placement import apply_rank_threads
 from splitserve.services.engine.model.forward_batch import LayerReport
 from splitserve.services.engine.kv_cache import KVCache
-from splitserve.services.engine.kv_events import KVEvent
-from splitserve.services.engine.kv_tiers.block_codec import layout_key
+from splitserve.services.engine_api.contract import EngineCounters, Reservation
+from splitserve.services.engine_api.kv_events import KVEvent
+from splitserve.kvtransfer.block_codec import layout_key
 from splitserve.services.engine.kv_tiers.shared_store import SharedStore
 from splitserve.services.engine.kv_tiers.tiers import KVTiers, TierConfig
 from splitserve.services.engine.model_runner import ModelRunner, prompt_logit_positions
-from splitserve.services.engine.loading.model_source import open_checkpoint
+from splitserve.services.engine.loading.smollm2 import open_model
 from splitserve.services.engine.logits_controls import TokenCounts, TokenHistory
 from splitserve.services.engine.prompt_logprobs import score_prompt_tokens
 from splitserve.services.engine.sampler import SampledToken, sample, skip_draws
-from splitserve.services.wire.sampling_params import SamplingParams
-from splitserve.services.engine.scheduler import BlockReservation, ScheduledChunk, Scheduler
-from splitserve.services.engine.sequence import (FinishReason, LayerCallback, LayerReady, Sequence,
+from splitserve.services.worker_protocol.sampling_params import SamplingParams
+from splitserve.services.engine.scheduler import ScheduledChunk, Scheduler
+from splitserve.kvtransfer.sender_receiver import LayerCallback, LayerReady
+from splitserve.services.engine.sequence import (FinishReason, Sequence,
                                                  SequenceStatus, TransferUse)
-from splitserve.services.engine.stopping import token_stop_reason
 from splitserve.services.engine.parallel.tensor_parallel import TensorParallelGroup
 from splitserve.services.engine.rank import build_rank
 from splitserve.services.text.tokenizer import Tokenizer
-from splitserve.services.wire.outputs import RequestOutput
+from splitserve.services.worker_protocol.outputs import RequestOutput
 from splitserve.services.engine.loading.weights import ShardSpec
 
 log = logging.getLogger(__name__)
@@ -70,27 +71,12 @@ class GenerationResult:
     prompt_logprobs: list[SampledToken] | None = None     # params.prompt_logprobs: tokens 1.. of the prompt
 
 
-@dataclass(slots=True)
-class EngineStats:
-    num_steps: int = 0
-    num_computed_tokens: int = 0        # tokens run through the model (prompt + generated)
-    num_prompt_tokens_computed: int = 0
-    num_prefix_hit_tokens: int = 0
-    num_generated_tokens: int = 0
-    num_preemptions: int = 0
-    num_finished: int = 0
-    num_aborted: int = 0
-    num_forks: int = 0                  # samples that took a sibling's prompt KV instead of prefilling
-    num_forked_blocks: int = 0          # full KV blocks those forks shared by reference
-    num_fork_copies: int = 0            # partial last blocks copied for them (copy-on-write)
-
-
 class LLMEngine:
     def __init__(self, config: EngineConfig):
         apply_rank_threads(config, 0)
         if config.block_size < 1 or config.max_num_batched_tokens < 1 or config.max_num_seqs < 1:
             raise InvalidRequestError("block_size, max_num_batched_tokens and max_num_seqs must be >= 1")
-        ckpt = open_checkpoint(config.model)
+        ckpt = open_model(config.model)
         self.model_config = ModelConfig.from_hf(ckpt.config, ckpt.generation_config)
         self.tokenizer = Tokenizer(ckpt)
         mc = self.model_config
@@ -120,7 +106,7 @@ class LLMEngine:
                                  mc.max_position_embeddings, num_blocks * config.block_size)
         self.eos_token_ids = set(mc.eos_token_ids) | self.tokenizer.eos_token_ids
         self.structured_outputs = StructuredOutputs(self.tokenizer, mc.vocab_size, self.eos_token_ids)
-        self.stats = EngineStats()
+        self.stats = EngineCounters()
         self._rng = random.Random(config.seed)
         self._arrivals = 0
         self._pending_outputs: list[RequestOutput] = []
@@ -215,7 +201,7 @@ class LLMEngine:
     # -- disaggregated decode side ----------------------------------------------
     def reserve_remote_prefill(self, request_id: str, prompt: list[int], params: SamplingParams,
                                fence_writes: bool = False, forks: list[tuple[str, SamplingParams]] = ()
-                               ) -> BlockReservation | None:
+                               ) -> Reservation | None:
         """Hold KV blocks for a prompt another worker will fill; None when the pool is full.
         `forks`: more samples (as add_request's), forked from these blocks once they are filled.
 
@@ -529,3 +515,17 @@ def _history(seq: Sequence, vocab: int) -> TokenHistory:
             tail = seq.prompt_token_ids[len(seq.prompt_token_ids) - prior:][-(k - len(tail)):] + tail
     return TokenHistory([], prior + num_generated, num_generated,
                         seq.token_counts if p.has_penalties else None, tail)
+
+
+# Stop strings are text, and text is the frontend's work (vLLM's split): the engine stops on
+# token ids and counts only, keeps no per-request stop state and never decodes a token.
+def token_stop_reason(params: SamplingParams, eos_token_ids: set[int], token_id: int,
+                      num_output_tokens: int) -> FinishReason | None:
+    """Why the request ends with `token_id`, its `num_output_tokens`-th token; None: it goes on."""
+    if not params.ignore_eos and token_id in eos_token_ids:
+        return FinishReason.STOP
+    if token_id in params.stop_token_ids:
+        return FinishReason.STOP
+    if num_output_tokens >= params.max_tokens:
+        return FinishReason.LENGTH
+    return None

@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from splitserve.errors import InvalidRequestError
-from splitserve.services.wire.sampling_params import StructuredOutput
+from splitserve.services.worker_protocol.sampling_params import StructuredOutput
 
 if TYPE_CHECKING:
     from splitserve.services.text.tokenizer import Tokenizer

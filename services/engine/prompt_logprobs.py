@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from splitserve.services.engine.sequence import Sequence
-from splitserve.services.wire.outputs import SampledToken
+from splitserve.services.worker_protocol.outputs import SampledToken
 
 
 def score_prompt_tokens(logits: torch.Tensor, spans: list[tuple[Sequence, range]]) -> None:

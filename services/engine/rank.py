@@ -12,8 +12,8 @@ import torch.distributed as dist
 
 from splitserve.services.engine.config import EngineConfig, ModelConfig
 from splitserve.services.engine.kv_cache import KVCache
-from splitserve.services.engine.loading.checkpoint import Checkpoint
-from splitserve.services.engine.loading.model_source import open_checkpoint
+from splitserve.checkpoints.checkpoint import Checkpoint
+from splitserve.services.engine.loading.smollm2 import open_model
 from splitserve.services.engine.loading.weights import ShardSpec, load_weights
 from splitserve.services.engine.model.causal_lm import CausalLM
 
@@ -21,7 +21,7 @@ from splitserve.services.engine.model.causal_lm import CausalLM
 def build_rank(config: EngineConfig, rank: int, ckpt: Checkpoint | None = None
                ) -> tuple[CausalLM, KVCache]:
     """Load this rank's shard and allocate its KV tensor (config.num_kv_blocks must be set)."""
-    ckpt = ckpt or open_checkpoint(config.model)
+    ckpt = ckpt or open_model(config.model)
     model_cfg = ModelConfig.from_hf(ckpt.config, ckpt.generation_config)
     world = config.tensor_parallel_size
     device, dtype = torch.device(config.device), config.torch_dtype()

@@ -18,8 +18,8 @@ import torch
 
 from splitserve.services.engine.grammar import apply_masks
 from splitserve.services.engine.logits_controls import TokenHistory, apply_logits_controls
-from splitserve.services.wire.outputs import SampledToken
-from splitserve.services.wire.sampling_params import SamplingParams
+from splitserve.services.worker_protocol.outputs import SampledToken
+from splitserve.services.worker_protocol.sampling_params import SamplingParams
 
 MIN_TEMPERATURE = 1e-4
 

@@ -35,7 +35,8 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from splitserve.router.hashing import block_hashes, salted_key
+from splitserve.block_hashes import block_hashes, salted_key
+from splitserve.services.engine_api.contract import Reservation
 from splitserve.services.engine.block_pool import BlockPool
 from splitserve.services.engine.sequence import FinishReason, Sequence, SequenceStatus, TransferUse
 
@@ -65,14 +66,6 @@ class SchedulerOutput:
     @property
     def num_tokens(self) -> int:
         return sum(c.num_tokens for c in self.chunks)
-
-
-@dataclass(slots=True)
-class BlockReservation:
-    """Blocks a decode worker holds for a prompt that another worker prefills."""
-
-    block_ids: list[int]
-    num_cached_tokens: int      # leading prompt tokens already in those blocks locally
 
 
 @dataclass(slots=True)
@@ -138,7 +131,7 @@ class Scheduler:
         seq.status = SequenceStatus.WAITING
         self._enqueue_waiting(seq)
 
-    def reserve_remote(self, seq: Sequence) -> BlockReservation | None:
+    def reserve_remote(self, seq: Sequence) -> Reservation | None:
         """Reserve blocks for the whole prompt (reusing cached prefix blocks); None if that would
         leave fewer free blocks than running sequences (each may need its next block before the
         prompt arrives: a queue of reservations must not preempt the decodes it waits to join).
@@ -161,7 +154,7 @@ class Scheduler:
         self.num_prefix_hit_tokens += seq.num_prefix_hit_tokens
         seq.status = SequenceStatus.REMOTE_PREFILL
         self.remote[seq.request_id] = seq
-        return BlockReservation(list(seq.block_ids), seq.num_prefix_hit_tokens)
+        return Reservation(list(seq.block_ids), seq.num_prefix_hit_tokens)
 
     def complete_remote(self, request_id: str) -> Sequence | None:
         """The remote prefill filled the reserved blocks: join the running batch."""

@@ -3,15 +3,15 @@
 from __future__ import annotations
 
 import enum
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from splitserve.services.engine.logits_controls import TokenCounts
-from splitserve.services.wire.outputs import FinishReason, SampledToken
-from splitserve.services.wire.sampling_params import SamplingParams
+from splitserve.services.worker_protocol.outputs import FinishReason, SampledToken
+from splitserve.kvtransfer.sender_receiver import LayerCallback
+from splitserve.services.worker_protocol.sampling_params import SamplingParams
 
 
 class SequenceStatus(enum.Enum):
@@ -27,25 +27,6 @@ class TransferUse(enum.Enum):
 
     SEND = "send"          # prefill-only: a connector reads the prefilled blocks to send them
     RECEIVE = "receive"    # fenced reservation: a prefill worker may write the granted blocks
-
-
-@dataclass(slots=True, frozen=True)
-class LayerReady:
-    """A prefill-only request's KV for `layer` is written in `block_ids`.
-
-    `block_ids` are the sequence's blocks from position `first_block` on; the
-    first report of a request starts at block 0, so blocks that came from the
-    local prefix cache are reported too (the receiver may already hold some).
-    """
-
-    request_id: str
-    layer: int
-    first_block: int
-    block_ids: list[int]
-    num_tokens: int          # prompt tokens whose KV is now complete in these blocks
-
-
-LayerCallback = Callable[[LayerReady], None]
 
 
 @dataclass(slots=True)

@@ -27,13 +27,14 @@ from splitserve.proto.v1 import common_pb2, worker_pb2
 from splitserve.services.text.bad_words import bad_word_token_ids
 from splitserve.services.text.stop_checker import StopChecker
 from splitserve.services.text.tokenizer import Tokenizer
-from splitserve.services.wire.convert import finish_reason_from_proto
-from splitserve.services.wire.outputs import FinishReason
-from splitserve.services.wire.sampling_params import SamplingParams, StructuredOutput
+from splitserve.services.worker_protocol.proto_conversion import finish_reason_from_proto
+from splitserve.services.worker_protocol.outputs import FinishReason
+from splitserve.services.worker_protocol.sampling_params import SamplingParams, StructuredOutput
 
 from splitserve.services.frontend import metrics as m
 from splitserve.services.frontend.errors import APIError, from_grpc, invalid
 from splitserve.services.frontend.forks import ENDED, ForkedCall, forkable
+from splitserve.services.frontend.generation_request import GenerationRequest
 from splitserve.services.frontend.fault_metrics import OUTCOME_MIGRATED, OUTCOME_RETRIED, PHASE_BEFORE_FIRST_TOKEN, PHASE_STREAMING
 from splitserve.services.frontend.metrics import FrontendMetrics
 from splitserve.services.frontend.migration import MigrationPolicy, Progress, Refusal, breaks_stream
@@ -44,18 +45,6 @@ from splitserve.services.frontend.workers.pool import WorkerPool
 
 log = logging.getLogger(__name__)
 ROUTE_POLL_S = 0.1     # how often a migration waiting for a decode worker looks again
-
-
-@dataclass(slots=True)
-class GenerationRequest:
-    request_id: str
-    api: str                        # chat | completions | grpc (metrics label)
-    prompt_ids: list[int]
-    params: SamplingParams
-    arrival: float = field(default_factory=time.monotonic)
-    skip_special_tokens: bool = True      # the text of the output (workers see token ids only)
-    # params.max_tokens is a cap the client set (or its API's default), not the rest of the context.
-    max_tokens_from_client: bool = False
 
 
 @dataclass(slots=True)

@@ -21,19 +21,33 @@ import asyncio
 import contextlib
 import logging
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from splitserve.proto.v1 import worker_pb2
+from splitserve.services.frontend.generation_request import GenerationRequest
 from splitserve.services.frontend.migration import Progress
 from splitserve.services.frontend.workers.session import WorkerCallError
 
 if TYPE_CHECKING:
-    from splitserve.services.frontend.core import Frontend, GenerationRequest
     from splitserve.services.frontend.routing import Route
 
 log = logging.getLogger(__name__)
 
 ENDED = None      # an inbox's item: the call ended without this choice's `finished` message
+
+
+class RouteFinished(Protocol):
+    def on_finished(self, request_id: str) -> None: ...
+
+
+class Frontend(Protocol):
+    """What a forked call needs of the frontend (core.py's `Frontend`)."""
+
+    router: RouteFinished
+
+    async def route(self, req: GenerationRequest, progress: Progress) -> Route: ...
+
+    def add_prefill_peers(self, message: worker_pb2.TokenGenerateRequest, route: Route) -> None: ...
 
 
 @dataclass(slots=True, eq=False)

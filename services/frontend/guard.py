@@ -25,7 +25,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from splitserve.services.frontend.http.asgi import DONE, Receive, Scope, Send, event, send_json
+from splitserve.services.frontend.asgi import DONE, Receive, Scope, Send, event, send_json
 from splitserve.services.frontend.auth import ApiKeys
 from splitserve.services.frontend.errors import APIError
 from splitserve.services.frontend.limits import KeyLimiter, LimitsConfig, Rejection

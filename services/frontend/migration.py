@@ -42,8 +42,8 @@ from dataclasses import dataclass, field, replace
 import grpc
 
 from splitserve.proto.v1 import worker_pb2
-from splitserve.services.wire.convert import params_to_proto
-from splitserve.services.wire.sampling_params import SamplingParams
+from splitserve.services.worker_protocol.proto_conversion import params_to_proto
+from splitserve.services.worker_protocol.sampling_params import SamplingParams
 
 DEFAULT_LIMIT = 2
 

@@ -24,7 +24,7 @@ import uvicorn
 from splitserve.errors import SplitserveError
 from splitserve.proto.v1 import inference_pb2_grpc
 from splitserve.router.policies.kv import DEFAULT_PREFILL_WEIGHT
-from splitserve.services.engine.loading.model_source import open_checkpoint
+from splitserve.checkpoints.model_source import open_checkpoint
 from splitserve.services.text.tokenizer import Tokenizer
 from splitserve.tls import PLAINTEXT, TlsConfig
 
@@ -108,7 +108,7 @@ async def run_frontend(config: FrontendConfig) -> int:
         raise SplitserveError("the frontend needs at least one worker with role both or decode (or --etcd)")
     registry = None
     if config.etcd:
-        from splitserve.router.discovery.etcd import EtcdRegistry
+        from splitserve.discovery.etcd import EtcdRegistry
 
         registry = EtcdRegistry(config.etcd, config.etcd_prefix, tls=config.etcd_tls)
         await registry.start()

@@ -3,7 +3,7 @@
 The store holds KV blocks of one layout (model, dtype, block size, KV heads: set by the
 first worker that attaches) in a pool of `--capacity-gib`, indexed by the same chained
 content hash the router and the engines use (block_table.py). Workers publish the blocks
-they compute and fetch the prefixes they miss (services/worker/kv/store_client.py); the
+they compute and fetch the prefixes they miss (the built-in engine's kv_tiers/store_client.py); the
 bytes move over kvtransfer, exactly like a remote prefill's:
 
 - publish (`Offer`): the store grants slots for the blocks it lacks (evicting least recently
@@ -39,12 +39,12 @@ from splitserve.kvtransfer import AgentMetadata, KVLayout, make_connector
 from splitserve.kvtransfer.errors import TransferError
 from splitserve.kvtransfer.memory import empty_pool
 from splitserve.proto.v1 import kvstore_pb2 as pb
-from splitserve.router.discovery import KVSTORE_PREFIX
+from splitserve.discovery import KVSTORE_PREFIX
 from splitserve.proto.v1 import kvstore_pb2_grpc
-from splitserve.services.engine.kv_tiers.block_codec import block_crc
-from splitserve.services.engine.sequence import LayerReady
-from splitserve.services.worker.kv.rank_transfer import RankTransfer
-from splitserve.services.worker.kv.transfer import TransferEndpoint, TransferGrant, TransferTarget
+from splitserve.kvtransfer.block_codec import block_crc
+from splitserve.kvtransfer.sender_receiver import LayerReady
+from splitserve.kvtransfer.rank_transfer import RankTransfer
+from splitserve.kvtransfer.sender_receiver import TransferEndpoint, TransferGrant, TransferTarget
 from splitserve.tls import PLAINTEXT, TlsConfig
 
 from splitserve.services.kvstore.block_table import StoreBlockTable
@@ -304,8 +304,8 @@ async def _register(config: KVStoreConfig, port: int):
     """A leased etcd key under `etcd_prefix` (workers started with `--kv-store etcd` look there)."""
     if not config.etcd:
         return None
-    from splitserve.router.discovery import WorkerRecord
-    from splitserve.router.discovery.etcd import EtcdRegistration
+    from splitserve.discovery import WorkerRecord
+    from splitserve.discovery.etcd import EtcdRegistration
 
     host = config.advertise_host or config.host
     if host in ("0.0.0.0", "::", ""):
@@ -341,12 +341,9 @@ class StoreCollector:
 async def _serve_metrics(config: KVStoreConfig, service: KVStoreService):
     if config.metrics_port is None:
         return None
-    from splitserve.services.worker.metrics_http import MetricsApp, MetricsServer
+    from splitserve.metrics_http import MetricsApp, MetricsServer
 
-    async def no_worker_stats():
-        return None
-
-    server = await MetricsServer.start(MetricsApp(no_worker_stats, StoreCollector(service)), config.host,
+    server = await MetricsServer.start(MetricsApp(registry=StoreCollector(service)), config.host,
                                        config.metrics_port)
     print(f"kvstore metrics on http://{config.host}:{server.port}/metrics", flush=True)
     return server

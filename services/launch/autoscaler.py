@@ -68,7 +68,7 @@ from splitserve.net import free_port
 from splitserve.proto.v1 import worker_pb2, worker_pb2_grpc
 from splitserve.services.planner.readings import (DrainCandidate, FrontendCounters, Reading, SampleBuilder,
                                                           WorkerCounters, choose_several, replica_counts)
-from splitserve.services.launch.plan import AutoscaleSettings, process_role
+from splitserve.services.launch.topology import AutoscaleSettings, process_role
 from splitserve.services.launch.probes import worker_serving
 from splitserve.services.launch.supervisor import Child, Supervisor
 from splitserve.services.planner import (CapacityProfile, Decision, MetricsSample, Planner, PlannerConfig,

@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 import os
 
-from splitserve.services.launch.plan import PlannedWorker, default_served_name
+from splitserve.services.launch.topology import PlannedWorker, default_served_name
 
 GRACE_S = 10.0
 DRAIN_S = GRACE_S - 3.0      # children drain (finish running requests) within the grace period

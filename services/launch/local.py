@@ -40,7 +40,7 @@ from splitserve.errors import SplitserveError
 from splitserve.net import free_port
 from splitserve.services.launch.children import export_serve_secrets, frontend_argv, kvstore_argv, worker_argv
 from splitserve.services.launch.membership import ETCD_ENV, LocalEtcd
-from splitserve.services.launch.plan import (autoscale_settings, default_threads, plan_workers, process_role,
+from splitserve.services.launch.topology import (autoscale_settings, default_threads, plan_workers, process_role,
                                              resolve_model, worker_cores, worker_slots)
 from splitserve.services.launch.probes import http_ready, transfer_backend, worker_serving
 from splitserve.services.launch.supervisor import Child, Supervisor

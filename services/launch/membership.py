@@ -3,7 +3,7 @@
 `serve` starts an etcd member on loopback (free client and peer ports, a temporary data
 directory removed on exit), supervised like any child (restarted on the same ports and data
 directory); every worker gets `--etcd` and every frontend `--etcd` instead of a `--worker`
-list. This is the discovery the Kubernetes deployment already uses (router/discovery/etcd.py),
+list. This is the discovery the Kubernetes deployment already uses (splitserve/discovery/etcd.py),
 chosen over a membership file or list that `serve` would edit because the worker's own
 lifecycle already orders it as scaling needs, with no change to the frontend:
 

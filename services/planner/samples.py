@@ -18,13 +18,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-ROLES = ("prefill", "decode", "both")        # services/launch/plan.py's worker roles
+ROLES = ("prefill", "decode", "both")        # services/launch/topology.py's worker roles
 
 
 @dataclass(frozen=True, slots=True)
 class ReplicaCounts:
     """A deployment's workers: disaggregated (a prefill and a decode pool) or aggregated
-    (one pool whose workers prefill and decode, plan.py's role "both"); never both kinds."""
+    (one pool whose workers prefill and decode, topology.py's role "both"); never both kinds."""
 
     num_prefill: int = 0
     num_decode: int = 0

@@ -2,7 +2,7 @@
 
 The file is the Kubernetes operator's: a whole `ServingDeployment` manifest
 (`kind: ServingDeployment`, with `spec:`) or just the mapping under `spec:`,
-parsed by `splitserve.operator.spec` so both targets read one schema. How it
+parsed by `splitserve.services.spec.serving_deployment` so both targets read one schema. How it
 maps onto Ray:
 
 | spec | Ray Serve |
@@ -31,7 +31,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from splitserve.errors import SplitserveError
-from splitserve.services.launch.plan import default_served_name, plan_workers
+from splitserve.services.launch.topology import default_served_name, plan_workers
 
 from splitserve.services.ray_serve.settings import (Autoscaling, EngineSettings, IngressSettings, PoolPlan, RayServeConfig, RouterSettings,
                        WorkerSettings)
@@ -66,7 +66,7 @@ def read_spec(path: str | Path):
     """The ServingDeploymentSpec in a YAML file (a whole manifest or just its spec)."""
     import yaml
 
-    from splitserve.operator.spec import ServingDeploymentSpec
+    from splitserve.services.spec.serving_deployment import ServingDeploymentSpec
 
     try:
         doc = yaml.safe_load(Path(path).read_text())

@@ -11,7 +11,7 @@ the workers' next renewals refill it within a second.
 
 `DirectoryRegistry` is the registry interface the frontend's worker pool
 already reconciles its members against (`members()`, `changed`, `start()`,
-`close()`, as router/discovery/static.py and etcd.py): it polls the directory
+`close()`, as splitserve/discovery/static.py and etcd.py): it polls the directory
 every `POLL_S` from the ingress replica's event loop.
 """
 
@@ -23,7 +23,7 @@ import logging
 import time
 from dataclasses import dataclass
 
-from splitserve.router.discovery import WorkerRecord
+from splitserve.discovery import WorkerRecord
 
 log = logging.getLogger(__name__)
 

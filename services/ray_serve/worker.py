@@ -44,6 +44,7 @@ STOP_TIMEOUT_S = 10.0
 
 
 def _server_config(settings: WorkerSettings, worker_id: str, host: str, port: int):
+    from splitserve.services.engine.builtin import BuiltinEngineLauncher
     from splitserve.services.engine.config import EngineConfig
     from splitserve.services.worker.server import WorkerServerConfig
     from splitserve.services.worker.service import Role, WorkerOptions
@@ -56,7 +57,8 @@ def _server_config(settings: WorkerSettings, worker_id: str, host: str, port: in
     options = WorkerOptions(worker_id=worker_id, role=Role(settings.role),
                             remote_prefill_threshold=settings.remote_prefill_threshold,
                             prefill_timeout_s=settings.prefill_timeout_s)
-    return WorkerServerConfig(options=options, engine=engine, host=host, port=port, transfer=settings.transfer)
+    return WorkerServerConfig(options=options, engine=BuiltinEngineLauncher(engine), host=host, port=port,
+                              transfer=settings.transfer)
 
 
 class WorkerThread:

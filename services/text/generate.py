@@ -20,8 +20,8 @@ from typing import Protocol
 
 from splitserve.services.text.stop_checker import StopChecker
 from splitserve.services.text.tokenizer import Tokenizer
-from splitserve.services.wire.outputs import FinishReason, RequestOutput, SampledToken
-from splitserve.services.wire.sampling_params import SamplingParams
+from splitserve.services.worker_protocol.outputs import FinishReason, RequestOutput, SampledToken
+from splitserve.services.worker_protocol.sampling_params import SamplingParams
 
 _batches = itertools.count()
 

@@ -2,7 +2,7 @@
 
 Text work is the frontend's (vLLM's split): workers stop on token ids and
 counts only (EOS, stop token ids, max_tokens, the context limit:
-engine/stopping.py) and never decode. This checker turns the tokens the
+services/engine/engine.py's token_stop_reason) and never decode. This checker turns the tokens the
 frontend forwards into text incrementally, finds the first stop string (the
 text is cut before it, or after it with `include_stop_str_in_output`), and
 holds back text that could still turn out to be the start of a stop string, so
@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from dataclasses import InitVar, dataclass, field
 
 from splitserve.services.text.tokenizer import IncrementalDetokenizer, Tokenizer
-from splitserve.services.wire.sampling_params import SamplingParams
+from splitserve.services.worker_protocol.sampling_params import SamplingParams
 
 
 @dataclass(slots=True)

@@ -21,7 +21,7 @@ from tokenizers import Tokenizer as HFTokenizer
 from splitserve.errors import InvalidRequestError, ModelLoadError
 
 if TYPE_CHECKING:       # only its tokenizer fields are read: text work needs nothing of the engine
-    from splitserve.services.engine.loading.checkpoint import Checkpoint
+    from splitserve.checkpoints.checkpoint import Checkpoint
 
 
 def _token_text(value) -> str | None:

@@ -1,4 +1,4 @@
-"""One LLMEngine on its own thread, driven by a queue of jobs from asyncio callers.
+"""One engine (services/engine_api/contract.py) on its own thread, driven by a queue of jobs from asyncio callers.
 
 The engine is synchronous and not thread-safe (STYLE: "the engine loop is
 synchronous"), so exactly one thread ever touches it: this loop. Callers on
@@ -25,8 +25,8 @@ from dataclasses import dataclass
 from typing import TypeVar
 
 from splitserve.errors import FatalError
-from splitserve.services.engine.engine import LLMEngine
-from splitserve.services.wire.outputs import RequestOutput
+from splitserve.services.engine_api.contract import Engine
+from splitserve.services.worker_protocol.outputs import RequestOutput
 
 log = logging.getLogger(__name__)
 
@@ -58,7 +58,7 @@ class _Stream:
 
 
 class EngineLoop:
-    def __init__(self, engine: LLMEngine):
+    def __init__(self, engine: Engine):
         self.engine = engine
         self._jobs: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._streams: dict[str, _Stream] = {}    # engine thread only
@@ -83,7 +83,7 @@ class EngineLoop:
         return self._thread.is_alive()
 
     # -- what asyncio callers use --------------------------------------------------
-    async def call(self, fn: Callable[[LLMEngine], T]) -> T:
+    async def call(self, fn: Callable[[Engine], T]) -> T:
         """Run `fn(engine)` on the engine thread between steps and return its result."""
         future: concurrent.futures.Future = concurrent.futures.Future()
 
@@ -98,7 +98,7 @@ class EngineLoop:
         self._submit(job)
         return await asyncio.wrap_future(future)
 
-    async def stream(self, request_id: str, start: Callable[[LLMEngine], list[RequestOutput] | None],
+    async def stream(self, request_id: str, start: Callable[[Engine], list[RequestOutput] | None],
                      siblings: list[str] = ()) -> AsyncIterator[RequestOutput]:
         """Run `start(engine)` (which adds the request) and yield the request's outputs.
 
@@ -137,7 +137,7 @@ class EngineLoop:
             for rid in unfinished:
                 self.abort(rid)
 
-    def post(self, fn: Callable[[LLMEngine], object]) -> None:
+    def post(self, fn: Callable[[Engine], object]) -> None:
         """Run `fn(engine)` on the engine thread between steps (fire and forget; safe to
         call from a cancelled coroutine). Its result is dropped, its exception logged."""
         if not self._stopping.is_set():
@@ -188,7 +188,7 @@ class EngineLoop:
         try:
             outputs = self.engine.step()
         except Exception as exc:
-            if self.engine.tp is not None:
+            if self.engine.ranks is not None:
                 self._lose_group(exc)
                 return
             log.exception("engine step failed; aborting its %d requests", len(self._streams))
@@ -205,7 +205,7 @@ class EngineLoop:
                       len(self._streams))
         self._stopping.set()
         self._fail_all(EngineStoppedError(f"the tensor-parallel group is lost: {exc}"))
-        self.engine.tp.fail(f"a step failed: {exc}")
+        self.engine.ranks.fail(f"a step failed: {exc}")
 
     def _dispatch(self, outputs: list[RequestOutput]) -> None:
         for out in outputs:

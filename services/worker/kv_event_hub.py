@@ -18,7 +18,7 @@ from collections import deque
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
-from splitserve.services.engine.kv_events import AllCleared, BlockRemoved, BlockStored, KVEvent
+from splitserve.services.engine_api.kv_events import AllCleared, BlockRemoved, BlockStored, KVEvent
 
 
 @dataclass(slots=True, frozen=True)

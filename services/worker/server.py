@@ -8,7 +8,7 @@ registration is revoked, whatever still runs is failed so that its frontend
 migrates it, and the process exits 0. A tensor-parallel worker whose group is lost
 (a rank is gone, a step failed) stops that way at once and exits 1, so that the
 group is replaced as a unit. With --metrics-port the worker also serves
-Prometheus metrics over HTTP from the start (metrics_http.py), until it exits. Beside
+Prometheus metrics over HTTP from the start (stats_metrics.py, served by splitserve/metrics_http.py), until it exits. Beside
 the gRPC port the worker listens for frontends' session streams (session_stream.py;
 --session-port, any free port by default), whose port Describe tells.
 """
@@ -28,18 +28,17 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from splitserve.errors import SplitserveError
 from splitserve.proto.v1 import worker_pb2_grpc
 from splitserve.startup import process_age_s
-from splitserve.services.engine.config import EngineConfig
-from splitserve.services.engine.engine import LLMEngine
+from splitserve.services.engine_api.contract import Engine, EngineLauncher, KVStoreSettings, TransferSettings
 from splitserve.tls import PLAINTEXT, TlsConfig
 
 from splitserve.services.worker.health import WorkerHealthServicer
 from splitserve.services.worker.service import Role, WorkerOptions, WorkerService
 from splitserve.services.worker.session_stream import SessionStreamServer
 from splitserve.services.worker.shutdown import drain
-from splitserve.services.worker.kv.transfer import KVReceiver, KVSender, UnwiredTransfer
+from splitserve.kvtransfer.sender_receiver import KVReceiver, KVSender, UnwiredTransfer
 
 if TYPE_CHECKING:
-    from splitserve.services.worker.metrics_http import MetricsServer
+    from splitserve.metrics_http import MetricsServer
 
 log = logging.getLogger(__name__)
 
@@ -54,7 +53,7 @@ STATS_TIMEOUT_S = 5.0       # a scrape waits this long for the engine thread (on
 @dataclass(slots=True)
 class WorkerServerConfig:
     options: WorkerOptions
-    engine: EngineConfig
+    engine: EngineLauncher     # loads the engine (services/engine/builtin.py: BuiltinEngineLauncher)
     host: str = "127.0.0.1"
     advertise_host: str | None = None     # the address registered in etcd; None: host
     port: int = 0
@@ -71,22 +70,23 @@ class WorkerServerConfig:
     kv_store: str | None = None       # the shared KV block store's HOST:PORT (`splitserve kvstore`); None: none
 
 
-def build_transfer(role: Role, engine: LLMEngine, backend: str = "auto", name: str = "worker",
-                   host: str = "127.0.0.1", token: bytes = b"",
-                   advertise_host: str | None = None) -> tuple[KVSender, KVReceiver]:
-    """(sender, receiver) for this role, built once the engine's KV pool exists (the
-    connector registers `engine.runner.kv.tensor` before any peer can fetch its metadata).
+def transfer_settings(config: WorkerServerConfig) -> TransferSettings:
+    return TransferSettings(config.transfer, config.options.worker_id, config.host, config.transfer_token,
+                            config.advertise_host)
 
-    Prefill and decode workers get one kvtransfer connector per TP rank, each on its own
-    rank's KV pool (both halves; connector_transfer.py); an aggregated
+
+def build_transfer(role: Role, engine: Engine, settings: TransferSettings = TransferSettings()
+                   ) -> tuple[KVSender, KVReceiver]:
+    """(sender, receiver) for this role, built once the engine's KV memory exists (the engine
+    registers it with its connectors before any peer can fetch their metadata).
+
+    Prefill and decode workers get the engine's KV transfer (both halves); an aggregated
     worker (role both) gets `UnwiredTransfer`, which refuses transfers clearly.
     """
     if role is Role.BOTH:
         unwired = UnwiredTransfer()
         return unwired, unwired
-    from splitserve.services.worker.kv.connector_transfer import build_connector_transfer, resolve_backend
-
-    transfer = build_connector_transfer(resolve_backend(backend), name, engine, host, token, advertise_host)
+    transfer = engine.build_kv_transfer(settings)
     return transfer, transfer
 
 
@@ -123,7 +123,7 @@ async def serve(config: WorkerServerConfig, stop: asyncio.Event | None = None,
         metrics = await _serve_metrics(config, service)
         stream = await _serve_session_stream(config, service)
         t_load = time.monotonic()
-        load = asyncio.ensure_future(asyncio.to_thread(LLMEngine, config.engine))
+        load = asyncio.ensure_future(asyncio.to_thread(config.engine.launch))
         waiter = asyncio.ensure_future(stop.wait())
         await asyncio.wait({load, waiter}, return_when=asyncio.FIRST_COMPLETED)
         if not load.done():
@@ -132,14 +132,14 @@ async def serve(config: WorkerServerConfig, stop: asyncio.Event | None = None,
         waiter.cancel()
         engine = load.result()
         t_transfer = time.monotonic()
-        sender, receiver = await asyncio.to_thread(build_transfer, config.options.role, engine,
-                                                   config.transfer, wid, config.host, config.transfer_token,
-                                                   config.advertise_host)
+        settings = transfer_settings(config)
+        sender, receiver = await asyncio.to_thread(build_transfer, config.options.role, engine, settings)
         if config.kv_store:
-            await asyncio.to_thread(attach_store, config, engine, wid)
+            await asyncio.to_thread(attach_store, config, engine, settings)
         await service.attach(engine, sender, receiver)
+        described = engine.describe()
         log.info("worker %s: serving %s (max_model_len %d, %d KV blocks, transfer %s)", wid,
-                 engine.config.model_name, engine.max_model_len, engine.config.num_kv_blocks,
+                 described.model_name, described.max_model_len, described.num_kv_blocks,
                  sender.backend or "none")
         took = time.monotonic()
         print(f"worker {wid} ready (transfer {sender.backend or 'none'}) {started + took - t_load:.1f} s after its "
@@ -178,27 +178,18 @@ async def serve(config: WorkerServerConfig, stop: asyncio.Event | None = None,
             engine.close()
 
 
-def attach_store(config: WorkerServerConfig, engine: LLMEngine, name: str) -> None:
+def attach_store(config: WorkerServerConfig, engine: Engine, settings: TransferSettings) -> None:
     """Fetch from and publish to the shared block store (before the engine loop starts)."""
-    from splitserve.services.worker.kv.connector_transfer import resolve_backend
-    from splitserve.services.worker.kv.store_client import StoreClient
-
-    store = StoreClient(config.kv_store, engine, resolve_backend(config.transfer), name, config.host,
-                        config.transfer_token, config.advertise_host, etcd=config.etcd, etcd_tls=config.etcd_tls)
-    try:
-        engine.attach_store(store)
-    except BaseException:
-        store.close()
-        raise
-    log.info("worker %s: KV store %s", name, config.kv_store)
+    engine.attach_kv_store(KVStoreSettings(config.kv_store, tuple(config.etcd), config.etcd_tls), settings)
+    log.info("worker %s: KV store %s", settings.name, config.kv_store)
 
 
-def _watch_group(engine: LLMEngine, stop: asyncio.Event) -> list[str]:
+def _watch_group(engine: Engine, stop: asyncio.Event) -> list[str]:
     """With tensor parallelism: a list that gets why the group was lost, and `stop` set,
     when a rank is gone or a step failed. The worker then exits non-zero so that whoever
     runs the group (the operator, `splitserve serve`) replaces it as a unit."""
     lost: list[str] = []
-    if engine.tp is None:
+    if engine.ranks is None:
         return lost
     loop = asyncio.get_running_loop()
 
@@ -212,7 +203,7 @@ def _watch_group(engine: LLMEngine, stop: asyncio.Event) -> list[str]:
         except RuntimeError:        # the event loop is closed: the worker is gone already
             pass
 
-    engine.tp.watch(from_any_thread)
+    engine.ranks.watch(from_any_thread)
     return lost
 
 
@@ -230,9 +221,10 @@ async def _serve_metrics(config: WorkerServerConfig, service: WorkerService) -> 
     """Start the metrics HTTP server (metrics_http.py); None without --metrics-port."""
     if config.metrics_port is None:
         return None
-    from splitserve.services.worker.metrics_http import MetricsApp, MetricsServer
+    from splitserve.metrics_http import MetricsApp, MetricsServer
+    from splitserve.services.worker.stats_metrics import stats_reader
 
-    metrics = await MetricsServer.start(MetricsApp(lambda: service.read_stats(STATS_TIMEOUT_S)), config.host,
+    metrics = await MetricsServer.start(MetricsApp(stats_reader(lambda: service.read_stats(STATS_TIMEOUT_S))), config.host,
                                         config.metrics_port)
     log.info("worker %s: metrics on http://%s:%d/metrics", config.options.worker_id, config.host, metrics.port)
     print(f"worker {config.options.worker_id} metrics on http://{config.host}:{metrics.port}/metrics", flush=True)
@@ -254,8 +246,8 @@ async def _register(config: WorkerServerConfig, port: int):
     """Register with etcd (a leased key the routers watch); None without --etcd."""
     if not config.etcd:
         return None
-    from splitserve.router.discovery import WorkerRecord
-    from splitserve.router.discovery.etcd import EtcdRegistration
+    from splitserve.discovery import WorkerRecord
+    from splitserve.discovery.etcd import EtcdRegistration
 
     record = WorkerRecord(config.options.worker_id, config.options.role.value, f"{registered_host(config)}:{port}")
     registration = EtcdRegistration(config.etcd, record, config.etcd_prefix, config.etcd_ttl_s, config.etcd_tls)

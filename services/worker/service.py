@@ -21,16 +21,16 @@ from grpc_health.v1._async import HealthServicer
 
 from splitserve.errors import FatalError, InvalidRequestError, RecoverableError
 from splitserve.proto.v1 import worker_pb2, worker_pb2_grpc
-from splitserve.services.engine.engine import LLMEngine
+from splitserve.services.engine_api.contract import Engine, EngineLoad
 from splitserve.tls import PLAINTEXT, TlsConfig
 
-from splitserve.services.wire.convert import params_from_proto
-from splitserve.services.wire.sampling_params import SamplingParams
-from splitserve.services.worker.convert import event_to_proto, logprob_to_proto, output_to_proto
+from splitserve.services.worker_protocol.proto_conversion import params_from_proto
+from splitserve.services.worker_protocol.sampling_params import SamplingParams
+from splitserve.services.worker.output_messages import event_to_proto, logprob_to_proto, output_to_proto
 from splitserve.services.worker.engine_loop import EngineLoop, EngineStoppedError
 from splitserve.services.worker.kv.prefill_server import serve_prefill
 from splitserve.services.worker.kv.remote_prefill import PeerChannels, RemotePrefill
-from splitserve.services.worker.kv.transfer import (KVReceiver, KVSender, TransferEndpoint, TransferError,
+from splitserve.kvtransfer.sender_receiver import (KVReceiver, KVSender, TransferEndpoint, TransferError,
                                                    TransferGrant, TransferNotWiredError, TransferTarget)
 from splitserve.services.worker.kv.write_fences import WriteFences
 from splitserve.services.worker.kv_event_hub import KvEventHub
@@ -104,7 +104,7 @@ async def compile_grammar(loop: EngineLoop, params: SamplingParams) -> None:
     """A structured request's grammar, compiled (or found in the cache) on a thread before the
     request is queued, so that compiling never holds up the engine's steps."""
     if params.structured is not None:
-        await asyncio.to_thread(loop.engine.structured_outputs.compile, params.structured)
+        await asyncio.to_thread(loop.engine.prepare, params)
 
 
 class WorkerService(worker_pb2_grpc.WorkerServicer):
@@ -125,7 +125,7 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         self.session_port = 0                  # the session stream's, once it listens (server.py)
 
     # -- lifecycle ---------------------------------------------------------------
-    async def attach(self, engine: LLMEngine, sender: KVSender, receiver: KVReceiver) -> None:
+    async def attach(self, engine: Engine, sender: KVSender, receiver: KVReceiver) -> None:
         """The model is loaded (and its KV pool registered with the transfer): start the
         engine loop and report SERVING."""
         self.sender, self.receiver = sender, receiver
@@ -325,15 +325,16 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         except (EngineStoppedError, TimeoutError):
             return None
 
-    def _stats(self, engine: LLMEngine) -> worker_pb2.StatsResponse:
-        pool, sched, s, c = engine.pool, engine.scheduler, engine.stats, self.counters
+    def _stats(self, engine: Engine) -> worker_pb2.StatsResponse:
+        load, c = engine.load(), self.counters
+        s = load.counters
         return worker_pb2.StatsResponse(
             worker_id=self.options.worker_id, role=self.options.role.to_proto(), draining=self.draining,
-            num_kv_blocks=pool.num_blocks, num_used_kv_blocks=pool.num_used_blocks,
-            num_cached_kv_blocks=len(pool.cached), kv_usage=pool.num_used_blocks / pool.num_blocks,
-            num_running=len(sched.running), num_waiting=len(sched.waiting),
-            num_remote_prefill=len(sched.remote), num_in_flight=c.num_in_flight,
-            num_remote_prefill_kv_blocks=sched.num_remote_blocks,
+            num_kv_blocks=load.num_kv_blocks, num_used_kv_blocks=load.num_used_kv_blocks,
+            num_cached_kv_blocks=load.num_cached_kv_blocks, kv_usage=load.kv_usage,
+            num_running=load.num_running, num_waiting=load.num_waiting,
+            num_remote_prefill=load.num_remote_prefill, num_in_flight=c.num_in_flight,
+            num_remote_prefill_kv_blocks=load.num_remote_prefill_kv_blocks,
             num_steps=s.num_steps, num_computed_tokens=s.num_computed_tokens,
             num_prompt_tokens_computed=s.num_prompt_tokens_computed,
             num_prefix_hit_tokens=s.num_prefix_hit_tokens, num_generated_tokens=s.num_generated_tokens,
@@ -343,28 +344,27 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
             num_errors=c.num_errors, last_kv_event_seq=self.hub.last_seq,
             num_prefill_retries=c.num_prefill_retries, num_prefill_fallbacks=c.num_prefill_fallbacks,
             num_transfer_reservations=self.receiver.num_open() if self.receiver is not None else 0,
-            num_held_prefills=engine.num_held_requests, num_fenced_kv_blocks=engine.num_fenced_blocks,
+            num_held_prefills=load.num_held_prefills, num_fenced_kv_blocks=load.num_fenced_kv_blocks,
             num_fences_confirmed=self.fences.num_confirmed if self.fences is not None else 0,
             num_fences_waited_out=self.fences.num_waited_out if self.fences is not None else 0,
             num_fences_served=c.num_fences_served, num_forks=s.num_forks,
             num_forked_kv_blocks=s.num_forked_blocks, num_fork_copies=s.num_fork_copies,
-            kv_tiers=_tier_stats(engine), kv_tier_rejections=engine.tiers.rejections() if engine.tiers else {})
+            kv_tiers=_tier_stats(load), kv_tier_rejections=load.kv_tier_rejections)
 
     async def Describe(self, request, context):
         try:
             engine = self._engine_loop(admit=False).engine
         except Exception as exc:
             await self._fail(context, "Describe", "-", exc)
-        cfg = engine.config
+        d = engine.describe()
         return worker_pb2.DescribeResponse(
             worker_id=self.options.worker_id, instance_id=self.instance_id,
-            role=self.options.role.to_proto(), model_name=cfg.model_name,
-            max_model_len=engine.max_model_len, vocab_size=engine.model_config.vocab_size,
-            block_size=cfg.block_size, num_kv_blocks=cfg.num_kv_blocks,
-            dtype=str(cfg.torch_dtype()).removeprefix("torch."), device=cfg.device,
-            tensor_parallel_size=cfg.tensor_parallel_size,
+            role=self.options.role.to_proto(), model_name=d.model_name,
+            max_model_len=d.max_model_len, vocab_size=d.vocab_size,
+            block_size=d.block_size, num_kv_blocks=d.num_kv_blocks, dtype=d.dtype, device=d.device,
+            tensor_parallel_size=d.tensor_parallel_size,
             transfer_backend=self.sender.backend if self.sender is not None else "",
-            block_hash_extra_key=engine.scheduler.extra_key, session_port=self.session_port)
+            block_hash_extra_key=d.block_hash_extra_key, session_port=self.session_port)
 
     async def start_draining(self) -> None:
         """Refuse new work (UNAVAILABLE) and report NOT_SERVING; running calls go on."""
@@ -389,12 +389,8 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
                 events=[event_to_proto(e) for e in batch.events])
 
 
-def _tier_stats(engine: LLMEngine) -> list[worker_pb2.KvTierStats]:
-    tiers = engine.tiers
-    if tiers is None:
-        return []
-    st = tiers.stats
-    return [worker_pb2.KvTierStats(tier=tier, num_blocks=held, capacity_blocks=capacity, num_hits=st.hits[tier],
-                                   bytes_loaded=st.bytes_loaded[tier], load_seconds=st.load_seconds[tier],
-                                   num_written=st.written_down[tier], num_evicted=st.evicted[tier])
-            for tier, (held, capacity) in tiers.occupancy().items()]
+def _tier_stats(load: EngineLoad) -> list[worker_pb2.KvTierStats]:
+    return [worker_pb2.KvTierStats(tier=t.tier, num_blocks=t.num_blocks, capacity_blocks=t.capacity_blocks,
+                                   num_hits=t.num_hits, bytes_loaded=t.bytes_loaded, load_seconds=t.load_seconds,
+                                   num_written=t.num_written, num_evicted=t.num_evicted)
+            for t in load.kv_tiers]

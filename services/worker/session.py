@@ -18,14 +18,23 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import grpc
 
 from splitserve.proto.v1 import worker_pb2
 
-if TYPE_CHECKING:
-    from splitserve.services.worker.service import WorkerService
+
+class SessionHost(Protocol):
+    """What a session needs of the Worker service (service.py's `WorkerService`)."""
+
+    def generate(self, request_id: str, request: worker_pb2.TokenGenerateRequest
+                 ) -> AsyncIterator[worker_pb2.TokenGenerateResponse]: ...
+
+    def abort_choice(self, request_id: str, running: set[str] | dict) -> bool: ...
+
+    def failure_status(self, method: str, request_id: str, exc: BaseException) -> grpc.StatusCode: ...
+
 
 log = logging.getLogger(__name__)
 
@@ -33,7 +42,7 @@ _END = None     # the outbox's last item: no request is left and none can come
 
 
 class GenerateSession:
-    def __init__(self, service: WorkerService):
+    def __init__(self, service: SessionHost):
         self.service = service
         self.outbox: asyncio.Queue[worker_pb2.SessionResponse | None] = asyncio.Queue()
         self.running: dict[str, asyncio.Task] = {}

@@ -29,7 +29,7 @@ from splitserve.errors import SplitserveError
 from splitserve.proto.v1 import worker_pb2
 
 from splitserve.services.worker.session import GenerateSession
-from splitserve.services.wire.framing import HEADER_BYTES, FrameError, frame, frame_length
+from splitserve.services.worker_protocol.framing import HEADER_BYTES, FrameError, frame, frame_length
 
 if TYPE_CHECKING:
     from splitserve.services.worker.service import WorkerService

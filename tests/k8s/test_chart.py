@@ -29,8 +29,8 @@ from cluster import wait_until
 from controlplane import KubeCluster
 
 from splitserve.operator import builders, names
-from splitserve.operator.spec import ServingDeploymentSpec
-from splitserve.services.worker.metrics_http import COUNTERS, GAUGES, TIER_COUNTERS, TIER_DROPPED, TIER_GAUGES
+from splitserve.services.spec.serving_deployment import ServingDeploymentSpec
+from splitserve.services.worker.stats_metrics import COUNTERS, GAUGES, TIER_COUNTERS, TIER_DROPPED, TIER_GAUGES
 
 CHART = Path(__file__).resolve().parents[2] / "deploy" / "helm" / "splitserve"
 CRD_FILE = CHART / "crds" / "servingdeployments.splitserve.io.yaml"

@@ -322,7 +322,7 @@ def test_a_bind_failing_midway_rolls_the_whole_group_back(kube_cluster, k8s_name
     from splitserve.operator.kube import AsyncKube, Kube, KubeError, core_path, load_api_client
     from splitserve.operator.placement import GroupRequest
     from splitserve.operator.scheduler import GangScheduler, WaitingGroup
-    from splitserve.operator.spec import ServingDeploymentSpec
+    from splitserve.services.spec.serving_deployment import ServingDeploymentSpec
 
     node = "op-rollback"
     kube_cluster.add_gpu_node(node, gpus=8)

@@ -22,7 +22,7 @@ import threading
 from collections import Counter, OrderedDict
 from pathlib import Path
 
-from splitserve.services.engine.kv_tiers.block_codec import BlockRejected, HEADER, decode, encode_header
+from splitserve.kvtransfer.block_codec import BlockRejected, HEADER, decode, encode_header
 
 log = logging.getLogger(__name__)
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from splitserve.services.engine.kv_tiers.block_codec import BlockRejected, as_bytes, checksum
+from splitserve.kvtransfer.block_codec import BlockRejected, as_bytes, checksum
 
 
 @dataclass(slots=True)

@@ -1,7 +1,7 @@
 """The shared block store as the engine sees it: a tier below disk, and when a fetch pays.
 
 The engine does not know how the store is reached; the worker attaches a `SharedStore`
-(services/worker/kv/store_client.py: gRPC control, kvtransfer bytes) to its `KVTiers`.
+(services/engine/kv_tiers/store_client.py: gRPC control, kvtransfer bytes) to its `KVTiers`.
 
 When to fetch (`FetchRule`). A prefix the store holds is fetched only when that is expected
 to be quicker than computing it again:

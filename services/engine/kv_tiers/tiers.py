@@ -26,8 +26,8 @@ from dataclasses import dataclass, field
 import torch
 
 from splitserve.services.engine.kv_cache import KVCache
-from splitserve.services.engine.kv_events import KVEventLog
-from splitserve.services.engine.kv_tiers.block_codec import BlockRejected, as_bytes
+from splitserve.services.engine_api.kv_events import KVEventLog
+from splitserve.kvtransfer.block_codec import BlockRejected, as_bytes
 from splitserve.services.engine.kv_tiers.disk_tier import DiskTier
 from splitserve.services.engine.kv_tiers.host_tier import HostTier
 from splitserve.services.engine.kv_tiers.shared_store import FetchRule, SharedStore

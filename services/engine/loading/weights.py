@@ -14,7 +14,7 @@ import torch
 
 from splitserve.errors import ModelLoadError, UnsupportedModelError
 
-from splitserve.services.engine.loading.checkpoint import Checkpoint
+from splitserve.checkpoints.checkpoint import Checkpoint
 from splitserve.services.engine.config import ModelConfig
 
 

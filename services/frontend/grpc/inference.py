@@ -11,12 +11,13 @@ from __future__ import annotations
 import grpc
 
 from splitserve.proto.v1 import inference_pb2, inference_pb2_grpc
-from splitserve.services.wire.convert import finish_reason_to_proto
-from splitserve.services.wire.outputs import FinishReason
-from splitserve.services.wire.sampling_params import StructuredOutput
+from splitserve.services.worker_protocol.proto_conversion import finish_reason_to_proto
+from splitserve.services.worker_protocol.outputs import FinishReason
+from splitserve.services.worker_protocol.sampling_params import StructuredOutput
 
 from splitserve.services.frontend.errors import APIError, invalid
-from splitserve.services.frontend.core import Frontend, GenerationRequest, SamplingRequest, new_request_id
+from splitserve.services.frontend.core import Frontend, SamplingRequest, new_request_id
+from splitserve.services.frontend.generation_request import GenerationRequest
 from splitserve.services.frontend.limits import check_prompt_tokens
 
 _HTTP_TO_GRPC = {400: grpc.StatusCode.INVALID_ARGUMENT, 404: grpc.StatusCode.NOT_FOUND,

@@ -29,9 +29,10 @@ import orjson
 from pydantic import BaseModel, ValidationError
 
 from splitserve.services.frontend import metrics as m
-from splitserve.services.frontend.http.asgi import DONE, Receive, Scope, Send, event, send_json
+from splitserve.services.frontend.asgi import DONE, Receive, Scope, Send, event, send_json
 from splitserve.services.frontend.errors import APIError, from_validation_error, invalid
-from splitserve.services.frontend.core import Delta, Frontend, GenerationRequest, SamplingRequest, new_request_id
+from splitserve.services.frontend.core import Delta, Frontend, SamplingRequest, new_request_id
+from splitserve.services.frontend.generation_request import GenerationRequest
 from splitserve.services.frontend.limits import PromptBound, check_prompt_tokens
 from splitserve.services.frontend.http.protocol import ChatCompletionRequest, CompletionRequest
 from splitserve.services.frontend.http.responses import (ChatFormatter, CompletionFormatter, best_samples, merge_full,

@@ -38,7 +38,7 @@ from splitserve.services.frontend.core import Delta, SamplingRequest, new_reques
 from splitserve.services.frontend.errors import APIError
 from splitserve.services.frontend.http.generation import Choice, GenerationEndpoints, Prepared
 from splitserve.services.frontend.http.protocol import _Strict
-from splitserve.services.wire.outputs import FinishReason
+from splitserve.services.worker_protocol.outputs import FinishReason
 
 
 TEXT_PARTS = ("input_text", "output_text")   # output_text: an earlier response's message, passed back

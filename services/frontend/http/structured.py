@@ -18,7 +18,7 @@ import json
 from typing import Any
 
 from splitserve.services.frontend.errors import invalid
-from splitserve.services.wire.sampling_params import StructuredOutput
+from splitserve.services.worker_protocol.sampling_params import StructuredOutput
 
 BACKENDS = (None, "auto", "xgrammar")
 # structured_outputs' options that change nothing here: no fallback backend exists, JSON is

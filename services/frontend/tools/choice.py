@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 from splitserve.services.frontend.errors import invalid
 from splitserve.services.frontend.tools import parsers as p
-from splitserve.services.wire.sampling_params import StructuredOutput
+from splitserve.services.worker_protocol.sampling_params import StructuredOutput
 
 AUTO_NEEDS_PARSER = ('"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be set')
 _EMPTY_OBJECT = {"type": "object", "properties": {}}

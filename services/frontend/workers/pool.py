@@ -2,7 +2,7 @@
 
 `WorkerPool` alone adds and removes `WorkerHandle`s: from the static list it
 is built with (`splitserve serve` passes the addresses), or by reconciling
-against a registry (router/discovery/: static or etcd; Ray's directory) each
+against a registry (splitserve/discovery/: static or etcd; Ray's directory) each
 time the registry signals a change. When etcd is unreachable the registry
 keeps its last members, so the pool keeps them too; worker health still
 decides which of them are ready. Everything else that cares about membership
@@ -30,7 +30,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from splitserve.errors import InvalidRequestError
 from splitserve.proto.v1 import worker_pb2, worker_pb2_grpc
-from splitserve.router.discovery import WorkerRecord
+from splitserve.discovery import WorkerRecord
 from splitserve.tls import PLAINTEXT, TlsConfig
 
 from splitserve.services.frontend.workers.session import WorkerSession
@@ -109,7 +109,7 @@ class WorkerHandle:
 
 
 class Registry(Protocol):
-    """Where workers are listed (router/discovery/static.py, etcd.py; ray_serve/directory.py)."""
+    """Where workers are listed (splitserve/discovery/static.py, etcd.py; ray_serve/directory.py)."""
 
     changed: asyncio.Event                  # set on every change of members()
 

@@ -31,7 +31,7 @@ import grpc
 from google.protobuf.message import DecodeError
 
 from splitserve.proto.v1 import worker_pb2, worker_pb2_grpc
-from splitserve.services.wire.framing import FrameBuffer, FrameError, frame
+from splitserve.services.worker_protocol.framing import FrameBuffer, FrameError, frame
 
 log = logging.getLogger(__name__)
 

@@ -22,12 +22,12 @@ from __future__ import annotations
 import asyncio
 import time
 
-from splitserve.services.wire.sampling_params import SamplingParams
+from splitserve.services.worker_protocol.sampling_params import SamplingParams
 
-from splitserve.services.worker.convert import encode_first_token
+from splitserve.services.worker.output_messages import encode_first_token
 from splitserve.services.worker.engine_loop import EngineLoop
-from splitserve.services.worker.kv.transfer import GRANT_GRACE_S, KVSender, TransferError, TransferTarget
-from splitserve.services.wire.outputs import FinishReason, RequestOutput, SampledToken
+from splitserve.kvtransfer.sender_receiver import GRANT_GRACE_S, KVSender, TransferError, TransferTarget
+from splitserve.services.worker_protocol.outputs import FinishReason, RequestOutput, SampledToken
 
 
 def grant_time_left(target: TransferTarget) -> float | None:

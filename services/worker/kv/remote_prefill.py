@@ -36,35 +36,22 @@ from dataclasses import dataclass
 import grpc
 
 from splitserve.proto.v1 import worker_pb2, worker_pb2_grpc
-from splitserve.router.hashing import block_hashes, salted_key
-from splitserve.services.engine.engine import LLMEngine
-from splitserve.services.engine.scheduler import BlockReservation
-from splitserve.services.wire.sampling_params import SamplingParams
+from splitserve.services.engine_api.contract import Engine, Reservation
+from splitserve.services.worker_protocol.sampling_params import SamplingParams
 from splitserve.tls import PLAINTEXT, TlsConfig
 
-from splitserve.services.wire.convert import params_to_proto
-from splitserve.services.worker.convert import decode_first_token, logprob_from_proto
+from splitserve.services.worker_protocol.proto_conversion import params_to_proto
+from splitserve.services.worker.output_messages import decode_first_token, logprob_from_proto
 from splitserve.services.worker.engine_loop import EngineLoop
-from splitserve.services.worker.kv.transfer import GRANT_GRACE_S, KVReceiver, TransferError
+from splitserve.kvtransfer.sender_receiver import GRANT_GRACE_S, KVReceiver, TransferError
 from splitserve.services.worker.kv.write_fences import WriteFences
-from splitserve.services.wire.outputs import RequestOutput, SampledToken
+from splitserve.services.worker_protocol.outputs import RequestOutput, SampledToken
 
 log = logging.getLogger(__name__)
 
 RESERVE_RETRY_S = (0.02, 0.25)      # first and longest pause between reservation attempts
 GRPC_OPTIONS = [("grpc.max_receive_message_length", 64 * 2**20),
                 ("grpc.max_send_message_length", 64 * 2**20)]
-
-
-def num_cached_prompt_tokens(engine: LLMEngine, token_ids: list[int], cache_salt: str = "") -> int:
-    """Leading prompt tokens this engine holds now for that salt, in its pool or loadable from its
-    KV tiers (engine thread only)."""
-    bs = engine.config.block_size
-    hashes = block_hashes(token_ids, bs, salted_key(engine.scheduler.extra_key, cache_salt))
-    hits = len(engine.pool.cached_prefix(hashes))
-    if engine.tiers is not None:
-        hits += engine.tiers.lookup(hashes[hits:])
-    return hits * bs
 
 
 class PeerChannels:
@@ -111,7 +98,7 @@ class RemotePrefill:
     fences: WriteFences            # its clock times the deadline too (the fences' expiry)
 
     async def worth_it(self, token_ids: list[int], cache_salt: str = "") -> bool:
-        num_cached = await self.loop.call(lambda e: num_cached_prompt_tokens(e, token_ids, cache_salt))
+        num_cached = await self.loop.call(lambda e: e.num_cached_prompt_tokens(token_ids, cache_salt))
         uncached = len(token_ids) - num_cached
         return uncached > 0 and uncached >= self.threshold_tokens
 
@@ -158,7 +145,7 @@ class RemotePrefill:
         return PrefillOutcome(None, failures)
 
     async def _reserve(self, request_id: str, token_ids: list[int], params: SamplingParams,
-                       forks: list[tuple[str, SamplingParams]], deadline: float) -> BlockReservation | None:
+                       forks: list[tuple[str, SamplingParams]], deadline: float) -> Reservation | None:
         """Blocks for the prompt, waiting while the pool is short (running decodes free theirs as
         they finish). Prefilling locally at once instead would stall every running decode for
         the whole prompt, which is what the prefill pool is there to spare them."""
@@ -178,9 +165,9 @@ class RemotePrefill:
         self.fences.release_when_stopped(request_id, fences, grants_end)
 
     async def _attempt(self, request_id: str, token_ids: list[int], params: SamplingParams,
-                       reservation: BlockReservation, address: str, timeout_s: float,
+                       reservation: Reservation, address: str, timeout_s: float,
                        fences: list[asyncio.Task]) -> tuple[SampledToken, list[SampledToken] | None]:
-        bs = self.loop.engine.config.block_size
+        bs = self.loop.engine.describe().block_size
         num_cached_blocks = reservation.num_cached_tokens // bs
         try:
             grant = self.receiver.expect(request_id, reservation.block_ids[num_cached_blocks:], timeout_s)
@@ -211,7 +198,7 @@ class RemotePrefill:
                  prompt_logprobs: list[SampledToken] | None = None):
         """The `start` function for EngineLoop.stream: join the batch from the first token (and
         the prompt logprobs the prefill worker computed, sent on with it)."""
-        def start(engine: LLMEngine) -> list[RequestOutput]:
+        def start(engine: Engine) -> list[RequestOutput]:
             out = engine.complete_remote_prefill(request_id, first_token, prompt_logprobs)
             if out is None:
                 engine.release_transfer(request_id)    # aborted meanwhile; every write has landed

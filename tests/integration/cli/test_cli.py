@@ -12,7 +12,7 @@ import pytest
 from splitserve.services.engine.config import EngineConfig
 from splitserve.services.engine.engine import LLMEngine
 from splitserve.services.text.generate import generate_text
-from splitserve.services.wire.sampling_params import SamplingParams
+from splitserve.services.worker_protocol.sampling_params import SamplingParams
 
 
 def splitserve(*args: str, env: dict | None = None, timeout: float = 180) -> subprocess.CompletedProcess:

@@ -12,8 +12,9 @@ import pytest
 
 from splitserve.services.engine.config import EngineConfig
 from splitserve.services.engine.engine import LLMEngine
-from splitserve.services.wire.sampling_params import SamplingParams
-from splitserve.services.engine.sequence import FinishReason, LayerReady
+from splitserve.services.worker_protocol.sampling_params import SamplingParams
+from splitserve.kvtransfer.sender_receiver import LayerReady
+from splitserve.services.engine.sequence import FinishReason
 
 PROMPT = list(range(100, 170))            # 70 tokens: 4 full blocks and a partial one
 

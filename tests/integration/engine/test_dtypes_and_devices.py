@@ -13,7 +13,7 @@ import torch
 from splitserve.services.engine.config import EngineConfig
 from splitserve.services.engine.engine import LLMEngine
 from splitserve.services.text.generate import generate_text
-from splitserve.services.wire.sampling_params import SamplingParams
+from splitserve.services.worker_protocol.sampling_params import SamplingParams
 from splitserve.testing.oracle import assert_greedy_match, hf_greedy
 
 PROMPTS = [list(range(3, 40)), [1, 9, 99, 999], list(range(500, 800, 7))]

@@ -13,8 +13,8 @@ import pytest
 from splitserve.errors import InvalidRequestError, ModelLoadError, UnsupportedModelError
 from splitserve.services.engine.config import EngineConfig
 from splitserve.services.engine.engine import LLMEngine
-from splitserve.services.engine.kv_events import AllCleared, BlockRemoved, BlockStored
-from splitserve.services.wire.sampling_params import SamplingParams
+from splitserve.services.engine_api.kv_events import AllCleared, BlockRemoved, BlockStored
+from splitserve.services.worker_protocol.sampling_params import SamplingParams
 from splitserve.services.engine.sequence import FinishReason
 from splitserve.services.text.generate import generate_text
 

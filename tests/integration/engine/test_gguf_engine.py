@@ -11,8 +11,8 @@ import torch
 
 from splitserve.services.engine.config import EngineConfig
 from splitserve.services.engine.engine import LLMEngine
-from splitserve.services.engine.loading.model_source import find_packaged_gguf
-from splitserve.services.wire.sampling_params import SamplingParams
+from splitserve.checkpoints.model_source import find_packaged_gguf
+from splitserve.services.worker_protocol.sampling_params import SamplingParams
 from splitserve.testing.oracle import assert_greedy_match, greedy_reference
 
 

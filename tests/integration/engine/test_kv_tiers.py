@@ -17,12 +17,12 @@ import sys
 import pytest
 
 from splitserve.errors import InvalidRequestError
-from splitserve.router.hashing import block_hashes
+from splitserve.block_hashes import block_hashes
 from splitserve.services.engine.config import EngineConfig
 from splitserve.services.engine.engine import LLMEngine
-from splitserve.services.engine.kv_events import BlockRemoved, BlockStored
-from splitserve.services.engine.kv_tiers.block_codec import HEADER
-from splitserve.services.wire.sampling_params import SamplingParams
+from splitserve.services.engine_api.kv_events import BlockRemoved, BlockStored
+from splitserve.kvtransfer.block_codec import HEADER
+from splitserve.services.worker_protocol.sampling_params import SamplingParams
 
 BLOCK = 16
 PROMPTS = {name: [(seed * 97 + i * 13) % 1000 + 3 for i in range(5 * BLOCK + 3)]
@@ -162,7 +162,7 @@ FULL_DISK_CHILD = """
 import json, sys
 from splitserve.services.engine.config import EngineConfig
 from splitserve.services.engine.engine import LLMEngine
-from splitserve.services.wire.sampling_params import SamplingParams
+from splitserve.services.worker_protocol.sampling_params import SamplingParams
 model, disk, prompts = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
 engine = LLMEngine(EngineConfig(model=model, dtype="float32", num_kv_blocks=6, block_size=16,
                                 kv_disk_gib=0.05, kv_disk_path=disk))

@@ -18,7 +18,7 @@ from splitserve.errors import UnsupportedModelError
 from splitserve.services.engine.config import EngineConfig
 from splitserve.services.engine.engine import LLMEngine
 from splitserve.services.text.generate import generate_text
-from splitserve.services.wire.sampling_params import SamplingParams
+from splitserve.services.worker_protocol.sampling_params import SamplingParams
 from splitserve.testing.models import build_random_model
 from splitserve.testing.oracle import assert_greedy_match, hf_greedy
 

@@ -14,7 +14,7 @@ import torch
 
 from splitserve.services.engine.config import EngineConfig
 from splitserve.services.engine.engine import LLMEngine
-from splitserve.services.wire.sampling_params import SamplingParams
+from splitserve.services.worker_protocol.sampling_params import SamplingParams
 
 PROMPT = [1] + [(37 * i + 11) % 31000 + 2 for i in range(45)]
 TOP = 3

@@ -6,7 +6,7 @@ import pytest
 
 from splitserve.services.engine.config import EngineConfig
 from splitserve.services.engine.engine import LLMEngine
-from splitserve.services.wire.sampling_params import SamplingParams
+from splitserve.services.worker_protocol.sampling_params import SamplingParams
 from splitserve.testing.models import build_random_model
 from splitserve.testing.oracle import assert_greedy_match, hf_greedy
 

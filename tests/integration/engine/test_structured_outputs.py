@@ -20,7 +20,7 @@ from hypothesis import HealthCheck, given, settings
 from splitserve.errors import InvalidRequestError
 from splitserve.services.engine.config import EngineConfig
 from splitserve.services.engine.engine import LLMEngine
-from splitserve.services.wire.sampling_params import SamplingParams, StructuredOutput
+from splitserve.services.worker_protocol.sampling_params import SamplingParams, StructuredOutput
 from splitserve.testing.json_schemas import bounded_schemas
 
 PROMPT = [1, 415, 2936, 9060, 285, 1142, 28705]

@@ -23,7 +23,7 @@ from splitserve.proto.v1 import common_pb2, inference_pb2, inference_pb2_grpc
 
 from splitserve.services.engine.config import EngineConfig
 from splitserve.services.engine.engine import LLMEngine
-from splitserve.services.wire.sampling_params import SamplingParams, StructuredOutput
+from splitserve.services.worker_protocol.sampling_params import SamplingParams, StructuredOutput
 from splitserve.testing.cluster import Cluster
 
 MODEL_NAME = "llama"      # the served name: the checkpoint folder's name

@@ -13,7 +13,7 @@ from dataclasses import replace
 
 import pytest
 
-from splitserve.services.wire.sampling_params import SamplingParams
+from splitserve.services.worker_protocol.sampling_params import SamplingParams
 from splitserve.testing.models import EOS_TOKEN_ID
 from splitserve.testing.workers import wait_idle
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from splitserve.services.engine.sampler import skip_draws
-from splitserve.services.wire.sampling_params import SamplingParams
+from splitserve.services.worker_protocol.sampling_params import SamplingParams
 
 PROMPT = [1, 415, 2936, 9060, 285, 1142, 28705]
 

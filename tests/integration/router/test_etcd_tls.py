@@ -15,10 +15,10 @@ import asyncio
 import openai
 import pytest
 
-from splitserve.router.discovery.etcd import EtcdRegistry
+from splitserve.discovery.etcd import EtcdRegistry
 from splitserve.services.engine.config import EngineConfig
 from splitserve.services.engine.engine import LLMEngine
-from splitserve.services.wire.sampling_params import SamplingParams
+from splitserve.services.worker_protocol.sampling_params import SamplingParams
 from splitserve.testing.certs import TestCA
 from splitserve.testing.cluster import Cluster
 from splitserve.testing.etcd import Etcd

@@ -34,7 +34,7 @@ import pytest
 
 from splitserve.services.engine.config import EngineConfig
 from splitserve.services.engine.engine import LLMEngine
-from splitserve.services.wire.sampling_params import SamplingParams
+from splitserve.services.worker_protocol.sampling_params import SamplingParams
 from splitserve.testing.cluster import Cluster
 from splitserve.testing.processes import pid_alive
 from splitserve.testing.workers import generate, wait_idle, worker_stats

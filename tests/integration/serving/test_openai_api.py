@@ -21,7 +21,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from splitserve.services.engine.config import EngineConfig
 from splitserve.services.engine.engine import LLMEngine
 from splitserve.services.text.generate import generate_text
-from splitserve.services.wire.sampling_params import SamplingParams
+from splitserve.services.worker_protocol.sampling_params import SamplingParams
 from splitserve.testing.oracle import assert_greedy_match, hf_greedy
 from splitserve.testing.workers import wait_idle, worker_stats
 
@@ -615,7 +615,7 @@ def test_add_special_tokens_on_a_text_prompt(client, model_name):
 
 
 def test_continue_final_message_and_chat_echo(client, model_name, llama_dir):
-    from splitserve.services.engine.loading.model_source import open_checkpoint
+    from splitserve.checkpoints.model_source import open_checkpoint
     from splitserve.services.text.tokenizer import Tokenizer
 
     messages = [*CHAT, {"role": "assistant", "content": "Red, green and"}]

@@ -20,8 +20,8 @@ import pytest
 
 from splitserve.services.engine.config import EngineConfig
 from splitserve.services.engine.engine import LLMEngine
-from splitserve.services.wire.sampling_params import SamplingParams
-from splitserve.services.worker.kv.transfer import GRANT_GRACE_S
+from splitserve.services.worker_protocol.sampling_params import SamplingParams
+from splitserve.kvtransfer.sender_receiver import GRANT_GRACE_S
 from splitserve.testing.cluster import Cluster
 from splitserve.testing.workers import generate, wait_idle, worker_stats
 

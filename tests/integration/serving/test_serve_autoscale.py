@@ -27,7 +27,7 @@ import openai
 import pytest
 
 from splitserve.services.launch.autoscaler import planner_config
-from splitserve.services.launch.plan import AutoscaleSettings
+from splitserve.services.launch.topology import AutoscaleSettings
 from splitserve.services.planner import (CapacityProfile, DecodeMeasurement, PredictedLoad, PrefillMeasurement,
                                          SizingModel)
 from splitserve.testing.processes import pid_alive

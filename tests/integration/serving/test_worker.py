@@ -10,7 +10,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from splitserve.proto.v1 import common_pb2, worker_pb2, worker_pb2_grpc
-from splitserve.services.engine.kv_events import AllCleared, BlockRemoved, BlockStored
+from splitserve.services.engine_api.kv_events import AllCleared, BlockRemoved, BlockStored
 from splitserve.services.worker.kv_event_hub import KvEventHub
 
 from .conftest import Proc, free_port

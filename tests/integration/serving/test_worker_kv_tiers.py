@@ -98,7 +98,7 @@ def test_a_decode_workers_host_tier_serves_its_reservation(llama_dir):
       blocks d0 loaded from its host tier. Both token-exact."""
     from splitserve.services.engine.config import EngineConfig
     from splitserve.services.engine.engine import LLMEngine
-    from splitserve.services.wire.sampling_params import SamplingParams
+    from splitserve.services.worker_protocol.sampling_params import SamplingParams
 
     prompt_c = PROMPTS["A"] + [(i * 7) % 900 + 3 for i in range(40)]
     engine = LLMEngine(EngineConfig(model=str(llama_dir), dtype="float32", num_kv_blocks=32))

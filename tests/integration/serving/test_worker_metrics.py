@@ -24,7 +24,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from splitserve.net import free_port
 from splitserve.proto.v1 import worker_pb2
-from splitserve.services.worker.metrics_http import COUNTERS, GAUGES, MetricsApp, MetricsServer
+from splitserve.metrics_http import MetricsApp, MetricsServer
+from splitserve.services.worker.stats_metrics import COUNTERS, GAUGES, stats_reader
 from splitserve.testing.cluster import Cluster
 from splitserve.testing.workers import generate, worker_stats
 
@@ -164,7 +165,7 @@ def test_without_stats_the_scrape_answers_the_registry_alone():
         return stats[0]
 
     async def main():
-        server = await MetricsServer.start(MetricsApp(read_stats), "127.0.0.1", 0)
+        server = await MetricsServer.start(MetricsApp(stats_reader(read_stats)), "127.0.0.1", 0)
         url = f"http://127.0.0.1:{server.port}/metrics"
         try:
             loading = await asyncio.to_thread(_scrape, url)

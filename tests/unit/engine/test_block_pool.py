@@ -5,9 +5,9 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from splitserve.router.hashing import block_hashes, hash_block
+from splitserve.block_hashes import block_hashes, hash_block
 from splitserve.services.engine.block_pool import EVICTION_SLACK, BlockPool, FreeRuns
-from splitserve.services.engine.kv_events import AllCleared, BlockRemoved, BlockStored
+from splitserve.services.engine_api.kv_events import AllCleared, BlockRemoved, BlockStored
 
 
 def test_allocate_until_empty_then_none():

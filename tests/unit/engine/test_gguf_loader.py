@@ -22,7 +22,7 @@ from gguf import GGMLQuantizationType as Q
 from tokenizers import Tokenizer
 
 from splitserve.errors import ModelLoadError, UnsupportedModelError
-from splitserve.services.engine.loading.gguf_loader import load_gguf
+from splitserve.checkpoints.gguf_loader import load_gguf
 
 HIDDEN, HEADS, KV_HEADS, INTER, LAYERS = 64, 4, 2, 96, 2
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]

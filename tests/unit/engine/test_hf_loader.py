@@ -11,8 +11,9 @@ from safetensors.torch import save_file
 from tokenizers import Tokenizer, models, pre_tokenizers
 
 from splitserve.errors import ModelLoadError
-from splitserve.services.engine.loading.checkpoint import Checkpoint
-from splitserve.services.engine.loading.hf_loader import load_hf_folder
+from splitserve.checkpoints.checkpoint import Checkpoint
+from splitserve.services.engine.loading.smollm2 import save_pretrained
+from splitserve.checkpoints.hf_loader import load_hf_folder
 
 CONFIG = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 8,
           "num_hidden_layers": 2, "num_attention_heads": 2, "vocab_size": 4}
@@ -118,7 +119,7 @@ def test_chat_template_key_and_optional_files(tmp_path: Path) -> None:
 def test_save_pretrained_round_trip(tmp_path: Path) -> None:
     weights = _folder(tmp_path / "m")
     (tmp_path / "m" / "chat_template.jinja").write_text(TEMPLATE, encoding="utf-8")
-    load_hf_folder(tmp_path / "m").save_pretrained(tmp_path / "copy", dtype=torch.float32)
+    save_pretrained(load_hf_folder(tmp_path / "m"), tmp_path / "copy", dtype=torch.float32)
     copy = load_hf_folder(tmp_path / "copy")
     _assert_same(copy, weights)
     assert copy.tokenizer_config["chat_template"] == TEMPLATE and copy.tokenizer_config["bos_token"] == "<s>"

@@ -17,7 +17,7 @@ from transformers import RepetitionPenaltyLogitsProcessor
 from splitserve.errors import InvalidRequestError
 from splitserve.services.engine.logits_controls import TokenHistory, apply_logits_controls
 from splitserve.services.engine.sampler import sample
-from splitserve.services.wire.sampling_params import SamplingParams
+from splitserve.services.worker_protocol.sampling_params import SamplingParams
 
 VOCAB = 64
 EOS = 5

@@ -15,11 +15,12 @@ import pytest
 import torch
 
 from splitserve.errors import ModelLoadError
-from splitserve.services.engine.loading import model_source
-from splitserve.services.engine.loading.checkpoint import Checkpoint
-from splitserve.services.engine.loading.hf_loader import load_hf_folder
-from splitserve.services.engine.loading.model_source import (default_cache_dir, find_packaged_gguf, open_checkpoint,
-                                                     resolve_smollm2)
+from splitserve.checkpoints import model_source
+from splitserve.checkpoints.checkpoint import Checkpoint
+from splitserve.checkpoints.hf_loader import load_hf_folder
+from splitserve.checkpoints.model_source import default_cache_dir, find_packaged_gguf, open_checkpoint
+from splitserve.services.engine.loading import smollm2
+from splitserve.services.engine.loading.smollm2 import resolve_smollm2
 
 
 def _dead_pid() -> int:
@@ -73,7 +74,7 @@ def test_second_call_reuses_the_folder(converted, monkeypatch: pytest.MonkeyPatc
     def no_conversion(path: Path) -> Checkpoint:
         raise AssertionError(f"converted {path} again")
 
-    monkeypatch.setattr(model_source, "load_gguf", no_conversion)
+    monkeypatch.setattr(smollm2, "load_gguf", no_conversion)
     assert resolve_smollm2(cache_dir=cache) == folder
     assert (folder / "model.safetensors").stat().st_mtime_ns == before
 
@@ -135,7 +136,7 @@ def test_interrupted_conversion_leaves_nothing(tmp_path: Path, monkeypatch: pyte
         raise KeyboardInterrupt  # the user pressed Ctrl-C mid-conversion
 
     fake = Checkpoint(name="fake", config={}, tensors=half_written, tokenizer_json="{}")
-    monkeypatch.setattr(model_source, "load_gguf", lambda path: fake)
+    monkeypatch.setattr(smollm2, "load_gguf", lambda path: fake)
     with pytest.raises(KeyboardInterrupt):
         resolve_smollm2(cache_dir=tmp_path, progress=False)
     assert list((tmp_path / "models").iterdir()) == []

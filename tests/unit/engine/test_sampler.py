@@ -9,7 +9,7 @@ import torch
 
 from splitserve.errors import InvalidRequestError
 from splitserve.services.engine.sampler import sample
-from splitserve.services.wire.sampling_params import SamplingParams
+from splitserve.services.worker_protocol.sampling_params import SamplingParams
 
 LOGITS = torch.tensor([[0.0, 3.0, 1.0, 2.9], [5.0, 0.0, 0.0, 0.0]])
 

@@ -6,7 +6,7 @@ Every test ends with the pool empty (the leak check STYLE.md asks for).
 from __future__ import annotations
 
 from splitserve.services.engine.block_pool import BlockPool
-from splitserve.services.wire.sampling_params import SamplingParams
+from splitserve.services.worker_protocol.sampling_params import SamplingParams
 from splitserve.services.engine.scheduler import Scheduler, TransferHold
 from splitserve.services.engine.sequence import FinishReason, Sequence, SequenceStatus, TransferUse
 

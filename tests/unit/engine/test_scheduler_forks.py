@@ -6,7 +6,7 @@ from __future__ import annotations
 from splitserve.services.engine.block_pool import BlockPool
 from splitserve.services.engine.scheduler import Scheduler
 from splitserve.services.engine.sequence import FinishReason, Sequence, SequenceStatus
-from splitserve.services.wire.sampling_params import SamplingParams
+from splitserve.services.worker_protocol.sampling_params import SamplingParams
 
 BS = 4
 

@@ -17,8 +17,8 @@ from transformers import NoBadWordsLogitsProcessor
 from splitserve.errors import InvalidRequestError
 from splitserve.services.engine.logits_controls import TokenCounts, TokenHistory, apply_logits_controls
 from splitserve.services.engine.sampler import sample
-from splitserve.services.wire.convert import params_from_proto, params_to_proto
-from splitserve.services.wire.sampling_params import SamplingParams
+from splitserve.services.worker_protocol.proto_conversion import params_from_proto, params_to_proto
+from splitserve.services.worker_protocol.sampling_params import SamplingParams
 
 VOCAB = 32
 

@@ -17,7 +17,7 @@ import orjson
 import pytest
 
 from splitserve.services.frontend.guard import GuardMiddleware
-from splitserve.services.frontend.http.asgi import DONE
+from splitserve.services.frontend.asgi import DONE
 from splitserve.testing.clock import FakeClock
 
 from .conftest import counted_guard

@@ -1,6 +1,6 @@
 """The worker pool owns its membership; the router's feeds follow it.
 
-Registries are real (router/discovery/static.py stepped by the test, and
+Registries are real (splitserve/discovery/static.py stepped by the test, and
 EtcdRegistry against a real etcd (tests/conftest.py) that is stopped for the
 outage); workers are small in-process gRPC servers answering Health,
 Describe and Stats. Nothing sleeps: each step awaits the listener event it
@@ -19,9 +19,9 @@ from prometheus_client import CollectorRegistry
 from splitserve.net import free_port
 from splitserve.proto.v1 import worker_pb2, worker_pb2_grpc
 from splitserve.router.core import WorkerSpec
-from splitserve.router.discovery import WorkerRecord
-from splitserve.router.discovery.etcd import EtcdRegistration, EtcdRegistry
-from splitserve.router.discovery.static import StaticRegistry
+from splitserve.discovery import WorkerRecord
+from splitserve.discovery.etcd import EtcdRegistration, EtcdRegistry
+from splitserve.discovery.static import StaticRegistry
 from splitserve.services.frontend.router_feeds import RouterFeeds
 from splitserve.services.frontend.routing import PoolRouter, RouteRequest, build_router
 from splitserve.services.frontend.workers.pool import WorkerAddress, WorkerPool
@@ -178,7 +178,7 @@ def test_the_pool_keeps_its_members_while_etcd_is_unreachable(etcd):
         records = _records(2)
         registrations = [EtcdRegistration([etcd.endpoint], r, ttl_s=30) for r in records]
         unreachable = _Flag("etcd unreachable")
-        etcd_log = logging.getLogger("splitserve.router.discovery.etcd")
+        etcd_log = logging.getLogger("splitserve.discovery.etcd")
         etcd_log.addHandler(unreachable)
         registry = EtcdRegistry([etcd.endpoint])
         try:

@@ -9,12 +9,13 @@ import time
 import pytest
 
 from splitserve.proto.v1 import worker_pb2
-from splitserve.services.engine.loading.model_source import open_checkpoint
-from splitserve.services.wire.sampling_params import SamplingParams
+from splitserve.checkpoints.model_source import open_checkpoint
+from splitserve.services.worker_protocol.sampling_params import SamplingParams
 from splitserve.services.text.stop_checker import StopChecker
 from splitserve.services.text.tokenizer import Tokenizer
-from splitserve.services.wire.convert import params_from_proto
-from splitserve.services.frontend.core import Frontend, GenerationRequest, _Refused, _Run
+from splitserve.services.worker_protocol.proto_conversion import params_from_proto
+from splitserve.services.frontend.core import Frontend, _Refused, _Run
+from splitserve.services.frontend.generation_request import GenerationRequest
 from splitserve.services.frontend.metrics import FrontendMetrics
 from splitserve.services.frontend.migration import MigrationPolicy, Progress, Refusal
 from splitserve.services.frontend.routing import build_router

@@ -22,19 +22,14 @@ FRONTEND_MODULES = [
 ]
 
 # What the frontend may take from the engine: the checkpoint opener, for the tokenizer.
-ENGINE_LOADING = {
-    "splitserve.services.engine",
-    "splitserve.services.engine.loading",
-    "splitserve.services.engine.loading.model_source",
-    "splitserve.services.engine.loading.hf_loader",
-    "splitserve.services.engine.loading.checkpoint",
-}
+# The packages a frontend must never load (it reads checkpoints through splitserve/checkpoints/).
+ENGINE_SIDE = ("splitserve.services.worker", "splitserve.services.engine", "splitserve.services.engine_api")
 
 _PROBE = """
 import importlib, json, sys
 for name in {modules!r}:
     importlib.import_module(name)
-from splitserve.services.engine.loading.model_source import open_checkpoint
+from splitserve.checkpoints.model_source import open_checkpoint
 from splitserve.services.text.tokenizer import Tokenizer
 tokenizer = Tokenizer(open_checkpoint({folder!r}))
 json.dump({{"vocab_size": tokenizer.vocab_size, "hello": tokenizer.encode("Hello there"),
@@ -54,6 +49,5 @@ def test_the_frontend_starts_and_opens_its_tokenizer_without_torch(llama_dir):
     assert probe["vocab_size"] == 32000 and len(probe["hello"]) > 1     # a real tokenizer was opened
     modules = probe["modules"]
     assert "torch" not in modules, [m for m in modules if m.startswith("torch")][:5]
-    assert not [m for m in modules if m.startswith("splitserve.services.worker")]
-    engine = {m for m in modules if m.startswith("splitserve.services.engine")}
-    assert engine <= ENGINE_LOADING, sorted(engine - ENGINE_LOADING)
+    loaded = sorted(m for m in modules if m in ENGINE_SIDE or m.startswith(tuple(f"{p}." for p in ENGINE_SIDE)))
+    assert not loaded, loaded

@@ -7,7 +7,7 @@ workers are handles that have described themselves, no sockets.
 from __future__ import annotations
 
 from splitserve.proto.v1 import worker_pb2
-from splitserve.router.hashing import block_hashes
+from splitserve.block_hashes import block_hashes
 from splitserve.services.frontend.routing import RouteRequest, build_router
 from splitserve.services.frontend.workers.pool import WorkerHandle, WorkerPool
 

@@ -16,7 +16,7 @@ import orjson
 import pytest
 
 from splitserve.errors import ModelLoadError
-from splitserve.services.engine.loading.model_source import open_checkpoint
+from splitserve.checkpoints.model_source import open_checkpoint
 from splitserve.services.frontend.core import Frontend
 from splitserve.services.frontend.http.generation import GenerationEndpoints
 from splitserve.services.frontend.metrics import FrontendMetrics

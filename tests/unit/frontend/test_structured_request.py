@@ -10,7 +10,7 @@ import pytest
 from splitserve.services.frontend.errors import APIError
 from splitserve.services.frontend.http.protocol import ChatCompletionRequest, CompletionRequest
 from splitserve.services.frontend.http.structured import requested_structure
-from splitserve.services.wire.sampling_params import StructuredOutput
+from splitserve.services.worker_protocol.sampling_params import StructuredOutput
 
 SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from splitserve.services.engine.loading.model_source import open_checkpoint
+from splitserve.checkpoints.model_source import open_checkpoint
 from splitserve.services.text.tokenizer import IncrementalDetokenizer, Tokenizer
 from splitserve.services.text.token_text import TokenTexts
 
@@ -40,7 +40,7 @@ def test_alternatives_are_read_in_the_same_context(tokenizer):
 
 def test_special_tokens_are_skipped_unless_asked_for(tokenizer):
     from splitserve.services.text.stop_checker import StopChecker
-    from splitserve.services.wire.sampling_params import SamplingParams
+    from splitserve.services.worker_protocol.sampling_params import SamplingParams
 
     prompt = tokenizer.encode("Once upon a time")
     words = tokenizer.encode("the end", add_special_tokens=False)

@@ -16,7 +16,7 @@ import httpx
 import orjson
 import pytest
 
-from splitserve.services.engine.loading.model_source import open_checkpoint
+from splitserve.checkpoints.model_source import open_checkpoint
 from splitserve.services.frontend.core import Delta, Frontend
 from splitserve.services.frontend.errors import APIError
 from splitserve.services.frontend.http.app import build_app

@@ -14,7 +14,7 @@ from splitserve.kvtransfer.layout import KVLayout
 from splitserve.kvtransfer.reservations import ReservationTable
 from splitserve.kvtransfer.tp_slicing import (block_runs, gather_slice, head_slice, joint_runs, row_descriptors,
                                               scatter_slice)
-from splitserve.kvtransfer.wire import FRAME_HEADER, KIND_WRITE, FrameHeader, Notification
+from splitserve.kvtransfer.frames import FRAME_HEADER, KIND_WRITE, FrameHeader, Notification
 from splitserve.testing.clock import FakeClock
 
 LAYOUT = KVLayout("m", "bfloat16", num_layers=2, num_kv_heads=4, head_dim=8, block_size=4)

@@ -19,7 +19,7 @@ from splitserve.services.planner.readings import FrontendCounters, Reading, Work
 from splitserve.services.launch.autoscaler import (DRAINING, SERVING, STARTING, Autoscaler, ScaledWorker,
                                                    WorkerLauncher, planner_config)
 from splitserve.services.launch.children import frontend_argv, worker_argv
-from splitserve.services.launch.plan import (AutoscaleSettings, autoscale_settings, plan_workers, process_role,
+from splitserve.services.launch.topology import (AutoscaleSettings, autoscale_settings, plan_workers, process_role,
                                              worker_slots)
 from splitserve.services.launch.profile_run import decode_step_seconds
 from splitserve.services.launch.supervisor import Supervisor

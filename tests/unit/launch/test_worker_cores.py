@@ -6,7 +6,7 @@ import argparse
 from unittest import mock
 
 from splitserve.services.launch.children import worker_argv
-from splitserve.services.launch.plan import PlannedWorker, worker_cores
+from splitserve.services.launch.topology import PlannedWorker, worker_cores
 
 PLAN_1P1D = [PlannedWorker("prefill-0", "prefill"), PlannedWorker("decode-0", "decode")]
 
@@ -69,7 +69,7 @@ def test_tier_credit_reaches_the_frontend_and_bad_values_are_refused(capsys):
 
     from splitserve.services.cli.parsers import build_parser
     from splitserve.services.launch.children import frontend_argv
-    from splitserve.services.launch.plan import PlannedWorker
+    from splitserve.services.launch.topology import PlannedWorker
 
     plan = [PlannedWorker("w", "both")]
     args = build_parser().parse_args(["serve", "--kv-tier-credit", "host=0.8,disk=0.3"])

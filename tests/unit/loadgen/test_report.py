@@ -8,7 +8,8 @@ import pytest
 
 from splitserve.errors import SplitserveError
 from splitserve.loadgen import bench, metrics, report
-from splitserve.loadgen.cli import parse_rates, parse_slo
+from splitserve.loadgen.cli import parse_rates
+from splitserve.loadgen.options import parse_slo
 from splitserve.loadgen.compare import compare, compare_files, flatten
 from splitserve.loadgen.metrics import SLO
 from splitserve.loadgen.recorder import RequestRecord, records_from_json

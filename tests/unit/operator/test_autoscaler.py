@@ -16,7 +16,7 @@ from splitserve.operator.autoscaler import (EVENT_REASON, FAILED_REASON, Autosca
 from splitserve.operator.builders import Owner
 from splitserve.operator.events import EventRecorder
 from splitserve.operator.kube import KubeError
-from splitserve.operator.spec import ServingDeploymentSpec, SloAutoscalingSpec
+from splitserve.services.spec.serving_deployment import ServingDeploymentSpec, SloAutoscalingSpec
 from splitserve.operator.status import reconciler_owned
 from splitserve.services.planner import MetricsSample, Planner, PlannerMode, ReplicaCounts
 

@@ -6,7 +6,7 @@ import yaml
 
 from splitserve.operator import builders, names
 from splitserve.operator.builders import Owner
-from splitserve.operator.spec import ServingDeploymentSpec
+from splitserve.services.spec.serving_deployment import ServingDeploymentSpec
 
 OWNER = Owner("llm", "prod", "uid-7")
 SPEC = ServingDeploymentSpec.from_dict({
@@ -90,7 +90,7 @@ def test_engine_args_reach_the_worker_and_roll_the_pool():
 
 
 def test_the_flags_engine_args_may_not_set_are_every_flag_the_operator_sets():
-    from splitserve.operator.spec import OPERATOR_WORKER_FLAGS
+    from splitserve.services.spec.serving_deployment import OPERATOR_WORKER_FLAGS
 
     tls = builders.WorkloadOptions(etcd_tls_secret="etcd-client")
     args = builders.build_worker_pod(OWNER, SPEC, "decode", "g0", 0, tls)["spec"]["containers"][0]["args"]

@@ -5,7 +5,7 @@ from __future__ import annotations
 from splitserve.operator import names
 from splitserve.operator.builders import Owner, build_group_pods, pool_spec_hash
 from splitserve.operator.groups import observe_groups, plan_pool
-from splitserve.operator.spec import ServingDeploymentSpec
+from splitserve.services.spec.serving_deployment import ServingDeploymentSpec
 
 OWNER = Owner("sd", "ns", "uid-1")
 SPEC = ServingDeploymentSpec.from_dict({"model": {"source": "m"}, "decode": {"tensorParallel": 2}})

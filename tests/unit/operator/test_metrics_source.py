@@ -14,7 +14,7 @@ import pytest
 from splitserve.operator.autoscaler import AutoscaleTarget
 from splitserve.operator.builders import Owner
 from splitserve.operator.metrics_source import PodMetricsSource, frontend_urls, worker_targets
-from splitserve.operator.spec import ServingDeploymentSpec
+from splitserve.services.spec.serving_deployment import ServingDeploymentSpec
 from splitserve.proto.v1 import worker_pb2, worker_pb2_grpc
 from splitserve.services.frontend.metrics import FrontendMetrics
 from splitserve.services.planner import ReplicaCounts

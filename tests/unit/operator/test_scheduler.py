@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from splitserve.operator.builders import Owner, build_group_pods
 from splitserve.operator.scheduler import node_infos, node_schedulable, not_ready_seconds, waiting_groups
-from splitserve.operator.spec import ServingDeploymentSpec
+from splitserve.services.spec.serving_deployment import ServingDeploymentSpec
 
 SPEC = ServingDeploymentSpec.from_dict({"model": {"source": "m"},
                                         "decode": {"tensorParallel": 2, "gpusPerRank": 2,

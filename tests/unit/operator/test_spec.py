@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from splitserve.operator.spec import DTYPES, ROUTER_POLICIES, ServingDeploymentSpec
+from splitserve.services.spec.serving_deployment import DTYPES, ROUTER_POLICIES, ServingDeploymentSpec
 
 CRD = Path(__file__).resolve().parents[3] / "deploy/helm/splitserve/crds/servingdeployments.splitserve.io.yaml"
 

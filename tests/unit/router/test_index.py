@@ -5,7 +5,7 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from splitserve.router.hashing import ChainHasher, block_hashes, hash_block
+from splitserve.block_hashes import ChainHasher, block_hashes, hash_block
 from splitserve.router.index import CLEARED, REMOVED, STORED, KvIndex
 
 WORKERS = ["w0", "w1", "w2"]

@@ -5,7 +5,7 @@ from __future__ import annotations
 from prometheus_client import generate_latest
 
 from splitserve.router.core import RouterCore, WorkerSpec
-from splitserve.router.hashing import block_hashes
+from splitserve.block_hashes import block_hashes
 from splitserve.router.load import LoadTracker
 from splitserve.router.metrics import RouterMetrics
 from splitserve.router.policies import make_policy
@@ -181,7 +181,7 @@ def test_core_spreads_new_prefixes_over_equally_idle_workers():
 def test_a_salted_request_overlaps_only_blocks_of_its_salt():
     """The router salts its hash chain exactly as the worker salts its block hashes
     (router.hashing.salted_key), so KV-aware routing holds per salt."""
-    from splitserve.router.hashing import salted_key
+    from splitserve.block_hashes import salted_key
 
     core = _core()
     prompt = list(range(160))

@@ -8,7 +8,7 @@ import pytest
 
 from splitserve.proto.v1 import worker_pb2
 from splitserve.router.core import RouterCore, WorkerSpec
-from splitserve.router.hashing import block_hashes
+from splitserve.block_hashes import block_hashes
 from splitserve.router.index import REMOVED, STORED, KvIndex
 from splitserve.router.policies import make_policy
 from splitserve.router.policies.base import Candidate

@@ -1,11 +1,11 @@
-"""Fixtures of the worker's in-process unit tests: a real LLMEngine on the random Llama, and the
+"""Fixtures of the worker's in-process unit tests: the built-in engine on the random Llama, and the
 fakes of the decode side's KV-transfer tests (remote_prefill.py, write_fences.py).
 
 `engine` (one per module; loading costs about a second) serves the EngineLoop and
 WorkerService tests, which must leave it idle (`assert_engine_idle`), so the next test
 starts from an empty pool.
 
-The code under test is real, and so is the engine: one small LLMEngine on the random
+The code under test is real, and so is the engine: one small built-in engine on the random
 Llama checkpoint, driven by a real EngineLoop, so every test can end by checking that
 the engine's pool is all free. What is faked are the collaborators across the
 network: prefill workers (`FakePrefillWorker`, reached through `FakePeers` in place of
@@ -24,11 +24,11 @@ import pytest
 
 from splitserve.proto.v1 import worker_pb2
 from splitserve.services.engine.config import EngineConfig
-from splitserve.services.engine.engine import LLMEngine
+from splitserve.services.engine.builtin import BuiltinEngine
 from splitserve.services.engine.sampler import SampledToken
-from splitserve.services.worker.convert import encode_first_token
+from splitserve.services.worker.output_messages import encode_first_token
 from splitserve.services.worker.engine_loop import EngineLoop
-from splitserve.services.worker.kv.transfer import TransferEndpoint, TransferError, TransferGrant
+from splitserve.kvtransfer.sender_receiver import TransferEndpoint, TransferError, TransferGrant
 from splitserve.testing.clock import FakeClock
 
 NUM_KV_BLOCKS = 24      # block size 16: a 256-token context
@@ -139,9 +139,9 @@ class FakePeers:
 
 
 @pytest.fixture(scope="session")
-def small_engine(llama_dir) -> LLMEngine:
+def small_engine(llama_dir) -> BuiltinEngine:
     """Shared by the tests (each uses its own prompts); every test leaves it idle."""
-    engine = LLMEngine(EngineConfig(model=str(llama_dir), dtype="float32", num_kv_blocks=NUM_KV_BLOCKS))
+    engine = BuiltinEngine.start(EngineConfig(model=str(llama_dir), dtype="float32", num_kv_blocks=NUM_KV_BLOCKS))
     yield engine
     engine.close()
 
@@ -161,9 +161,9 @@ class EngineState:
         return self.num_used_blocks == 0 and self.no_refs and not self.transfer_owned and not self.reserved
 
 
-def read_state(engine: LLMEngine) -> EngineState:
-    pool, sched = engine.pool, engine.scheduler
-    return EngineState(pool.num_used_blocks, engine.num_fenced_blocks, tuple(sched.transfer_owned),
+def read_state(engine: BuiltinEngine) -> EngineState:
+    pool, sched = engine.core.pool, engine.core.scheduler
+    return EngineState(pool.num_used_blocks, engine.core.num_fenced_blocks, tuple(sched.transfer_owned),
                        tuple(sched.remote), not any(pool.ref_counts))
 
 
@@ -175,7 +175,7 @@ def engine_loop(small_engine):
     loop.stop()
     # A failed test must not fail the next ones: whatever it left goes back (the tests
     # themselves assert that nothing is left).
-    sched = small_engine.scheduler
+    sched = small_engine.core.scheduler
     for seq in [*sched.running, *sched.waiting, *sched.remote.values()]:
         small_engine.abort(seq.request_id)
     for request_id in list(sched.transfer_owned):
@@ -215,14 +215,15 @@ SERVICE_NUM_KV_BLOCKS = 64      # 1024 tokens of context: room for every prompt 
 
 @pytest.fixture(scope="module")
 def engine(llama_dir):
-    engine = LLMEngine(EngineConfig(model=str(llama_dir), num_kv_blocks=SERVICE_NUM_KV_BLOCKS, num_threads=1))
+    engine = BuiltinEngine.start(EngineConfig(model=str(llama_dir), num_kv_blocks=SERVICE_NUM_KV_BLOCKS,
+                                              num_threads=1))
     try:
         yield engine
     finally:
         engine.close()
 
 
-def assert_engine_idle(engine: LLMEngine) -> None:
+def assert_engine_idle(engine: BuiltinEngine) -> None:
     """The leak check: no request left and every block free (cached blocks count as free)."""
     assert not engine.has_unfinished()
-    assert engine.pool.num_used_blocks == 0, engine.pool.num_used_blocks
+    assert engine.core.pool.num_used_blocks == 0, engine.core.pool.num_used_blocks

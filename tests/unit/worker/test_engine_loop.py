@@ -1,4 +1,4 @@
-"""EngineLoop: one real LLMEngine on its own thread, driven from asyncio.
+"""EngineLoop: one real engine (the built-in one) on its own thread, driven from asyncio.
 
 Jobs run on the engine thread, in the order they were queued; a failing job raises
 in its caller and the loop carries on; a request's outputs arrive as a stream that
@@ -17,9 +17,9 @@ import pytest
 
 from splitserve.errors import InvalidRequestError
 from splitserve.services.engine.config import EngineConfig
-from splitserve.services.engine.engine import LLMEngine
+from splitserve.services.engine.builtin import BuiltinEngine
 from splitserve.services.engine.sequence import FinishReason
-from splitserve.services.wire.sampling_params import SamplingParams
+from splitserve.services.worker_protocol.sampling_params import SamplingParams
 from splitserve.services.worker.engine_loop import EngineLoop, EngineStepError, EngineStoppedError
 
 from .conftest import assert_engine_idle
@@ -117,9 +117,9 @@ def test_leaving_the_stream_early_aborts_the_request(loop, engine):
         await anext(stream)
         await stream.aclose()                     # the caller went away: an abort is queued
         # Jobs run in order: the abort has run by the time this one does.
-        return await loop.call(lambda e: (e.has_unfinished(), e.stats.num_aborted))
+        return await loop.call(lambda e: (e.has_unfinished(), e.load().counters.num_aborted))
 
-    aborted_before = engine.stats.num_aborted
+    aborted_before = engine.load().counters.num_aborted
     unfinished, aborted = asyncio.run(main())
     assert unfinished is False and aborted == aborted_before + 1
 
@@ -132,7 +132,7 @@ def test_a_stream_whose_event_loop_closed_is_aborted_and_the_loop_carries_on(loo
     reader.close()                                 # no shutdown_asyncgens: the stream stays open
     after = asyncio.run(asyncio.wait_for(_collect(loop, "after", 3), 30))    # a dead engine thread: times out
     assert loop.alive and len(after) >= 1 and after[-1].finished
-    assert asyncio.run(loop.call(lambda e: e.scheduler.find("orphan"))) is None
+    assert asyncio.run(loop.call(lambda e: e.core.scheduler.find("orphan"))) is None
     assert_engine_idle(engine)
 
 
@@ -173,7 +173,7 @@ def test_a_failing_tensor_parallel_step_loses_the_group_and_stops_the_loop(engin
     streams fail as on a shutdown (UNAVAILABLE, migrated), the group is told it is lost,
     and the loop takes no more work."""
     group = _LostGroup()
-    monkeypatch.setattr(engine, "tp", group)
+    monkeypatch.setattr(engine.core, "tp", group)
 
     def failing_step():
         raise RuntimeError("Connection closed by peer")
@@ -262,9 +262,9 @@ class StoreStandIn:
 
 
 def test_the_stores_events_reach_subscribers_while_the_engine_is_idle(llama_dir):
-    engine = LLMEngine(EngineConfig(model=str(llama_dir), num_kv_blocks=24, num_threads=1))
+    engine = BuiltinEngine.start(EngineConfig(model=str(llama_dir), num_kv_blocks=24, num_threads=1))
     store = StoreStandIn()
-    engine.attach_store(store)
+    engine.core.attach_store(store)
     delivered = threading.Event()
     seen: list = []
 

@@ -10,10 +10,10 @@ import pytest
 
 from splitserve.kvtransfer import AgentMetadata, KVLayout, TransferError
 from splitserve.services.engine.sampler import SampledToken
-from splitserve.services.engine.sequence import LayerReady
-from splitserve.services.worker.convert import decode_first_token, encode_first_token
-from splitserve.services.worker.kv.connector_transfer import ConnectorTransfer, resolve_backend
-from splitserve.services.worker.kv.transfer import TransferEndpoint, TransferGrant, TransferTarget
+from splitserve.kvtransfer.sender_receiver import LayerReady
+from splitserve.services.worker.output_messages import decode_first_token, encode_first_token
+from splitserve.services.engine.rank_connectors import ConnectorTransfer, resolve_backend
+from splitserve.kvtransfer.sender_receiver import TransferEndpoint, TransferGrant, TransferTarget
 
 LAYOUT = KVLayout(model="m", dtype="float32", num_layers=2, num_kv_heads=2, head_dim=4, block_size=16)
 

@@ -17,9 +17,9 @@ import torch
 
 from splitserve.kvtransfer import KVLayout, make_connector
 from splitserve.kvtransfer.errors import PeerLostError, ReservationExpiredError, TransferError, TransferTimeoutError
-from splitserve.services.engine.sequence import LayerReady
-from splitserve.services.worker.kv.rank_transfer import RankTransfer
-from splitserve.services.worker.kv.transfer import TransferEndpoint, TransferGrant, TransferTarget
+from splitserve.kvtransfer.sender_receiver import LayerReady
+from splitserve.kvtransfer.rank_transfer import RankTransfer
+from splitserve.kvtransfer.sender_receiver import TransferEndpoint, TransferGrant, TransferTarget
 
 LAYOUT = KVLayout(model="m", dtype="float32", num_layers=2, num_kv_heads=2, head_dim=4, block_size=4)
 NUM_BLOCKS = 8

@@ -14,9 +14,9 @@ import asyncio
 import pytest
 
 from splitserve.services.engine.sampler import SampledToken
-from splitserve.services.wire.sampling_params import SamplingParams
+from splitserve.services.worker_protocol.sampling_params import SamplingParams
 from splitserve.services.worker.kv.remote_prefill import RemotePrefill
-from splitserve.services.worker.kv.transfer import GRANT_GRACE_S, TransferError
+from splitserve.kvtransfer.sender_receiver import GRANT_GRACE_S, TransferError
 from splitserve.services.worker.kv.write_fences import WriteFences
 
 THRESHOLD = 32

@@ -123,7 +123,7 @@ def test_describe_and_stats_report_the_engine(engine):
     assert (described.worker_id, described.role) == ("w-unit", worker_pb2.WORKER_ROLE_BOTH)
     assert described.instance_id and described.transfer_backend == ""        # aggregated: nothing to transfer
     assert (described.block_size, described.num_kv_blocks, described.vocab_size) == (16, NUM_KV_BLOCKS, 32000)
-    assert described.max_model_len == engine.max_model_len and described.device == "cpu"
+    assert described.max_model_len == engine.describe().max_model_len and described.device == "cpu"
     assert (stats.role, stats.num_kv_blocks, stats.num_used_kv_blocks) == (worker_pb2.WORKER_ROLE_BOTH,
                                                                            NUM_KV_BLOCKS, 0)
     assert not stats.draining and stats.num_in_flight == 0 and stats.num_transfer_reservations == 0

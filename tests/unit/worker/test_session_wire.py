@@ -7,7 +7,7 @@ import struct
 import pytest
 
 from splitserve.proto.v1 import worker_pb2
-from splitserve.services.wire.framing import MAX_FRAME_BYTES, FrameBuffer, FrameError, frame
+from splitserve.services.worker_protocol.framing import MAX_FRAME_BYTES, FrameBuffer, FrameError, frame
 
 
 def test_frames_come_out_whole_however_the_bytes_are_cut():

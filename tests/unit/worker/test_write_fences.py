@@ -14,7 +14,7 @@ import asyncio
 import grpc
 import pytest
 
-from splitserve.services.wire.sampling_params import SamplingParams
+from splitserve.services.worker_protocol.sampling_params import SamplingParams
 from splitserve.services.worker.kv.write_fences import FENCE_TIMEOUT_S, RETRY_S, WriteFences
 
 

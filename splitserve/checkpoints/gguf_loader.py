@@ -33,8 +33,8 @@ from gguf import GGUFReader, ReaderField, ReaderTensor
 from gguf.quants import dequantize
 
 from splitserve.errors import ModelLoadError, UnsupportedModelError
-from splitserve.services.engine.loading.checkpoint import Checkpoint
-from splitserve.services.engine.loading.gguf_tokenizer import build_tokenizer
+from splitserve.checkpoints.checkpoint import Checkpoint
+from splitserve.checkpoints.gguf_tokenizer import build_tokenizer
 
 if TYPE_CHECKING:
     import torch

@@ -1,7 +1,7 @@
-"""The worker<->frontend contract (services/wire): torch-free, engine-free, and its proto
+"""The worker<->frontend contract (services/worker_protocol): torch-free, engine-free, and its proto
 conversions lose nothing a request or an output says.
 
-Both sides import services/wire; the frontend must be able to without pulling in
+Both sides import services/worker_protocol; the frontend must be able to without pulling in
 torch or the engine, so every module of the package is imported in a fresh
 interpreter and what it loaded is checked.
 """
@@ -15,18 +15,18 @@ import sys
 
 import pytest
 
-import splitserve.services.wire as wire
+import splitserve.services.worker_protocol as worker_protocol
 from splitserve.errors import InvalidRequestError
 from splitserve.proto.v1 import common_pb2
-from splitserve.services.wire.convert import (finish_reason_from_proto, finish_reason_to_proto, params_from_proto,
+from splitserve.services.worker_protocol.proto_conversion import (finish_reason_from_proto, finish_reason_to_proto, params_from_proto,
                                               params_to_proto)
-from splitserve.services.wire.outputs import FinishReason
-from splitserve.services.wire.sampling_params import SamplingParams
+from splitserve.services.worker_protocol.outputs import FinishReason
+from splitserve.services.worker_protocol.sampling_params import SamplingParams
 
 
-def test_the_wire_package_imports_neither_torch_nor_the_engine():
-    names = [f"{wire.__name__}.{m.name}" for m in pkgutil.iter_modules(wire.__path__)]
-    assert {"splitserve.services.wire.convert", "splitserve.services.wire.outputs"} <= set(names)
+def test_the_worker_protocol_package_imports_neither_torch_nor_the_engine():
+    names = [f"{worker_protocol.__name__}.{m.name}" for m in pkgutil.iter_modules(worker_protocol.__path__)]
+    assert {"splitserve.services.worker_protocol.proto_conversion", "splitserve.services.worker_protocol.outputs"} <= set(names)
     code = ("import importlib, json, sys\n"
             f"for name in {names!r}: importlib.import_module(name)\n"
             "json.dump(sorted(sys.modules), sys.stdout)")
@@ -34,7 +34,8 @@ def test_the_wire_package_imports_neither_torch_nor_the_engine():
     assert result.returncode == 0, result.stderr
     modules = json.loads(result.stdout)
     assert "torch" not in modules
-    assert not [m for m in modules if m.startswith(("splitserve.services.engine", "splitserve.services.worker"))]
+    assert not [m for m in modules if m.split(".")[:3] in (["splitserve", "services", "engine"],
+                                                           ["splitserve", "services", "worker"])]
 
 
 def test_sampling_params_survive_the_wire():

@@ -1,40 +1,20 @@
-"""`splitserve worker --metrics-port`: Prometheus metrics over plain HTTP (DESIGN section 8).
+"""A worker's `splitserve_worker_*{worker, role}` Prometheus families, from a Stats snapshot.
 
-`GET /metrics` answers with the process's default registry (the kvtransfer
-collectors, kvtransfer/metrics.py, and prometheus-client's process metrics) followed
-by the worker's own gauges and counters, `splitserve_worker_*{worker, role}`. Those
-are read at scrape time from the same `StatsResponse` the Stats RPC returns, so the
-two never disagree and nothing is kept in step on the engine thread's hot path. While
-the engine loads (or once it has stopped) there are no Stats: the scrape still answers
-200, without the `splitserve_worker_*` families. Every other path is 404.
-
-The app is a bare ASGI callable served by uvicorn inside the worker's own event
-loop; the socket is bound here first, so a port that is taken is a `SplitserveError`
-naming it (uvicorn would log and `sys.exit`), and uvicorn never installs signal
-handlers (the worker owns SIGTERM: a drain keeps the metrics up until the end).
+They are read at scrape time from the same `StatsResponse` the Stats RPC returns, so the
+two never disagree and nothing is kept in step on the engine thread's hot path. While the
+engine loads (or once it has stopped) there are no Stats: the scrape still answers 200,
+without these families (splitserve/metrics_http.py serves them).
 """
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
-import logging
-import socket
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable
 
-import uvicorn
-from prometheus_client import REGISTRY, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.metrics_core import Metric
-from prometheus_client.registry import Collector
 
-from splitserve.errors import SplitserveError
 from splitserve.proto.v1 import worker_pb2
 
-log = logging.getLogger(__name__)
-
-METRICS_PATH = "/metrics"
-CONTENT_TYPE = b"text/plain; version=0.0.4; charset=utf-8"     # what generate_latest writes; as the frontend
 LABELS = ["worker", "role"]
 
 # (metric name, StatsResponse field, help); every family is labelled `worker`, `role`.
@@ -132,75 +112,9 @@ def stats_families(stats: worker_pb2.StatsResponse) -> list[Metric]:
     return families
 
 
-class _Snapshot(Collector):
-    """Families computed before the exposition (generate_latest takes anything with collect())."""
-
-    def __init__(self, families: list[Metric]) -> None:
-        self._families = families
-
-    def collect(self) -> Iterator[Metric]:
-        return iter(self._families)
-
-
-class MetricsApp:
-    """ASGI: `GET /metrics` → `registry`, then the worker families of `read_stats()` (None: none)."""
-
-    def __init__(self, read_stats: ReadStats, registry: Collector = REGISTRY) -> None:
-        self.read_stats = read_stats
-        self.registry = registry
-
-    async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] != "http":
-            return          # lifespan is off; websockets are not served
-        if scope["path"] != METRICS_PATH:
-            await _respond(send, 404, b"not found: try /metrics\n")
-        elif scope["method"] not in ("GET", "HEAD"):
-            await _respond(send, 405, b"method not allowed\n", extra=((b"allow", b"GET, HEAD"),))
-        else:
-            await _respond(send, 200, await self.exposition(), CONTENT_TYPE, head=scope["method"] == "HEAD")
-
-    async def exposition(self) -> bytes:
-        stats = await self.read_stats()
-        body = generate_latest(self.registry)
-        if stats is not None:
-            body += generate_latest(_Snapshot(stats_families(stats)))
-        return body
-
-
-async def _respond(send, status: int, body: bytes, content_type: bytes = b"text/plain; charset=utf-8",
-                   head: bool = False, extra: tuple[tuple[bytes, bytes], ...] = ()) -> None:
-    headers = [(b"content-type", content_type), (b"content-length", str(len(body)).encode()), *extra]
-    await send({"type": "http.response.start", "status": status, "headers": headers})
-    await send({"type": "http.response.body", "body": b"" if head else body})
-
-
-class _Uvicorn(uvicorn.Server):
-    @contextlib.contextmanager
-    def capture_signals(self) -> Iterator[None]:
-        yield       # the worker owns SIGTERM/SIGINT (server.py); uvicorn must not take them
-
-
-class MetricsServer:
-    """The HTTP server; `start` binds and serves in the running loop, `close` stops it."""
-
-    def __init__(self, uv: uvicorn.Server, task: asyncio.Task, port: int) -> None:
-        self._uv, self._task, self.port = uv, task, port
-
-    @classmethod
-    async def start(cls, app: MetricsApp, host: str, port: int) -> MetricsServer:
-        """Listen on host:port (0: any free port); SplitserveError when that fails."""
-        family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        try:
-            sock = socket.create_server((host, port), family=family)
-        except OSError as exc:
-            raise SplitserveError(f"cannot serve metrics on {host}:{port}: {exc.strerror or exc} "
-                                  "(choose another --metrics-port)") from None
-        # log_config=None: uvicorn's records go through the worker's own logging setup.
-        uv = _Uvicorn(uvicorn.Config(app, log_config=None, log_level="warning", access_log=False,
-                                     lifespan="off", timeout_graceful_shutdown=2))
-        task = asyncio.create_task(uv.serve(sockets=[sock]), name="metrics-http")
-        return cls(uv, task, sock.getsockname()[1])
-
-    async def close(self) -> None:
-        self._uv.should_exit = True
-        await asyncio.gather(self._task, return_exceptions=True)
+def stats_reader(read_stats: ReadStats) -> Callable[[], Awaitable[list[Metric]]]:
+    """The families to add to each scrape (splitserve/metrics_http.py's `read_families`)."""
+    async def read() -> list[Metric]:
+        stats = await read_stats()
+        return stats_families(stats) if stats is not None else []
+    return read

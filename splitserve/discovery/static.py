@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
-from splitserve.router.discovery import WorkerRecord
+from splitserve.discovery import WorkerRecord
 
 
 class StaticRegistry:

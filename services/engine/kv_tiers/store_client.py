@@ -1,6 +1,6 @@
 """The worker's side of the shared block store: a `SharedStore` over gRPC and kvtransfer.
 
-The worker attaches this to its engine (`LLMEngine.attach_store`, `--kv-store HOST:PORT`).
+The built-in engine attaches this below its KV tiers (`LLMEngine.attach_store`, `--kv-store HOST:PORT`).
 Bytes never touch gRPC: the client has its own kvtransfer connector, registered on a small
 host **staging pool** (`STAGING_BYTES` of blocks of the engine's layout), half for fetches and
 half for publishes (a step's new blocks beyond the free publish half are not published: counted
@@ -35,19 +35,18 @@ from collections.abc import Callable
 import grpc
 import torch
 
-from splitserve.kvtransfer import AgentMetadata, make_connector
+from splitserve.kvtransfer import AgentMetadata, KVLayout, make_connector
 from splitserve.kvtransfer.errors import TransferError
 from splitserve.kvtransfer.memory import empty_pool
 from splitserve.proto.v1 import kvstore_pb2 as pb
 from splitserve.proto.v1 import kvstore_pb2_grpc
-from splitserve.router.discovery import KVSTORE_PREFIX
-from splitserve.services.engine.engine import LLMEngine
-from splitserve.services.engine.kv_tiers.block_codec import block_crc
-from splitserve.services.engine.sequence import LayerReady
+from splitserve.discovery import KVSTORE_PREFIX
+from splitserve.kvtransfer.block_codec import block_crc
+from splitserve.kvtransfer.sender_receiver import LayerReady
 
-from splitserve.services.worker.kv.connector_transfer import connector_kwargs, engine_layout
-from splitserve.services.worker.kv.rank_transfer import RankTransfer
-from splitserve.services.worker.kv.transfer import GRANT_GRACE_S, TransferEndpoint, TransferGrant, TransferTarget
+from splitserve.services.engine.rank_connectors import connector_kwargs
+from splitserve.kvtransfer.rank_transfer import RankTransfer
+from splitserve.kvtransfer.sender_receiver import GRANT_GRACE_S, TransferEndpoint, TransferGrant, TransferTarget
 from splitserve.tls import PLAINTEXT, TlsConfig
 
 log = logging.getLogger(__name__)
@@ -67,7 +66,7 @@ MAX_REPORTED = 1 << 20       # hashes remembered for a store restart's BlockRemo
 
 
 class StoreClient:
-    def __init__(self, address: str, engine: LLMEngine, backend: str, name: str, host: str = "127.0.0.1",
+    def __init__(self, address: str, layout: KVLayout, backend: str, name: str, host: str = "127.0.0.1",
                  token: bytes = b"", advertise_host: str | None = None, staging_bytes: int = STAGING_BYTES,
                  etcd: list[str] | None = None, etcd_tls: TlsConfig = PLAINTEXT):
         """`address` is HOST:PORT, or "etcd": whatever store is registered under KVSTORE_PREFIX in `etcd`,
@@ -78,7 +77,6 @@ class StoreClient:
         self._etcd_tls = etcd_tls
         if address == "etcd" and not self._etcd:
             raise ValueError("--kv-store etcd needs --etcd (where the store registered)")
-        layout = engine_layout(engine)
         self.block_size = layout.block_size
         self.num_layers = layout.num_layers
         kwargs = connector_kwargs(backend, host, token, advertise_host)
@@ -132,7 +130,7 @@ class StoreClient:
         """Point the stub at the store's address (etcd: the one registered now)."""
         target = self.address
         if target == "etcd":
-            from splitserve.router.discovery.etcd import find_one
+            from splitserve.discovery.etcd import find_one
 
             record = asyncio.run(find_one(self._etcd, KVSTORE_PREFIX, self._etcd_tls))
             if record is None:

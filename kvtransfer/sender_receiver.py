@@ -1,10 +1,10 @@
-"""The seam between a worker and the KV transfer (kvtransfer, issue 3).
+"""The seam between a worker and the KV transfer of one request's prompt (issue 3).
 
 A decode worker reserves blocks for a prompt and lets one prefill worker write
 the prompt's KV into them (`KVReceiver`); the prefill worker pushes each layer
 as soon as the engine reports it done (`KVSender`). The worker only calls
-these two protocols; `connector_transfer.py` implements them over kvtransfer's
-Connector (TCP or NIXL).
+these two protocols, which an engine builds over its own KV memory (the built-in
+engine: services/engine/rank_connectors.py, over `RankTransfer` per TP rank).
 
 An aggregated worker (role both) is built with `UnwiredTransfer`, which
 refuses every transfer with `TransferNotWiredError`: a Prefill call to it fails
@@ -14,17 +14,36 @@ prefilled locally.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
 from splitserve.kvtransfer.errors import TransferError
-from splitserve.services.engine.sequence import LayerReady
 
-__all__ = ["GRANT_GRACE_S", "KVReceiver", "KVSender", "TransferEndpoint", "TransferError", "TransferGrant",
-           "TransferNotWiredError", "TransferTarget", "UnwiredTransfer"]
+__all__ = ["GRANT_GRACE_S", "KVReceiver", "KVSender", "LayerCallback", "LayerReady", "TransferEndpoint",
+           "TransferError", "TransferGrant", "TransferNotWiredError", "TransferTarget", "UnwiredTransfer"]
 
 
 GRANT_GRACE_S = 1.0     # a sender gives a request up this long after its grant's deadline
+
+
+@dataclass(slots=True, frozen=True)
+class LayerReady:
+    """A prefill-only request's KV for `layer` is written in `block_ids`.
+
+    `block_ids` are the sequence's blocks from position `first_block` on; the
+    first report of a request starts at block 0, so blocks that came from the
+    local prefix cache are reported too (the receiver may already hold some).
+    """
+
+    request_id: str
+    layer: int
+    first_block: int
+    block_ids: list[int]
+    num_tokens: int          # prompt tokens whose KV is now complete in these blocks
+
+
+LayerCallback = Callable[[LayerReady], None]
 
 
 class TransferNotWiredError(TransferError):

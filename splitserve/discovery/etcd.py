@@ -30,7 +30,7 @@ from etcd3aio import Etcd3Client, EtcdError, prefix_range_end
 # etcd3aio's generated stubs (it has no public streaming helpers that fit: see _watch).
 from etcd3aio._protobuf import rpc_pb2, rpc_pb2_grpc
 
-from splitserve.router.discovery import WorkerRecord
+from splitserve.discovery import WorkerRecord
 from splitserve.tls import PLAINTEXT, TlsConfig
 
 log = logging.getLogger(__name__)

@@ -44,32 +44,9 @@ class Checkpoint:
     source: str = ""
     num_tensors: int | None = None     # for progress bars, when the format tells
 
-    def save_pretrained(self, folder: Path, dtype: torch.dtype | None = None,
-                        progress: bool = False) -> None:
-        """Write the checkpoint as a Hugging Face folder (one safetensors file), in `dtype`
-        (default bfloat16)."""
-        import torch
-        from safetensors.torch import save_file
-        from tqdm import tqdm
-
-        dtype = torch.bfloat16 if dtype is None else dtype
-        folder.mkdir(parents=True, exist_ok=True)
-        stream = self.tensors()
-        if progress:
-            stream = tqdm(stream, desc=f"converting {self.name}", unit="tensor",
-                          total=self.num_tensors)
-        weights = {name: t.to(dtype).contiguous() for name, t in stream}
-        save_file(weights, str(folder / "model.safetensors"), metadata={"format": "pt"})
-        config = dict(self.config)
-        config["torch_dtype"] = str(dtype).removeprefix("torch.")
-        _write_json(folder / "config.json", config)
-        (folder / "tokenizer.json").write_text(self.tokenizer_json, encoding="utf-8")
-        _write_json(folder / "tokenizer_config.json", self.tokenizer_config)
-        if self.generation_config:
-            _write_json(folder / "generation_config.json", self.generation_config)
 
 
-def _write_json(path: Path, data: dict) -> None:
+def write_json(path: Path, data: dict) -> None:
     path.write_text(json.dumps(data, indent=2, ensure_ascii=False), encoding="utf-8")
 
 

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 from safetensors import SafetensorError, safe_open
 
 from splitserve.errors import ModelLoadError
-from splitserve.services.engine.loading.checkpoint import Checkpoint, read_json
+from splitserve.checkpoints.checkpoint import Checkpoint, read_json
 
 if TYPE_CHECKING:
     import torch

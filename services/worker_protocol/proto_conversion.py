@@ -3,7 +3,7 @@
 Both sides import these, so the worker and the frontend agree on every field.
 The wire's zero values mean "unset" where the engine's default differs
 (top_p 0 -> 1.0, repetition_penalty 0 -> 1.0). Conversions of engine-only types (a step's output, KV events)
-stay with the worker (services/worker/convert.py).
+stay with the worker (services/worker/output_messages.py).
 
 `stop` and `include_stop_str_in_output` still travel in both directions (old
 frontends send them, and a decode worker forwards its parameters to a prefill
@@ -14,8 +14,8 @@ the frontend's work. The frontend sends neither (migration.Progress.worker_reque
 from __future__ import annotations
 
 from splitserve.proto.v1 import common_pb2
-from splitserve.services.wire.outputs import FinishReason
-from splitserve.services.wire.sampling_params import SamplingParams, StructuredOutput
+from splitserve.services.worker_protocol.outputs import FinishReason
+from splitserve.services.worker_protocol.sampling_params import SamplingParams, StructuredOutput
 
 _FINISH_TO_PROTO = {
     None: common_pb2.FINISH_REASON_UNSPECIFIED,

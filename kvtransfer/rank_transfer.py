@@ -3,7 +3,8 @@
 Every rank of a prefill or decode worker runs one `RankTransfer` over its own
 kvtransfer connector, registered on its own KV pool (its share of the KV heads,
 `KVLayout.head_start/head_end`). Rank 0 runs it in the worker process, the other
-ranks in their own processes, driven over the control pipe (tp_fanout.py). A
+ranks in their own processes, driven over the engine's control pipe
+(services/engine/parallel/rank_connector_jobs.py). A
 TP=1 worker is rank 0 alone, on the same code path.
 
 Sender (prefill). `begin` handshakes with the decode worker's ranks (`add_peer`: a
@@ -40,6 +41,8 @@ sleeps on an event when idle. No engine step ever blocks on the network.
 
 from __future__ import annotations
 
+import asyncio
+
 import logging
 import threading
 import time
@@ -49,9 +52,9 @@ from dataclasses import dataclass, field
 from splitserve.kvtransfer import AgentMetadata, Connector, Reservation, TransferHandle
 from splitserve.kvtransfer.errors import ReservationExpiredError, TransferError, TransferTimeoutError
 from splitserve.kvtransfer.tp_slicing import head_slice
-from splitserve.services.engine.sequence import LayerReady
+from splitserve.kvtransfer.sender_receiver import LayerReady
 
-from splitserve.services.worker.kv.transfer import TransferEndpoint, TransferTarget
+from splitserve.kvtransfer.sender_receiver import TransferEndpoint, TransferTarget
 
 log = logging.getLogger(__name__)
 
@@ -396,3 +399,20 @@ class RankTransfer:
             self._closed = True
             self._driver.stop()
             self.connector.close()
+
+
+def settle(waiter: tuple[asyncio.AbstractEventLoop, asyncio.Future], result, error: BaseException | None) -> None:
+    """Resolve an asyncio future from any thread (nothing happens once its loop is closed)."""
+    loop, future = waiter
+
+    def apply() -> None:
+        if future.done():
+            return
+        if error is not None:
+            future.set_exception(error)
+        else:
+            future.set_result(result)
+    try:
+        loop.call_soon_threadsafe(apply)
+    except RuntimeError:       # the event loop is closed: nobody waits any more
+        pass

@@ -66,7 +66,7 @@ def default_served_name(model: str) -> str | None:
     """Clients ask for the model by the name the operator typed: `--model smollm2` serves "smollm2"."""
     if not model.strip().lower().startswith("smollm2"):
         return None          # a folder or file: the workers report its name
-    from splitserve.services.engine.loading.model_source import SMOLLM2_NAMES
+    from splitserve.checkpoints.model_source import SMOLLM2_NAMES
 
     return model.strip() if model.strip().lower() in SMOLLM2_NAMES else None
 
@@ -76,7 +76,8 @@ def resolve_model(name: str, say=lambda line: None) -> str:
     that the workers do not each convert it; anything else is passed on as typed."""
     if not name.strip().lower().startswith("smollm2"):
         return name          # a folder or a file: the workers open it (no torch import here)
-    from splitserve.services.engine.loading.model_source import SMOLLM2_NAMES, resolve_smollm2
+    from splitserve.checkpoints.model_source import SMOLLM2_NAMES
+    from splitserve.services.engine.loading.smollm2 import resolve_smollm2
 
     if name.strip().lower() in SMOLLM2_NAMES:
         say("preparing the shipped SmolLM2-135M-Instruct (converted once into the cache)...")

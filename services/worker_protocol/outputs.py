@@ -4,8 +4,8 @@
 its log-probabilities, and `RequestOutput` is one step's output for one request.
 They live here, outside the engine, so the frontend (and anything else that only
 reads outputs) can import them without torch: the engine builds them, the
-worker converts them to proto (services/worker/convert.py), the frontend reads
-the proto back (services/wire/convert.py).
+worker converts them to proto (services/worker/output_messages.py), the frontend reads
+the proto back (services/worker_protocol/proto_conversion.py).
 
 Outputs carry token ids only. Text is the frontend's work (services/text/):
 the engine never detokenizes.

@@ -3,9 +3,9 @@
 Each tensor-parallel rank of a worker has its own connector, registered on its own
 KV pool (its share of the KV heads) right after the model is loaded, before anyone
 can ask for its metadata: rank 0's here, the others in their own processes over the
-engine's control pipe (tp_fanout.py). Each rank's transfer logic is
-`RankTransfer` (rank_transfer.py); `ConnectorTransfer` is rank 0's facade that the
-worker calls, and a TP=1 worker is exactly rank 0's `RankTransfer` with nothing
+engine's control pipe (parallel/rank_connector_jobs.py). Each rank's transfer logic is
+`RankTransfer` (kvtransfer/rank_transfer.py); `ConnectorTransfer` is rank 0's facade that the
+worker calls (`BuiltinEngine.build_kv_transfer`), and a TP=1 worker is exactly rank 0's `RankTransfer` with nothing
 around it.
 
 Prefill side. The decode worker's Prefill call carries the metadata of all its
@@ -31,17 +31,17 @@ import importlib.util
 import itertools
 import logging
 import threading
+from dataclasses import dataclass
+
+import torch
 
 from splitserve.kvtransfer import AgentMetadata, Connector, KVLayout, make_connector
 from splitserve.kvtransfer.errors import TransferError
-from splitserve.services.engine.engine import LLMEngine
+from splitserve.kvtransfer.rank_transfer import RankTransfer, settle
+from splitserve.kvtransfer.sender_receiver import LayerReady, TransferEndpoint, TransferGrant, TransferTarget
+from splitserve.services.engine.parallel import rank_connector_jobs as tp_fanout
+from splitserve.services.engine.parallel.rank_connector_jobs import Gathered, RankReceived, RankSent
 from splitserve.services.engine.parallel.rank_control import RankControl, RankControlError
-from splitserve.services.engine.sequence import LayerReady
-
-from splitserve.services.worker.kv import tp_fanout
-from splitserve.services.worker.kv.rank_transfer import RankTransfer
-from splitserve.services.worker.kv.tp_fanout import Gathered, RankReceived, RankSent, settle
-from splitserve.services.worker.kv.transfer import TransferEndpoint, TransferGrant, TransferTarget
 
 log = logging.getLogger(__name__)
 
@@ -61,12 +61,15 @@ def resolve_backend(name: str) -> str:
     return "tcp"
 
 
-def engine_layout(engine: LLMEngine) -> KVLayout:
-    mc, cfg = engine.model_config, engine.config
-    model = f"{cfg.model_name}|{cfg.extra_cache_key}"
-    return KVLayout(model=model, dtype=str(cfg.torch_dtype()).removeprefix("torch."),
-                    num_layers=mc.num_layers, num_kv_heads=mc.num_kv_heads, head_dim=mc.head_dim,
-                    block_size=cfg.block_size)
+@dataclass(frozen=True, slots=True)
+class RankKVPools:
+    """What the connectors need of an engine: the whole model's KV layout, rank 0's KV pool, and
+    the other ranks (their control channel; None for one process)."""
+
+    layout: KVLayout
+    kv_tensor: torch.Tensor
+    tensor_parallel_size: int = 1
+    control: RankControl | None = None
 
 
 def connector_kwargs(backend: str, host: str, token: bytes, advertise_host: str | None = None) -> dict:
@@ -74,31 +77,31 @@ def connector_kwargs(backend: str, host: str, token: bytes, advertise_host: str 
     return {"token": token, **({"host": host, "advertise_host": advertise_host} if backend == "tcp" else {})}
 
 
-def build_connector(backend: str, name: str, engine: LLMEngine, host: str, token: bytes = b"",
+def build_connector(backend: str, name: str, pools: RankKVPools, host: str, token: bytes = b"",
                     advertise_host: str | None = None) -> Connector:
     """Rank 0's connector with rank 0's KV tensor registered (TCP listens on `host` and tells peers
     `advertise_host`); peers must prove `token` (kvtransfer/auth.py)."""
-    layout = engine_layout(engine).with_tp(0, engine.config.tensor_parallel_size)
+    layout = pools.layout.with_tp(0, pools.tensor_parallel_size)
     connector = make_connector(backend, tp_fanout.rank_agent_name(name, 0), layout,
                                **connector_kwargs(backend, host, token, advertise_host))
     try:
-        connector.register(engine.runner.kv.tensor)
+        connector.register(pools.kv_tensor)
     except BaseException:
         connector.close()
         raise
     return connector
 
 
-def build_connector_transfer(backend: str, name: str, engine: LLMEngine, host: str,
+def build_connector_transfer(backend: str, name: str, pools: RankKVPools, host: str,
                              token: bytes = b"", advertise_host: str | None = None) -> ConnectorTransfer:
     """Both halves for this worker: a connector per TP rank, each on its own KV pool."""
-    bs = engine.config.block_size
-    connector = build_connector(backend, name, engine, host, token, advertise_host)
-    if engine.tp is None:
+    bs = pools.layout.block_size
+    connector = build_connector(backend, name, pools, host, token, advertise_host)
+    control = pools.control
+    if control is None:
         return ConnectorTransfer(connector, bs)
-    control = engine.tp.control
     try:
-        metas = control.call_all(tp_fanout.setup, backend, name, engine_layout(engine),
+        metas = control.call_all(tp_fanout.setup, backend, name, pools.layout,
                                  connector_kwargs(backend, host, token, advertise_host), bs,
                                  timeout_s=SETUP_TIMEOUT_S)
     except BaseException:

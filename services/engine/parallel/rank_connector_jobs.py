@@ -36,10 +36,10 @@ from splitserve.kvtransfer import KVLayout, make_connector
 from splitserve.kvtransfer.errors import TransferError
 from splitserve.services.engine.model.forward_batch import LayerReport
 from splitserve.services.engine.parallel.rank_control import RankContext
-from splitserve.services.engine.sequence import LayerReady
+from splitserve.kvtransfer.sender_receiver import LayerReady
 
-from splitserve.services.worker.kv.rank_transfer import RankTransfer
-from splitserve.services.worker.kv.transfer import TransferTarget
+from splitserve.kvtransfer.rank_transfer import RankTransfer, settle
+from splitserve.kvtransfer.sender_receiver import TransferTarget
 
 
 @dataclass(frozen=True, slots=True)
@@ -187,20 +187,3 @@ class Gathered:
                 self.waiter = None
         if waiter is not None:
             settle(waiter, self.payload, self.error)
-
-
-def settle(waiter: tuple[asyncio.AbstractEventLoop, asyncio.Future], result, error: BaseException | None) -> None:
-    """Resolve an asyncio future from any thread (nothing happens once its loop is closed)."""
-    loop, future = waiter
-
-    def apply() -> None:
-        if future.done():
-            return
-        if error is not None:
-            future.set_exception(error)
-        else:
-            future.set_result(result)
-    try:
-        loop.call_soon_threadsafe(apply)
-    except RuntimeError:       # the event loop is closed: nobody waits any more
-        pass

