@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import sys
+import threading
 import time
 import types
 
@@ -255,6 +256,37 @@ def test_the_loop_starts_a_worker_for_a_step_and_drains_one_after_the_cooldown()
         scaler.housekeeping()
         assert [w.name for w in scaler.workers] == ["worker-0"]
         assert any("worker-1 drained and stopped" in line for line in lines), lines
+    finally:
+        sup.stop()
+
+
+def test_the_thread_runs_the_loop_and_an_interval_that_raises_is_one_line_not_the_end():
+    lines: list[str] = []
+    sup = Supervisor(lines.append)
+    done = threading.Event()
+
+    class Failing(_FedReadings):
+        def read(self):
+            if not self.readings:
+                done.set()
+                raise RuntimeError("the scrape broke")
+            return super().read()
+
+    try:
+        first = sup.spawn("worker-0", SLEEPER, "127.0.0.1:9")
+        source = Failing(lines.append)
+        source.readings += [_reading(100.0, 0, 64), _reading(101.0, 1, 64)]
+        settings = AutoscaleSettings(2, 1.0, 0.5, 0.01, 3.0)
+        actuator = LocalWorkers(sup, lines.append, settings, True, WorkerLauncher(sup, lambda *a: SLEEPER, [None]),
+                                [ScaledWorker("worker-0", 0, "both", 0, first)])
+        auto = LocalAutoscaler(actuator, source, lines.append, settings, PROFILE)
+        auto.start()
+        assert done.wait(30)
+        auto.stop()
+        assert not auto._thread.is_alive()
+        assert auto.loop.num_decisions == 1 and auto.loop.last_decision.replicas == ReplicaCounts.of_aggregated(1)
+        error = next(line for line in lines if line.startswith("autoscale: error"))
+        assert "(the deployment keeps its workers)" in error and "RuntimeError: the scrape broke" in error
     finally:
         sup.stop()
 
