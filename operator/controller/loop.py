@@ -8,7 +8,7 @@ waiting groups, so a group created in a pass is usually bound in the same pass.
 With several replicas, only the holder of the Lease (`leader.LeaseElector`) runs passes.
 
 Beside it, on its own cadence (each deployment's spec.autoscaling.intervalSeconds), runs the
-SLO autoscaler (autoscaler.py) as a second task: its scrapes never hold up a pass, and a
+SLO autoscaler (scaling_task.py) as a second task: its scrapes never hold up a pass, and a
 scale it applies wakes the loop. It too runs only while this replica leads. Its metrics
 come from `metrics_source` (default: metrics_source.PodMetricsSource, the live scrape).
 """
@@ -19,7 +19,7 @@ import asyncio
 import logging
 import time
 
-from splitserve.operator.autoscaler import Autoscaler, MetricsSource
+from splitserve.operator.scaling_task import Autoscaler, MetricsSource
 from splitserve.operator.events import EventRecorder
 from splitserve.operator.kube import AsyncKube, KubeError, core_path, group_path
 from splitserve.operator.leader import LeaseElector

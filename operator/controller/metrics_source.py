@@ -1,6 +1,6 @@
 """The autoscaler's live metrics: a deployment's frontend pods' /metrics and its workers' Stats.
 
-`PodMetricsSource.sample(target, replicas)` (autoscaler.MetricsSource) reads, at one time:
+`PodMetricsSource.sample(target, replicas)` (scaling_task.MetricsSource) reads, at one time:
 
 - every frontend pod of the deployment (label role=frontend) that is Ready, not being deleted
   and has a pod IP: `GET http://<podIP>:<spec.frontend.port>/metrics`, the Prometheus text the
@@ -38,10 +38,10 @@ import grpc
 import httpx
 
 from splitserve.operator import names
-from splitserve.operator.autoscaler import AutoscaleTarget
 from splitserve.operator.drain import worker_address
 from splitserve.operator.groups import PodState, observe_groups
 from splitserve.operator.kube import AsyncKube, core_path
+from splitserve.operator.scaling_task import AutoscaleTarget
 from splitserve.services.planner.readings import FrontendCounters, Reading, SampleBuilder, WorkerCounters
 from splitserve.services.planner import MetricsSample, ReplicaCounts
 from splitserve.tls import TlsConfig

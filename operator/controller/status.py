@@ -6,7 +6,7 @@ Ready, Draining, Drained, Deleting. Conditions follow the Kubernetes convention:
 Ready, Progressing and Degraded, each keeping its lastTransitionTime while its
 status stays the same.
 
-`status.autoscaling` is the autoscaler's (autoscaler.py): the reconciler neither writes nor
+`status.autoscaling` is the autoscaler's (pool_scaling.py): the reconciler neither writes nor
 compares it (`reconciler_owned`), so neither overwrites the other's newer value.
 """
 

@@ -233,7 +233,7 @@ def cmd_operator(args: argparse.Namespace) -> int:
     if args.metrics_port is not None:
         from prometheus_client import start_http_server
 
-        from splitserve.operator.autoscaler import decision_metrics
+        from splitserve.operator.scaling_task import decision_metrics
 
         decision_metrics()           # registered before the first scrape
         start_http_server(args.metrics_port, "0.0.0.0")

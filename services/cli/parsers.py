@@ -297,7 +297,7 @@ def _add_frontend_parser(sub) -> None:
 def _add_autoscale_args(p: argparse.ArgumentParser) -> None:
     from splitserve.services.launch.topology import AUTOSCALE_DEFAULTS as d
 
-    g = p.add_argument_group("autoscaling (services/planner, services/launch/autoscaler.py)")
+    g = p.add_argument_group("autoscaling (services/planner, services/launch/autoscale_thread.py)")
     g.add_argument("--autoscale", action="store_true",
                    help="let the SLO planner start and drain workers (between 1 and --max-workers per pool; "
                         "the counts above are where it starts): every --autoscale-interval it reads the "

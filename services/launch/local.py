@@ -19,7 +19,7 @@ children share one process group, signalled as a whole (SIGTERM, then SIGKILL
 after a grace period), and each child also gets SIGTERM from the kernel if this
 process dies (PR_SET_PDEATHSIG), so no worker outlives it.
 
-`--autoscale` (autoscaler.py): the workers and frontends find each other through a local
+`--autoscale` (autoscale_thread.py): the workers and frontends find each other through a local
 etcd that serve starts first (membership.py) instead of a static list; once every worker
 is ready a short profile run times the first worker's prefill and decode
 (profile_run.py), and then the autoscaler's thread starts and drains workers, between
@@ -125,7 +125,8 @@ def _start_etcd(sup: Supervisor, args: argparse.Namespace, etcd: LocalEtcd) -> N
 def _start_autoscaler(sup: Supervisor, args: argparse.Namespace, settings, python: list[str], model: str,
                       slot_cores: list[str | None], kv_store: str | None, etcd: LocalEtcd, workers: list[Child],
                       plan, startup: dict[str, float], frontend_urls: list[str], tls: TlsConfig):
-    from splitserve.services.launch.autoscaler import Autoscaler, ScaledWorker, launcher_for
+    from splitserve.services.launch.autoscale_thread import local_autoscaler
+    from splitserve.services.launch.local_scaling import ScaledWorker, launcher_for
     from splitserve.services.launch.profile_run import profile_worker
 
     first = next(c for c, w in zip(workers, plan) if w.role != "prefill")
@@ -138,20 +139,21 @@ def _start_autoscaler(sup: Supervisor, args: argparse.Namespace, settings, pytho
     scaled = [ScaledWorker(c.name, int(c.name.rsplit("-", 1)[1]), w.role, i, c, changed_at=time.monotonic(),
                            process_role=process_role(w.role, settings))
               for i, (c, w) in enumerate(zip(workers, plan))]
-    autoscaler = Autoscaler(sup, say, settings, args.aggregated, result.profile,
-                            launcher_for(sup, args, python, model, slot_cores, kv_store, etcd.endpoint),
-                            scaled, frontend_urls, tls)
+    metrics = None
     if args.autoscale_metrics_port is not None:
         from prometheus_client import start_http_server
 
         from splitserve.services.planner.decision_metrics import DecisionMetrics
 
         server, _ = start_http_server(args.autoscale_metrics_port, "127.0.0.1")
-        autoscaler.metrics = DecisionMetrics()
+        metrics = DecisionMetrics()
         say(f"  autoscale: decisions as metrics on http://127.0.0.1:{server.server_port}/metrics")
+    autoscaler = local_autoscaler(sup, say, settings, args.aggregated, result.profile,
+                                  launcher_for(sup, args, python, model, slot_cores, kv_store, etcd.endpoint),
+                                  scaled, frontend_urls, tls, metrics)
     say(f"  autoscale: 1 to {settings.max_workers} workers for TTFT p90 {settings.ttft_p90_s * 1e3:g} ms and "
         f"ITL p90 {settings.itl_p90_s * 1e3:g} ms, every {settings.interval_s:g} s, cool-down "
-        f"{settings.cooldown_s:g} s; mode {autoscaler.planner.config.mode.value}")
+        f"{settings.cooldown_s:g} s; mode {autoscaler.loop.planner.config.mode.value}")
     return autoscaler
 
 

@@ -16,7 +16,7 @@ restarted the same way. Requests that were on a lost worker migrate (the
 frontend's work); a restarted child gets SPLITSERVE_RESTARTS, the number of
 times it was restarted, which it reports in its /metrics.
 
-`serve --autoscale` (autoscaler.py) adds and removes workers while this runs, from its
+`serve --autoscale` (local_scaling.py) adds and removes workers while this runs, from its
 own thread, so every method that reads or changes the children holds `lock`. A worker
 spawned `starting=True` is not health-checked until it first answers SERVING (or
 `start_timeout_s` passes). `retire()` takes a worker out of supervision (no restart,

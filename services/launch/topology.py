@@ -116,7 +116,7 @@ def process_role(role: str, settings: AutoscaleSettings | None) -> str:
     Where the planner may switch modes, an aggregated worker starts as a decode worker: one
     whose requests name no prefill worker prefills its own prompts on the same path as an
     aggregated worker (worker/service.py), so a switch moves it between the aggregated and the
-    decode pool in place instead of replacing it (autoscaler.py). Its only extra is the KV
+    decode pool in place instead of replacing it (local_scaling.py). Its only extra is the KV
     transfer agent, ~0.5 s of its start.
     """
     if role == "both" and settings is not None and settings.may_switch_modes:

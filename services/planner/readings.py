@@ -37,8 +37,8 @@ replicas)` turns the difference between this reading and the previous one into a
 
 A counter that went down (a restarted frontend) counts from 0 as well, as Prometheus'
 rate() does. That is right for one frontend; when several are summed, the caller drops the
-baseline instead (`previous = None`: the next reading is a new baseline), as autoscaler.py
-does when one frontend's count of ended requests went down.
+baseline instead (`previous = None`: the next reading is a new baseline), as
+services/launch/local_metrics.py does when one frontend's count of ended requests went down.
 
 `choose_to_drain(candidates)`: the worker a pool gives up when the planner shrinks it: one
 still starting (nothing runs there yet; the newest first), else the serving one with the

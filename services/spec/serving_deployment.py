@@ -287,7 +287,7 @@ class CapacityProfileSpec:
 @dataclass(frozen=True, slots=True)
 class SloAutoscalingSpec:
     """`spec.autoscaling`: the operator sizes the prefill and decode pools with the SLO planner
-    (services/planner; operator/controller/autoscaler.py), through their ServingPools' scale
+    (services/planner; operator/controller/scaling_task.py), through their ServingPools' scale
     subresources. Not the per-pool `autoscaling` (Ray Serve's).
 
     Targets in milliseconds (p90 time to first token and inter-token latency), required when

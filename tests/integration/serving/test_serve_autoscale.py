@@ -1,4 +1,4 @@
-"""`splitserve serve --autoscale` with real processes (services/launch/autoscaler.py): under a load
+"""`splitserve serve --autoscale` with real processes (services/launch/autoscale_thread.py): under a load
 that doubles, the SLO planner starts a second worker, the frontend routes to it and the SLO is
 met again within a bounded time; in the quiet period that follows, once the cool-down has
 passed, a worker drains and leaves while streams keep running, and no request fails.
@@ -26,7 +26,7 @@ from pathlib import Path
 import openai
 import pytest
 
-from splitserve.services.launch.autoscaler import planner_config
+from splitserve.services.launch.autoscale_thread import planner_config
 from splitserve.services.launch.topology import AutoscaleSettings
 from splitserve.services.planner import (CapacityProfile, DecodeMeasurement, PredictedLoad, PrefillMeasurement,
                                          SizingModel)

@@ -1,11 +1,14 @@
 """`serve --autoscale`'s pieces without a model: its flags, the workers' and frontends' command lines,
-the supervisor's retire (drain) path, the profile's decode arithmetic, and the control loop
-applying the planner's counts to (stand-in) worker processes."""
+the supervisor's retire (drain) path, the profile's decode arithmetic, and the shared control loop
+(services/autoscaling) applying the planner's counts to (stand-in) worker processes
+(autoscale_thread.py, local_scaling.py, local_metrics.py)."""
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import sys
+import threading
 import time
 import types
 
@@ -16,9 +19,11 @@ from splitserve.services.cli.parsers import build_parser
 from splitserve.services.launch import membership
 from splitserve.services.launch import supervisor as sv
 from splitserve.services.planner.readings import FrontendCounters, Reading, WorkerCounters
-from splitserve.services.launch.autoscaler import (DRAINING, SERVING, STARTING, Autoscaler, ScaledWorker,
-                                                   WorkerLauncher, planner_config)
+from splitserve.services.launch.autoscale_thread import LocalAutoscaler, local_autoscaler, planner_config
 from splitserve.services.launch.children import frontend_argv, worker_argv
+from splitserve.services.launch.local_metrics import LocalMetricsSource
+from splitserve.services.launch.local_scaling import (DRAINING, SERVING, STARTING, LocalWorkers, ScaledWorker,
+                                                      WorkerLauncher)
 from splitserve.services.launch.topology import (AutoscaleSettings, autoscale_settings, plan_workers, process_role,
                                              worker_slots)
 from splitserve.services.launch.profile_run import decode_step_seconds
@@ -167,15 +172,33 @@ PROFILE = CapacityProfile(ThroughputCurve(((64, 4000.0), (1024, 8000.0))), Throu
                           startup_s=1.0, kv_capacity_tokens=100_000)
 
 
-class _Scaler(Autoscaler):
-    """The Autoscaler with readings fed by the test (no frontend, no worker Stats) and no probes."""
+class _FedReadings(LocalMetricsSource):
+    """The scrape with readings fed by the test (no frontend, no worker Stats)."""
 
-    def __init__(self, *a, **kw):
-        super().__init__(*a, **kw)
+    def __init__(self, say):
+        super().__init__([], lambda: [], say)
         self.readings: list[Reading] = []
 
     def read(self):
         return self.readings.pop(0)
+
+
+def _fed_scaler(sup: Supervisor, say, settings: AutoscaleSettings, aggregated: bool, profile: CapacityProfile,
+                launcher: WorkerLauncher, workers: list[ScaledWorker]) -> LocalAutoscaler:
+    """serve's autoscaler with readings fed by the test (`.loop.source.readings`) and no probes."""
+    source = _FedReadings(say)
+    actuator = LocalWorkers(sup, say, settings, aggregated, launcher, workers,
+                            last_reading=lambda: source.last_reading)
+    return LocalAutoscaler(actuator, source, say, settings, profile)
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+def _tick(auto: LocalAutoscaler):
+    """One interval of the shared loop (the first: the baseline, as serve's first step)."""
+    return run(auto.loop.interval())
 
 
 def _reading(t: float, ended: int, prompt: int, ttft_slow: int = 0) -> Reading:
@@ -198,19 +221,20 @@ def test_the_loop_starts_a_worker_for_a_step_and_drains_one_after_the_cooldown()
     try:
         first = sup.spawn("worker-0", SLEEPER, "127.0.0.1:9")
         launcher = WorkerLauncher(sup, argv, [None, None])
-        scaler = _Scaler(sup, lines.append, AutoscaleSettings(2, 1.0, 0.5, 1.0, 3.0), True, PROFILE, launcher,
-                         [ScaledWorker("worker-0", 0, "both", 0, first)], ["http://unused"])
+        auto = _fed_scaler(sup, lines.append, AutoscaleSettings(2, 1.0, 0.5, 1.0, 3.0), True, PROFILE, launcher,
+                           [ScaledWorker("worker-0", 0, "both", 0, first)])
+        scaler, readings = auto.actuator, auto.loop.source.readings
         # 1 request/s of 1024-token prompts is an eighth of a worker; 7/s needs two.
         total, t = 0, 100.0
-        scaler.readings.append(_reading(t, total, 1024))
-        assert scaler.tick() is None                              # the baseline
+        readings.append(_reading(t, total, 1024))
+        assert _tick(auto) is None                                # the baseline
         for _ in range(3):
             t, total = t + 1, total + 1
-            scaler.readings.append(_reading(t, total, 1024))
-            assert scaler.tick().replicas == ReplicaCounts.of_aggregated(1)
+            readings.append(_reading(t, total, 1024))
+            assert _tick(auto).replicas == ReplicaCounts.of_aggregated(1)
         t, total = t + 1, total + 7
-        scaler.readings.append(_reading(t, total, 1024))
-        decision = scaler.tick()
+        readings.append(_reading(t, total, 1024))
+        decision = _tick(auto)
         assert decision.replicas == ReplicaCounts.of_aggregated(2), decision.explain()
         # In auto mode a decode process, counted in the aggregated pool (plan.process_role).
         assert [(n, r) for n, r, _ in started] == [("worker-1", "decode")]
@@ -221,8 +245,8 @@ def test_the_loop_starts_a_worker_for_a_step_and_drains_one_after_the_cooldown()
         # Quiet: after the 3 s cool-down the pool shrinks; worker-1 (the newest, both idle) drains.
         for _ in range(8):
             t += 1
-            scaler.readings.append(_reading(t, total, 1024))
-            scaler.tick()
+            readings.append(_reading(t, total, 1024))
+            _tick(auto)
             if any(w.state == DRAINING for w in scaler.workers):
                 break
         assert scaler.asked() == ReplicaCounts.of_aggregated(1)
@@ -236,14 +260,45 @@ def test_the_loop_starts_a_worker_for_a_step_and_drains_one_after_the_cooldown()
         sup.stop()
 
 
+def test_the_thread_runs_the_loop_and_an_interval_that_raises_is_one_line_not_the_end():
+    lines: list[str] = []
+    sup = Supervisor(lines.append)
+    done = threading.Event()
+
+    class Failing(_FedReadings):
+        def read(self):
+            if not self.readings:
+                done.set()
+                raise RuntimeError("the scrape broke")
+            return super().read()
+
+    try:
+        first = sup.spawn("worker-0", SLEEPER, "127.0.0.1:9")
+        source = Failing(lines.append)
+        source.readings += [_reading(100.0, 0, 64), _reading(101.0, 1, 64)]
+        settings = AutoscaleSettings(2, 1.0, 0.5, 0.01, 3.0)
+        actuator = LocalWorkers(sup, lines.append, settings, True, WorkerLauncher(sup, lambda *a: SLEEPER, [None]),
+                                [ScaledWorker("worker-0", 0, "both", 0, first)])
+        auto = LocalAutoscaler(actuator, source, lines.append, settings, PROFILE)
+        auto.start()
+        assert done.wait(30)
+        auto.stop()
+        assert not auto._thread.is_alive()
+        assert auto.loop.num_decisions == 1 and auto.loop.last_decision.replicas == ReplicaCounts.of_aggregated(1)
+        error = next(line for line in lines if line.startswith("autoscale: error"))
+        assert "(the deployment keeps its workers)" in error and "RuntimeError: the scrape broke" in error
+    finally:
+        sup.stop()
+
+
 def test_a_worker_that_never_serves_is_stopped_after_the_start_timeout():
     lines: list[str] = []
     sup = Supervisor(lines.append, start_timeout_s=5.0)
     try:
         first = sup.spawn("worker-0", SLEEPER, "127.0.0.1:9")
-        scaler = _Scaler(sup, lines.append, AutoscaleSettings(2, 1.0, 0.5, 1.0, 3.0), True, PROFILE,
-                         WorkerLauncher(sup, lambda *a: SLEEPER, [None, None]),
-                         [ScaledWorker("worker-0", 0, "both", 0, first)], ["http://unused"])
+        scaler = _fed_scaler(sup, lines.append, AutoscaleSettings(2, 1.0, 0.5, 1.0, 3.0), True, PROFILE,
+                             WorkerLauncher(sup, lambda *a: SLEEPER, [None, None]),
+                             [ScaledWorker("worker-0", 0, "both", 0, first)]).actuator
         stuck = scaler._start("both")                  # its port never answers
         scaler.housekeeping(stuck.changed_at + 1.0)
         assert stuck.state == STARTING and scaler.asked() == ReplicaCounts.of_aggregated(2)
@@ -260,9 +315,9 @@ def test_no_free_place_defers_a_start():
     sup = Supervisor(lines.append)
     try:
         first = sup.spawn("worker-0", SLEEPER, "127.0.0.1:9")
-        scaler = _Scaler(sup, lines.append, AutoscaleSettings(1, 1.0, 0.5, 1.0, 3.0), True, PROFILE,
-                         WorkerLauncher(sup, lambda *a: SLEEPER, [None]),
-                         [ScaledWorker("worker-0", 0, "both", 0, first)], ["http://unused"])
+        scaler = _fed_scaler(sup, lines.append, AutoscaleSettings(1, 1.0, 0.5, 1.0, 3.0), True, PROFILE,
+                             WorkerLauncher(sup, lambda *a: SLEEPER, [None]),
+                             [ScaledWorker("worker-0", 0, "both", 0, first)]).actuator
         assert scaler._start("both") is None and "no free place" in lines[-1]
     finally:
         sup.stop()
@@ -297,10 +352,11 @@ def test_read_sums_the_frontends_and_a_restarted_one_starts_a_new_baseline():
     sup = Supervisor(lines.append)
     try:
         first = sup.spawn("worker-0", SLEEPER, "127.0.0.1:9")
-        scaler = Autoscaler(sup, lines.append, AutoscaleSettings(2, 1.0, 0.5, 1.0, 3.0), True, PROFILE,
-                            WorkerLauncher(sup, lambda *a: SLEEPER, [None, None]),
-                            [ScaledWorker("worker-0", 0, "both", 0, first)],
-                            [f"http://127.0.0.1:{s.server_address[1]}" for s in servers])
+        auto = local_autoscaler(sup, lines.append, AutoscaleSettings(2, 1.0, 0.5, 1.0, 3.0), True, PROFILE,
+                                WorkerLauncher(sup, lambda *a: SLEEPER, [None, None]),
+                                [ScaledWorker("worker-0", 0, "both", 0, first)],
+                                [f"http://127.0.0.1:{s.server_address[1]}" for s in servers])
+        scaler = auto.loop.source
         def served(m: FrontendMetrics, count: int) -> None:      # admitted and ended (services/frontend/core.py)
             m.admitted.inc(count)
             m.requests.labels("completions", "ok").inc(count)
@@ -309,14 +365,14 @@ def test_read_sums_the_frontends_and_a_restarted_one_starts_a_new_baseline():
             served(m, 3)
         reading = scaler.read()
         assert reading.frontend.ended == 6 and reading.workers == ()     # worker-0 answers no Stats
-        assert scaler.tick() is None                                      # the baseline
+        assert _tick(auto) is None                                        # the baseline
         served(metrics[0], 2)
-        assert scaler.tick().inputs.num_arrivals == 2
+        assert _tick(auto).inputs.num_arrivals == 2
         metrics[1] = FrontendMetrics()                                    # frontend-1 restarted
         served(metrics[0], 1)
-        assert scaler.tick() is None                                      # a new baseline, not a burst
+        assert _tick(auto) is None                                        # a new baseline, not a burst
         served(metrics[1], 1)
-        assert scaler.tick().inputs.num_arrivals == 1
+        assert _tick(auto).inputs.num_arrivals == 1
         servers[1].shutdown()
         servers[1].server_close()
         assert scaler.read() is None and "cannot read a frontend's /metrics" in lines[-1]
@@ -331,7 +387,7 @@ def _asking(replicas: ReplicaCounts):
     return types.SimpleNamespace(replicas=replicas)
 
 
-def _exit_retired(scaler: Autoscaler) -> None:
+def _exit_retired(scaler: LocalWorkers) -> None:
     """The drained workers exit (the stand-ins end at SIGTERM) and housekeeping reaps them."""
     for w in scaler.workers:
         if w.state == DRAINING:
@@ -339,24 +395,24 @@ def _exit_retired(scaler: Autoscaler) -> None:
     scaler.housekeeping()
 
 
-def _serving(scaler: Autoscaler) -> None:
+def _serving(scaler: LocalWorkers) -> None:
     for w in scaler.workers:
         if w.state == STARTING:
             w.state = SERVING                           # (the probe's part)
 
 
-def _can_decode(scaler: Autoscaler) -> bool:
+def _can_decode(scaler: LocalWorkers) -> bool:
     return any(w.state == SERVING and w.role != "prefill" for w in scaler.workers)
 
 
-def _three_aggregated(sup: Supervisor, lines: list[str], process_role: str = "") -> Autoscaler:
+def _three_aggregated(sup: Supervisor, lines: list[str], process_role: str = "") -> LocalAutoscaler:
     """Three aggregated workers in all of --max-workers 3's places; process_role "decode": as an
     `auto` start runs them (plan.process_role), "": `both` processes (a `fixed` start)."""
     children = [sup.spawn(f"worker-{i}", SLEEPER, "127.0.0.1:9") for i in range(3)]
-    return _Scaler(sup, lines.append, AutoscaleSettings(3, 1.0, 0.5, 1.0, 3.0), True, PROFILE,
-                   WorkerLauncher(sup, lambda *a: SLEEPER, [None, None, None]),
-                   [ScaledWorker(c.name, i, "both", i, c, process_role=process_role) for i, c in enumerate(children)],
-                   ["http://unused"])
+    return _fed_scaler(sup, lines.append, AutoscaleSettings(3, 1.0, 0.5, 1.0, 3.0), True, PROFILE,
+                       WorkerLauncher(sup, lambda *a: SLEEPER, [None, None, None]),
+                       [ScaledWorker(c.name, i, "both", i, c, process_role=process_role)
+                        for i, c in enumerate(children)])
 
 
 def test_where_modes_may_switch_an_aggregated_worker_starts_as_a_decode_process():
@@ -386,11 +442,11 @@ def test_switching_to_aggregated_moves_the_decode_worker_in_place_and_replaces_t
     try:
         p0 = sup.spawn("prefill-0", SLEEPER, "127.0.0.1:9")
         d0 = sup.spawn("decode-0", SLEEPER, "127.0.0.1:9")
-        scaler = _Scaler(sup, lines.append, AutoscaleSettings(3, 1.0, 0.5, 1.0, 3.0), False, PROFILE,
-                         WorkerLauncher(sup, lambda *a: SLEEPER, [None, None, None]),
-                         [ScaledWorker("prefill-0", 0, "prefill", 0, p0), ScaledWorker("decode-0", 0, "decode", 1, d0)],
-                         ["http://unused"])
-        scaler.apply(_asking(ReplicaCounts.of_aggregated(3)))
+        scaler = _fed_scaler(sup, lines.append, AutoscaleSettings(3, 1.0, 0.5, 1.0, 3.0), False, PROFILE,
+                             WorkerLauncher(sup, lambda *a: SLEEPER, [None, None, None]),
+                             [ScaledWorker("prefill-0", 0, "prefill", 0, p0),
+                              ScaledWorker("decode-0", 0, "decode", 1, d0)]).actuator
+        run(scaler.apply(_asking(ReplicaCounts.of_aggregated(3))))
         assert "switching to aggregated serving: decode-0 now serves in the aggregated pool in place" \
             in " ".join(lines)
         # decode-0 serves on as an aggregated worker; the free place takes a new one, and the
@@ -413,8 +469,8 @@ def test_switching_to_disaggregated_moves_the_aggregated_decode_processes_and_dr
     lines: list[str] = []
     sup = Supervisor(lines.append)
     try:
-        scaler = _three_aggregated(sup, lines, process_role="decode")
-        scaler.apply(_asking(ReplicaCounts.of_pools(1, 2)))
+        scaler = _three_aggregated(sup, lines, process_role="decode").actuator
+        run(scaler.apply(_asking(ReplicaCounts.of_pools(1, 2))))
         assert [(w.role, w.state) for w in scaler.workers].count(("decode", SERVING)) == 2
         assert [w.state for w in scaler.workers].count(DRAINING) == 1           # the surplus, for a place
         assert scaler.asked() == ReplicaCounts.of_pools(1, 2)
@@ -430,8 +486,8 @@ def test_switching_to_disaggregated_from_full_places_drains_one_at_a_time():
     lines: list[str] = []
     sup = Supervisor(lines.append)
     try:
-        scaler = _three_aggregated(sup, lines)
-        scaler.apply(_asking(ReplicaCounts.of_pools(1, 2)))
+        scaler = _three_aggregated(sup, lines).actuator
+        run(scaler.apply(_asking(ReplicaCounts.of_pools(1, 2))))
         seen_capacity = []
         for _ in range(12):
             states = [w.state for w in scaler.workers]
@@ -457,14 +513,15 @@ def test_in_a_switch_the_planner_reads_the_counts_asked_for_not_a_deployment_to_
     lines: list[str] = []
     sup = Supervisor(lines.append)
     try:
-        scaler = _three_aggregated(sup, lines)
+        auto = _three_aggregated(sup, lines)
+        scaler = auto.actuator
         scaler.target = ReplicaCounts.of_aggregated(3)
-        scaler.apply(_asking(ReplicaCounts.of_pools(1, 2)))
+        run(scaler.apply(_asking(ReplicaCounts.of_pools(1, 2))))
         assert scaler._running() == ReplicaCounts.of_pools(0, 0)
         assert scaler.asked() == ReplicaCounts.of_pools(1, 2)
-        scaler.readings += [_reading(100.0, 0, 64), _reading(101.0, 1, 64)]
-        assert scaler.tick() is None                              # the baseline
-        decision = scaler.tick()
+        auto.loop.source.readings += [_reading(100.0, 0, 64), _reading(101.0, 1, 64)]
+        assert _tick(auto) is None                                # the baseline
+        decision = _tick(auto)
         assert decision.current == ReplicaCounts.of_pools(1, 2), decision.explain()
         assert not decision.mode_reason.startswith("start"), decision.explain()
     finally:

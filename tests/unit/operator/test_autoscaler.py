@@ -1,5 +1,6 @@
-"""The operator's autoscaler: spec → planner config, decision → scale patches, status and Events,
-and one interval end to end against an in-memory apiserver (scale subresource, events, status)."""
+"""The operator's autoscaler (pool_scaling.py, scaling_task.py): spec → planner config, decision →
+scale patches, status and Events, and one interval of the shared loop (services/autoscaling) end
+to end against an in-memory apiserver (scale subresource, events, status)."""
 
 from __future__ import annotations
 
@@ -10,12 +11,13 @@ from dataclasses import replace
 import pytest
 from prometheus_client import REGISTRY
 
-from splitserve.operator.autoscaler import (EVENT_REASON, FAILED_REASON, Autoscaler, AutoscaleTarget,
-                                            DeploymentState, ScalePatch, autoscaling_status, capacity_profile,
-                                            decision_key, planner_config, replica_counts, scale_patches)
 from splitserve.operator.builders import Owner
 from splitserve.operator.events import EventRecorder
 from splitserve.operator.kube import KubeError
+from splitserve.operator.pool_scaling import (EVENT_REASON, FAILED_REASON, ScalePatch, autoscaling_status,
+                                              capacity_profile, decision_key, planner_config, replica_counts,
+                                              scale_patches)
+from splitserve.operator.scaling_task import Autoscaler, AutoscaleTarget
 from splitserve.services.spec.serving_deployment import ServingDeploymentSpec, SloAutoscalingSpec
 from splitserve.operator.status import reconciler_owned
 from splitserve.services.planner import MetricsSample, Planner, PlannerMode, ReplicaCounts
@@ -264,9 +266,9 @@ def run(coro):
 def test_an_interval_applies_the_decision_through_the_scale_subresource_and_records_it():
     kube, source = FakeKube(), ScriptedSource([QUIET, BUSY, BUSY])
     autoscaler, scaled, _ = make(kube, source, [])
-    state = DeploymentState.of(spec().autoscaling, 0.0)
+    state = autoscaler.scaling(OWNER, spec()).loop
 
-    quiet = run(autoscaler.interval(OWNER, spec(), state))
+    quiet = run(state.interval())
     assert not quiet.changed and kube.scale_patches == [] and not scaled
     [event] = kube.by_reason(EVENT_REASON)
     assert event["message"] == quiet.explain() and event["type"] == "Normal"
@@ -274,7 +276,7 @@ def test_an_interval_applies_the_decision_through_the_scale_subresource_and_reco
                                        "name": NAME, "namespace": NS, "uid": UID}
     assert kube.status["autoscaling"]["replicas"] == "1P+1D"
 
-    up = run(autoscaler.interval(OWNER, spec(), state))
+    up = run(state.interval())
     assert up.replicas == ReplicaCounts.of_pools(1, 3)
     # Through the scale subresource, conditional on the resourceVersion read just before.
     assert kube.scale_patches == [("chat-decode", {"spec": {"replicas": 3}, "metadata": {"resourceVersion": "1"}})]
@@ -289,7 +291,7 @@ def test_an_interval_applies_the_decision_through_the_scale_subresource_and_reco
     assert sample("splitserve_planner_replicas", {"deployment": f"{NS}/{NAME}", "pool": "decode"}) == 3
     assert sample("splitserve_planner_binding", {"deployment": f"{NS}/{NAME}", "pool": "decode", "binding": "itl"}) == 1
 
-    held = run(autoscaler.interval(OWNER, spec(), state))    # reads 3 back from the ServingPool
+    held = run(state.interval())                             # reads 3 back from the ServingPool
     assert held.current == ReplicaCounts.of_pools(1, 3) and not held.changed
     assert len(state.history) == 3 and autoscaler.num_decisions == 3
 
@@ -297,8 +299,8 @@ def test_an_interval_applies_the_decision_through_the_scale_subresource_and_reco
 def test_repeated_decisions_bump_one_event():
     kube, source = FakeKube(), ScriptedSource([QUIET] * 4)
     autoscaler, _, _ = make(kube, source, [])
-    state = DeploymentState.of(spec().autoscaling, 0.0)
-    decisions = [run(autoscaler.interval(OWNER, spec(), state)) for _ in range(4)]
+    state = autoscaler.scaling(OWNER, spec()).loop
+    decisions = [run(state.interval()) for _ in range(4)]
     [event] = kube.by_reason(EVENT_REASON)
     assert event["count"] == 4 and event["message"] == decisions[-1].explain()
 
@@ -314,7 +316,7 @@ def test_a_user_scaling_in_between_wins():
             kube.scale(name, 2)
 
     kube.on_scale_read = user_scales
-    decision = run(autoscaler.interval(OWNER, spec(), DeploymentState.of(spec().autoscaling, 0.0)))
+    decision = run(autoscaler.scaling(OWNER, spec()).loop.interval())
     assert decision.replicas.num_decode == 3
     assert kube.scale_patches == [] and kube.pools["chat-decode"][0] == 2 and not scaled
     [failed] = kube.by_reason(FAILED_REASON)
@@ -343,7 +345,7 @@ def test_a_conflict_on_the_resource_version_is_retried():
         return await original(path, patch)
 
     kube.merge_patch = merge_patch
-    run(autoscaler.interval(OWNER, spec(), DeploymentState.of(spec().autoscaling, 0.0)))
+    run(autoscaler.scaling(OWNER, spec()).loop.interval())
     assert kube.pools["chat-decode"][0] == 3 and scaled == [1] and not kube.by_reason(FAILED_REASON)
 
 
@@ -385,15 +387,19 @@ def test_run_due_skips_invalid_specs_and_deployments_being_deleted():
 
 
 def test_a_spec_change_keeps_the_history_and_the_refined_profile():
-    state = DeploymentState.of(spec().autoscaling, 0.0)
+    autoscaler, _, _ = make(FakeKube(), ScriptedSource([]), [])
+    scaling = autoscaler.scaling(OWNER, spec())
+    state = scaling.loop
     state.history.extend(sample(float(t), QUIET, ReplicaCounts.of_pools(1, 1)) for t in (1, 2))
-    wider = SloAutoscalingSpec.from_dict({**AUTOSCALING, "decode": {"minReplicas": 1, "maxReplicas": 5}})
-    again = state.respec(wider, 1.0)
-    assert list(again.history) == list(state.history)
-    assert again.planner.config.decode.max_replicas == 5 and again.planner.profile is state.planner.profile
-    faster = SloAutoscalingSpec.from_dict({**AUTOSCALING, "profile": {**AUTOSCALING["profile"],
-                                                                       "decodeTokensPerSecond": 200}})
-    assert state.respec(faster, 1.0).planner.profile.decode.at(10) == 200.0
+    history, profile = list(state.history), state.planner.profile
+    wider = {**AUTOSCALING, "decode": {"minReplicas": 1, "maxReplicas": 5}}
+    again = autoscaler.scaling(OWNER, spec(wider)).loop
+    assert again is state and list(again.history) == history
+    assert again.planner.config.decode.max_replicas == 5 and again.planner.profile is profile
+    faster = {**AUTOSCALING, "profile": {**AUTOSCALING["profile"], "decodeTokensPerSecond": 200}}
+    assert autoscaler.scaling(OWNER, spec(faster)).loop.planner.profile.decode.at(10) == 200.0
+    assert scaling.pools.switch_modes is False
+    assert autoscaler.scaling(OWNER, spec({**AUTOSCALING, "switchModes": True})).pools.switch_modes is True
 
 
 def test_a_refused_interval_is_a_warning_event_not_a_crash():

@@ -11,9 +11,9 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import grpc
 import pytest
 
-from splitserve.operator.autoscaler import AutoscaleTarget
 from splitserve.operator.builders import Owner
 from splitserve.operator.metrics_source import PodMetricsSource, frontend_urls, worker_targets
+from splitserve.operator.scaling_task import AutoscaleTarget
 from splitserve.services.spec.serving_deployment import ServingDeploymentSpec
 from splitserve.proto.v1 import worker_pb2, worker_pb2_grpc
 from splitserve.services.frontend.metrics import FrontendMetrics

@@ -1,27 +1,17 @@
-"""`serve --autoscale`: the SLO planner (services/planner) applied to local worker processes.
+"""`serve --autoscale`: the planner's counts applied to local worker processes (the shared
+loop's `ScaleActuator`, services/autoscaling; autoscale_thread.py runs the loop).
 
-A thread of `serve` that, every `--autoscale-interval` seconds:
-
-1. reads every frontend's /metrics and every serving worker's Stats (gRPC) and turns the
-   difference from the previous reading into a planner `MetricsSample` (planner/readings.py:
-   arrivals, length means, TTFT/ITL p90 from the histograms' deltas, the workers' queues,
-   KV usage and token counters); `replicas` is what the autoscaler has asked for: the
-   workers starting and serving, not those draining;
-2. calls `Planner.decide(history, sample)` and prints `decision.explain()` as one line
-   ("autoscale: planner: 1A -> 2A aggregated ...");
-3. applies the counts: a pool below its count starts workers (the same command line as
-   serve's first workers, `worker_argv`, on a new port, named on from the last one: worker-2,
-   worker-3, ...); a pool above it drains workers (`choose_to_drain`: a starting one first,
-   else the least loaded, the newest on a tie): `Supervisor.retire` stops supervising the
-   worker and sends it SIGTERM, on which it drains (services/worker/shutdown.py) and exits;
-4. refines the capacity profile with what the interval measured (planner/profile.py).
-
-Between intervals (every HOUSEKEEPING_S) it notices a started worker turning SERVING (and
-refines the profile's start-up time with how long it took; one not SERVING within
---ready-timeout is stopped) and a drained worker's exit. A frontend that does not answer
-skips the interval; one that restarted (its counters went down) makes a new baseline.
-The decision is a log line only (serve has no metrics endpoint of its own; `last_decision`
-holds the latest, whose `fields()` are the planner's gauges and labels).
+- `read_replicas`: what the autoscaler has asked for: the latest decision's counts, workers
+  still waiting for a place included; before any decision, the workers starting and serving,
+  not those draining.
+- `apply`: a pool below its count starts workers (the same command line as serve's first
+  workers, `worker_argv`, on a new port, named on from the last one: worker-2, worker-3, ...);
+  a pool above it drains workers (`choose_to_drain`: a starting one first, else the least
+  loaded in the latest reading, the newest on a tie): `Supervisor.retire` stops supervising
+  the worker and sends it SIGTERM, on which it drains (services/worker/shutdown.py) and exits.
+- `housekeeping`, between intervals (every autoscale_thread.HOUSEKEEPING_S): a started worker
+  turning SERVING (how long it took refines the profile's start-up time; one not SERVING
+  within --ready-timeout is stopped), a drained worker's exit, a mode switch's next step.
 
 How the frontends follow: through the local etcd (membership.py). A started worker
 registers itself once SERVING, and the frontends route to it from then on; a draining one
@@ -37,7 +27,7 @@ keeps all of them (a surplus drains, freeing places for prefill workers), decode
 aggregated keeps them and replaces the prefill workers. Workers that cannot serve in the new
 mode (prefill workers, aggregated processes of a `fixed` start) are replaced one place at a
 time, never leaving the frontends without a worker that can decode (`_converge`, every
-HOUSEKEEPING_S): the new mode's workers start in free places; while places are missing, an
+housekeeping): the new mode's workers start in free places; while places are missing, an
 old-mode worker drains to free one (a prefill worker first; one that decodes only while
 another decode-capable worker serves); once every new-mode worker serves, the old-mode ones
 left drain. Meanwhile the frontends route over both kinds (a decode or aggregated worker
@@ -51,48 +41,20 @@ holds its place (its cores) until it exits.
 from __future__ import annotations
 
 import argparse
-import math
-import ssl
-import threading
 import time
-import traceback
-import urllib.error
-import urllib.request
-from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
-import grpc
-
 from splitserve.net import free_port
-from splitserve.proto.v1 import worker_pb2, worker_pb2_grpc
-from splitserve.services.planner.readings import (DrainCandidate, FrontendCounters, Reading, SampleBuilder,
-                                                          WorkerCounters, choose_several, replica_counts)
 from splitserve.services.launch.topology import AutoscaleSettings, process_role
 from splitserve.services.launch.probes import worker_serving
 from splitserve.services.launch.supervisor import Child, Supervisor
-from splitserve.services.planner import (CapacityProfile, Decision, MetricsSample, Planner, PlannerConfig,
-                                         PlannerMode, PoolBounds, ReplicaCounts, SloTargets)
+from splitserve.services.planner import Decision, ReplicaCounts
+from splitserve.services.planner.readings import DrainCandidate, Reading, choose_several, replica_counts
 from splitserve.tls import PLAINTEXT, TlsConfig
 
-HOUSEKEEPING_S = 0.5
-SCRAPE_TIMEOUT_S = 2.0
 ROLE_OF_POOL = {"aggregated": "both", "prefill": "prefill", "decode": "decode"}
 STARTING, SERVING, DRAINING = "starting", "serving", "draining"
-
-
-def planner_config(settings: AutoscaleSettings, aggregated: bool) -> PlannerConfig:
-    """The planner's config for local workers: 1..max workers a pool; the mode serve runs in
-    (`--autoscale-mode fixed`, or one place only) or either (`auto`)."""
-    m = settings.max_workers
-    if settings.may_switch_modes:
-        mode = PlannerMode.AUTO
-    else:
-        mode = PlannerMode.AGGREGATED if aggregated else PlannerMode.DISAGGREGATED
-    return PlannerConfig(
-        SloTargets(settings.ttft_p90_s, settings.itl_p90_s),
-        prefill=PoolBounds(1, max(1, m - 1)), decode=PoolBounds(1, max(1, m - 1)), aggregated=PoolBounds(1, m),
-        max_workers=m, mode=mode, cooldown_s=settings.cooldown_s, window_s=max(60.0, 3 * settings.interval_s))
 
 
 @dataclass(slots=True)
@@ -130,62 +92,37 @@ class WorkerLauncher:
                               starting=True)
 
 
-class Autoscaler:
+class LocalWorkers:
+    """serve's workers under the autoscaler: `ScaleActuator` (module header)."""
+
     def __init__(self, sup: Supervisor, say: Callable[[str], None], settings: AutoscaleSettings, aggregated: bool,
-                 profile: CapacityProfile, launcher: WorkerLauncher, workers: list[ScaledWorker],
-                 frontend_urls: list[str], tls: TlsConfig = PLAINTEXT):
+                 launcher: WorkerLauncher, workers: list[ScaledWorker], tls: TlsConfig = PLAINTEXT,
+                 last_reading: Callable[[], Reading | None] = lambda: None):
         self.sup, self.say, self.settings, self.aggregated = sup, say, settings, aggregated
-        self.planner = Planner(planner_config(settings, aggregated), profile)
         self.launcher = launcher
         self.workers = list(workers)
-        self.frontend_urls = frontend_urls           # each frontend's base URL (http[s]://host:port)
         self.tls = tls
-        self.builder = SampleBuilder()
-        span = max(self.planner.config.cooldown_s, self.planner.config.window_s)
-        self.history: deque[MetricsSample] = deque(maxlen=math.ceil(span / settings.interval_s) + 4)
-        self.last_decision: Decision | None = None
-        self.last_reading: Reading | None = None
+        self.last_reading = last_reading              # the source's latest reading: each worker's load, to drain
         self.target: ReplicaCounts | None = None      # the counts the latest decision asked for
-        self.metrics = None                          # planner/decision_metrics.DecisionMetrics, with --autoscale-metrics-port
         self._next_index = {role: max((w.index for w in workers if w.role == role), default=-1) + 1
                             for role in ROLE_OF_POOL.values()}
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
-        self._scrape_failing = False
-        self._frontends: list[FrontendCounters] = []          # each frontend's last reading
 
-    # -- the thread --------------------------------------------------------------------
-    def start(self) -> None:
-        self._thread = threading.Thread(target=self._run, name="autoscaler", daemon=True)
-        self._thread.start()
-
-    def stop(self, timeout_s: float = 10.0) -> None:
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout_s)
-
-    def _run(self) -> None:
-        next_tick = time.monotonic()          # the first reading is the baseline
-        while not self._stop.is_set():
-            try:
-                self.housekeeping()
-                if time.monotonic() >= next_tick:
-                    next_tick = time.monotonic() + self.settings.interval_s
-                    self.tick()
-            except Exception:  # noqa: BLE001 - the autoscaler must not take serving down
-                self.say("autoscale: error (the deployment keeps its workers):\n" + traceback.format_exc().rstrip())
-            self._stop.wait(HOUSEKEEPING_S)
+    def serving(self) -> list[tuple[str, str]]:
+        """(role, address) of the workers SERVING: those whose Stats a reading takes."""
+        return [(w.role, w.address) for w in self.workers if w.state == SERVING]
 
     # -- between intervals -------------------------------------------------------------
-    def housekeeping(self, now: float | None = None) -> None:
+    def housekeeping(self, now: float | None = None) -> list[float]:
         """Started workers that turned SERVING (or never do: stopped after the supervisor's start
-        timeout, --ready-timeout), drained workers that exited, a mode switch's next step."""
+        timeout, --ready-timeout), drained workers that exited, a mode switch's next step. The
+        start-up times of the workers that turned SERVING (the profile learns them)."""
+        ready = []
         for w in [w for w in self.workers if w.state == STARTING]:
             if worker_serving(w.address, self.tls):
                 t = time.monotonic() if now is None else now
                 took = t - w.changed_at
                 w.state, w.changed_at = SERVING, t
-                self.planner = self.planner.with_profile(self.planner.profile.refine(startup_s=took))
+                ready.append(took)
                 self.say(f"autoscale: {w.name} ready after {took:.1f} s at {w.address}; the frontends route to it")
             elif (t := time.monotonic() if now is None else now) - w.changed_at > self.sup.start_timeout_s:
                 w.state, w.changed_at = DRAINING, t
@@ -199,14 +136,18 @@ class Autoscaler:
             self.say(f"autoscale: {w.name} drained and stopped after {took:.1f} s "
                      f"(exit code {w.child.process.returncode})")
         self._converge()
+        return ready
 
-    # -- every interval ----------------------------------------------------------------
+    # -- the counts --------------------------------------------------------------------
     def asked(self) -> ReplicaCounts:
         """What the autoscaler has asked for (the planner's `sample.replicas`): the latest
         decision's counts, workers still waiting for a place included; before any decision,
         the workers running. In a switch the running count of the new mode is 0 at first,
         which the planner would read as a deployment to start from nothing."""
         return self.target if self.target is not None else self._running()
+
+    async def read_replicas(self) -> ReplicaCounts:
+        return self.asked()
 
     def _running(self) -> ReplicaCounts:
         """The workers of the current mode not draining, starting ones included."""
@@ -216,61 +157,10 @@ class Autoscaler:
                 roles[w.role] = roles.get(w.role, 0) + 1
         return replica_counts(self.aggregated, roles)
 
-    def tick(self) -> Decision | None:
-        reading = self.read()
-        if reading is None:
-            return None
-        self.last_reading = reading
-        sample = self.builder.sample(reading, self.asked())
-        if sample is None:
-            return None
-        decision = self.planner.decide(list(self.history), sample)
-        self.last_decision = decision
-        self.target = decision.replicas
-        self.say(f"autoscale: {decision.explain()}")
-        if self.metrics is not None:
-            self.metrics.record("serve", decision)
-        if decision.changed:
-            self.apply(decision)
-        self.planner = self.planner.learned(list(self.history), sample)
-        self.history.append(sample)
-        return decision
-
-    def read(self) -> Reading | None:
-        """The frontends' metrics and the serving workers' Stats now; None when a frontend did not
-        answer (the interval then runs on to the next reading)."""
-        timestamp = time.monotonic()
-        try:
-            each = [FrontendCounters.parse(_get(f"{url}/metrics")) for url in self.frontend_urls]
-        except (urllib.error.URLError, OSError, ValueError) as exc:
-            if not self._scrape_failing:
-                self.say(f"autoscale: cannot read a frontend's /metrics ({exc}); waiting for it")
-            self._scrape_failing = True
-            return None
-        self._scrape_failing = False
-        if any(now.ended < before.ended or (now.admitted or 0) < (before.admitted or 0)
-               for now, before in zip(each, self._frontends)):
-            self.builder.previous = None     # a frontend restarted: its counters are summed with the others'
-        self._frontends = each
-        frontend = FrontendCounters.total(each)
-        workers = []
-        for w in self.workers:
-            if w.state != SERVING:
-                continue
-            stats = self._stats(w.address)
-            if stats is not None:
-                workers.append(WorkerCounters.of_stats(w.role, stats))
-        return Reading(timestamp, frontend, tuple(workers))
-
-    def _stats(self, address: str) -> worker_pb2.StatsResponse | None:
-        with self.tls.channel(address) as channel:
-            try:
-                return worker_pb2_grpc.WorkerStub(channel).Stats(worker_pb2.StatsRequest(), timeout=SCRAPE_TIMEOUT_S)
-            except grpc.RpcError:
-                return None
-
     # -- applying a decision -----------------------------------------------------------
-    def apply(self, decision: Decision) -> None:
+    async def apply(self, decision: Decision) -> None:
+        """Start, drain and move workers toward `decision.replicas` (module header); what finds no
+        place yet starts in a later housekeeping. Nothing here awaits: it runs on the thread."""
         self.target = decision.replicas
         aggregated = not decision.replicas.disaggregated
         if aggregated != self.aggregated:
@@ -376,20 +266,14 @@ class Autoscaler:
         return w
 
     def _drain(self, role: str, count: int) -> None:
-        load = {c.worker_id: c for c in (self.last_reading.workers if self.last_reading else ())}
+        reading = self.last_reading()
+        load = {c.worker_id: c for c in (reading.workers if reading else ())}
         candidates = [DrainCandidate(w.name, w.index, w.state == STARTING,
                                      load[w.name].load if w.name in load else 0,
                                      load[w.name].kv_usage if w.name in load else 0.0)
                       for w in self.workers if w.role == role and w.state != DRAINING]
         for pick in choose_several(candidates, count):
             self._retire(next(x for x in self.workers if x.name == pick.name), f"{pick.load} requests on it")
-
-
-def _get(url: str) -> str:
-    # Our own child: with HTTPS its certificate is not checked here (as probes.http_ready).
-    context = ssl._create_unverified_context() if url.startswith("https:") else None
-    with urllib.request.urlopen(url, timeout=SCRAPE_TIMEOUT_S, context=context) as reply:
-        return reply.read().decode()
 
 
 def launcher_for(sup: Supervisor, args: argparse.Namespace, python: list[str], model: str,
