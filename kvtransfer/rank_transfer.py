@@ -54,7 +54,7 @@ from splitserve.kvtransfer.errors import ReservationExpiredError, TransferError,
 from splitserve.kvtransfer.tp_slicing import head_slice
 from splitserve.kvtransfer.sender_receiver import LayerReady
 
-from splitserve.kvtransfer.sender_receiver import TransferEndpoint, TransferTarget
+from splitserve.kvtransfer.sender_receiver import TransferEndpoint, TransferGrant, TransferTarget
 
 log = logging.getLogger(__name__)
 
@@ -416,3 +416,69 @@ def settle(waiter: tuple[asyncio.AbstractEventLoop, asyncio.Future], result, err
         loop.call_soon_threadsafe(apply)
     except RuntimeError:       # the event loop is closed: nobody waits any more
         pass
+
+
+class SingleRankTransfer:
+    """Both halves (`KVSender` and `KVReceiver`) of a process whose KV is one connector's pool: an
+    engine without tensor parallelism. The asyncio face of `RankTransfer`; an engine with more
+    ranks extends it with their fan-out (services/engine/rank_connectors.py)."""
+
+    def __init__(self, connector: Connector, block_size: int, other_ranks: tuple[TransferEndpoint, ...] = ()):
+        self.local = RankTransfer(connector, block_size)
+        self.connector = connector
+        self.backend = connector.backend
+        self.block_size = block_size
+        m = self.local.metadata
+        self._endpoint = TransferEndpoint(m.name, m.to_bytes(), m.layout_hash.encode(), m.incarnation, other_ranks)
+
+    # -- receiver (decode) ------------------------------------------------------------
+    def endpoint(self) -> TransferEndpoint:
+        return self._endpoint
+
+    def expect(self, request_id: str, block_ids: list[int], ttl_s: float) -> TransferGrant:
+        return self.local.expect(request_id, block_ids, ttl_s)
+
+    async def wait_complete(self, request_id: str) -> bytes:
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+        self.local.watch(request_id, lambda payload, error: settle((loop, future), payload, error))
+        return await future
+
+    def release(self, request_id: str) -> None:
+        self.local.release(request_id)
+
+    def num_open(self) -> int:
+        return self.local.num_open()
+
+    # -- sender (prefill) ---------------------------------------------------------------
+    def begin(self, request_id: str, target: TransferTarget, num_prompt_tokens: int) -> None:
+        self.local.begin(request_id, target, num_prompt_tokens, notify=True)
+
+    def on_layer_ready(self, ready: LayerReady) -> None:
+        self.local.on_layer_ready(ready)
+
+    async def finish(self, request_id: str, payload: bytes) -> None:
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+        self.local.close_send(request_id, payload, lambda _, error: settle((loop, future), None, error))
+        await future
+
+    def abandon(self, request_id: str) -> None:
+        self.local.abandon(request_id)
+
+    async def fence(self, request_id: str, timeout_s: float) -> bool:
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+        self.local.fence(request_id, lambda _, error: settle((loop, future), None, error))
+        try:
+            async with asyncio.timeout(timeout_s + 1.0):
+                await future
+        except (TimeoutError, TransferError) as error:
+            log.warning("KV transfer: request %s: cannot confirm its writes stopped: %s", request_id,
+                        str(error) or "timed out")
+            return False
+        return True
+
+    def close(self) -> None:
+        self.local.close()
+

@@ -4,9 +4,9 @@ Each tensor-parallel rank of a worker has its own connector, registered on its o
 KV pool (its share of the KV heads) right after the model is loaded, before anyone
 can ask for its metadata: rank 0's here, the others in their own processes over the
 engine's control pipe (parallel/rank_connector_jobs.py). Each rank's transfer logic is
-`RankTransfer` (kvtransfer/rank_transfer.py); `ConnectorTransfer` is rank 0's facade that the
-worker calls (`BuiltinEngine.build_kv_transfer`), and a TP=1 worker is exactly rank 0's `RankTransfer` with nothing
-around it.
+`RankTransfer` (kvtransfer/rank_transfer.py); a TP=1 engine's transfer is kvtransfer's
+`SingleRankTransfer`, and `ConnectorTransfer` extends it on rank 0 of a TP group; the worker calls
+it through `BuiltinEngine.build_kv_transfer`.
 
 Prefill side. The decode worker's Prefill call carries the metadata of all its
 ranks and their grant; `begin` handshakes on every rank (each keeps a grant for the
@@ -37,8 +37,8 @@ import torch
 
 from splitserve.kvtransfer import AgentMetadata, Connector, KVLayout, make_connector
 from splitserve.kvtransfer.errors import TransferError
-from splitserve.kvtransfer.rank_transfer import RankTransfer, settle
-from splitserve.kvtransfer.sender_receiver import LayerReady, TransferEndpoint, TransferGrant, TransferTarget
+from splitserve.kvtransfer.rank_transfer import SingleRankTransfer, settle
+from splitserve.kvtransfer.sender_receiver import TransferEndpoint, TransferGrant, TransferTarget
 from splitserve.services.engine.parallel import rank_connector_jobs as tp_fanout
 from splitserve.services.engine.parallel.rank_connector_jobs import Gathered, RankReceived, RankSent
 from splitserve.services.engine.parallel.rank_control import RankControl, RankControlError
@@ -93,13 +93,13 @@ def build_connector(backend: str, name: str, pools: RankKVPools, host: str, toke
 
 
 def build_connector_transfer(backend: str, name: str, pools: RankKVPools, host: str,
-                             token: bytes = b"", advertise_host: str | None = None) -> ConnectorTransfer:
+                             token: bytes = b"", advertise_host: str | None = None) -> SingleRankTransfer:
     """Both halves for this worker: a connector per TP rank, each on its own KV pool."""
     bs = pools.layout.block_size
     connector = build_connector(backend, name, pools, host, token, advertise_host)
     control = pools.control
     if control is None:
-        return ConnectorTransfer(connector, bs)
+        return SingleRankTransfer(connector, bs)
     try:
         metas = control.call_all(tp_fanout.setup, backend, name, pools.layout,
                                  connector_kwargs(backend, host, token, advertise_host), bs,
@@ -111,53 +111,37 @@ def build_connector_transfer(backend: str, name: str, pools: RankKVPools, host: 
     return ConnectorTransfer(connector, bs, control, [AgentMetadata.from_bytes(m) for m in metas])
 
 
-class ConnectorTransfer:
-    """Both halves, on rank 0, over every rank's connector; a worker uses the half its role needs."""
+class ConnectorTransfer(SingleRankTransfer):
+    """Both halves, on rank 0 of a tensor-parallel engine, over every rank's connector: rank 0's
+    own share is `SingleRankTransfer`'s, and every call also reaches ranks 1..N-1."""
 
-    def __init__(self, connector: Connector, block_size: int, control: RankControl | None = None,
-                 rank_metadata: list[AgentMetadata] | None = None):
-        self.local = RankTransfer(connector, block_size)
-        self.connector = connector
-        self.backend = connector.backend
-        self.block_size = block_size
-        self._control = control if rank_metadata else None
-        m = self.local.metadata
+    def __init__(self, connector: Connector, block_size: int, control: RankControl,
+                 rank_metadata: list[AgentMetadata]):
         others = tuple(TransferEndpoint(r.name, r.to_bytes(), r.layout_hash.encode(), r.incarnation)
-                       for r in rank_metadata or ())
-        self._endpoint = TransferEndpoint(m.name, m.to_bytes(), m.layout_hash.encode(), m.incarnation, others)
+                       for r in rank_metadata)
+        super().__init__(connector, block_size, others)
+        self._control = control
         self._lock = threading.Lock()
         self._serials = itertools.count(1)          # tells a request's attempts apart in child events
         self._gathered: dict[str, tuple[int, Gathered]] = {}    # receiving: request → (serial, wait)
         self._sending: dict[str, int] = {}                      # sending: request → serial
-        if self._control is not None:
-            self._control.set_event_handler(self._on_rank_event)
+        self._control.set_event_handler(self._on_rank_event)
 
     # -- receiver (decode) ------------------------------------------------------------
-    def endpoint(self) -> TransferEndpoint:
-        return self._endpoint
-
     def expect(self, request_id: str, block_ids: list[int], ttl_s: float) -> TransferGrant:
-        grant = self.local.expect(request_id, block_ids, ttl_s)
-        deadline = grant.deadline_unix
-        if self._control is not None:
-            serial = next(self._serials)
-            try:
-                deadlines = self._control.call_all(tp_fanout.expect, request_id, list(block_ids), ttl_s, serial)
-            except Exception as error:
-                self.release(request_id)
-                raise TransferError(f"request {request_id}: a tensor-parallel rank cannot reserve its "
-                                    f"blocks: {error}") from None
-            deadline = min(deadline, *deadlines)
-            with self._lock:
-                self._gathered[request_id] = (serial, Gathered(set(self._control.ranks)))
-        return TransferGrant(grant.incarnation, deadline)
+        grant = super().expect(request_id, block_ids, ttl_s)
+        serial = next(self._serials)
+        try:
+            deadlines = self._control.call_all(tp_fanout.expect, request_id, list(block_ids), ttl_s, serial)
+        except Exception as error:
+            self.release(request_id)
+            raise TransferError(f"request {request_id}: a tensor-parallel rank cannot reserve its "
+                                f"blocks: {error}") from None
+        with self._lock:
+            self._gathered[request_id] = (serial, Gathered(set(self._control.ranks)))
+        return TransferGrant(grant.incarnation, min(grant.deadline_unix, *deadlines))
 
     async def wait_complete(self, request_id: str) -> bytes:
-        if self._control is None:
-            loop = asyncio.get_running_loop()
-            future = loop.create_future()
-            self.local.watch(request_id, lambda payload, error: settle((loop, future), payload, error))
-            return await future
         with self._lock:
             entry = self._gathered.get(request_id)
         if entry is None:
@@ -166,23 +150,16 @@ class ConnectorTransfer:
         return await entry[1].wait()
 
     def release(self, request_id: str) -> None:
-        self.local.release(request_id)
-        if self._control is not None:
-            with self._lock:
-                self._gathered.pop(request_id, None)
-            self._control.post_all(tp_fanout.release, request_id)
+        super().release(request_id)
+        with self._lock:
+            self._gathered.pop(request_id, None)
+        self._control.post_all(tp_fanout.release, request_id)
 
     def num_open(self) -> int:
-        num = self.local.num_open()
-        if self._control is not None:
-            num += sum(self._control.call_all(tp_fanout.num_open, timeout_s=5.0))
-        return num
+        return super().num_open() + sum(self._control.call_all(tp_fanout.num_open, timeout_s=5.0))
 
     # -- sender (prefill) ---------------------------------------------------------------
     def begin(self, request_id: str, target: TransferTarget, num_prompt_tokens: int) -> None:
-        if self._control is None:
-            self.local.begin(request_id, target, num_prompt_tokens, notify=True)
-            return
         serial = next(self._serials)
         self.local.begin(request_id, target, num_prompt_tokens, notify=True, pending_ranks=set(self._control.ranks))
         with self._lock:
@@ -195,41 +172,32 @@ class ConnectorTransfer:
                 raise
             raise TransferError(f"request {request_id}: a tensor-parallel rank cannot send: {error}") from None
 
-    def on_layer_ready(self, ready: LayerReady) -> None:
-        self.local.on_layer_ready(ready)
-
     async def finish(self, request_id: str, payload: bytes) -> None:
-        loop = asyncio.get_running_loop()
-        future = loop.create_future()
-        self.local.close_send(request_id, payload, lambda _, error: settle((loop, future), None, error))
         try:
-            await future
+            await super().finish(request_id, payload)
         finally:
             with self._lock:
                 self._sending.pop(request_id, None)
 
     def abandon(self, request_id: str) -> None:
-        self.local.abandon(request_id)
-        if self._control is not None:
-            with self._lock:
-                self._sending.pop(request_id, None)
-            self._control.post_all(tp_fanout.abandon, request_id)
+        super().abandon(request_id)
+        with self._lock:
+            self._sending.pop(request_id, None)
+        self._control.post_all(tp_fanout.abandon, request_id)
 
     async def fence(self, request_id: str, timeout_s: float) -> bool:
         loop = asyncio.get_running_loop()
         future = loop.create_future()
         self.local.fence(request_id, lambda _, error: settle((loop, future), None, error))
-        children = None
-        if self._control is not None:
-            with self._lock:
-                self._sending.pop(request_id, None)
-            children = asyncio.ensure_future(asyncio.to_thread(
-                self._control.call_all, tp_fanout.fence, request_id, timeout_s, timeout_s=timeout_s + 1.0))
-            children.add_done_callback(lambda task: task.cancelled() or task.exception())
+        with self._lock:
+            self._sending.pop(request_id, None)
+        children = asyncio.ensure_future(asyncio.to_thread(
+            self._control.call_all, tp_fanout.fence, request_id, timeout_s, timeout_s=timeout_s + 1.0))
+        children.add_done_callback(lambda task: task.cancelled() or task.exception())
         try:
             async with asyncio.timeout(timeout_s + 1.0):
                 await future
-                drained = all(await children) if children is not None else True
+                drained = all(await children)
         except (TimeoutError, TransferError, RankControlError) as error:
             log.warning("KV transfer: request %s: cannot confirm its writes stopped: %s", request_id,
                         str(error) or "timed out")
@@ -238,9 +206,8 @@ class ConnectorTransfer:
 
     def close(self) -> None:
         """Close rank 0's connector; the other ranks close theirs when the engine stops them."""
-        self.local.close()
-        if self._control is not None:
-            self._control.set_event_handler(None)
+        super().close()
+        self._control.set_event_handler(None)
 
     # -- events from the other ranks (a control reader thread; never calls them) --------
     def _on_rank_event(self, rank: int, event: object) -> None:

@@ -98,10 +98,6 @@ class EngineLoad:
     kv_tiers: tuple[KVTierLoad, ...] = ()
     kv_tier_rejections: dict[str, int] = field(default_factory=dict)   # reason → blocks dropped on load
 
-    @property
-    def kv_usage(self) -> float:
-        return self.num_used_kv_blocks / self.num_kv_blocks if self.num_kv_blocks else 0.0
-
 
 @dataclass(slots=True)
 class Reservation:

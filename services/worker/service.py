@@ -331,7 +331,8 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         return worker_pb2.StatsResponse(
             worker_id=self.options.worker_id, role=self.options.role.to_proto(), draining=self.draining,
             num_kv_blocks=load.num_kv_blocks, num_used_kv_blocks=load.num_used_kv_blocks,
-            num_cached_kv_blocks=load.num_cached_kv_blocks, kv_usage=load.kv_usage,
+            num_cached_kv_blocks=load.num_cached_kv_blocks,
+            kv_usage=load.num_used_kv_blocks / load.num_kv_blocks if load.num_kv_blocks else 0.0,
             num_running=load.num_running, num_waiting=load.num_waiting,
             num_remote_prefill=load.num_remote_prefill, num_in_flight=c.num_in_flight,
             num_remote_prefill_kv_blocks=load.num_remote_prefill_kv_blocks,

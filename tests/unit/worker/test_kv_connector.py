@@ -12,7 +12,8 @@ from splitserve.kvtransfer import AgentMetadata, KVLayout, TransferError
 from splitserve.services.engine.sampler import SampledToken
 from splitserve.kvtransfer.sender_receiver import LayerReady
 from splitserve.services.worker.output_messages import decode_first_token, encode_first_token
-from splitserve.services.engine.rank_connectors import ConnectorTransfer, resolve_backend
+from splitserve.kvtransfer.rank_transfer import SingleRankTransfer
+from splitserve.services.engine.rank_connectors import resolve_backend
 from splitserve.kvtransfer.sender_receiver import TransferEndpoint, TransferGrant, TransferTarget
 
 LAYOUT = KVLayout(model="m", dtype="float32", num_layers=2, num_kv_heads=2, head_dim=4, block_size=16)
@@ -76,7 +77,7 @@ def _target(meta: AgentMetadata, block_ids: list[int], num_cached: int) -> Trans
 
 def test_each_block_is_sent_once_per_layer_and_cached_blocks_never():
     connector = FakeConnector()
-    transfer = ConnectorTransfer(connector, block_size=16)
+    transfer = SingleRankTransfer(connector, block_size=16)
     receiver_meta = AgentMetadata("decode", "inc-9", "tcp", "127.0.0.1:2", LAYOUT, LAYOUT.layout_hash(), 64,
                                   (0, 0), "cpu")
     try:
@@ -101,7 +102,7 @@ def test_each_block_is_sent_once_per_layer_and_cached_blocks_never():
 
 def test_a_missing_layer_fails_finish():
     connector = FakeConnector()
-    transfer = ConnectorTransfer(connector, block_size=16)
+    transfer = SingleRankTransfer(connector, block_size=16)
     meta = AgentMetadata("decode", "inc-9", "tcp", "127.0.0.1:2", LAYOUT, LAYOUT.layout_hash(), 64, (0, 0), "cpu")
     try:
         transfer.begin("r", _target(meta, [5], 0), 10)
