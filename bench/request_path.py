@@ -3,8 +3,10 @@
 Starts `splitserve serve` (1 prefill + 1 decode worker, the frontend) on a random-weight
 Llama with every process loading bench/request_path/sitecustomize.py, a profile hook
 that records the repository's files and caller -> callee file pairs between SIGUSR1 and
-SIGUSR2. After one warm-up request it records exactly one streamed chat request whose
-prompt is long enough to be prefilled remotely, then prints, per process, the files it
+SIGUSR2. Warm-up requests run until one was prefilled remotely (so the workers' channels and
+transfer connections exist, as they do in steady state); then it records exactly one
+streamed chat request whose prompt is long enough to be prefilled remotely, checks in the
+decode worker's Stats that it was, and prints, per process, the files it
 ran and the package crossings (a call from one package's file into another package's).
 A package is a top-level folder, or services/<part> (services/frontend/http counts as
 services/frontend). This is a reading aid, not a speed benchmark: the hook slows
@@ -19,6 +21,7 @@ import argparse
 import json
 import os
 import platform
+import re
 import signal
 import subprocess
 import sys
@@ -65,18 +68,36 @@ def _chat(base: str, content: str) -> str:
     return "".join(text)
 
 
+def _remote_prefills(address: str) -> int:
+    """The decode worker's count of prompts a prefill worker prefilled for it."""
+    import grpc
+
+    from splitserve.proto.v1 import worker_pb2, worker_pb2_grpc
+
+    with grpc.insecure_channel(address) as channel:
+        return worker_pb2_grpc.WorkerStub(channel).Stats(worker_pb2.StatsRequest(), timeout=30).num_remote_prefills
+
+
 def trace(model: Path, port: int, trace_dir: Path) -> list[dict]:
     env = dict(os.environ, PYTHONPATH=str(REPO / "bench" / "request_path"), SPLITSERVE_TRACE_ROOT=str(REPO),
                SPLITSERVE_TRACE_OUT=str(trace_dir), OMP_NUM_THREADS="1")
-    proc = subprocess.Popen([sys.executable, "-m", "splitserve", "serve", "--model", str(model), "--transfer",
-                             "tcp", "--port", str(port), "--threads", "1", "--kv-cache-gib", "0.05"],
-                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            start_new_session=True)
+    log_path = trace_dir / "serve.log"
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "splitserve", "serve", "--model", str(model), "--transfer",
+                                 "tcp", "--port", str(port), "--threads", "1", "--kv-cache-gib", "0.05"],
+                                env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     base = f"http://127.0.0.1:{port}"
     try:
         wait_ready(f"{base}/ready", proc, 300)
+        decode = re.search(r"worker decode-0 listening on (\S+)", log_path.read_text())[1]
         prompt = " ".join(f"word{i}" for i in range(150))          # > the 64-token remote-prefill threshold
-        _chat(base, "warm up " + prompt)
+        for attempt in range(5):
+            _chat(base, f"warm up {attempt} " + prompt)
+            if _remote_prefills(decode):
+                break
+        else:
+            raise SystemExit("no warm-up request was prefilled remotely: see " + str(log_path))
+        before = _remote_prefills(decode)
         children = psutil.Process(proc.pid).children(recursive=True)
         for c in children:
             os.kill(c.pid, signal.SIGUSR1)
@@ -86,6 +107,8 @@ def trace(model: Path, port: int, trace_dir: Path) -> list[dict]:
         for c in children:
             os.kill(c.pid, signal.SIGUSR2)
         time.sleep(2.0)
+        if _remote_prefills(decode) != before + 1:
+            raise SystemExit("the traced request was not prefilled remotely; nothing to report")
     finally:
         os.killpg(proc.pid, signal.SIGTERM)
         proc.wait(30)
