@@ -40,7 +40,7 @@ from typing import Any, Callable
 
 from node_agent_probes import ProbeState, run_probe
 from node_agent_spec import EnvResolutionError, Lookup, Probe, container_argv, resolve_env
-from node_agent_volumes import TokenSource, container_mounts, materialize, mount_steps
+from node_agent_volumes import TokenSource, container_mounts, materialize, mount_steps, python_environment
 
 log = logging.getLogger("node_agent")
 BACKOFF_FIRST, BACKOFF_MAX = 0.5, 5.0
@@ -253,7 +253,7 @@ class PodSupervisor:
         container: gloo, for one, binds to the address its hostname resolves to), the volume
         mounts, then exec the container's command (the pid stays the container's)."""
         hostname = self.pod["spec"].get("hostname") or self.pod["metadata"]["name"]
-        steps = [f"hostname {shlex.quote(hostname)}", *mount_steps(mounts)]
+        steps = [f"hostname {shlex.quote(hostname)}", *mount_steps(mounts, python_environment())]
         return ["unshare", "--uts", "sh", "-ec", " && ".join(steps) + ' && exec "$@"', "sh"]
 
     def _on_exit(self, c: ContainerRun, code: int, now: float, reason: str | None = None) -> None:

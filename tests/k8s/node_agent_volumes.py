@@ -24,8 +24,10 @@ container start (an hour's validity outlives any test).
 
 from __future__ import annotations
 
+import os
 import shlex
-from collections.abc import Callable
+import sys
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -132,9 +134,28 @@ def container_mounts(container: dict[str, Any], folders: dict[str, Path]) -> lis
     return mounts
 
 
-def mount_steps(mounts: list[Mount]) -> list[str]:
-    """Shell steps that bind-mount each folder at its path (run in the container's mount namespace)."""
+def python_environment() -> list[str]:
+    """The folders the pods' commands run from: the interpreter of the tests (a pod's
+    `splitserve` is that environment's script), its prefixes and every import path (an
+    editable install's source tree among them). There is no image here, so a volume mounted
+    over a folder that holds one of them (an emptyDir at /tmp over a venv in /tmp) must leave
+    them in place."""
+    paths = {sys.prefix, sys.base_prefix, os.path.dirname(os.path.realpath(sys.executable)),
+             *(p for p in sys.path if p and os.path.isdir(p))}
+    outermost = sorted({os.path.realpath(p) for p in paths}, key=len)
+    kept: list[str] = []
+    for path in outermost:
+        if not any(path == k or path.startswith(k.rstrip("/") + "/") for k in kept):
+            kept.append(path)
+    return kept
+
+
+def mount_steps(mounts: list[Mount], keep: Iterable[str] = ()) -> list[str]:
+    """Shell steps that bind-mount each folder at its path (run in the container's mount
+    namespace). A folder of `keep` that a mount would hide is bound into the mount's source
+    first and the mount brings it along (--rbind), so it stays visible at its own path."""
     steps: list[str] = []
+    keep = list(keep)
     # A mount over a folder that holds volumes' sources (an emptyDir at /tmp, the agent's work
     # folder being under /tmp) would hide them: such mounts go last.
     hides = lambda m: any(str(o.source).startswith(m.target.rstrip("/") + "/") for o in mounts)  # noqa: E731
@@ -145,7 +166,11 @@ def mount_steps(mounts: list[Mount]) -> list[str]:
             steps.append(f"mkdir -p {target}")
         else:                          # a subPath file: its mount point is a file
             steps.append(f"mkdir -p $(dirname {target}) && touch {target}")
-        steps.append(f"mount --bind {shlex.quote(str(source))} {target}")
+        hidden = [k for k in keep if source.is_dir() and k.startswith(m.target.rstrip("/") + "/")]
+        for path in hidden:
+            inside = shlex.quote(str(source / os.path.relpath(path, m.target)))
+            steps += [f"mkdir -p {inside}", f"mount --bind {shlex.quote(path)} {inside}"]
+        steps.append(f"mount {'--rbind' if hidden else '--bind'} {shlex.quote(str(source))} {target}")
         if m.read_only:
             steps.append(f"mount -o remount,bind,ro {target}")
     return steps

@@ -252,3 +252,30 @@ def test_volumes_and_the_service_account_reach_the_api_in_cluster(kube_cluster: 
                     "config": "beta", "scratch": []}
     # The mounts were the container's own: on the host only the (empty) mount points remain.
     assert [p for p in Path("/etc/agent-test").rglob("*") if not p.is_dir()] == []
+
+
+def test_an_empty_dir_over_the_python_environment_leaves_it_in_place(kube_cluster: KubeCluster,
+                                                                      node_agent: NodeAgent, k8s_namespace: str):
+    """A scratch volume mounted over the folder that holds the tests' Python environment (as an
+    emptyDir at /tmp does when the venv lives under /tmp): the container still runs that
+    interpreter and imports splitserve from it, and sees the volume's own (empty) content beside."""
+    import sys
+
+    hiding = os.path.dirname(os.path.realpath(sys.prefix))       # e.g. /tmp for /tmp/venv
+    probe = ("import json, os, sys, splitserve; print(json.dumps({'prefix': sys.prefix, "
+             "'splitserve': splitserve.__file__, 'beside': sorted(os.listdir(%r))}))" % hiding)
+    container = {"name": "main", "image": "splitserve:test", "command": [sys.executable, "-c", probe],
+                 "volumeMounts": [{"name": "scratch", "mountPath": hiding}]}
+    core = kube_cluster.core()
+    core.create_namespaced_pod(k8s_namespace, {"metadata": {"name": "hidden-env"}, "spec": {
+        "containers": [container], "restartPolicy": "Never", "nodeName": node_agent.node_name,
+        "tolerations": [TOLERATION], "volumes": [{"name": "scratch", "emptyDir": {}}]}})
+    pod = wait_pod(core, k8s_namespace, "hidden-env", "Succeeded", lambda p: p.status.phase in ("Succeeded", "Failed"),
+                   timeout=60)
+    log = node_agent.container_log(k8s_namespace, "hidden-env")
+    assert pod.status.phase == "Succeeded", log
+    seen = json.loads(log.strip().splitlines()[-1])
+    assert seen["prefix"] == sys.prefix
+    assert os.path.realpath(seen["splitserve"]) == os.path.realpath(__import__("splitserve").__file__)
+    # Only what the environment needs shows through the empty volume.
+    assert seen["beside"] == [os.path.basename(os.path.realpath(sys.prefix))]
