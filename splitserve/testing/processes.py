@@ -22,6 +22,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from splitserve.testing.waiting import wait_until
+
 CHILD_ENV = {"SPLITSERVE_TEST_THREADS": "1", "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
 READY_TIMEOUT_S = 120.0
 
@@ -65,15 +67,18 @@ class Proc:
     def wait_for_line(self, pattern: str, timeout: float = READY_TIMEOUT_S) -> re.Match:
         """The first line matching `pattern`; AssertionError with the output so far when the
         process exits first or `timeout` passes."""
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
+        def matched() -> re.Match | None:
+            exited = self.process.poll() is not None
             for line in list(self.lines):
                 if m := re.search(pattern, line):
                     return m
-            if self.process.poll() is not None:
-                break
-            time.sleep(0.05)
-        raise AssertionError(f"no line matching {pattern!r}; output so far:\n{self.output}")
+            if exited:
+                raise AssertionError(f"exited ({self.process.returncode}) before a line matching {pattern!r}; "
+                                     f"output:\n{self.output}")
+            return None
+
+        return wait_until(matched, timeout=timeout, what=f"a line matching {pattern!r}", interval=0.05,
+                          details=lambda: f"output so far:\n{self.output}")
 
     def stop(self, sig: int = signal.SIGTERM, timeout: float = 30.0, must_stop: bool = False) -> int:
         """Signal, wait up to `timeout`, then SIGKILL; returns the exit code. With `must_stop`,

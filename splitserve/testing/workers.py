@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import grpc
 
 from splitserve.proto.v1 import common_pb2, worker_pb2, worker_pb2_grpc
+from splitserve.testing.waiting import wait_until
 
 IDLE_POLL_S = 0.02
 
@@ -55,14 +56,17 @@ def wait_idle(workers: Mapping[str, str] | Iterable, limit_s: float, since: floa
     (splitserve.testing.cluster.Worker)."""
     addresses = dict(workers) if isinstance(workers, Mapping) else {w.name: w.address for w in workers}
     start = time.monotonic() if since is None else since
-    while True:
+    problems: dict[str, list[str]] = {}
+
+    def idle() -> Idle | None:
         stats = {name: worker_stats(address) for name, address in addresses.items()}
-        problems = {name: p for name, s in stats.items() if (p := idle_problems(s))}
-        if not problems:
-            return Idle(stats, time.monotonic() - start)
-        if time.monotonic() - start > limit_s:
-            raise AssertionError(f"workers not idle {limit_s:.1f} s later: {problems}")
-        time.sleep(IDLE_POLL_S)
+        problems.clear()
+        problems.update({name: p for name, s in stats.items() if (p := idle_problems(s))})
+        return None if problems else Idle(stats, time.monotonic() - start)
+
+    return wait_until(idle, timeout=limit_s - (time.monotonic() - start), interval=IDLE_POLL_S,
+                      what=f"every worker to be idle within {limit_s:.1f} s",
+                      details=lambda: f"still held: {problems}")
 
 
 @dataclass(slots=True)
