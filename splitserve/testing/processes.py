@@ -8,7 +8,7 @@ Children run with one torch thread (CHILD_ENV): the test machines have 2 cores.
 `stop_all` is the one shutdown path of every harness: SIGTERM to all at once (each
 drains on its own), then SIGKILL whatever outlives the grace period, so nothing
 outlives a test. The /proc readers (`child_pids`, `pid_alive`) check that a parent
-took its children down with it.
+took its children down with it; `ignores_signal` that a child is ready for a signal.
 """
 
 from __future__ import annotations
@@ -135,3 +135,14 @@ def pid_alive(pid: int) -> bool:
     except OSError:
         return False
     return state != "Z"
+
+
+def ignores_signal(pid: int, sig: int) -> bool:
+    """Whether `pid` has set `sig` to be ignored (SigIgn in /proc/PID/status): a child that
+    installs its handler first thing is ready for the signal once this says so."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return False
+    ignored = next(line.split()[1] for line in status.splitlines() if line.startswith("SigIgn:"))
+    return bool(int(ignored, 16) >> (sig - 1) & 1)
