@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import asyncio
 import signal
-import time
 from dataclasses import replace
 
-from splitserve.testing.workers import wait_idle
+from splitserve.testing.waiting import wait_until
+from splitserve.testing.workers import wait_idle, wait_running
 
 from .conftest import MODEL_NAME, expected_outputs, make_jobs, run_killing, run_load, wait_progress
 
@@ -79,10 +79,7 @@ def test_sigkill_prefill_worker_mid_transfer_leaks_nothing(cluster, llama_dir):
     front.wait_ready()
 
     async def kill_p0_while_prefilling(progress):
-        deadline = time.monotonic() + 30
-        while p0.stats().num_running == 0:      # p0 is computing (and pushing) a prompt now
-            assert time.monotonic() < deadline
-            await asyncio.sleep(0.005)
+        await wait_running(p0.address, interval=0.005)      # p0 is computing (and pushing) a prompt now
         p0.proc.process.send_signal(signal.SIGKILL)
 
     outcomes = asyncio.run(run_load(front.openai_url, jobs, kill_p0_while_prefilling))
@@ -119,8 +116,6 @@ def test_sigterm_decode_worker_drains_migrates_and_deregisters(cluster, llama_di
     _report("SIGTERM decode worker", outcomes, expected, _leaked_blocks([p0, d1]), front)
     _assert_all_exact(outcomes, expected, jobs, front)
     assert front.metric("splitserve_migrations_total", outcome="migrated") >= 1, d0.proc.tail()
-    deadline = time.monotonic() + 5
-    while 'splitserve_router_index_blocks{worker="d0"}' in front.metrics():   # deregistered: dropped
-        assert time.monotonic() < deadline, "d0 is still known to the router"
-        time.sleep(0.1)
+    wait_until(lambda: 'splitserve_router_index_blocks{worker="d0"}' not in front.metrics(), timeout=5,
+               what="the router to drop d0 (deregistered)")
     wait_idle([p0, d1], 2.0)

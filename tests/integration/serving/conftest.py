@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import re
 import signal
-import time
 import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
@@ -19,6 +18,7 @@ import pytest
 from splitserve.net import free_port
 from splitserve.testing import processes
 from splitserve.testing.processes import READY_TIMEOUT_S, pid_alive
+from splitserve.testing.waiting import wait_until
 
 
 @dataclass
@@ -84,10 +84,9 @@ def stop_serve(server: Server, sig: int = signal.SIGTERM) -> None:
     code = server.proc.stop(sig)
     assert code == 0, server.proc.output
     assert len(server.child_pids) >= 2    # workers and the frontend
-    deadline = time.monotonic() + 5
-    while any(pid_alive(pid) for pid in server.child_pids) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert not [pid for pid in server.child_pids if pid_alive(pid)], "serve left orphan processes"
+    wait_until(lambda: not any(pid_alive(pid) for pid in server.child_pids), timeout=5, interval=0.05,
+               what="serve's children to exit with it (no orphans)",
+               details=lambda: f"still running: {[pid for pid in server.child_pids if pid_alive(pid)]}")
 
 
 @pytest.fixture(scope="module")

@@ -28,7 +28,6 @@ import asyncio
 import contextlib
 import random
 import signal
-import time
 
 import pytest
 
@@ -37,7 +36,8 @@ from splitserve.services.engine.engine import LLMEngine
 from splitserve.services.wire.sampling_params import SamplingParams
 from splitserve.testing.cluster import Cluster
 from splitserve.testing.processes import pid_alive
-from splitserve.testing.workers import generate, wait_idle, worker_stats
+from splitserve.testing.waiting import wait_until
+from splitserve.testing.workers import generate, wait_idle, wait_running, worker_stats
 
 MAX_TOKENS = 5
 THRESHOLD = 32
@@ -116,10 +116,7 @@ def test_greedy_output_equals_aggregated_tp1(cluster, expected, pair):
 async def _mid_prefill(decode: str, prefill: str, name: str) -> asyncio.Task:
     """Start request `name` (its prompt from PROMPTS); return once `prefill` computes it."""
     task = asyncio.create_task(generate(decode, name, PROMPTS[name], MAX_TOKENS, [("p", prefill)]))
-    deadline = time.monotonic() + 30
-    while worker_stats(prefill).num_running == 0:
-        assert time.monotonic() < deadline and not task.done()
-        await asyncio.sleep(0.01)
+    await wait_running(prefill, task)
     return task
 
 
@@ -168,7 +165,5 @@ def test_prefill_group_killed_mid_prefill_falls_back_locally_and_leaks_nothing(c
     after_d = worker_stats(d2)
     assert after_d.num_fences_confirmed == before_d.num_fences_confirmed + 1
     assert after_d.num_fences_waited_out == before_d.num_fences_waited_out
-    deadline = time.monotonic() + 30
-    while any(pid_alive(pid) for pid in ranks):
-        assert time.monotonic() < deadline, "the dead prefill worker's TP rank is still running"
-        time.sleep(0.1)
+    wait_until(lambda: not any(pid_alive(pid) for pid in ranks), timeout=30,
+               what="the dead prefill worker's TP rank to exit by itself")

@@ -35,7 +35,7 @@ from splitserve.services.engine.config import EngineConfig
 from splitserve.services.engine.engine import LLMEngine
 from splitserve.services.wire.sampling_params import SamplingParams
 from splitserve.testing.cluster import Cluster
-from splitserve.testing.workers import generate, wait_idle, worker_stats
+from splitserve.testing.workers import generate, wait_idle, wait_running, worker_stats
 
 MAX_TOKENS = 6
 THRESHOLD = 32
@@ -143,10 +143,7 @@ def test_a_lost_rank_fails_rank0(cluster):
 
     async def killed_mid_request():
         task = asyncio.create_task(generate(a2, "a2-killed", LONG_PROMPT, 400))
-        deadline = time.monotonic() + 30
-        while worker_stats(a2).num_running == 0:
-            assert time.monotonic() < deadline and not task.done()
-            await asyncio.sleep(0.01)
+        await wait_running(a2, task)
         rank1.process.send_signal(signal.SIGKILL)
         with pytest.raises(grpc.aio.AioRpcError) as failure:
             await task
