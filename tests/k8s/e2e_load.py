@@ -10,7 +10,6 @@ make, so a frontend pod that goes away ends no connection that is reused later.
 
 from __future__ import annotations
 
-import random
 import threading
 import time
 from collections.abc import Callable
@@ -19,11 +18,6 @@ from dataclasses import dataclass, field
 import openai
 
 from splitserve.testing.oracle import GreedyReference, assert_greedy_match
-
-
-def prompt_ids(seed: int, n: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(3, 32000) for _ in range(n)]
 
 
 def stream(base: str, model: str, prompt: list[int], max_tokens: int,

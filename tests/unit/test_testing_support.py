@@ -22,7 +22,7 @@ import torch
 from safetensors import safe_open
 
 from splitserve.testing import GreedyReference, assert_greedy_match, build_random_model, hf_greedy
-from splitserve.testing.models import CHAT_TEMPLATE, sentencepiece_model_path
+from splitserve.testing.models import CHAT_TEMPLATE, EOS_TOKEN_ID, random_prompt, sentencepiece_model_path
 from splitserve.testing.waiting import WaitTimeout, async_wait_until, wait_until
 
 ARCH_FIXTURES = ["llama_dir", "mistral_dir", "qwen2_dir", "qwen3_dir"]
@@ -213,6 +213,13 @@ def test_hf_greedy_stops_at_eos_unless_ignored(tmp_path, llama_dir):
     ignored = hf_greedy(folder, PROMPTS[:1], 8, ignore_eos=True)[0]
     assert len(ignored.token_ids) == 8 and free.token_ids[3] not in ignored.token_ids
     assert ignored.token_ids[:3] == free.token_ids[:3] and not ignored.stopped_at_eos
+
+
+def test_random_prompt_is_seeded_and_holds_no_special_token():
+    prompt = random_prompt(5, 500)
+    assert prompt == random_prompt(5, 500) and len(prompt) == 500
+    assert random_prompt(6, 500)[:16] != prompt[:16]
+    assert EOS_TOKEN_ID < min(prompt) and max(prompt) < 32000
 
 
 # --- comparison rule -----------------------------------------------------------

@@ -6,7 +6,6 @@ other worker on its own and still samples exactly what it samples without the fa
 from __future__ import annotations
 
 import asyncio
-import random
 import signal
 
 import openai
@@ -14,6 +13,7 @@ import openai
 from splitserve.services.engine.config import EngineConfig
 from splitserve.services.engine.engine import LLMEngine
 from splitserve.services.wire.sampling_params import SamplingParams
+from splitserve.testing.models import random_prompt
 from splitserve.testing.workers import wait_idle
 
 from .conftest import MODEL_NAME
@@ -22,11 +22,6 @@ FRONTEND = ["--router", "round-robin", "--served-model-name", MODEL_NAME]
 DECODE = ["--remote-prefill-threshold", "64", "--prefill-timeout", "20"]
 N = 4
 SEED = 77
-
-
-def _prompt(seed: int, length: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(3, 31000) for _ in range(length)]
 
 
 def _expected(llama_dir, prompt: list[int], max_tokens: int) -> list[list[int]]:
@@ -46,7 +41,7 @@ def _body(prompt: list[int], max_tokens: int) -> dict:
 
 
 def test_n_choices_over_1p1d_prefill_once_on_the_prefill_worker(cluster, llama_dir):
-    prompt = _prompt(1, 100)                          # 100 uncached tokens: worth a remote prefill
+    prompt = random_prompt(1, 100)                    # 100 uncached tokens: worth a remote prefill
     expected = _expected(llama_dir, prompt, 8)
     p0 = cluster.start_worker("p0", "prefill")
     d0 = cluster.start_worker("d0", "decode", *DECODE)
@@ -69,7 +64,7 @@ def test_n_choices_over_1p1d_prefill_once_on_the_prefill_worker(cluster, llama_d
 
 
 def test_sigkill_mid_stream_continues_each_choice_on_its_own(cluster, llama_dir):
-    prompt = _prompt(2, 40)
+    prompt = random_prompt(2, 40)
     max_tokens = 80
     expected = _expected(llama_dir, prompt, max_tokens)
     w0 = cluster.start_worker("w0", "both")

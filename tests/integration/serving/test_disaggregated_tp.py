@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import random
 import signal
 
 import pytest
@@ -35,6 +34,7 @@ from splitserve.services.engine.config import EngineConfig
 from splitserve.services.engine.engine import LLMEngine
 from splitserve.services.wire.sampling_params import SamplingParams
 from splitserve.testing.cluster import Cluster
+from splitserve.testing.models import random_prompt
 from splitserve.testing.processes import pid_alive
 from splitserve.testing.waiting import wait_until
 from splitserve.testing.workers import generate, wait_idle, wait_running, worker_stats
@@ -43,25 +43,20 @@ MAX_TOKENS = 5
 THRESHOLD = 32
 
 
-def _prompt(seed: int, n: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(3, 32000) for _ in range(n)]
-
-
 PAIRS = [("p2", "d1"), ("p1", "d2"), ("p2", "d2")]
 
 
 def _prompts(k: int) -> dict[str, list[int]]:
     """Pair k's prompts (fresh ones per pair: a prompt a worker has cached would stay local)."""
-    shared = _prompt(100 * k, 160)      # both workers cache its 10 full blocks with "shared-a"
-    return {"one-block": _prompt(100 * k + 1, 40), "blocks": _prompt(100 * k + 2, 130),
-            "two-chunks": _prompt(100 * k + 3, 300), "shared-a": shared + _prompt(100 * k + 4, 20),
-            "shared-b": shared + _prompt(100 * k + 5, 50)}
+    shared = random_prompt(100 * k, 160)      # both workers cache its 10 full blocks with "shared-a"
+    return {"one-block": random_prompt(100 * k + 1, 40), "blocks": random_prompt(100 * k + 2, 130),
+            "two-chunks": random_prompt(100 * k + 3, 300),
+            "shared-a": shared + random_prompt(100 * k + 4, 20), "shared-b": shared + random_prompt(100 * k + 5, 50)}
 
 
 PROMPTS = {(k, name): prompt for k in range(len(PAIRS)) for name, prompt in _prompts(k).items()}
-PROMPTS["killed"] = _prompt(900, 2500)        # long enough to be mid-prefill when its worker dies
-PROMPTS["cancelled"] = _prompt(901, 2500)     # likewise, when its client goes away
+PROMPTS["killed"] = random_prompt(900, 2500)        # long enough to be mid-prefill when its worker dies
+PROMPTS["cancelled"] = random_prompt(901, 2500)     # likewise, when its client goes away
 
 
 # NIXL is installed by the test command; a missing NIXL fails the nixl cases (no skip).

@@ -15,6 +15,7 @@ import openai
 import pytest
 
 from splitserve.testing.metrics import scrape
+from splitserve.testing.models import random_prompt
 from splitserve.testing.oracle import assert_greedy_match, hf_greedy
 from splitserve.testing.waiting import wait_until
 from splitserve.testing.workers import wait_idle, worker_stats
@@ -25,15 +26,9 @@ LONG = 120          # tokens per stream: still streaming when the kill lands
 BACK_WITHIN_S = 30.0
 
 
-def _prompt(seed: int, n: int) -> list[int]:
-    import random
-    rng = random.Random(seed)
-    return [rng.randrange(3, 32000) for _ in range(n)]
-
-
 @pytest.fixture(scope="module")
 def cases(llama_dir: Path):
-    prompts = [_prompt(700 + i, 16 + 9 * i) for i in range(6)]
+    prompts = [random_prompt(700 + i, 16 + 9 * i) for i in range(6)]
     return list(zip(prompts, hf_greedy(llama_dir, prompts, LONG, ignore_eos=True)))
 
 
