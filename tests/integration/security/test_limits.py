@@ -18,6 +18,7 @@ import pytest
 
 from splitserve.proto.v1 import inference_pb2, inference_pb2_grpc, worker_pb2
 from splitserve.testing.cluster import Cluster
+from splitserve.testing.openai_api import served_model_name
 from splitserve.testing.waiting import wait_until
 from splitserve.testing.workers import worker_stats
 
@@ -52,7 +53,7 @@ def fronts(deployment):
 
 @pytest.fixture(scope="module")
 def model_name(fronts):
-    return httpx.get(f"{fronts['one'].openai_url}/models").json()["data"][0]["id"]
+    return served_model_name(fronts["one"].openai_url)
 
 
 def _error(reply: httpx.Response, status: int, code: str) -> dict:

@@ -30,6 +30,7 @@ from splitserve.services.frontend.workers.session import WorkerCallError, Worker
 from splitserve.tls import TlsConfig
 from splitserve.testing.certs import TestCA
 from splitserve.testing.cluster import Cluster
+from splitserve.testing.openai_api import served_model_name
 from splitserve.testing.waiting import wait_until
 
 from .conftest import grpc_generate
@@ -73,7 +74,7 @@ def fronts(deployment):
 @pytest.fixture(scope="module")
 def model_name(fronts, pki):
     verify = ssl.create_default_context(cafile=str(pki["ca"].ca_path))
-    return httpx.get(f"{fronts['good'].openai_url}/models", verify=verify).json()["data"][0]["id"]
+    return served_model_name(fronts["good"].openai_url, verify=verify)
 
 
 def test_openai_client_over_https(fronts, pki, model_name):

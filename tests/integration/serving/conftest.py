@@ -3,6 +3,8 @@
 Servers listen on free ports on 127.0.0.1, are waited for by polling (bounded),
 and are always torn down, with a check that no child process outlives them.
 One server per test module keeps the suite within a few minutes on 2 cores.
+`llama_server` is that server for the modules that need no flags of their own;
+`client` (the official openai client) and `model_name` (the name it serves) go with it.
 """
 
 from __future__ import annotations
@@ -13,10 +15,12 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
 
+import openai
 import pytest
 
 from splitserve.net import free_port
 from splitserve.testing import processes
+from splitserve.testing.openai_api import served_model_name
 from splitserve.testing.processes import READY_TIMEOUT_S, pid_alive
 from splitserve.testing.waiting import wait_until
 
@@ -96,3 +100,14 @@ def llama_server(llama_dir):
         yield server
     finally:
         stop_serve(server)
+
+
+@pytest.fixture(scope="module")
+def client(llama_server) -> openai.OpenAI:
+    """The official openai client on `llama_server`."""
+    return openai.OpenAI(base_url=llama_server.openai_url, api_key="unused", max_retries=0, timeout=60)
+
+
+@pytest.fixture(scope="module")
+def model_name(llama_server) -> str:
+    return served_model_name(llama_server.openai_url)
