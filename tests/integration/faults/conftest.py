@@ -28,6 +28,10 @@ from splitserve.testing.cluster import Cluster
 from splitserve.testing.waiting import async_wait_until
 
 MODEL_NAME = "llama"      # the served name: the checkpoint folder's name
+# The fault tests' deployment: a frontend that spreads the load over every worker, and decode
+# workers that send prompts of more than 64 uncached tokens to a prefill worker (20 s for one).
+FRONTEND_FLAGS = ("--router", "round-robin", "--served-model-name", MODEL_NAME)
+DECODE_FLAGS = ("--remote-prefill-threshold", "64", "--prefill-timeout", "20")
 
 
 @dataclass(slots=True, frozen=True)

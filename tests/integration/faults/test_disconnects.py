@@ -14,7 +14,7 @@ import pytest
 from splitserve.testing.waiting import async_wait_until
 from splitserve.testing.workers import wait_idle
 
-from .conftest import MODEL_NAME, make_jobs, run_load, wait_progress
+from .conftest import FRONTEND_FLAGS, make_jobs, run_load, wait_progress
 
 IDLE_WITHIN_S = 1.0
 
@@ -30,7 +30,7 @@ def test_random_client_disconnects_leave_every_worker_idle_within_1s_then_fronte
                cluster.start_worker("d0", "decode", "--remote-prefill-threshold", "64"),
                cluster.start_worker("d1", "decode", "--remote-prefill-threshold", "64")]
     cluster.wait_workers()
-    front = cluster.start_frontend("--router", "round-robin", "--served-model-name", MODEL_NAME)
+    front = cluster.start_frontend(*FRONTEND_FLAGS)
     front.wait_ready()
 
     outcomes = asyncio.run(run_load(front.openai_url, jobs, stop_after=stop_after))

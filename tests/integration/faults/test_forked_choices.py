@@ -16,10 +16,8 @@ from splitserve.services.wire.sampling_params import SamplingParams
 from splitserve.testing.models import random_prompt
 from splitserve.testing.workers import wait_idle
 
-from .conftest import MODEL_NAME
+from .conftest import DECODE_FLAGS, FRONTEND_FLAGS, MODEL_NAME
 
-FRONTEND = ["--router", "round-robin", "--served-model-name", MODEL_NAME]
-DECODE = ["--remote-prefill-threshold", "64", "--prefill-timeout", "20"]
 N = 4
 SEED = 77
 
@@ -44,9 +42,9 @@ def test_n_choices_over_1p1d_prefill_once_on_the_prefill_worker(cluster, llama_d
     prompt = random_prompt(1, 100)                    # 100 uncached tokens: worth a remote prefill
     expected = _expected(llama_dir, prompt, 8)
     p0 = cluster.start_worker("p0", "prefill")
-    d0 = cluster.start_worker("d0", "decode", *DECODE)
+    d0 = cluster.start_worker("d0", "decode", *DECODE_FLAGS)
     cluster.wait_workers()
-    front = cluster.start_frontend(*FRONTEND)
+    front = cluster.start_frontend(*FRONTEND_FLAGS)
     front.wait_ready()
     client = openai.OpenAI(base_url=front.openai_url, api_key="unused", max_retries=0, timeout=60)
     out = client.completions.create(**_body(prompt, 8))
@@ -70,7 +68,7 @@ def test_sigkill_mid_stream_continues_each_choice_on_its_own(cluster, llama_dir)
     w0 = cluster.start_worker("w0", "both")
     w1 = cluster.start_worker("w1", "both")
     cluster.wait_workers()
-    front = cluster.start_frontend(*FRONTEND)
+    front = cluster.start_frontend(*FRONTEND_FLAGS)
     front.wait_ready()
     streamed: dict[int, list[int]] = {i: [] for i in range(N)}
     finish: dict[int, str] = {}

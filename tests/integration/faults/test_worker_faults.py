@@ -12,11 +12,8 @@ from dataclasses import replace
 from splitserve.testing.waiting import wait_until
 from splitserve.testing.workers import wait_idle, wait_running
 
-from .conftest import MODEL_NAME, expected_outputs, make_jobs, run_killing, run_load, wait_progress
-
-FRONTEND = ["--router", "round-robin", "--served-model-name", MODEL_NAME]
-DECODE = ["--remote-prefill-threshold", "64", "--prefill-timeout", "20"]
-
+from .conftest import (DECODE_FLAGS, FRONTEND_FLAGS, expected_outputs, make_jobs, run_killing, run_load,
+                       wait_progress)
 
 def _report(name: str, outcomes, expected, leaked: int, front) -> None:
     completed = sum(o.completed for o in outcomes)
@@ -53,10 +50,10 @@ def test_sigkill_decode_worker_mid_stream_migrates_32_streams(cluster, llama_dir
     jobs = streams + [replace(j, api="whole" if i < 4 else "grpc") for i, j in enumerate(others)]
     expected = expected_outputs(llama_dir, jobs)
     p0 = cluster.start_worker("p0", "prefill")
-    d0 = cluster.start_worker("d0", "decode", *DECODE)
-    d1 = cluster.start_worker("d1", "decode", *DECODE)
+    d0 = cluster.start_worker("d0", "decode", *DECODE_FLAGS)
+    d1 = cluster.start_worker("d1", "decode", *DECODE_FLAGS)
     cluster.wait_workers()
-    front = cluster.start_frontend(*FRONTEND)
+    front = cluster.start_frontend(*FRONTEND_FLAGS)
     front.wait_ready()
     outcomes, served_by_d0 = run_killing(front, jobs, d0, num_streams=len(streams))
     _report("SIGKILL decode worker", outcomes, expected, _leaked_blocks([p0, d1]), front)
@@ -72,10 +69,10 @@ def test_sigkill_prefill_worker_mid_transfer_leaks_nothing(cluster, llama_dir):
     expected = expected_outputs(llama_dir, jobs)
     p0 = cluster.start_worker("p0", "prefill", "--max-num-batched-tokens", "256")
     p1 = cluster.start_worker("p1", "prefill", "--max-num-batched-tokens", "256")
-    d0 = cluster.start_worker("d0", "decode", *DECODE)
-    d1 = cluster.start_worker("d1", "decode", *DECODE)
+    d0 = cluster.start_worker("d0", "decode", *DECODE_FLAGS)
+    d1 = cluster.start_worker("d1", "decode", *DECODE_FLAGS)
     cluster.wait_workers()
-    front = cluster.start_frontend(*FRONTEND)
+    front = cluster.start_frontend(*FRONTEND_FLAGS)
     front.wait_ready()
 
     async def kill_p0_while_prefilling(progress):
@@ -101,10 +98,10 @@ def test_sigterm_decode_worker_drains_migrates_and_deregisters(cluster, llama_di
     expected = expected_outputs(llama_dir, jobs)
     reg = ["--etcd", etcd.endpoint, "--etcd-ttl", "5"]
     p0 = cluster.start_worker("p0", "prefill", *reg)
-    d0 = cluster.start_worker("d0", "decode", *DECODE, *reg, "--drain-timeout", "0.5")
-    d1 = cluster.start_worker("d1", "decode", *DECODE, *reg)
+    d0 = cluster.start_worker("d0", "decode", *DECODE_FLAGS, *reg, "--drain-timeout", "0.5")
+    d1 = cluster.start_worker("d1", "decode", *DECODE_FLAGS, *reg)
     cluster.wait_workers()
-    front = cluster.start_frontend(*FRONTEND, "--etcd", etcd.endpoint, workers=[])
+    front = cluster.start_frontend(*FRONTEND_FLAGS, "--etcd", etcd.endpoint, workers=[])
     front.wait_ready(num_workers=3)
 
     async def sigterm_d0(progress):
