@@ -331,16 +331,8 @@ def test_an_exception_from_the_predicate_ends_the_wait():
 def test_async_wait_until_lets_the_loop_run_between_looks():
     async def main():
         done = []
-
-        async def worker():
-            for _ in range(3):
-                await asyncio.sleep(0)
-            done.append("finished")
-
-        task = asyncio.create_task(worker())
-        value = await async_wait_until(lambda: done, timeout=5, what="the worker", interval=0)
-        await task
-        return value
+        asyncio.get_running_loop().call_soon(done.append, "finished")      # runs only once the wait yields
+        return await async_wait_until(lambda: done, timeout=5, what="the callback", interval=0)
 
     assert asyncio.run(main()) == ["finished"]
 
