@@ -8,7 +8,9 @@ imported only when a function runs, so importing this package is cheap.
 Real processes, one job per module: `processes` (a child with its output
 collected), `cluster` (workers and frontends on loopback), `etcd`, `workers`
 (a worker's Stats, the leak check, one Generate), `certs` (a throwaway CA).
-`clock` is the stepped clock unit tests inject instead of sleeping.
+`clock` is the stepped clock unit tests inject instead of sleeping; `waiting`
+(`wait_until`, `async_wait_until`) is the one bounded poll for everything else
+that waits on a condition, here and in tests/.
 """
 
 from splitserve.testing.models import ARCHS, build_random_model

@@ -17,7 +17,6 @@ from __future__ import annotations
 import json
 import re
 import ssl
-import time
 import urllib.error
 import urllib.request
 from dataclasses import dataclass
@@ -27,6 +26,7 @@ from splitserve.net import free_port
 from splitserve.proto.v1 import worker_pb2
 from splitserve.testing.metrics import sample_sum
 from splitserve.testing.processes import READY_TIMEOUT_S, Proc, stop_all
+from splitserve.testing.waiting import wait_until
 from splitserve.testing.workers import worker_stats
 
 CLOSE_GRACE_S = 20.0
@@ -100,16 +100,14 @@ class Frontend:
 
     def wait_ready(self, num_workers: int | None = None, timeout: float = READY_TIMEOUT_S) -> None:
         """Ready, and every worker ready (or `num_workers` workers known through etcd)."""
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
+        def ready() -> bool:
+            assert self.proc.alive(), "frontend exited before it was ready:\n" + self.proc.tail()
             r = self.ready()
-            if r and r.get("all_workers_ready") and (
-                    num_workers is None or self.metrics().count("splitserve_router_index_blocks{") >= num_workers):
-                return
-            if not self.proc.alive():
-                break
-            time.sleep(0.1)
-        raise AssertionError("frontend not ready:\n" + self.proc.tail())
+            return bool(r and r.get("all_workers_ready") and (
+                num_workers is None or self.metrics().count("splitserve_router_index_blocks{") >= num_workers))
+
+        wait_until(ready, timeout=timeout, what="the frontend to be ready",
+                   details=lambda: "frontend output:\n" + self.proc.tail())
 
 
 class Cluster:

@@ -10,12 +10,12 @@ from __future__ import annotations
 import json
 import shutil
 import ssl
-import time
 import urllib.error
 import urllib.request
 
 from splitserve.net import free_port
 from splitserve.testing.processes import Proc
+from splitserve.testing.waiting import wait_until
 from splitserve.tls import TlsConfig
 
 START_TIMEOUT_S = 20.0
@@ -45,7 +45,7 @@ class Etcd:
         tls_args = [] if self.tls is None else [
             "--cert-file", self.tls.cert, "--key-file", self.tls.key, "--trusted-ca-file", self.tls.ca,
             "--client-cert-auth"]
-        self.proc = Proc.start(["etcd", "--name", "test", "--data-dir", self.data_dir,
+        proc = self.proc = Proc.start(["etcd", "--name", "test", "--data-dir", self.data_dir,
                                 "--listen-client-urls", c, "--advertise-client-urls", c,
                                 "--listen-peer-urls", p, "--initial-advertise-peer-urls", p,
                                 "--initial-cluster", f"test={p}", "--log-level", "warn", *tls_args])
@@ -53,16 +53,16 @@ class Etcd:
         if self.tls is not None:
             context = ssl.create_default_context(cafile=self.tls.ca)
             context.load_cert_chain(self.tls.cert, self.tls.key)     # the server's own pair is a valid client
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while time.monotonic() < deadline:
+
+        def healthy() -> bool:
             try:
                 with urllib.request.urlopen(f"{c}/health", timeout=1, context=context) as r:
-                    if json.loads(r.read()).get("health") == "true":
-                        return
+                    return json.loads(r.read()).get("health") == "true"
             except (urllib.error.URLError, OSError, ValueError):
-                pass
-            time.sleep(0.1)
-        raise AssertionError("etcd did not start:\n" + self.proc.tail())
+                return False
+
+        wait_until(healthy, timeout=START_TIMEOUT_S, what="etcd to answer healthy",
+                   details=lambda: "etcd output:\n" + proc.tail())
 
     def stop(self) -> None:
         if self.proc is not None:

@@ -8,7 +8,8 @@ builds one with transformers, overwrites every parameter from one seeded
 generator (so the weights do not depend on transformers' own init scheme),
 saves it as fp32 safetensors and adds a real 32000-entry SentencePiece
 tokenizer (the Mistral v1 tokenizer shipped in the PyPI package
-`mistral-common`), converted to `tokenizer.json`.
+`mistral-common`), converted to `tokenizer.json`. `random_prompt` draws a seeded
+prompt of token ids for them.
 
 Weight scales are chosen so that greedy decoding is not degenerate: with small
 weights a random model, tied ones especially, repeats one token forever, which
@@ -25,6 +26,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
+import random
 import shutil
 from pathlib import Path
 from typing import Any
@@ -119,6 +121,14 @@ def build_random_model(arch: str, folder: Path, *, seed: int = 0, **config_overr
     _write_generation_config(folder)
     write_tokenizer(folder)
     return folder
+
+
+def random_prompt(seed: int, num_tokens: int) -> list[int]:
+    """`num_tokens` token ids drawn from a generator seeded with `seed`: a prompt of the test
+    models' vocabulary without its special tokens (<unk>, <s>, </s> are ids 0 to 2), the same
+    on every run. Prompts of distinct seeds are unrelated: a prefix cache matches none against another."""
+    rng = random.Random(seed)
+    return [rng.randrange(EOS_TOKEN_ID + 1, BASE_CONFIG["vocab_size"]) for _ in range(num_tokens)]
 
 
 def make_config(arch: str, **config_overrides: Any):

@@ -8,7 +8,7 @@ Children run with one torch thread (CHILD_ENV): the test machines have 2 cores.
 `stop_all` is the one shutdown path of every harness: SIGTERM to all at once (each
 drains on its own), then SIGKILL whatever outlives the grace period, so nothing
 outlives a test. The /proc readers (`child_pids`, `pid_alive`) check that a parent
-took its children down with it.
+took its children down with it; `ignores_signal` that a child is ready for a signal.
 """
 
 from __future__ import annotations
@@ -21,6 +21,8 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from splitserve.testing.waiting import wait_until
 
 CHILD_ENV = {"SPLITSERVE_TEST_THREADS": "1", "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
 READY_TIMEOUT_S = 120.0
@@ -65,15 +67,18 @@ class Proc:
     def wait_for_line(self, pattern: str, timeout: float = READY_TIMEOUT_S) -> re.Match:
         """The first line matching `pattern`; AssertionError with the output so far when the
         process exits first or `timeout` passes."""
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
+        def matched() -> re.Match | None:
+            exited = self.process.poll() is not None
             for line in list(self.lines):
                 if m := re.search(pattern, line):
                     return m
-            if self.process.poll() is not None:
-                break
-            time.sleep(0.05)
-        raise AssertionError(f"no line matching {pattern!r}; output so far:\n{self.output}")
+            if exited:
+                raise AssertionError(f"exited ({self.process.returncode}) before a line matching {pattern!r}; "
+                                     f"output:\n{self.output}")
+            return None
+
+        return wait_until(matched, timeout=timeout, what=f"a line matching {pattern!r}", interval=0.05,
+                          details=lambda: f"output so far:\n{self.output}")
 
     def stop(self, sig: int = signal.SIGTERM, timeout: float = 30.0, must_stop: bool = False) -> int:
         """Signal, wait up to `timeout`, then SIGKILL; returns the exit code. With `must_stop`,
@@ -130,3 +135,14 @@ def pid_alive(pid: int) -> bool:
     except OSError:
         return False
     return state != "Z"
+
+
+def ignores_signal(pid: int, sig: int) -> bool:
+    """Whether `pid` has set `sig` to be ignored (SigIgn in /proc/PID/status): a child that
+    installs its handler first thing is ready for the signal once this says so."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return False
+    ignored = next(line.split()[1] for line in status.splitlines() if line.startswith("SigIgn:"))
+    return bool(int(ignored, 16) >> (sig - 1) & 1)

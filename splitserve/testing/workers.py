@@ -8,12 +8,15 @@ that (bounded) on several workers, because some of it is released in the backgro
 (a given-up reservation's blocks once its fence is answered, an aborted request's by
 the next engine step).
 
-`generate()` sends one TokenGenerateRequest straight to a worker, naming the prefill
-workers it may use, so that a test chooses exactly where a prompt is prefilled.
+`wait_running()` waits until a worker runs a request, so that a test can kill or cancel
+something mid-request. `generate()` sends one TokenGenerateRequest straight to a worker,
+naming the prefill workers it may use, so that a test chooses exactly where a prompt is
+prefilled.
 """
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -21,6 +24,7 @@ from dataclasses import dataclass
 import grpc
 
 from splitserve.proto.v1 import common_pb2, worker_pb2, worker_pb2_grpc
+from splitserve.testing.waiting import async_wait_until, wait_until
 
 IDLE_POLL_S = 0.02
 
@@ -55,14 +59,29 @@ def wait_idle(workers: Mapping[str, str] | Iterable, limit_s: float, since: floa
     (splitserve.testing.cluster.Worker)."""
     addresses = dict(workers) if isinstance(workers, Mapping) else {w.name: w.address for w in workers}
     start = time.monotonic() if since is None else since
-    while True:
+    problems: dict[str, list[str]] = {}
+
+    def idle() -> Idle | None:
         stats = {name: worker_stats(address) for name, address in addresses.items()}
-        problems = {name: p for name, s in stats.items() if (p := idle_problems(s))}
-        if not problems:
-            return Idle(stats, time.monotonic() - start)
-        if time.monotonic() - start > limit_s:
-            raise AssertionError(f"workers not idle {limit_s:.1f} s later: {problems}")
-        time.sleep(IDLE_POLL_S)
+        problems.clear()
+        problems.update({name: p for name, s in stats.items() if (p := idle_problems(s))})
+        return None if problems else Idle(stats, time.monotonic() - start)
+
+    return wait_until(idle, timeout=limit_s - (time.monotonic() - start), interval=IDLE_POLL_S,
+                      what=f"every worker to be idle within {limit_s:.1f} s",
+                      details=lambda: f"still held: {problems}")
+
+
+async def wait_running(address: str, request: asyncio.Task | None = None, timeout: float = 30.0,
+                       interval: float = 0.01) -> None:
+    """Until the worker at `address` runs a request (a prefill worker: computes a prompt now),
+    to break something mid-request; fails at once when `request`, the task that sent it, ends first."""
+    def running() -> bool:
+        assert request is None or not request.done(), f"the request ended before the worker at {address} ran it"
+        return worker_stats(address).num_running > 0
+
+    await async_wait_until(running, timeout=timeout, interval=interval,
+                           what=f"the worker at {address} to run a request")
 
 
 @dataclass(slots=True)

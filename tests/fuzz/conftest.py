@@ -15,6 +15,7 @@ import httpx
 import pytest
 
 from splitserve.testing.cluster import Cluster
+from splitserve.testing.openai_api import served_model_name
 
 API_KEY = "sk-fuzz-0123456789"
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
@@ -73,7 +74,7 @@ def deployment(llama_dir):
         assert worker.proc.alive(), worker.proc.output[-3000:]
         assert front.proc.alive(), front.proc.output[-3000:]
         assert front.get("/health")[0] == 200 and front.get("/ready")[0] == 200
-        model = httpx.get(f"{front.openai_url}/models", headers=AUTH).json()["data"][0]["id"]
+        model = served_model_name(front.openai_url, headers=AUTH)
         reply = httpx.post(f"{front.openai_url}/completions", headers=AUTH, timeout=60,
                            json={"model": model, "prompt": "still serving", "max_tokens": 3})
         assert reply.status_code == 200, reply.text
@@ -92,4 +93,4 @@ def front(deployment):
 
 @pytest.fixture(scope="module")
 def model_name(front) -> str:
-    return httpx.get(f"{front.openai_url}/models", headers=AUTH).json()["data"][0]["id"]
+    return served_model_name(front.openai_url, headers=AUTH)

@@ -3,7 +3,8 @@
 It wraps the real tools — kubectl, helm and the official `kubernetes` Python
 client — with the cluster's kubeconfig, and adds the few cluster-admin chores
 tests need: simulated GPU nodes (nodes.py), NotReady nodes, fresh namespaces.
-Every wait is bounded and raises TimeoutError saying what it waited for.
+Every wait is bounded (`wait_until`, splitserve.testing.waiting, which the k8s modules
+import from here) and raises a TimeoutError saying what it waited for.
 """
 
 from __future__ import annotations
@@ -14,30 +15,17 @@ import os
 import secrets
 import shutil
 import subprocess
-import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 from nodes import KWOK_MANAGED, KWOK_MANAGED_VALUE, build_gpu_node, not_ready_condition
 from procs import Component
 
-T = TypeVar("T")
+from splitserve.testing.waiting import wait_until
+
 NOT_READY_TAINTS = ("node.kubernetes.io/not-ready", "node.kubernetes.io/unreachable")
 _namespace_counter = itertools.count(1)
-
-
-def wait_until(predicate: Callable[[], T], *, timeout: float, what: str, interval: float = 0.1) -> T:
-    """Poll `predicate` until it returns something truthy; return that value."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"timed out after {timeout:.0f} s waiting for {what}")
-        time.sleep(interval)
 
 
 def _node_ready_status(node: Any) -> str | None:

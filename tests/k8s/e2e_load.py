@@ -10,7 +10,6 @@ make, so a frontend pod that goes away ends no connection that is reused later.
 
 from __future__ import annotations
 
-import random
 import threading
 import time
 from collections.abc import Callable
@@ -18,12 +17,8 @@ from dataclasses import dataclass, field
 
 import openai
 
+from splitserve.testing.openai_api import served_model_name
 from splitserve.testing.oracle import GreedyReference, assert_greedy_match
-
-
-def prompt_ids(seed: int, n: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(3, 32000) for _ in range(n)]
 
 
 def stream(base: str, model: str, prompt: list[int], max_tokens: int,
@@ -43,11 +38,8 @@ def stream(base: str, model: str, prompt: list[int], max_tokens: int,
 
 
 def served_model(base: str) -> str:
-    client = openai.OpenAI(base_url=f"http://{base}/v1", api_key="unused", max_retries=0, timeout=30)
-    try:
-        return client.models.list().data[0].id
-    finally:
-        client.close()
+    """The model the frontend at `base` (HOST:PORT) serves."""
+    return served_model_name(f"http://{base}/v1")
 
 
 @dataclass

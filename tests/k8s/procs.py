@@ -20,6 +20,8 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from splitserve.testing.waiting import WaitTimeout, wait_until
+
 _PR_SET_PDEATHSIG = 1
 
 
@@ -99,23 +101,31 @@ def wait_healthy(component: Component, url: str, *, timeout: float, headers: dic
                  ssl_context: ssl.SSLContext | None = None) -> float:
     """Poll `url` until it answers 200 "ok"; returns the seconds waited."""
     start = time.monotonic()
-    deadline = start + timeout
     if ssl_context is None and url.startswith("https:"):
         ssl_context = _insecure_context()
     last = "no answer yet"
-    while True:
+
+    def healthy() -> bool:
+        nonlocal last
         component.check_running()
-        try:
-            req = urllib.request.Request(url, headers=headers or {})
-            with urllib.request.urlopen(req, timeout=2, context=ssl_context) as resp:
-                if resp.status == 200:
-                    return time.monotonic() - start
-                last = f"HTTP {resp.status}"
-        except urllib.error.HTTPError as e:
-            last = f"HTTP {e.code}: {e.read()[:300]!r}"
-        except (urllib.error.URLError, OSError) as e:
-            last = str(e)
-        if time.monotonic() > deadline:
-            raise ComponentError(f"{component.name} not healthy at {url} after {timeout:.0f} s "
-                                 f"({last}); log {component.log_path}:\n{component.log_tail()}")
-        time.sleep(0.1)
+        last = _health_answer(url, headers or {}, ssl_context)
+        return last == "HTTP 200"
+
+    try:
+        wait_until(healthy, timeout=timeout, what=f"{component.name} healthy at {url}")
+    except WaitTimeout:
+        raise ComponentError(f"{component.name} not healthy at {url} after {timeout:.0f} s "
+                             f"({last}); log {component.log_path}:\n{component.log_tail()}") from None
+    return time.monotonic() - start
+
+
+def _health_answer(url: str, headers: dict[str, str], ssl_context: ssl.SSLContext | None) -> str:
+    """"HTTP <status>" (with the start of the body when it is an error), or why nothing answered."""
+    try:
+        with urllib.request.urlopen(urllib.request.Request(url, headers=headers), timeout=2,
+                                    context=ssl_context) as resp:
+            return f"HTTP {resp.status}"
+    except urllib.error.HTTPError as e:
+        return f"HTTP {e.code}: {e.read()[:300]!r}"
+    except (urllib.error.URLError, OSError) as e:
+        return str(e)

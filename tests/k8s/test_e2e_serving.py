@@ -23,10 +23,11 @@ import pytest
 from cluster import wait_until
 from controlplane import KubeCluster
 from e2e_env import ENGINE_ARGS, SD_NAME, E2EDeployment, elapsed
-from e2e_load import Load, Tally, prompt_ids, run_one, served_model, stream
+from e2e_load import Load, Tally, run_one, served_model, stream
 
 from splitserve.operator import names
 from splitserve.testing.metrics import scrape
+from splitserve.testing.models import random_prompt
 from splitserve.testing.oracle import assert_greedy_match, hf_greedy
 from splitserve.testing.processes import Proc
 from splitserve.testing.workers import wait_idle
@@ -53,20 +54,20 @@ def e2e(kube_cluster: KubeCluster, llama_dir: Path, tmp_path_factory: pytest.Tem
 
 @pytest.fixture(scope="module")
 def cases(llama_dir: Path):
-    prompts = [prompt_ids(seed, n) for seed, n in ((1, 12), (2, 45), (3, 70), (4, 130))]
+    prompts = [random_prompt(seed, n) for seed, n in ((1, 12), (2, 45), (3, 70), (4, 130))]
     return list(zip(prompts, hf_greedy(llama_dir, prompts, SHORT, ignore_eos=True)))
 
 
 @pytest.fixture(scope="module")
 def fresh_cases(llama_dir: Path):
     """Prompts no other test sends, so no worker holds a block of them."""
-    prompts = [prompt_ids(200 + i, 40) for i in range(6)]
+    prompts = [random_prompt(200 + i, 40) for i in range(6)]
     return list(zip(prompts, hf_greedy(llama_dir, prompts, SHORT, ignore_eos=True)))
 
 
 @pytest.fixture(scope="module")
 def long_cases(llama_dir: Path):
-    prompts = [prompt_ids(100 + i, 20 + 7 * i) for i in range(4)]
+    prompts = [random_prompt(100 + i, 20 + 7 * i) for i in range(4)]
     return list(zip(prompts, hf_greedy(llama_dir, prompts, LONG, ignore_eos=True)))
 
 
@@ -284,7 +285,7 @@ def test_a_prefill_pool_at_zero_serves_on_the_decode_groups_and_comes_back(e2e: 
     assert tally.failures == [] and tally.completed == tally.exact == tally.sent > 8, tally.failures
 
     # Prompts no other test sends, so no worker holds a block of them: the decode workers compute each whole.
-    prompts = [prompt_ids(400 + i, 40) for i in range(4)]
+    prompts = [random_prompt(400 + i, 40) for i in range(4)]
     new_cases = list(zip(prompts, hf_greedy(llama_dir, prompts, SHORT, ignore_eos=True)))
     before = e2e.stats()
     assert set(before) == {p["metadata"]["name"] for p in e2e.rank0_pods("decode")}, sorted(before)
@@ -306,7 +307,7 @@ def test_a_prefill_pool_at_zero_serves_on_the_decode_groups_and_comes_back(e2e: 
                what=f"the new prefill worker {address} in etcd")
     before = e2e.stats()[leader["metadata"]["name"]].num_prefills_served
     # New prompts (seeds no test used): with threshold 0, every one is prefilled remotely again.
-    fresh = [(prompt_ids(300 + i, 40), None) for i in range(2)]
+    fresh = [(random_prompt(300 + i, 40), None) for i in range(2)]
     for prompt, _ in fresh:
         assert len(stream(base, model, prompt, 4)) == 4
     assert e2e.stats()[leader["metadata"]["name"]].num_prefills_served - before == len(fresh)

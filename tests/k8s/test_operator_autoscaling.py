@@ -298,5 +298,5 @@ def test_turning_autoscaling_off_clears_its_status(env):
     env.api.apply(sd_doc(SD, {**SPEC, "autoscaling": {**AUTOSCALING, "enabled": False}}))
     env.wait(lambda: "autoscaling" not in (api.sd(SD).get("status") or {}), "status.autoscaling removed")
     calls = env.source.calls
-    time.sleep(2.5)
+    time.sleep(2.5)      # two 1 s intervals, in which an autoscaler still on would read metrics
     assert env.source.calls == calls, "no metrics read while autoscaling is off"

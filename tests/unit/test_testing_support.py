@@ -1,14 +1,16 @@
-"""splitserve.testing: the random test checkpoints and the greedy oracle.
+"""splitserve.testing: the random test checkpoints, the greedy oracle and the bounded wait.
 
-The engine's correctness tests lean on both, so they are checked here: the
+The engine's correctness tests lean on the first two, so they are checked here: the
 checkpoints have the features they claim (bias, QK-norm, tying, RoPE variants),
 are deterministic, load in transformers, decode non-degenerately, and the
 tokenizer encodes exactly like the SentencePiece model it came from. The
-comparison rule itself is checked on hand-made references.
+comparison rule itself is checked on hand-made references. Every wait of the
+suite is `wait_until`: what it returns, and what its timeout says.
 """
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import json
 import shutil
@@ -20,7 +22,8 @@ import torch
 from safetensors import safe_open
 
 from splitserve.testing import GreedyReference, assert_greedy_match, build_random_model, hf_greedy
-from splitserve.testing.models import CHAT_TEMPLATE, sentencepiece_model_path
+from splitserve.testing.models import CHAT_TEMPLATE, EOS_TOKEN_ID, random_prompt, sentencepiece_model_path
+from splitserve.testing.waiting import WaitTimeout, async_wait_until, wait_until
 
 ARCH_FIXTURES = ["llama_dir", "mistral_dir", "qwen2_dir", "qwen3_dir"]
 TEXTS = [
@@ -212,6 +215,13 @@ def test_hf_greedy_stops_at_eos_unless_ignored(tmp_path, llama_dir):
     assert ignored.token_ids[:3] == free.token_ids[:3] and not ignored.stopped_at_eos
 
 
+def test_random_prompt_is_seeded_and_holds_no_special_token():
+    prompt = random_prompt(5, 500)
+    assert prompt == random_prompt(5, 500) and len(prompt) == 500
+    assert random_prompt(6, 500)[:16] != prompt[:16]
+    assert EOS_TOKEN_ID < min(prompt) and max(prompt) < 32000
+
+
 # --- comparison rule -----------------------------------------------------------
 
 
@@ -265,3 +275,79 @@ def test_sample_sum_adds_the_samples_whose_labels_match():
     assert sample_sum(text, "splitserve_migrations_total", outcome="migrated") == 3.0
     assert sample_sum(text, "splitserve_migrations_total", outcome="refused_limit") == 0.0
     assert sample_sum(text, "splitserve_process_restarts") == 2.0
+
+
+# --- waiting for a condition ---------------------------------------------------
+
+
+def test_wait_until_returns_the_first_truthy_value():
+    answers = iter([None, 0, "", "ready", "later"])
+    looks = []
+
+    def predicate():
+        looks.append(1)
+        return next(answers)
+
+    assert wait_until(predicate, timeout=5, what="the answer", interval=0) == "ready"
+    assert len(looks) == 4
+
+
+def test_wait_until_names_what_did_not_happen_and_the_last_value():
+    with pytest.raises(WaitTimeout) as timed_out:
+        wait_until(lambda: [], timeout=0, what="the queue to fill", details=lambda: "queue log: empty")
+    assert isinstance(timed_out.value, AssertionError) and isinstance(timed_out.value, TimeoutError)
+    message = str(timed_out.value)
+    assert message.startswith("timed out after 0 s waiting for the queue to fill (last value: [])")
+    assert message.endswith("\nqueue log: empty")
+
+
+def test_wait_until_shortens_a_long_last_value_and_survives_failing_details():
+    class NotYet:
+        def __bool__(self) -> bool:
+            return False
+
+        def __repr__(self) -> str:
+            return "pending " * 1000
+
+    with pytest.raises(WaitTimeout) as timed_out:
+        wait_until(NotYet, timeout=0, what="the batch", details=lambda: 1 / 0)
+    first_line, details = str(timed_out.value).split("\n")
+    assert len(first_line) < 700 and first_line.endswith(" ...)")
+    assert details == "(details unavailable: ZeroDivisionError('division by zero'))"
+
+
+def test_an_exception_from_the_predicate_ends_the_wait():
+    looks = []
+
+    def exited():
+        looks.append(1)
+        raise AssertionError("the process exited")
+
+    with pytest.raises(AssertionError, match="the process exited"):
+        wait_until(exited, timeout=60, what="a line")
+    assert len(looks) == 1
+
+
+def test_async_wait_until_lets_the_loop_run_between_looks():
+    async def main():
+        done = []
+        asyncio.get_running_loop().call_soon(done.append, "finished")      # runs only once the wait yields
+        return await async_wait_until(lambda: done, timeout=5, what="the callback", interval=0)
+
+    assert asyncio.run(main()) == ["finished"]
+
+
+def test_async_wait_until_awaits_a_coroutine_predicate_and_times_out_like_the_sync_one():
+    async def main():
+        looks = []
+
+        async def third_look():
+            looks.append(1)
+            return len(looks) if len(looks) == 3 else None
+
+        found = await async_wait_until(third_look, timeout=5, what="the third look", interval=0)
+        with pytest.raises(WaitTimeout, match=r"waiting for a reply \(last value: None\)\nno reply"):
+            await async_wait_until(lambda: None, timeout=0, what="a reply", details=lambda: "no reply")
+        return found
+
+    assert asyncio.run(main()) == 3

@@ -25,8 +25,13 @@ from splitserve.services.engine.config import EngineConfig
 from splitserve.services.engine.engine import LLMEngine
 from splitserve.services.worker_protocol.sampling_params import SamplingParams, StructuredOutput
 from splitserve.testing.cluster import Cluster
+from splitserve.testing.waiting import async_wait_until
 
 MODEL_NAME = "llama"      # the served name: the checkpoint folder's name
+# The fault tests' deployment: a frontend that spreads the load over every worker, and decode
+# workers that send prompts of more than 64 uncached tokens to a prefill worker (20 s for one).
+FRONTEND_FLAGS = ("--router", "round-robin", "--served-model-name", MODEL_NAME)
+DECODE_FLAGS = ("--remote-prefill-threshold", "64", "--prefill-timeout", "20")
 
 
 @dataclass(slots=True, frozen=True)
@@ -199,9 +204,8 @@ def run_killing(front, jobs: list[Job], victim, num_streams: int = 0) -> tuple[l
 async def wait_progress(progress: list[int], at_least: int, timeout: float = 60.0, num_streams: int = 0) -> None:
     """Until each of the first `num_streams` (default: all) streams has received `at_least` tokens."""
     n = num_streams or len(progress)
-    async with asyncio.timeout(timeout):
-        while min(progress[:n]) < at_least:
-            await asyncio.sleep(0.01)
+    await async_wait_until(lambda: min(progress[:n]) >= at_least, timeout=timeout, interval=0.01,
+                           what=f"{at_least} tokens on each of {n} streams", details=lambda: f"progress: {progress}")
 
 
 @pytest.fixture(scope="module")

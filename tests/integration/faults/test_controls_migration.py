@@ -17,7 +17,7 @@ from splitserve.services.worker_protocol.sampling_params import SamplingParams
 from splitserve.testing.models import EOS_TOKEN_ID
 from splitserve.testing.workers import wait_idle
 
-from .conftest import MODEL_NAME, expected_outputs, make_jobs, run_killing
+from .conftest import DECODE_FLAGS, FRONTEND_FLAGS, expected_outputs, make_jobs, run_killing
 
 PENALTIES = dict(frequency_penalty=0.5, presence_penalty=-1.0, repetition_penalty=0.8)
 PROMPT = [1, 415, 2936, 9060, 285, 1142, 28705]
@@ -66,10 +66,10 @@ def test_sigkill_mid_stream_keeps_penalties_min_tokens_and_allowed_tokens_exact(
     assert all(set(e) <= set(allowed) for e in expected[len(penalized) + len(held):])
     assert all(len(e) == 21 and e[-1] == eos and eos not in e[:-1] for e in expected[len(penalized):-len(masked)])
     p0 = cluster.start_worker("p0", "prefill")
-    d0 = cluster.start_worker("d0", "decode", "--remote-prefill-threshold", "64", "--prefill-timeout", "20")
-    d1 = cluster.start_worker("d1", "decode", "--remote-prefill-threshold", "64", "--prefill-timeout", "20")
+    d0 = cluster.start_worker("d0", "decode", *DECODE_FLAGS)
+    d1 = cluster.start_worker("d1", "decode", *DECODE_FLAGS)
     cluster.wait_workers()
-    front = cluster.start_frontend("--router", "round-robin", "--served-model-name", MODEL_NAME)
+    front = cluster.start_frontend(*FRONTEND_FLAGS)
     front.wait_ready()
     outcomes, served_by_d0 = run_killing(front, jobs, d0)
     errors = [(i, o.error) for i, o in enumerate(outcomes) if not o.completed]

@@ -8,13 +8,13 @@ from __future__ import annotations
 import asyncio
 import random
 import signal
-import time
 
 import pytest
 
+from splitserve.testing.waiting import async_wait_until
 from splitserve.testing.workers import wait_idle
 
-from .conftest import MODEL_NAME, make_jobs, run_load, wait_progress
+from .conftest import FRONTEND_FLAGS, make_jobs, run_load, wait_progress
 
 IDLE_WITHIN_S = 1.0
 
@@ -30,7 +30,7 @@ def test_random_client_disconnects_leave_every_worker_idle_within_1s_then_fronte
                cluster.start_worker("d0", "decode", "--remote-prefill-threshold", "64"),
                cluster.start_worker("d1", "decode", "--remote-prefill-threshold", "64")]
     cluster.wait_workers()
-    front = cluster.start_frontend("--router", "round-robin", "--served-model-name", MODEL_NAME)
+    front = cluster.start_frontend(*FRONTEND_FLAGS)
     front.wait_ready()
 
     outcomes = asyncio.run(run_load(front.openai_url, jobs, stop_after=stop_after))
@@ -49,10 +49,8 @@ def test_random_client_disconnects_leave_every_worker_idle_within_1s_then_fronte
     async def sigterm_frontend(progress):
         await wait_progress(progress, 2)
         front.proc.process.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + 5
-        while front.ready() is not None:          # 503 (draining) reads as None
-            assert time.monotonic() < deadline
-            await asyncio.sleep(0.02)
+        await async_wait_until(lambda: front.ready() is None, timeout=5, interval=0.02,   # 503 (draining) reads as None
+                               what="/ready to fail once the frontend drains")
 
     outcomes = asyncio.run(run_load(front.openai_url, jobs, sigterm_frontend))
     assert front.proc.process.wait(30) == 0, front.proc.tail()

@@ -6,7 +6,6 @@ other worker on its own and still samples exactly what it samples without the fa
 from __future__ import annotations
 
 import asyncio
-import random
 import signal
 
 import openai
@@ -14,19 +13,13 @@ import openai
 from splitserve.services.engine.config import EngineConfig
 from splitserve.services.engine.engine import LLMEngine
 from splitserve.services.worker_protocol.sampling_params import SamplingParams
+from splitserve.testing.models import random_prompt
 from splitserve.testing.workers import wait_idle
 
-from .conftest import MODEL_NAME
+from .conftest import DECODE_FLAGS, FRONTEND_FLAGS, MODEL_NAME
 
-FRONTEND = ["--router", "round-robin", "--served-model-name", MODEL_NAME]
-DECODE = ["--remote-prefill-threshold", "64", "--prefill-timeout", "20"]
 N = 4
 SEED = 77
-
-
-def _prompt(seed: int, length: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(3, 31000) for _ in range(length)]
 
 
 def _expected(llama_dir, prompt: list[int], max_tokens: int) -> list[list[int]]:
@@ -46,12 +39,12 @@ def _body(prompt: list[int], max_tokens: int) -> dict:
 
 
 def test_n_choices_over_1p1d_prefill_once_on_the_prefill_worker(cluster, llama_dir):
-    prompt = _prompt(1, 100)                          # 100 uncached tokens: worth a remote prefill
+    prompt = random_prompt(1, 100)                    # 100 uncached tokens: worth a remote prefill
     expected = _expected(llama_dir, prompt, 8)
     p0 = cluster.start_worker("p0", "prefill")
-    d0 = cluster.start_worker("d0", "decode", *DECODE)
+    d0 = cluster.start_worker("d0", "decode", *DECODE_FLAGS)
     cluster.wait_workers()
-    front = cluster.start_frontend(*FRONTEND)
+    front = cluster.start_frontend(*FRONTEND_FLAGS)
     front.wait_ready()
     client = openai.OpenAI(base_url=front.openai_url, api_key="unused", max_retries=0, timeout=60)
     out = client.completions.create(**_body(prompt, 8))
@@ -69,13 +62,13 @@ def test_n_choices_over_1p1d_prefill_once_on_the_prefill_worker(cluster, llama_d
 
 
 def test_sigkill_mid_stream_continues_each_choice_on_its_own(cluster, llama_dir):
-    prompt = _prompt(2, 40)
+    prompt = random_prompt(2, 40)
     max_tokens = 80
     expected = _expected(llama_dir, prompt, max_tokens)
     w0 = cluster.start_worker("w0", "both")
     w1 = cluster.start_worker("w1", "both")
     cluster.wait_workers()
-    front = cluster.start_frontend(*FRONTEND)
+    front = cluster.start_frontend(*FRONTEND_FLAGS)
     front.wait_ready()
     streamed: dict[int, list[int]] = {i: [] for i in range(N)}
     finish: dict[int, str] = {}

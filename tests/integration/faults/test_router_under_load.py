@@ -11,10 +11,10 @@ aggregated workers through etcd while clients stream through both.
 from __future__ import annotations
 
 import asyncio
-import time
 
 import openai
 
+from splitserve.testing.waiting import async_wait_until
 from splitserve.testing.workers import wait_idle
 
 from .conftest import MODEL_NAME, expected_outputs, make_jobs, stream_job
@@ -53,10 +53,11 @@ def test_etcd_outage_and_router_restart_under_load(cluster, llama_dir, etcd):
                    for _ in range(3)]
         victim_clients = [asyncio.create_task(_steady(victim.openai_url, jobs, expected, stop, victim_results))
                           for _ in range(2)]
-        await asyncio.sleep(1.0)
+        await async_wait_until(lambda: len(steady) >= 3 and victim_results, timeout=60, interval=0.05,
+                               what="requests completing through both frontends")
         etcd.stop()                                       # the outage
         before_outage = len(steady)
-        await asyncio.sleep(OUTAGE_S)
+        await asyncio.sleep(OUTAGE_S)                     # the load runs on through the outage
         during_outage = len(steady) - before_outage
         etcd.start()
         victim.proc.process.kill()                        # the router restart
@@ -66,15 +67,17 @@ def test_etcd_outage_and_router_restart_under_load(cluster, llama_dir, etcd):
         # A new replica: it finds the workers in etcd and rebuilds its index from their events.
         victim = cluster.start_frontend(*router, workers=[])
         await asyncio.to_thread(victim.wait_ready, 2)
-        deadline = time.monotonic() + 10
-        while not all(f'splitserve_router_index_blocks{{worker="w{i}"}} 0.0' not in victim.metrics()
-                      for i in range(2)):
-            assert time.monotonic() < deadline, victim.metrics()
-            await asyncio.sleep(0.1)
+        def indexed_both() -> bool:
+            metrics = victim.metrics()
+            return all(f'splitserve_router_index_blocks{{worker="w{i}"}} 0.0' not in metrics for i in range(2))
+
+        await async_wait_until(indexed_both, timeout=10, what="the new replica's index to hold blocks of both workers",
+                               details=victim.metrics)
         restarted = []
         stop2 = asyncio.Event()
         task = asyncio.create_task(_steady(victim.openai_url, jobs, expected, stop2, restarted))
-        await asyncio.sleep(1.5)
+        await async_wait_until(lambda: len(restarted) >= 3, timeout=60, interval=0.05,
+                               what="three requests through the new replica")
         stop2.set()
         await asyncio.gather(task, *clients)
         return steady, during_outage, restarted

@@ -19,10 +19,7 @@ import jsonschema
 from splitserve.testing.json_schemas import draw_schemas
 from splitserve.testing.workers import wait_idle
 
-from .conftest import MODEL_NAME, expected_outputs, make_jobs, run_killing, run_load
-
-PREFILL_FLAGS = ("--remote-prefill-threshold", "64", "--prefill-timeout", "20")
-
+from .conftest import DECODE_FLAGS, FRONTEND_FLAGS, MODEL_NAME, expected_outputs, make_jobs, run_killing, run_load
 
 def _structured_jobs(n: int, seed: int, num_seeded: int):
     jobs = make_jobs(n, seed=seed, min_len=70, max_len=120, max_tokens=300, num_seeded=num_seeded)
@@ -51,8 +48,8 @@ def test_fifty_schemas_through_1p1d_then_a_sigkill_migration(cluster, llama_dir)
     jobs = _structured_jobs(50, seed=21, num_seeded=20)
     expected = expected_outputs(llama_dir, jobs)
     p0 = cluster.start_worker("p0", "prefill")
-    d0 = cluster.start_worker("d0", "decode", *PREFILL_FLAGS)
-    d1 = cluster.start_worker("d1", "decode", *PREFILL_FLAGS)
+    d0 = cluster.start_worker("d0", "decode", *DECODE_FLAGS)
+    d1 = cluster.start_worker("d1", "decode", *DECODE_FLAGS)
     cluster.wait_workers()
     one_decode = cluster.start_frontend("--served-model-name", MODEL_NAME, workers=[p0, d0])
     one_decode.wait_ready()
@@ -62,7 +59,7 @@ def test_fifty_schemas_through_1p1d_then_a_sigkill_migration(cluster, llama_dir)
 
     # Both decode workers; d0 is SIGKILLed while its streams are mid-JSON. New prompts (no
     # prefix-cache hits) and longer instances.
-    front = cluster.start_frontend("--router", "round-robin", "--served-model-name", MODEL_NAME)
+    front = cluster.start_frontend(*FRONTEND_FLAGS)
     front.wait_ready()
     jobs = [replace(j, prompt=[5] + j.prompt, schema=_six_rows_of(j.schema), max_tokens=1500) for j in jobs[:16]]
     expected = expected_outputs(llama_dir, jobs)

@@ -7,16 +7,13 @@ from __future__ import annotations
 
 import asyncio
 import signal
-import time
 from dataclasses import replace
 
-from splitserve.testing.workers import wait_idle
+from splitserve.testing.waiting import wait_until
+from splitserve.testing.workers import wait_idle, wait_running
 
-from .conftest import MODEL_NAME, expected_outputs, make_jobs, run_killing, run_load, wait_progress
-
-FRONTEND = ["--router", "round-robin", "--served-model-name", MODEL_NAME]
-DECODE = ["--remote-prefill-threshold", "64", "--prefill-timeout", "20"]
-
+from .conftest import (DECODE_FLAGS, FRONTEND_FLAGS, expected_outputs, make_jobs, run_killing, run_load,
+                       wait_progress)
 
 def _report(name: str, outcomes, expected, leaked: int, front) -> None:
     completed = sum(o.completed for o in outcomes)
@@ -53,10 +50,10 @@ def test_sigkill_decode_worker_mid_stream_migrates_32_streams(cluster, llama_dir
     jobs = streams + [replace(j, api="whole" if i < 4 else "grpc") for i, j in enumerate(others)]
     expected = expected_outputs(llama_dir, jobs)
     p0 = cluster.start_worker("p0", "prefill")
-    d0 = cluster.start_worker("d0", "decode", *DECODE)
-    d1 = cluster.start_worker("d1", "decode", *DECODE)
+    d0 = cluster.start_worker("d0", "decode", *DECODE_FLAGS)
+    d1 = cluster.start_worker("d1", "decode", *DECODE_FLAGS)
     cluster.wait_workers()
-    front = cluster.start_frontend(*FRONTEND)
+    front = cluster.start_frontend(*FRONTEND_FLAGS)
     front.wait_ready()
     outcomes, served_by_d0 = run_killing(front, jobs, d0, num_streams=len(streams))
     _report("SIGKILL decode worker", outcomes, expected, _leaked_blocks([p0, d1]), front)
@@ -72,17 +69,14 @@ def test_sigkill_prefill_worker_mid_transfer_leaks_nothing(cluster, llama_dir):
     expected = expected_outputs(llama_dir, jobs)
     p0 = cluster.start_worker("p0", "prefill", "--max-num-batched-tokens", "256")
     p1 = cluster.start_worker("p1", "prefill", "--max-num-batched-tokens", "256")
-    d0 = cluster.start_worker("d0", "decode", *DECODE)
-    d1 = cluster.start_worker("d1", "decode", *DECODE)
+    d0 = cluster.start_worker("d0", "decode", *DECODE_FLAGS)
+    d1 = cluster.start_worker("d1", "decode", *DECODE_FLAGS)
     cluster.wait_workers()
-    front = cluster.start_frontend(*FRONTEND)
+    front = cluster.start_frontend(*FRONTEND_FLAGS)
     front.wait_ready()
 
     async def kill_p0_while_prefilling(progress):
-        deadline = time.monotonic() + 30
-        while p0.stats().num_running == 0:      # p0 is computing (and pushing) a prompt now
-            assert time.monotonic() < deadline
-            await asyncio.sleep(0.005)
+        await wait_running(p0.address, interval=0.005)      # p0 is computing (and pushing) a prompt now
         p0.proc.process.send_signal(signal.SIGKILL)
 
     outcomes = asyncio.run(run_load(front.openai_url, jobs, kill_p0_while_prefilling))
@@ -104,10 +98,10 @@ def test_sigterm_decode_worker_drains_migrates_and_deregisters(cluster, llama_di
     expected = expected_outputs(llama_dir, jobs)
     reg = ["--etcd", etcd.endpoint, "--etcd-ttl", "5"]
     p0 = cluster.start_worker("p0", "prefill", *reg)
-    d0 = cluster.start_worker("d0", "decode", *DECODE, *reg, "--drain-timeout", "0.5")
-    d1 = cluster.start_worker("d1", "decode", *DECODE, *reg)
+    d0 = cluster.start_worker("d0", "decode", *DECODE_FLAGS, *reg, "--drain-timeout", "0.5")
+    d1 = cluster.start_worker("d1", "decode", *DECODE_FLAGS, *reg)
     cluster.wait_workers()
-    front = cluster.start_frontend(*FRONTEND, "--etcd", etcd.endpoint, workers=[])
+    front = cluster.start_frontend(*FRONTEND_FLAGS, "--etcd", etcd.endpoint, workers=[])
     front.wait_ready(num_workers=3)
 
     async def sigterm_d0(progress):
@@ -119,8 +113,6 @@ def test_sigterm_decode_worker_drains_migrates_and_deregisters(cluster, llama_di
     _report("SIGTERM decode worker", outcomes, expected, _leaked_blocks([p0, d1]), front)
     _assert_all_exact(outcomes, expected, jobs, front)
     assert front.metric("splitserve_migrations_total", outcome="migrated") >= 1, d0.proc.tail()
-    deadline = time.monotonic() + 5
-    while 'splitserve_router_index_blocks{worker="d0"}' in front.metrics():   # deregistered: dropped
-        assert time.monotonic() < deadline, "d0 is still known to the router"
-        time.sleep(0.1)
+    wait_until(lambda: 'splitserve_router_index_blocks{worker="d0"}' not in front.metrics(), timeout=5,
+               what="the router to drop d0 (deregistered)")
     wait_idle([p0, d1], 2.0)

@@ -13,7 +13,6 @@ import os
 import re
 import subprocess
 import sys
-import time
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,6 +20,7 @@ from pathlib import Path
 import pytest
 
 from splitserve.net import free_port
+from splitserve.testing.waiting import wait_until
 
 READY_TIMEOUT_S = 120.0
 
@@ -86,11 +86,9 @@ def serve(llama_dir, tmp_path_factory):
             stdout=log, stderr=subprocess.STDOUT, env=env)
     server = Serve(process, f"http://127.0.0.1:{port}", llama_dir.name, log_path)
     try:
-        deadline = time.monotonic() + READY_TIMEOUT_S
-        while not _ready(server.url):
-            assert process.poll() is None, server.output()
-            assert time.monotonic() < deadline, f"serve not ready:\n{server.output()}"
-            time.sleep(0.2)
+        wait_until(lambda: _ready(server.url) or process.poll() is not None, timeout=READY_TIMEOUT_S, interval=0.2,
+                   what="serve to be ready", details=server.output)
+        assert process.poll() is None, server.output()
         yield server
     finally:
         process.terminate()

@@ -33,6 +33,7 @@ import pytest
 import yaml
 
 from splitserve.net import free_port
+from splitserve.testing.waiting import wait_until
 
 READY_TIMEOUT_S = 120.0
 KV_CACHE_GIB = 0.05
@@ -105,10 +106,9 @@ class ReferenceServer:
 
     def outputs(self) -> tuple[str, dict[str, list[int]], list[int]]:
         """(model name, greedy_outputs, long_stream) once it is ready."""
-        deadline = time.monotonic() + READY_TIMEOUT_S
-        while not any("splitserve is ready" in line for line in self.lines):
-            assert self.proc.poll() is None and time.monotonic() < deadline, "".join(self.lines)
-            time.sleep(0.1)
+        wait_until(lambda: any("splitserve is ready" in line for line in self.lines) or self.proc.poll() is not None,
+                   timeout=READY_TIMEOUT_S, what="the reference serve to be ready", details=lambda: "".join(self.lines))
+        assert self.proc.poll() is None, "".join(self.lines)
         base = f"http://127.0.0.1:{self.port}/v1"
         name = _client(base).models.list().data[0].id
         result = name, greedy_outputs(base, name), long_stream(base, name)
@@ -157,10 +157,8 @@ class RayApp:
         return status.replica_states.get("RUNNING", 0)
 
     def wait_running(self, deployment: str, n: int, timeout: float = READY_TIMEOUT_S) -> None:
-        deadline = time.monotonic() + timeout
-        while self.running(deployment) != n:
-            assert time.monotonic() < deadline, f"{deployment}: {serve_status()}"
-            time.sleep(0.2)
+        wait_until(lambda: self.running(deployment) == n, timeout=timeout, interval=0.2,
+                   what=f"{n} running replicas of {deployment}", details=serve_status)
 
 
 def serve_status() -> str:
@@ -266,8 +264,9 @@ def test_killing_a_decode_replica_mid_stream_is_survived_by_migration(ray_app, r
     assert got == expected
     assert _migrations(ray_app.base_url) >= 1
     ray_app.wait_running("DecodeWorker", 2)     # Serve replaced the killed replica
-    deadline = time.monotonic() + READY_TIMEOUT_S
-    while victim.worker_id in {e.worker_id for e in ray_app.directory("decode")} \
-            or len(ray_app.directory("decode")) != 2:
-        assert time.monotonic() < deadline, ray_app.directory("decode")
-        time.sleep(0.2)
+    def replaced() -> bool:
+        decoders = ray_app.directory("decode")
+        return victim.worker_id not in {e.worker_id for e in decoders} and len(decoders) == 2
+
+    wait_until(replaced, timeout=READY_TIMEOUT_S, interval=0.2, what="the replacement in the directory, not the victim",
+               details=lambda: ray_app.directory("decode"))

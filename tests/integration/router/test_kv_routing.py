@@ -14,6 +14,7 @@ import urllib.error
 
 import pytest
 
+from splitserve.testing.waiting import wait_until
 from splitserve.testing.workers import worker_stats
 
 from .conftest import Proc, free_port, http_json
@@ -51,16 +52,15 @@ class Frontend:
         self.base = f"http://127.0.0.1:{self.port}"
 
     def wait_ready(self, num_workers: int = NUM_WORKERS, timeout: float = 30) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
+        def ready() -> bool:
             try:
                 r = http_json(f"{self.base}/ready", timeout=1)
-                if r.get("all_workers_ready") and self.num_workers() == num_workers:
-                    return
+                return bool(r.get("all_workers_ready") and self.num_workers() == num_workers)
             except (urllib.error.URLError, OSError, ValueError):
-                pass
-            time.sleep(0.05)
-        raise AssertionError("frontend not ready:\n" + "\n".join(self.proc.lines[-40:]))
+                return False
+
+        wait_until(ready, timeout=timeout, interval=0.05, what=f"the frontend to be ready with {num_workers} workers",
+                   details=lambda: "frontend output:\n" + self.proc.tail(40))
 
     def metrics(self) -> str:
         return http_json(f"{self.base}/metrics", timeout=5)
@@ -101,12 +101,11 @@ def holder_of(frontend: Frontend, addresses, prompt) -> int:
 
 
 def wait_index(frontend: Frontend, worker_id: str, timeout: float = 5.0) -> float:
+    """Seconds until the frontend's index holds the prefix's blocks on `worker_id`."""
     start = time.monotonic()
-    while time.monotonic() - start < timeout:
-        if frontend.index_blocks().get(worker_id, 0) >= len(PREFIX) // 16:
-            return time.monotonic() - start
-        time.sleep(0.05)
-    raise AssertionError(f"index of {worker_id} not rebuilt: {frontend.index_blocks()}")
+    wait_until(lambda: frontend.index_blocks().get(worker_id, 0) >= len(PREFIX) // 16, timeout=timeout,
+               interval=0.05, what=f"the index of {worker_id} to be rebuilt", details=frontend.index_blocks)
+    return time.monotonic() - start
 
 
 def test_kv_routes_a_shared_prefix_to_its_holder_and_survives_a_restart(llama_dir, workers):
@@ -157,10 +156,8 @@ def test_etcd_lease_loss_new_worker_and_outage(llama_dir, workers, etcd):
         victim_proc = _worker_proc_pid(workers[3])
         victim_proc.send_signal(signal.SIGSTOP)
         victim = victim_proc
-        deadline = time.monotonic() + TTL_S + 2
-        while front.num_workers() != NUM_WORKERS - 1:
-            assert time.monotonic() < deadline, front.index_blocks()
-            time.sleep(0.1)
+        wait_until(lambda: front.num_workers() == NUM_WORKERS - 1, timeout=TTL_S + 2,
+                   what="the router to drop the worker whose lease lapsed", details=front.index_blocks)
         for i in range(6):
             front.complete(list(range(7000 + 50 * i, 7000 + 50 * i + 40)), timeout=20)
         # It comes back (a new registration) and is routed to again.

@@ -16,6 +16,7 @@ import openai
 import pytest
 
 from splitserve.testing.cluster import Cluster
+from splitserve.testing.openai_api import served_model_name
 
 from .conftest import grpc_generate
 
@@ -50,7 +51,7 @@ def front(deployment):
 
 @pytest.fixture(scope="module")
 def model_name(front):
-    return httpx.get(f"{front.openai_url}/models", headers={"Authorization": f"Bearer {ENV_KEY}"}).json()["data"][0]["id"]
+    return served_model_name(front.openai_url, headers={"Authorization": f"Bearer {ENV_KEY}"})
 
 
 def test_open_endpoints_need_no_key(front):

@@ -16,8 +16,11 @@ import grpc
 import httpx
 import pytest
 
-from splitserve.proto.v1 import inference_pb2, inference_pb2_grpc, worker_pb2, worker_pb2_grpc
+from splitserve.proto.v1 import inference_pb2, inference_pb2_grpc, worker_pb2
 from splitserve.testing.cluster import Cluster
+from splitserve.testing.openai_api import served_model_name
+from splitserve.testing.waiting import wait_until
+from splitserve.testing.workers import worker_stats
 
 from .conftest import grpc_generate
 
@@ -50,7 +53,7 @@ def fronts(deployment):
 
 @pytest.fixture(scope="module")
 def model_name(fronts):
-    return httpx.get(f"{fronts['one'].openai_url}/models").json()["data"][0]["id"]
+    return served_model_name(fronts["one"].openai_url)
 
 
 def _error(reply: httpx.Response, status: int, code: str) -> dict:
@@ -114,15 +117,13 @@ def test_request_timeout_is_504_and_cancels_the_work(deployment, fronts, model_n
     assert events[-1] == "data: [DONE]"
     assert json.loads(events[-2][6:])["error"]["code"] == "request_timeout"
     assert front.metric(REJECTED, protocol="http", reason="timeout") == before + 2
-    deadline = time.monotonic() + 5       # the worker dropped both requests: no block held, nothing running
-    with grpc.insecure_channel(worker) as channel:
-        while True:
-            stats = worker_pb2_grpc.WorkerStub(channel).Stats(worker_pb2.StatsRequest(), timeout=5)
-            idle = stats.num_used_kv_blocks == 0 and stats.num_running == 0 and stats.num_in_flight == 0
-            if idle or time.monotonic() > deadline:
-                break
-            time.sleep(0.1)
-    assert idle, stats
+    def dropped() -> worker_pb2.StatsResponse | None:
+        stats = worker_stats(worker)
+        return stats if stats.num_used_kv_blocks == stats.num_running == stats.num_in_flight == 0 else None
+
+    # The worker dropped both requests: no block held, nothing running.
+    stats = wait_until(dropped, timeout=5, what="the worker to drop both requests",
+                       details=lambda: worker_stats(worker))
     assert stats.num_aborted >= 2
 
 
@@ -143,10 +144,11 @@ def test_concurrency_limit_is_429(fronts, model_name):
                     grpc_generate(channel, model_name)
                 assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
         # Closing the stream cancels it; its slot comes back once the frontend has seen the disconnect.
-        deadline = time.monotonic() + 10
-        while (third := client.post("/completions", json={**long, "stream": False, "max_tokens": 2})).status_code == 429:
-            assert time.monotonic() < deadline, third.text
-            time.sleep(0.1)
+        def admitted() -> httpx.Response | None:
+            reply = client.post("/completions", json={**long, "stream": False, "max_tokens": 2})
+            return reply if reply.status_code != 429 else None
+
+        third = wait_until(admitted, timeout=10, what="the slot back (no 429)")
         assert third.status_code == 200, third.text
     assert front.metric(REJECTED, protocol="http", reason="concurrency") >= before + 1
     assert front.metric(REJECTED, protocol="grpc", reason="concurrency") == 1

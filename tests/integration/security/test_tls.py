@@ -30,6 +30,8 @@ from splitserve.services.frontend.workers.session import WorkerCallError, Worker
 from splitserve.tls import TlsConfig
 from splitserve.testing.certs import TestCA
 from splitserve.testing.cluster import Cluster
+from splitserve.testing.openai_api import served_model_name
+from splitserve.testing.waiting import wait_until
 
 from .conftest import grpc_generate
 
@@ -55,10 +57,9 @@ def deployment(llama_dir, pki):
         no_client_cert = cluster.start_frontend("--tls-ca", str(ca))
         plaintext = cluster.start_frontend()
         for front in (no_client_cert, plaintext):      # up (its HTTP answers), though never ready
-            deadline = time.monotonic() + 120
-            while front.get("/health")[0] != 200:
-                assert time.monotonic() < deadline and front.proc.alive(), front.proc.output[-2000:]
-                time.sleep(0.1)
+            wait_until(lambda: front.get("/health")[0] == 200 or not front.proc.alive(), timeout=120,
+                       what="the frontend to answer /health", details=lambda: front.proc.output[-2000:])
+            assert front.proc.alive(), front.proc.output[-2000:]
         yield cluster, {"good": good, "no_client_cert": no_client_cert, "plaintext": plaintext}
     finally:
         codes = cluster.close()
@@ -73,7 +74,7 @@ def fronts(deployment):
 @pytest.fixture(scope="module")
 def model_name(fronts, pki):
     verify = ssl.create_default_context(cafile=str(pki["ca"].ca_path))
-    return httpx.get(f"{fronts['good'].openai_url}/models", verify=verify).json()["data"][0]["id"]
+    return served_model_name(fronts["good"].openai_url, verify=verify)
 
 
 def test_openai_client_over_https(fronts, pki, model_name):
@@ -154,7 +155,7 @@ def test_frontend_without_a_client_certificate_is_refused(fronts):
         for name in ("no_client_cert", "plaintext"):
             assert fronts[name].get("/ready")[0] == 503, name
             assert fronts[name].proc.alive(), fronts[name].proc.output[-2000:]
-        time.sleep(0.5)
+        time.sleep(0.5)                  # the next look: the claim is "not ready for 5 s", not a condition
     reply = httpx.post(f"{fronts['plaintext'].openai_url}/completions",
                        json={"model": "any", "prompt": "Hi", "max_tokens": 2})
     assert reply.status_code == 503 and reply.json()["error"]["type"] == "service_unavailable"

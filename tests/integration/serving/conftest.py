@@ -3,22 +3,26 @@
 Servers listen on free ports on 127.0.0.1, are waited for by polling (bounded),
 and are always torn down, with a check that no child process outlives them.
 One server per test module keeps the suite within a few minutes on 2 cores.
+`llama_server` is that server for the modules that need no flags of their own;
+`client` (the official openai client) and `model_name` (the name it serves) go with it.
 """
 
 from __future__ import annotations
 
 import re
 import signal
-import time
 import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
 
+import openai
 import pytest
 
 from splitserve.net import free_port
 from splitserve.testing import processes
+from splitserve.testing.openai_api import served_model_name
 from splitserve.testing.processes import READY_TIMEOUT_S, pid_alive
+from splitserve.testing.waiting import wait_until
 
 
 @dataclass
@@ -84,10 +88,9 @@ def stop_serve(server: Server, sig: int = signal.SIGTERM) -> None:
     code = server.proc.stop(sig)
     assert code == 0, server.proc.output
     assert len(server.child_pids) >= 2    # workers and the frontend
-    deadline = time.monotonic() + 5
-    while any(pid_alive(pid) for pid in server.child_pids) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert not [pid for pid in server.child_pids if pid_alive(pid)], "serve left orphan processes"
+    wait_until(lambda: not any(pid_alive(pid) for pid in server.child_pids), timeout=5, interval=0.05,
+               what="serve's children to exit with it (no orphans)",
+               details=lambda: f"still running: {[pid for pid in server.child_pids if pid_alive(pid)]}")
 
 
 @pytest.fixture(scope="module")
@@ -97,3 +100,14 @@ def llama_server(llama_dir):
         yield server
     finally:
         stop_serve(server)
+
+
+@pytest.fixture(scope="module")
+def client(llama_server) -> openai.OpenAI:
+    """The official openai client on `llama_server`."""
+    return openai.OpenAI(base_url=llama_server.openai_url, api_key="unused", max_retries=0, timeout=60)
+
+
+@pytest.fixture(scope="module")
+def model_name(llama_server) -> str:
+    return served_model_name(llama_server.openai_url)

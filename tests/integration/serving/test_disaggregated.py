@@ -18,7 +18,6 @@ reservation open, no finished prefill still holding blocks.
 from __future__ import annotations
 
 import json
-import random
 import socket
 import time
 
@@ -28,7 +27,9 @@ import pytest
 from splitserve.services.engine.config import EngineConfig
 from splitserve.services.engine.engine import LLMEngine
 from splitserve.services.worker_protocol.sampling_params import SamplingParams
+from splitserve.testing.models import random_prompt
 from splitserve.testing.oracle import assert_greedy_match, hf_greedy
+from splitserve.testing.waiting import wait_until
 from splitserve.testing.workers import wait_idle, worker_stats
 
 from .conftest import Server, start_serve, stop_serve
@@ -39,13 +40,8 @@ DEPLOYMENTS = [("nixl", 1, 1), ("tcp", 1, 1), ("tcp", 2, 2), ("nixl", 2, 2)]
 DEFAULT = [DEPLOYMENTS[0]]        # what `splitserve serve` starts: NIXL, 1 prefill + 1 decode
 
 
-def _prompt(seed: int, n: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(3, 32000) for _ in range(n)]
-
-
 # Lengths: a short one (local), one inside a block, several blocks, and one over two chunks.
-PROMPTS = [_prompt(1, 12), _prompt(2, 45), _prompt(3, 130), _prompt(4, 300)]
+PROMPTS = [random_prompt(1, 12), random_prompt(2, 45), random_prompt(3, 130), random_prompt(4, 300)]
 
 
 def _id(d) -> str:
@@ -122,7 +118,7 @@ def test_sampling_controls_through_the_prefill_worker_equal_aggregated(deploymen
     eos = min(engine.eos_token_ids)
     before = worker_stats(prefill).num_prefills_served
     # Fresh prompts, over the threshold: earlier tests' prompts are cached on the decode worker.
-    for prompt in (_prompt(40, 45), _prompt(41, 130), _prompt(42, 300)):
+    for prompt in (random_prompt(40, 45), random_prompt(41, 130), random_prompt(42, 300)):
         [plain] = engine.generate([prompt], SamplingParams(max_tokens=1))
         controls = dict(logit_bias={plain.token_ids[0]: -100.0, eos: 100.0}, min_tokens=4,
                         repetition_penalty=0.6, frequency_penalty=0.5, presence_penalty=-1.0)
@@ -147,7 +143,7 @@ def test_prompt_logprobs_come_from_the_prefill_worker(deployment, llama_dir):
     [prefill] = server.role("prefill")
     engine = LLMEngine(EngineConfig(model=str(llama_dir), num_kv_blocks=256, num_threads=1))
     client = openai.OpenAI(base_url=server.openai_url, api_key="unused", max_retries=0, timeout=60)
-    prompt = _prompt(60, THRESHOLD + 50)
+    prompt = random_prompt(60, THRESHOLD + 50)
     [want] = engine.generate([prompt], SamplingParams(max_tokens=2, prompt_logprobs=1))
     engine.close()
     before = worker_stats(prefill).num_prefills_served
@@ -173,7 +169,7 @@ def test_cache_salt_keeps_prefix_hits_and_routing_per_salt(deployment):
     _, server = deployment
     [decode], [prefill] = server.role("decode"), server.role("prefill")
     client = openai.OpenAI(base_url=server.openai_url, api_key="unused", max_retries=0, timeout=60)
-    prompt = _prompt(50, THRESHOLD + 60)
+    prompt = random_prompt(50, THRESHOLD + 60)
 
     def run(salt: str):
         out = client.completions.create(model=_model(server), prompt=prompt, max_tokens=3, temperature=0,
@@ -202,7 +198,7 @@ def test_conditional_disaggregation_from_counters(deployment):
     _, server = deployment
     [decode], [prefill] = server.role("decode"), server.role("prefill")
     before_d, before_p = worker_stats(decode), worker_stats(prefill)
-    short, long = _prompt(10, THRESHOLD - 8), _prompt(11, THRESHOLD + 40)
+    short, long = random_prompt(10, THRESHOLD - 8), random_prompt(11, THRESHOLD + 40)
     _complete(server, short)
     d = worker_stats(decode)
     assert (d.num_local_prefills, d.num_remote_prefills) == (before_d.num_local_prefills + 1,
@@ -230,25 +226,15 @@ def _open_request(server: Server, prompt: list[int], max_tokens: int, stream: bo
     return sock
 
 
-def _wait_for(predicate, limit_s: float = 10.0, what: str = ""):
-    deadline = time.monotonic() + limit_s
-    while True:
-        value = predicate()
-        if value:
-            return value
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.01)
-
-
 @pytest.mark.parametrize("deployment", DEFAULT, ids=_id, indirect=True)
 @pytest.mark.parametrize("stream", [True, False], ids=["streamed", "whole"])
 def test_cancel_mid_prefill_frees_both_workers(deployment, stream):
     _, server = deployment
     [prefill], [decode] = server.role("prefill"), server.role("decode")
-    prompt = _prompt(20 + stream, 3000)     # about a second of prefill in 256-token chunks
+    prompt = random_prompt(20 + stream, 3000)     # about a second of prefill in 256-token chunks
     before_p = worker_stats(prefill)
     sock = _open_request(server, prompt, 50, stream)
-    _wait_for(lambda: worker_stats(prefill).num_running == 1, what="the prefill to start")
+    wait_until(lambda: worker_stats(prefill).num_running == 1, timeout=10, interval=0.01, what="the prefill to start")
     d = worker_stats(decode)
     assert d.num_remote_prefill == 1 and d.num_transfer_reservations == 1
     # The reservation's blocks (3000 random tokens: no prefix hit) are what the decode worker holds.
@@ -263,9 +249,9 @@ def test_cancel_mid_prefill_frees_both_workers(deployment, stream):
     # none of its writes was in flight any more.
     assert p.num_fences_served == before_p.num_fences_served + 1
     assert after["decode-0"].num_fences_confirmed == d.num_fences_confirmed + 1
-    # The prefill engine stopped computing: the prompt was never finished.
-    time.sleep(0.2)
-    assert worker_stats(prefill).num_prompt_tokens_computed - before_p.num_prompt_tokens_computed < len(prompt)
+    # The prefill engine stopped computing: the prompt was never finished. (Idle, read on the
+    # engine thread between steps: nothing of the request runs any more.)
+    assert p.num_prompt_tokens_computed - before_p.num_prompt_tokens_computed < len(prompt)
 
 
 @pytest.mark.parametrize("deployment", DEFAULT, ids=_id, indirect=True)
@@ -274,9 +260,9 @@ def test_cancel_mid_decode_frees_both_workers(deployment, stream):
     _, server = deployment
     [decode] = server.role("decode")
     before_d = worker_stats(decode)
-    sock = _open_request(server, _prompt(22 + stream, 200), 3000, stream)
-    _wait_for(lambda: worker_stats(decode).num_generated_tokens - before_d.num_generated_tokens >= 5,
-              what="the decode to start")
+    sock = _open_request(server, random_prompt(22 + stream, 200), 3000, stream)
+    wait_until(lambda: worker_stats(decode).num_generated_tokens - before_d.num_generated_tokens >= 5,
+               timeout=10, interval=0.01, what="the decode to start")
     if stream:
         received = b""
         while received.count(b"data:") < 5:

@@ -26,9 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import random
 import signal
-import time
 
 import pytest
 
@@ -36,16 +34,13 @@ from splitserve.services.engine.config import EngineConfig
 from splitserve.services.engine.engine import LLMEngine
 from splitserve.services.worker_protocol.sampling_params import SamplingParams
 from splitserve.testing.cluster import Cluster
+from splitserve.testing.models import random_prompt
 from splitserve.testing.processes import pid_alive
-from splitserve.testing.workers import generate, wait_idle, worker_stats
+from splitserve.testing.waiting import wait_until
+from splitserve.testing.workers import generate, wait_idle, wait_running, worker_stats
 
 MAX_TOKENS = 5
 THRESHOLD = 32
-
-
-def _prompt(seed: int, n: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(3, 32000) for _ in range(n)]
 
 
 PAIRS = [("p2", "d1"), ("p1", "d2"), ("p2", "d2")]
@@ -53,15 +48,15 @@ PAIRS = [("p2", "d1"), ("p1", "d2"), ("p2", "d2")]
 
 def _prompts(k: int) -> dict[str, list[int]]:
     """Pair k's prompts (fresh ones per pair: a prompt a worker has cached would stay local)."""
-    shared = _prompt(100 * k, 160)      # both workers cache its 10 full blocks with "shared-a"
-    return {"one-block": _prompt(100 * k + 1, 40), "blocks": _prompt(100 * k + 2, 130),
-            "two-chunks": _prompt(100 * k + 3, 300), "shared-a": shared + _prompt(100 * k + 4, 20),
-            "shared-b": shared + _prompt(100 * k + 5, 50)}
+    shared = random_prompt(100 * k, 160)      # both workers cache its 10 full blocks with "shared-a"
+    return {"one-block": random_prompt(100 * k + 1, 40), "blocks": random_prompt(100 * k + 2, 130),
+            "two-chunks": random_prompt(100 * k + 3, 300),
+            "shared-a": shared + random_prompt(100 * k + 4, 20), "shared-b": shared + random_prompt(100 * k + 5, 50)}
 
 
 PROMPTS = {(k, name): prompt for k in range(len(PAIRS)) for name, prompt in _prompts(k).items()}
-PROMPTS["killed"] = _prompt(900, 2500)        # long enough to be mid-prefill when its worker dies
-PROMPTS["cancelled"] = _prompt(901, 2500)     # likewise, when its client goes away
+PROMPTS["killed"] = random_prompt(900, 2500)        # long enough to be mid-prefill when its worker dies
+PROMPTS["cancelled"] = random_prompt(901, 2500)     # likewise, when its client goes away
 
 
 # NIXL is installed by the test command; a missing NIXL fails the nixl cases (no skip).
@@ -116,10 +111,7 @@ def test_greedy_output_equals_aggregated_tp1(cluster, expected, pair):
 async def _mid_prefill(decode: str, prefill: str, name: str) -> asyncio.Task:
     """Start request `name` (its prompt from PROMPTS); return once `prefill` computes it."""
     task = asyncio.create_task(generate(decode, name, PROMPTS[name], MAX_TOKENS, [("p", prefill)]))
-    deadline = time.monotonic() + 30
-    while worker_stats(prefill).num_running == 0:
-        assert time.monotonic() < deadline and not task.done()
-        await asyncio.sleep(0.01)
+    await wait_running(prefill, task)
     return task
 
 
@@ -168,7 +160,5 @@ def test_prefill_group_killed_mid_prefill_falls_back_locally_and_leaks_nothing(c
     after_d = worker_stats(d2)
     assert after_d.num_fences_confirmed == before_d.num_fences_confirmed + 1
     assert after_d.num_fences_waited_out == before_d.num_fences_waited_out
-    deadline = time.monotonic() + 30
-    while any(pid_alive(pid) for pid in ranks):
-        assert time.monotonic() < deadline, "the dead prefill worker's TP rank is still running"
-        time.sleep(0.1)
+    wait_until(lambda: not any(pid_alive(pid) for pid in ranks), timeout=30,
+               what="the dead prefill worker's TP rank to exit by itself")

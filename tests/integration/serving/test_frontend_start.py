@@ -11,7 +11,6 @@ asks for), while a request that sets it keeps its own.
 from __future__ import annotations
 
 import json
-import time
 
 import httpx
 import openai
@@ -19,6 +18,7 @@ import pytest
 
 from splitserve.net import free_port
 from splitserve.testing.cluster import Cluster
+from splitserve.testing.waiting import wait_until
 
 PROMPT_IDS = [1, 415, 2936, 9060, 285, 1142, 28705, 28740, 28734, 2421]
 
@@ -45,10 +45,9 @@ def test_models_answers_503_until_a_worker_can_serve_then_lists_it(cluster, llam
     other = cluster.start_frontend("--worker", f"both=127.0.0.1:{port}", "--generation-config",
                                    str(greedy_by_default), workers=[])
     client = openai.OpenAI(base_url=front.openai_url, api_key="unused", max_retries=0, timeout=30)
-    deadline = time.monotonic() + 120
-    while front.get("/health")[0] != 200:          # the frontend is up, its worker is not
-        assert front.proc.alive() and time.monotonic() < deadline, front.proc.tail()
-        time.sleep(0.1)
+    wait_until(lambda: front.get("/health")[0] == 200 or not front.proc.alive(), timeout=120,
+               what="the frontend to answer /health", details=front.proc.tail)
+    assert front.proc.alive(), front.proc.tail()    # the frontend is up, its worker is not
     status, body = front.get("/v1/models")
     assert status == 503, body
     error = json.loads(body)["error"]

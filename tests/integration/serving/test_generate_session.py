@@ -10,6 +10,7 @@ import contextlib
 import signal
 import socket
 import struct
+from collections.abc import Callable
 
 import grpc
 import pytest
@@ -18,6 +19,7 @@ from splitserve.proto.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from splitserve.services.frontend.migration import breaks_stream
 from splitserve.services.frontend.workers.session import GrpcLink, StreamLink, WorkerCallError, WorkerSession
 from splitserve.services.frontend.workers.pool import WorkerAddress, WorkerPool
+from splitserve.testing.waiting import async_wait_until
 from splitserve.testing.workers import worker_stats
 
 from .conftest import Proc, free_port
@@ -60,6 +62,17 @@ def request(request_id: str, token_ids=PROMPT, **params) -> worker_pb2.TokenGene
 
 async def tokens(responses) -> list[int]:
     return [t async for r in responses for t in r.token_ids]
+
+
+async def _until_stats(address: str, done: Callable[[worker_pb2.StatsResponse], bool], what: str,
+                       timeout: float = 1.0) -> worker_pb2.StatsResponse:
+    """The worker's Stats once `done(stats)`; read off the event loop, whose session must run meanwhile."""
+    async def read() -> worker_pb2.StatsResponse | None:
+        stats = await asyncio.to_thread(worker_stats, address)
+        return stats if done(stats) else None
+
+    return await async_wait_until(read, timeout=timeout, interval=0.02, what=what,
+                                  details=lambda: worker_stats(address))
 
 
 @pytest.mark.parametrize("link", LINKS)
@@ -107,13 +120,8 @@ def test_leaving_a_request_early_aborts_it_on_the_worker(worker, link):
             async with contextlib.aclosing(session.generate(request("long", max_tokens=2000))) as responses:
                 async for _ in responses:
                     break                       # the client went away after the first message
-            deadline = asyncio.get_running_loop().time() + 1.0
-            while True:
-                stats = await asyncio.to_thread(worker_stats, worker)
-                if stats.num_running == 0 and stats.num_used_kv_blocks == 0:
-                    break
-                assert asyncio.get_running_loop().time() < deadline, f"not aborted within 1 s: {stats}"
-                await asyncio.sleep(0.02)
+            stats = await _until_stats(worker, lambda s: s.num_running == 0 and s.num_used_kv_blocks == 0,
+                                       "the request to be aborted")
             after = await tokens(session.generate(request("after")))     # the session lives on
             await session.close()
             return stats, after
@@ -132,10 +140,7 @@ def test_closing_the_stream_aborts_its_requests(worker):
             await session.close()               # the connection goes; the request was not aborted
             with pytest.raises(WorkerCallError) as cut:
                 await anext(responses)
-            deadline = asyncio.get_running_loop().time() + 1.0
-            while (stats := await asyncio.to_thread(worker_stats, worker)).num_running:
-                assert asyncio.get_running_loop().time() < deadline, f"still running after 1 s: {stats}"
-                await asyncio.sleep(0.02)
+            stats = await _until_stats(worker, lambda s: s.num_running == 0, "nothing to run on the worker")
             return cut.value, stats
 
     cut, stats = asyncio.run(main())
@@ -165,9 +170,7 @@ async def generate_through_the_pool(address: str) -> tuple[list[int], type]:
     pool = WorkerPool.connect([WorkerAddress("both", address)])
     pool.start()
     try:
-        async with asyncio.timeout(30):
-            while not pool.all_ready():
-                await asyncio.sleep(0.02)
+        await async_wait_until(pool.all_ready, timeout=30, interval=0.02, what="the pool to have the worker ready")
         worker = pool.workers[0]
         out = await tokens(worker.generate(request("via-pool")))
         return out, type(worker.session._current.link)
@@ -194,16 +197,19 @@ def test_a_worker_without_a_stream_says_so_and_is_served_over_grpc(llama_dir):
 
 @pytest.mark.parametrize("link", LINKS)
 def test_a_dying_worker_breaks_its_requests_and_a_drain_ends_the_session(llama_dir, link):
-    async def stream_until_cut(session: WorkerSession, name: str) -> WorkerCallError:
+    async def stream_until_cut(session: WorkerSession, name: str, received: list[int]) -> WorkerCallError:
         with pytest.raises(WorkerCallError) as cut:
-            await tokens(session.generate(request(name, max_tokens=3000)))
+            async for reply in session.generate(request(name, max_tokens=3000)):
+                received += reply.token_ids
         return cut.value
 
     async def main(address: str, proc: Proc, sig: int):
         async with grpc.aio.insecure_channel(address) as channel:
             session = await open_session(channel, address, link)
-            running = asyncio.ensure_future(stream_until_cut(session, "cut"))
-            await asyncio.sleep(0.5)
+            received: list[int] = []
+            running = asyncio.ensure_future(stream_until_cut(session, "cut", received))
+            await async_wait_until(lambda: len(received) >= 3, timeout=30, interval=0.02,
+                                   what="the request to be streaming")
             proc.process.send_signal(sig)
             return await asyncio.wait_for(running, 30)
 

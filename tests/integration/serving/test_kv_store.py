@@ -14,7 +14,6 @@ import json
 import os
 import re
 import signal
-import time
 import urllib.request
 
 import grpc
@@ -23,6 +22,7 @@ import pytest
 from splitserve.net import free_port
 from splitserve.proto.v1 import kvstore_pb2, kvstore_pb2_grpc
 from splitserve.testing.cluster import Cluster
+from splitserve.testing.waiting import wait_until
 from splitserve.testing.workers import generate, worker_stats
 
 BLOCK = 16
@@ -37,13 +37,13 @@ def store_stats(address: str) -> kvstore_pb2.StoreStatsResponse:
 
 
 def wait_held(address: str, blocks: int, timeout_s: float = 60.0) -> kvstore_pb2.StoreStatsResponse:
-    """Publishing happens behind the engine: poll until the store holds `blocks`."""
-    deadline = time.monotonic() + timeout_s
-    while True:
+    """Publishing happens behind the engine: the store's Stats once it holds `blocks`."""
+    def held() -> kvstore_pb2.StoreStatsResponse | None:
         stats = store_stats(address)
-        if stats.blocks_held >= blocks or time.monotonic() > deadline:
-            return stats
-        time.sleep(0.05)
+        return stats if stats.blocks_held >= blocks else None
+
+    return wait_until(held, timeout=timeout_s, interval=0.05, what=f"the store to hold {blocks} blocks",
+                      details=lambda: store_stats(address))
 
 
 def tier_hits(address: str) -> dict[str, int]:
@@ -81,11 +81,9 @@ def test_a_prefix_computed_on_one_worker_is_fetched_by_another(llama_dir, backen
         # w2 published nothing it fetched: the store still holds one copy of each block.
         assert store_stats(store).counters["offered"] == 5
         # w1's KV events told the router what the store took: it credits both attached workers.
-        deadline = time.monotonic() + 10
         pattern = r'splitserve_router_index_tier_blocks\{tier="store",worker="(w\d)"\} 5\.0'
-        while set(re.findall(pattern, front.metrics())) != {"w1", "w2"}:
-            assert time.monotonic() < deadline, front.metrics()
-            time.sleep(0.2)
+        wait_until(lambda: set(re.findall(pattern, front.metrics())) == {"w1", "w2"}, timeout=10, interval=0.2,
+                   what="the router to credit both workers with the store's 5 blocks", details=front.metrics)
         with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10) as reply:
             exposition = reply.read().decode()
         assert "splitserve_kvstore_blocks 5.0" in exposition
@@ -126,12 +124,19 @@ def test_a_store_killed_mid_fetch_costs_a_recompute_not_a_token(llama_dir):
         cluster.start_kvstore(STORE_GIB, "--transfer", "tcp", port=port)
         want_c = run(w1, "C", "c1")
         assert wait_held(store, 5).blocks_held == 5
-        deadline, poke = time.monotonic() + 60, 0
-        while store_stats(store).counters["attached"] < 2:
-            assert time.monotonic() < deadline, cluster.outputs()[-3000:]
-            poke += 1
-            asyncio.run(generate(w2, f"poke-{poke}", [7 + poke] * (BLOCK + 1), 1))
-            time.sleep(0.5)
+        pokes: list[int] = []
+
+        def attached_both() -> bool:
+            if store_stats(store).counters["attached"] >= 2:
+                return True
+            pokes.append(len(pokes) + 1)
+            asyncio.run(generate(w2, f"poke-{pokes[-1]}", [7 + pokes[-1]] * (BLOCK + 1), 1))
+            return False
+
+        # Half a second between pokes: w2 looks up again once its back-off is over, not at each poke.
+        wait_until(attached_both, timeout=60, interval=0.5, what="w2 to attach to the new store",
+                   details=lambda: cluster.outputs()[-3000:])
+        poke = len(pokes)
         assert run(w2, "B", "b2") == want_b              # the old store's blocks are gone: computed
         assert worker_stats(w2).num_prompt_tokens_computed == 2 * len(PROMPTS["A"]) + poke * (BLOCK + 1)
         w3 = cluster.start_worker("w3", "both", "--kv-store", store, "--transfer", "tcp")
@@ -193,15 +198,15 @@ def test_serve_starts_a_store_its_workers_share_and_restarts_it(llama_dir):
         assert _complete(server.base_url, PROMPTS["A"]) == (text, 5 * BLOCK)     # the other worker, from the store
 
         os.kill(_kvstore_pid(server.proc.children()), signal.SIGKILL)
-        deadline = time.monotonic() + 30
-        while True:
+
+        def new_store_answers() -> bool:
             try:
-                if store_stats(store).counters["lookups"] == 0:
-                    break                                # the new store answers
+                return store_stats(store).counters["lookups"] == 0
             except grpc.RpcError:
-                pass
-            assert time.monotonic() < deadline, server.proc.output
-            time.sleep(0.2)
+                return False
+
+        wait_until(new_store_answers, timeout=30, interval=0.2, what="serve's new store to answer",
+                   details=lambda: server.proc.output)
         text_c, cached = _complete(server.base_url, PROMPTS["C"])
         assert cached == 0 and wait_held(store, 5).blocks_held == 5
         assert _complete(server.base_url, PROMPTS["C"]) == (text_c, 5 * BLOCK)

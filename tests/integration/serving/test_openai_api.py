@@ -37,18 +37,6 @@ def server(llama_server):
 
 
 @pytest.fixture(scope="module")
-def model_name(server) -> str:
-    data = httpx.get(f"{server.openai_url}/models").json()["data"]
-    assert len(data) == 1
-    return data[0]["id"]
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    return openai.OpenAI(base_url=server.openai_url, api_key="unused", max_retries=0, timeout=60)
-
-
-@pytest.fixture(scope="module")
 def engine(llama_dir):
     return LLMEngine(EngineConfig(model=str(llama_dir), num_kv_blocks=128, num_threads=1))
 

@@ -23,16 +23,6 @@ def server(llama_server):
     return llama_server
 
 
-@pytest.fixture(scope="module")
-def model_name(server) -> str:
-    return httpx.get(f"{server.openai_url}/models").json()["data"][0]["id"]
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    return openai.OpenAI(base_url=server.openai_url, api_key="unused", max_retries=0, timeout=60)
-
-
 def _chat_greedy(client, model_name, max_tokens: int):
     return client.chat.completions.create(model=model_name, messages=CHAT, max_tokens=max_tokens, temperature=0)
 

@@ -23,7 +23,7 @@ from splitserve.services.engine.engine import LLMEngine
 from splitserve.services.worker_protocol.sampling_params import SamplingParams
 from splitserve.kvtransfer.sender_receiver import GRANT_GRACE_S
 from splitserve.testing.cluster import Cluster
-from splitserve.testing.workers import generate, wait_idle, worker_stats
+from splitserve.testing.workers import generate, wait_idle, wait_running, worker_stats
 
 PROMPTS = {name: [(7 * i + 31 * k) % 31000 + 5 for i in range(n)]
            for k, (name, n) in enumerate([("warm", 100), ("killed", 2500), ("dead", 150), ("hung", 160)])}
@@ -67,10 +67,7 @@ def test_sigkill_mid_prefill_retries_the_other_prefill_worker(workers, expected)
 
     async def killed_mid_prefill():
         task = asyncio.create_task(generate(d0, "killed", PROMPTS["killed"], MAX_TOKENS, [("p0", p0), ("p1", p1)]))
-        deadline = time.monotonic() + 10
-        while worker_stats(p0).num_running == 0:        # p0 is computing the prompt now
-            assert time.monotonic() < deadline and not task.done()
-            await asyncio.sleep(0.01)
+        await wait_running(p0, task, timeout=10)        # p0 is computing the prompt now
         procs["p0"].process.send_signal(signal.SIGKILL)
         return await task
 

@@ -30,16 +30,6 @@ def server(llama_server):
 
 
 @pytest.fixture(scope="module")
-def client(server):
-    return openai.OpenAI(base_url=server.openai_url, api_key="unused", max_retries=0, timeout=60)
-
-
-@pytest.fixture(scope="module")
-def model_name(client) -> str:
-    return client.models.list().data[0].id
-
-
-@pytest.fixture(scope="module")
 def engine(llama_dir):
     e = LLMEngine(EngineConfig(model=str(llama_dir), num_kv_blocks=128, num_threads=1))
     yield e

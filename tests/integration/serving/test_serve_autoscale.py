@@ -252,7 +252,7 @@ async def _drive(server, log: Log, r1: float, r2: float, started_pids: dict[str,
         async def streamer() -> None:
             while not quiet_over():
                 await send(QUIET_PROMPT, QUIET_OUTPUT)
-                await asyncio.sleep(0.05)
+                await asyncio.sleep(0.05)         # the quiet load: a short pause between two requests
 
         await asyncio.gather(*(streamer() for _ in range(QUIET_STREAMS)))
         marks["end"] = time.monotonic()

@@ -15,7 +15,9 @@ import openai
 import pytest
 
 from splitserve.testing.metrics import scrape
+from splitserve.testing.models import random_prompt
 from splitserve.testing.oracle import assert_greedy_match, hf_greedy
+from splitserve.testing.waiting import wait_until
 from splitserve.testing.workers import wait_idle, worker_stats
 
 from .conftest import Server, start_serve, stop_serve
@@ -24,15 +26,9 @@ LONG = 120          # tokens per stream: still streaming when the kill lands
 BACK_WITHIN_S = 30.0
 
 
-def _prompt(seed: int, n: int) -> list[int]:
-    import random
-    rng = random.Random(seed)
-    return [rng.randrange(3, 32000) for _ in range(n)]
-
-
 @pytest.fixture(scope="module")
 def cases(llama_dir: Path):
-    prompts = [_prompt(700 + i, 16 + 9 * i) for i in range(6)]
+    prompts = [random_prompt(700 + i, 16 + 9 * i) for i in range(6)]
     return list(zip(prompts, hf_greedy(llama_dir, prompts, LONG, ignore_eos=True)))
 
 
@@ -86,9 +82,8 @@ def _kill_under_streams(server: Server, cases, victim: str, n: int = 24, after_t
     threads = [threading.Thread(target=run, args=(i,), daemon=True) for i in range(n)]
     for t in threads:
         t.start()
-    deadline = time.monotonic() + 120
-    while min(p[0] for p in progress) < after_tokens and not errors and time.monotonic() < deadline:
-        time.sleep(0.02)
+    wait_until(lambda: min(p[0] for p in progress) >= after_tokens or errors, timeout=120, interval=0.02,
+               what=f"{after_tokens} tokens on every stream", details=lambda: f"progress: {progress}")
     os.kill(_pid_of(server, victim), signal.SIGKILL)
     killed_at = time.monotonic()
     for t in threads:
@@ -127,10 +122,8 @@ def test_sigkill_of_a_decode_worker_loses_no_stream(llama_dir, cases, decode_wor
               f"decode-0; serving again {took:.1f} s after the kill")
         assert "decode-0 exited with code -9; restarting it" in server.proc.output
         # The frontend sees it come back (a new instance at its address) and routes to it again.
-        deadline = time.monotonic() + 10
-        while _metric(server, "splitserve_worker_restarts_total", worker="decode-0") < 1:
-            assert time.monotonic() < deadline, server.proc.tail()
-            time.sleep(0.1)
+        wait_until(lambda: _metric(server, "splitserve_worker_restarts_total", worker="decode-0") >= 1, timeout=10,
+                   what="the frontend to count decode-0's restart", details=server.proc.tail)
         address = server.workers["decode-0"]
         before = worker_stats(address).num_requests
         for prompt, ref in cases[:2 * decode_workers]:
@@ -160,15 +153,14 @@ def test_sigkill_of_the_frontend_restarts_it(llama_dir, cases):
     try:
         os.kill(_pid_of(server, "frontend"), signal.SIGKILL)
         server.proc.wait_for_line(r"splitserve: frontend restarted", 20)
-        deadline = time.monotonic() + BACK_WITHIN_S
-        while time.monotonic() < deadline:
+        def answer() -> list[int] | None:
             try:
-                tokens = _stream(server, cases[0][0], 16, [0])
-                break
+                return _stream(server, cases[0][0], 16, [0])
             except (openai.APIConnectionError, openai.InternalServerError, openai.APIStatusError):
-                time.sleep(0.2)
-        else:
-            raise AssertionError(f"the restarted frontend did not answer:\n{server.proc.tail()}")
+                return None
+
+        tokens = wait_until(answer, timeout=BACK_WITHIN_S, interval=0.2, what="the restarted frontend to answer",
+                            details=server.proc.tail)
         assert tokens == cases[0][1].token_ids[:16]
         assert _metric(server, "splitserve_process_restarts") == 1
         assert server.proc.alive()

@@ -30,16 +30,6 @@ class Person(BaseModel):
     colour: Literal["red", "green", "blue"]
 
 
-@pytest.fixture(scope="module")
-def client(llama_server):
-    return openai.OpenAI(base_url=llama_server.openai_url, api_key="unused", max_retries=0, timeout=60)
-
-
-@pytest.fixture(scope="module")
-def model_name(client) -> str:
-    return client.models.list().data[0].id
-
-
 def test_the_clients_parse_helper_gets_a_valid_pydantic_object(client, model_name):
     for seed in (None, 4):
         sampling = {"temperature": 0} if seed is None else {"temperature": 1.0, "seed": seed}

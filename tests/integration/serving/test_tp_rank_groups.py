@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import random
 import signal
 import subprocess
 import time
@@ -35,21 +34,18 @@ from splitserve.services.engine.config import EngineConfig
 from splitserve.services.engine.engine import LLMEngine
 from splitserve.services.worker_protocol.sampling_params import SamplingParams
 from splitserve.testing.cluster import Cluster
-from splitserve.testing.workers import generate, wait_idle, worker_stats
+from splitserve.testing.models import random_prompt
+from splitserve.testing.workers import generate, wait_idle, wait_running, worker_stats
 
 MAX_TOKENS = 6
 THRESHOLD = 32
 EXIT_WITHIN_S = 30.0
 
 
-def _prompt(seed: int, n: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(3, 32000) for _ in range(n)]
-
-
-PROMPTS = {"one-block": _prompt(1, 10), "blocks": _prompt(2, 130), "two-chunks": _prompt(3, 300),
-           "remote-one-block": _prompt(4, 40), "remote-blocks": _prompt(5, 130), "remote-two-chunks": _prompt(6, 300)}
-LONG_PROMPT = _prompt(7, 2500)          # long enough to be running when its group breaks
+PROMPTS = {"one-block": random_prompt(1, 10), "blocks": random_prompt(2, 130), "two-chunks": random_prompt(3, 300),
+           "remote-one-block": random_prompt(4, 40), "remote-blocks": random_prompt(5, 130),
+           "remote-two-chunks": random_prompt(6, 300)}
+LONG_PROMPT = random_prompt(7, 2500)          # long enough to be running when its group breaks
 
 
 @pytest.fixture(scope="module")
@@ -143,10 +139,7 @@ def test_a_lost_rank_fails_rank0(cluster):
 
     async def killed_mid_request():
         task = asyncio.create_task(generate(a2, "a2-killed", LONG_PROMPT, 400))
-        deadline = time.monotonic() + 30
-        while worker_stats(a2).num_running == 0:
-            assert time.monotonic() < deadline and not task.done()
-            await asyncio.sleep(0.01)
+        await wait_running(a2, task)
         rank1.process.send_signal(signal.SIGKILL)
         with pytest.raises(grpc.aio.AioRpcError) as failure:
             await task

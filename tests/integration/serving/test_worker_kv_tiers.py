@@ -10,13 +10,14 @@ first four go on to the disk (the host tier's LRU victims).
 from __future__ import annotations
 
 import asyncio
-import time
 import urllib.request
+from pathlib import Path
 
 from prometheus_client.parser import text_string_to_metric_families
 
 from splitserve.net import free_port
 from splitserve.testing.cluster import Cluster
+from splitserve.testing.waiting import wait_until
 from splitserve.testing.workers import generate, worker_stats
 
 BLOCK = 16
@@ -31,6 +32,11 @@ def _metrics(url: str) -> dict[tuple[str, frozenset], float]:
         text = reply.read().decode()
     return {(s.name, frozenset(s.labels.items())): s.value
             for family in text_string_to_metric_families(text) for s in family.samples}
+
+
+def _wait_files(disk: Path, num_files: int) -> None:
+    wait_until(lambda: len(list(disk.glob("*.kvb"))) >= num_files, timeout=10, interval=0.05,
+               what=f"{num_files} block files on the disk tier", details=lambda: sorted(disk.glob("*.kvb")))
 
 
 def test_tiers_in_a_worker_process(llama_dir, tmp_path):
@@ -53,9 +59,7 @@ def test_tiers_in_a_worker_process(llama_dir, tmp_path):
         assert tiers["host"].capacity_blocks == 1 and tiers["host"].num_blocks == 1
         assert tiers["disk"].num_written == 4
 
-        deadline = time.monotonic() + 10                            # the disk tier writes behind the engine
-        while len(list(disk.glob("*.kvb"))) < 4 and time.monotonic() < deadline:
-            time.sleep(0.05)
+        _wait_files(disk, 4)                                        # the disk tier writes behind the engine
         assert len(list(disk.glob("*.kvb"))) == 4
         assert run("A", "a2") == want_a                             # its prefix back from both tiers
         stats = worker_stats(address)
@@ -65,9 +69,7 @@ def test_tiers_in_a_worker_process(llama_dir, tmp_path):
 
         # A's admission evicted B's blocks; the host slot was A's (being loaded), so all five went
         # to disk. Damage every block file there: B is recomputed from its first block, not read wrong.
-        deadline = time.monotonic() + 10
-        while len(list(disk.glob("*.kvb"))) < 9 and time.monotonic() < deadline:
-            time.sleep(0.05)
+        _wait_files(disk, 9)
         for f in disk.glob("*.kvb"):
             data = bytearray(f.read_bytes())
             data[-1] ^= 0xFF

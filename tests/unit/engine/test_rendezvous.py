@@ -6,6 +6,7 @@ child that a later test forks abort."""
 
 from __future__ import annotations
 
+import socket
 import threading
 import time
 
@@ -16,6 +17,7 @@ from splitserve.net import free_port
 from splitserve.services.engine.config import EngineConfig
 from splitserve.services.engine.parallel.rendezvous import (GroupJoinError, GroupMember, host_group, join_leader,
                                                             member_config)
+from splitserve.testing.waiting import wait_until
 
 
 def test_no_environment_means_local_ranks():
@@ -45,13 +47,26 @@ def test_incomplete_environment_refused(env, message):
         GroupMember.from_env(env)
 
 
-def test_rank1_joins_before_rank0_listens_and_gets_rank0s_config():
+def test_rank1_joins_before_rank0_listens_and_gets_rank0s_config(monkeypatch):
     port = free_port()
     leader = EngineConfig(model="/rank0/path", tensor_parallel_size=2, num_kv_blocks=123, block_size=32)
     hosted: dict = {}
+    refused: list[tuple] = []
+    dial = socket.create_connection
+
+    def counted_dial(address, *args, **kwargs):
+        try:
+            return dial(address, *args, **kwargs)
+        except ConnectionRefusedError:
+            refused.append(address)
+            raise
+
+    monkeypatch.setattr(socket, "create_connection", counted_dial)
 
     def rank0() -> None:
-        time.sleep(1.0)                 # rank 1 dials first and must wait for the leader
+        # Rank 1 dials first and must wait for the leader.
+        wait_until(lambda: ("127.0.0.1", port) in refused, timeout=20, interval=0.01,
+                   what="rank 1 to dial the leader's port before it listens")
         hosted["store"], hosted["conns"] = host_group(leader, port, timeout_s=20)
 
     thread = threading.Thread(target=rank0)

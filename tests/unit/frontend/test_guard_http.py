@@ -19,6 +19,7 @@ import pytest
 from splitserve.services.frontend.guard import GuardMiddleware
 from splitserve.services.frontend.asgi import DONE
 from splitserve.testing.clock import FakeClock
+from splitserve.testing.waiting import async_wait_until
 
 from .conftest import counted_guard
 
@@ -136,8 +137,8 @@ def test_concurrency_is_per_key_and_the_slot_comes_back():
 
     async def main():
         held = asyncio.create_task(_call(middleware, "/v1/hold", key=KEY))
-        while "/v1/hold" not in app.paths:       # one step at a time until the app holds it
-            await asyncio.sleep(0)
+        await async_wait_until(lambda: "/v1/hold" in app.paths, timeout=5, interval=0,
+                               what="the app to hold the first request")
         same_key = await _call(middleware, key=KEY, client="10.0.0.2")    # a key is a client, wherever it is
         other_key = await _call(middleware, key=OTHER_KEY)
         listing = await _call(middleware, "/v1/models", "GET", key=KEY)  # only generation is limited
@@ -161,8 +162,8 @@ def test_without_keys_the_client_is_the_peer_address():
 
     async def main():
         held = asyncio.create_task(_call(middleware, "/v1/hold", client="10.0.0.1"))
-        while "/v1/hold" not in app.paths:
-            await asyncio.sleep(0)
+        await async_wait_until(lambda: "/v1/hold" in app.paths, timeout=5, interval=0,
+                               what="the app to hold the first request")
         same, other = await _call(middleware, client="10.0.0.1"), await _call(middleware, client="10.0.0.2")
         app.release.set()
         await held

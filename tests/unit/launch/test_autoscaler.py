@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import signal
 import sys
 import threading
-import time
 import types
 
 import pytest
@@ -29,6 +29,8 @@ from splitserve.services.launch.topology import (AutoscaleSettings, autoscale_se
 from splitserve.services.launch.profile_run import decode_step_seconds
 from splitserve.services.launch.supervisor import Supervisor
 from splitserve.services.planner import CapacityProfile, PlannerMode, ReplicaCounts, ThroughputCurve
+from splitserve.testing.processes import ignores_signal
+from splitserve.testing.waiting import wait_until
 
 SLEEPER = [sys.executable, "-c", "import time; time.sleep(60)"]
 
@@ -135,9 +137,10 @@ def test_a_retired_worker_that_outlives_its_drain_is_killed():
     sup = Supervisor(lines.append)
     try:
         ignore = [sys.executable, "-c", "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
-                                        "print('up', flush=True); time.sleep(60)"]
+                                        "time.sleep(60)"]
         child = sup.spawn("worker-1", ignore, "127.0.0.1:9")
-        time.sleep(1.0)                                 # its handler is installed
+        wait_until(lambda: ignores_signal(child.process.pid, signal.SIGTERM), timeout=30, interval=0.02,
+                   what="the child to ignore SIGTERM")
         sup.retire(child)
         assert sup.reap_retired() == []
         assert sup.reap_retired(child.retired_at + sv.RETIRE_KILL_S) == [child]

@@ -21,6 +21,7 @@ from splitserve.operator.scaling_task import Autoscaler, AutoscaleTarget
 from splitserve.services.spec.serving_deployment import ServingDeploymentSpec, SloAutoscalingSpec
 from splitserve.operator.status import reconciler_owned
 from splitserve.services.planner import MetricsSample, Planner, PlannerMode, ReplicaCounts
+from splitserve.testing.waiting import async_wait_until
 
 NS, NAME, UID = "team", "chat", "uid-1"
 AUTOSCALING = {"enabled": True, "ttftP90Ms": 1000, "itlP90Ms": 100, "intervalSeconds": 1, "cooldownSeconds": 5,
@@ -439,11 +440,15 @@ def test_operator_loop_runs_the_autoscaler_beside_its_passes():
         loop = OperatorLoop(kube, [NS], ["etcd:2379"], interval_s=0.05, min_interval_s=0.01)
         assert isinstance(loop.autoscaler.source, PodMetricsSource)     # the live scrape by default
         task = asyncio.create_task(loop.run())
-        await asyncio.sleep(0.3)
+
+        def num_sd_lists() -> int:
+            return sum(p.endswith("/namespaces/team/servingdeployments") for p in kube.paths)
+
+        await async_wait_until(lambda: loop.num_passes >= 1 and num_sd_lists() > loop.num_passes, timeout=5,
+                               interval=0.01, what="a pass and a look of the autoscaler")
         loop.stop()
         await asyncio.wait_for(task, 5)
         assert task.done() and loop.num_passes >= 1
-        sd_lists = [p for p in kube.paths if p.endswith("/namespaces/team/servingdeployments")]
-        assert len(sd_lists) > loop.num_passes                  # the autoscaler looked too
+        assert num_sd_lists() > loop.num_passes                  # the autoscaler looked too
 
     asyncio.run(scenario())

@@ -18,6 +18,7 @@ from splitserve.services.worker_protocol.sampling_params import SamplingParams
 from splitserve.services.worker.kv.remote_prefill import RemotePrefill
 from splitserve.kvtransfer.sender_receiver import GRANT_GRACE_S, TransferError
 from splitserve.services.worker.kv.write_fences import WriteFences
+from splitserve.testing.waiting import async_wait_until
 
 THRESHOLD = 32
 TIMEOUT_S = 30.0
@@ -197,11 +198,8 @@ def test_a_cancelled_remote_prefill_gives_its_reservation_back(engine_loop, rece
 
 async def _sleeping(clock) -> None:
     """Until the code under test waits on the fake clock (its engine calls run on a thread)."""
-    for _ in range(500):
-        if clock.num_sleeping:
-            return
-        await asyncio.sleep(0.01)
-    raise AssertionError("nothing waited on the clock")
+    await async_wait_until(lambda: clock.num_sleeping, timeout=5, interval=0.01,
+                           what="the code under test to wait on the clock")
 
 
 def test_a_full_pool_waits_for_blocks_then_asks_a_prefill_worker(engine_loop, receiver, peers, clock, engine_state):
@@ -235,7 +233,8 @@ def test_a_pool_full_until_the_deadline_means_a_local_prefill(engine_loop, recei
         while not task.done():
             await _sleeping(clock)
             clock.advance(0.25)
-            await asyncio.sleep(0.01)
+            await async_wait_until(lambda: task.done() or clock.num_sleeping, timeout=5, interval=0.01,
+                                   what="the remote prefill to wait on the clock again, or to end")
         outcome = task.result()
         assert outcome.first_token is None and outcome.num_failures == 0
         assert clock.now <= 1000.0 + 5.0 + 0.25
