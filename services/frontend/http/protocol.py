@@ -2,7 +2,9 @@
 
 Models are strict (a string is not an integer) and forbid unknown fields: a
 parameter splitserve does not implement is rejected with a message naming it,
-never silently ignored. Fields that exist in the OpenAI API but only have one
+never silently ignored. Messages are the exception, as in vLLM's server: clients send
+back the message objects they were given (with `audio`, `function_call`, `annotations`...),
+so a message's unused fields are ignored, and its role goes to the chat template as is. Fields that exist in the OpenAI API but only have one
 supported value are accepted at that value
 and rejected otherwise, by `unsupported_values`; best_of >= n generates best_of samples per
 prompt and returns the n with the highest cumulative logprob (vLLM's v0 semantics), not
@@ -48,8 +50,14 @@ class TextPart(_Strict):
     text: str
 
 
-class ChatMessage(_Strict):
-    role: Literal["system", "developer", "user", "assistant", "tool"]
+class ChatMessage(BaseModel):
+    """One message. Like vLLM's server, fields it does not use are accepted and ignored (clients
+    send back the assistant message they were given, with `audio`, `function_call`,
+    `annotations`...), and a role the chat template knows is passed to it as is."""
+
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+    role: Annotated[str, Field(min_length=1)]
     content: str | list[TextPart] | None = None
     name: str | None = None
     tool_calls: list[AssistantToolCall] | None = None     # an assistant's calls, sent back
