@@ -11,7 +11,7 @@ It is a stand-in, named as such: the real engines' behaviour is tested on real e
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from splitserve.block_hashes import block_hashes
 from splitserve.errors import InvalidRequestError
@@ -71,8 +71,7 @@ class FakeEngine:
             num_kv_blocks=self._description.num_kv_blocks, num_used_kv_blocks=used, num_cached_kv_blocks=0,
             num_running=len(self._running) - len(remote), num_waiting=0, num_remote_prefill=len(remote),
             num_remote_prefill_kv_blocks=sum(r.num_blocks for r in remote), num_held_prefills=len(self._held),
-            num_fenced_kv_blocks=0, counters=EngineCounters(**{n: getattr(self.counters, n)
-                                                                 for n in EngineCounters.__dataclass_fields__}))
+            num_fenced_kv_blocks=0, counters=replace(self.counters))
 
     @property
     def ranks(self) -> RankGroup | None:
