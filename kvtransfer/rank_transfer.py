@@ -466,18 +466,26 @@ class SingleRankTransfer:
     def abandon(self, request_id: str) -> None:
         self.local.abandon(request_id)
 
+    # What else a fence may fail with (the other ranks' control channel, for a TP facade).
+    fence_errors: tuple[type[BaseException], ...] = ()
+
     async def fence(self, request_id: str, timeout_s: float) -> bool:
         loop = asyncio.get_running_loop()
         future = loop.create_future()
         self.local.fence(request_id, lambda _, error: settle((loop, future), None, error))
+        others = self.fence_others(request_id, timeout_s)
         try:
             async with asyncio.timeout(timeout_s + 1.0):
                 await future
-        except (TimeoutError, TransferError) as error:
+                return all(await others) if others is not None else True
+        except (TimeoutError, TransferError, *self.fence_errors) as error:
             log.warning("KV transfer: request %s: cannot confirm its writes stopped: %s", request_id,
                         str(error) or "timed out")
             return False
-        return True
+
+    def fence_others(self, request_id: str, timeout_s: float) -> asyncio.Future[list[bool]] | None:
+        """The other ranks' fences of a TP facade, each True once its writes stopped; None here."""
+        return None
 
     def close(self) -> None:
         self.local.close()

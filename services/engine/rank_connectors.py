@@ -37,7 +37,7 @@ import torch
 
 from splitserve.kvtransfer import AgentMetadata, Connector, KVLayout, make_connector
 from splitserve.kvtransfer.errors import TransferError
-from splitserve.kvtransfer.rank_transfer import SingleRankTransfer, settle
+from splitserve.kvtransfer.rank_transfer import SingleRankTransfer
 from splitserve.kvtransfer.sender_receiver import TransferEndpoint, TransferGrant, TransferTarget
 from splitserve.services.engine.parallel import rank_connector_jobs as tp_fanout
 from splitserve.services.engine.parallel.rank_connector_jobs import Gathered, RankReceived, RankSent
@@ -185,24 +185,15 @@ class ConnectorTransfer(SingleRankTransfer):
             self._sending.pop(request_id, None)
         self._control.post_all(tp_fanout.abandon, request_id)
 
-    async def fence(self, request_id: str, timeout_s: float) -> bool:
-        loop = asyncio.get_running_loop()
-        future = loop.create_future()
-        self.local.fence(request_id, lambda _, error: settle((loop, future), None, error))
+    fence_errors = (RankControlError,)
+
+    def fence_others(self, request_id: str, timeout_s: float) -> asyncio.Future[list[bool]]:
         with self._lock:
             self._sending.pop(request_id, None)
         children = asyncio.ensure_future(asyncio.to_thread(
             self._control.call_all, tp_fanout.fence, request_id, timeout_s, timeout_s=timeout_s + 1.0))
         children.add_done_callback(lambda task: task.cancelled() or task.exception())
-        try:
-            async with asyncio.timeout(timeout_s + 1.0):
-                await future
-                drained = all(await children)
-        except (TimeoutError, TransferError, RankControlError) as error:
-            log.warning("KV transfer: request %s: cannot confirm its writes stopped: %s", request_id,
-                        str(error) or "timed out")
-            return False
-        return drained
+        return children
 
     def close(self) -> None:
         """Close rank 0's connector; the other ranks close theirs when the engine stops them."""
