@@ -92,13 +92,20 @@ def smollm2_cache(smollm2_dir) -> Path:
     return smollm2_dir.parent.parent
 
 
+def _reader_env(smollm2_cache: Path) -> dict[str, str]:
+    """The environment blocks and the server run in: the suite's interpreter first on PATH (so
+    `python`, `splitserve` and `pip` are the reader's), the suite's converted SmolLM2."""
+    path = f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"
+    return {**os.environ, **CHILD_ENV, "PATH": path, "SPLITSERVE_CACHE_DIR": str(smollm2_cache)}
+
+
 @pytest.fixture(scope="module")
 def docs_server(smollm2_cache):
     """`splitserve serve` on the shipped SmolLM2, one aggregated worker, free ports."""
     port = free_port()
     proc = Proc.start(["splitserve", "serve", "--aggregated", "--workers", "1", "--port", str(port),
                        "--grpc-port", str(free_port()), "--threads", "1", "--kv-cache-gib", "0.1"],
-                      env={"SPLITSERVE_CACHE_DIR": str(smollm2_cache)})
+                      env=_reader_env(smollm2_cache))
     base_url = f"http://127.0.0.1:{port}"
     try:
         proc.wait_for_line(rf"splitserve is ready: {re.escape(base_url)}/v1", READY_TIMEOUT_S)
@@ -143,10 +150,7 @@ def _error_replies(stdout: str) -> list[dict]:
 @pytest.mark.parametrize("block", RUN_BLOCKS, ids=[block.id for block in RUN_BLOCKS])
 def test_doc_block(block: DocBlock, request: pytest.FixtureRequest, smollm2_cache: Path, tmp_path: Path):
     source = _substituted(block, request)
-    # The suite's interpreter first on PATH: `python`, `splitserve` and `pip` are the reader's.
-    path = f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"
-    env = {**os.environ, **CHILD_ENV, "PATH": path, "SPLITSERVE_CACHE_DIR": str(smollm2_cache)}
-    result = _run(block, source, env, REPO if block.is_shell else tmp_path)
+    result = _run(block, source, _reader_env(smollm2_cache), REPO if block.is_shell else tmp_path)
     shown = f"{block.id} ({block.language}) exited {result.returncode}\n--- stdout\n{result.stdout[-3000:]}" \
             f"\n--- stderr\n{result.stderr[-3000:]}"
     assert result.returncode == 0, shown
