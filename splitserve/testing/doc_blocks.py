@@ -2,7 +2,8 @@
 
 The rule the docs test (tests/integration/docs/test_docs_examples.py) holds every Markdown
 file to: each fenced block names its language, and each shell or Python block either runs
-in the suite or is preceded by a marker that says why it cannot:
+here or is preceded by a marker that says why not: another test runs it (`run-by`, naming
+that test), or it cannot run inside a test suite (`not-run`, saying why):
 
     <!-- not-run: installs packages; tests/integration/cli/test_quickstart.py runs it -->
     ```bash
@@ -25,19 +26,21 @@ from markdown_it import MarkdownIt
 
 SHELL_LANGUAGES = frozenset({"bash", "sh", "shell", "console"})
 PYTHON_LANGUAGES = frozenset({"python", "py", "python3"})
-NOT_RUN_MARKER = re.compile(r"<!--\s*not-run:(?P<reason>.*?)-->", re.DOTALL)
+MARKER = re.compile(r"<!--\s*(?P<kind>not-run|run-by):(?P<reason>.*?)-->", re.DOTALL)
 
 
 @dataclass(frozen=True, slots=True)
 class DocBlock:
     """One fenced block: where it is, its language (the info string's first word, "" for
-    none), its text, and the reason of the not-run marker right before it (None: no marker)."""
+    none), its text, and the marker right before it: `not-run` or `run-by` and its reason
+    (None, None: no marker, the docs test runs it)."""
 
     path: str            # relative to the repository root
     line: int            # 1-based line of the opening fence
     language: str
     source: str
-    not_run: str | None
+    marker: str | None       # "not-run" | "run-by"
+    reason: str | None
 
     @property
     def id(self) -> str:
@@ -56,10 +59,15 @@ class DocBlock:
         """A block the rule applies to: it must run or say why not."""
         return self.is_shell or self.is_python
 
+    @property
+    def runs_here(self) -> bool:
+        """A shell or Python block without a marker: the docs test runs it."""
+        return self.is_code and self.marker is None
+
 
 @dataclass(frozen=True, slots=True)
 class StrayMarker:
-    """A not-run marker that no fenced block follows: it marks nothing."""
+    """A marker that no fenced block follows: it marks nothing."""
 
     path: str
     line: int
@@ -74,17 +82,17 @@ def parse_blocks(text: str, path: str) -> tuple[list[DocBlock], list[StrayMarker
     blocks: list[DocBlock] = []
     strays: list[StrayMarker] = []
     for i, token in enumerate(tokens):
-        marker = NOT_RUN_MARKER.search(token.content) if token.type == "html_block" else None
+        marker = MARKER.search(token.content) if token.type == "html_block" else None
         following = tokens[i + 1] if i + 1 < len(tokens) else None
         if marker and (following is None or following.type != "fence"):
             strays.append(StrayMarker(path, _line(token)))
         if token.type != "fence":
             continue
         before = tokens[i - 1] if i else None
-        found = NOT_RUN_MARKER.search(before.content) if before and before.type == "html_block" else None
-        reason = " ".join(found.group("reason").split()) if found else None
+        found = MARKER.search(before.content) if before and before.type == "html_block" else None
+        kind, reason = (found.group("kind"), " ".join(found.group("reason").split())) if found else (None, None)
         language = token.info.split()[0] if token.info.strip() else ""
-        blocks.append(DocBlock(path, _line(token), language, token.content, reason))
+        blocks.append(DocBlock(path, _line(token), language, token.content, kind, reason))
     return blocks, strays
 
 

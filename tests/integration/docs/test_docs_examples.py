@@ -1,12 +1,15 @@
 """Docs that execute (issue 37): every shell and Python block of the repository's Markdown runs
-here against real processes, or is marked, right before it, with why it cannot:
+here against real processes, or is marked, right before it, with the test that runs it or why
+nothing can:
 
+    <!-- run-by: tests/integration/serving/test_serve.py::test_readme_examples_as_printed_answer_about_paris -->
     <!-- not-run: installs packages; tests/integration/cli/test_quickstart.py runs it -->
 
 The rule covers every Markdown file git tracks (README.md, docs/, the folders' READMEs), so a
 block added tomorrow runs tomorrow. `test_every_block_runs_here_or_says_why_not` fails on a
-fence without a language, an empty reason, a marker that marks no block, and a reason naming
-a test file that does not exist; `test_doc_block` runs each unmarked block.
+fence without a language, an empty reason, a marker that marks no block, a `run-by` that names
+no test, and a test named in a marker that does not exist; `test_doc_block` runs each unmarked
+block.
 
 How a block runs, as a reader would run it:
 - Shell blocks: `bash -e -o pipefail -c BLOCK` in the repository root; Python blocks:
@@ -56,7 +59,7 @@ REPO = Path(__file__).resolve().parents[3]
 DOC_URL = "http://127.0.0.1:8000"
 BLOCK_TIMEOUT_S = 300.0
 BLOCKS, STRAY_MARKERS = repository_blocks(REPO)
-RUN_BLOCKS = [block for block in BLOCKS if block.is_code and block.not_run is None]
+RUN_BLOCKS = [block for block in BLOCKS if block.runs_here]
 TEST_PATH = re.compile(r"\btests/[\w/]+\.py(?:::\w+)?")
 
 
@@ -64,15 +67,19 @@ def test_every_block_runs_here_or_says_why_not():
     assert any(block.path == "README.md" for block in RUN_BLOCKS)      # the collector sees the README
     unlabeled = [block.id for block in BLOCKS if not block.language]
     assert not unlabeled, f"fences without a language (```bash, ```python, ```text, ...): {unlabeled}"
-    empty = [block.id for block in BLOCKS if block.not_run is not None and not block.not_run]
-    assert not empty, f"not-run markers without a reason: {empty}"
+    marked = [block for block in BLOCKS if block.marker]
+    empty = [block.id for block in marked if not block.reason]
+    assert not empty, f"markers without a reason: {empty}"
     strays = [f"{m.path}:{m.line}" for m in STRAY_MARKERS]
-    assert not strays, f"not-run markers with no fenced block right after them: {strays}"
-    data = [block.id for block in BLOCKS if block.not_run is not None and not block.is_code]
-    assert not data, f"not-run markers on blocks that are not shell or Python (never run anyway): {data}"
-    missing = [f"{block.id}: {name}" for block in BLOCKS if block.not_run
-               for name in TEST_PATH.findall(block.not_run) if not _test_exists(name)]
-    assert not missing, f"not-run reasons naming tests that do not exist: {missing}"
+    assert not strays, f"markers with no fenced block right after them: {strays}"
+    data = [block.id for block in marked if not block.is_code]
+    assert not data, f"markers on blocks that are not shell or Python (never run anyway): {data}"
+    unnamed = [block.id for block in marked if block.marker == "run-by"
+               and not any("::" in name for name in TEST_PATH.findall(block.reason or ""))]
+    assert not unnamed, f"run-by markers that name no test (tests/...py::test_name): {unnamed}"
+    missing = [f"{block.id}: {name}" for block in marked
+               for name in TEST_PATH.findall(block.reason or "") if not _test_exists(name)]
+    assert not missing, f"markers naming tests that do not exist: {missing}"
 
 
 def _test_exists(name: str) -> bool:
