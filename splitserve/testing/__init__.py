@@ -10,7 +10,8 @@ collected), `cluster` (workers and frontends on loopback), `etcd`, `workers`
 (a worker's Stats, the leak check, one Generate), `certs` (a throwaway CA).
 `clock` is the stepped clock unit tests inject instead of sleeping; `waiting`
 (`wait_until`, `async_wait_until`) is the one bounded poll for everything else
-that waits on a condition, here and in tests/.
+that waits on a condition, here and in tests/. `doc_blocks` reads the fenced code blocks
+of the repository's Markdown for the docs test (tests/integration/docs).
 """
 
 from splitserve.testing.models import ARCHS, build_random_model
