@@ -20,6 +20,9 @@ How a block runs, as a reader would run it:
   replaced by real ones: `/path/to/hf-folder` by the suite's random Llama checkpoint,
   `model.Q4_1.gguf` by the shipped SmolLM2 GGUF. SPLITSERVE_CACHE_DIR points at the suite's
   converted SmolLM2, so `--model smollm2` converts nothing.
+- A shell block that would install packages, change a cluster or start a long-lived server
+  (`pip install`, `helm install`, `splitserve serve`, ...: NEVER_RUN) is not run: it fails,
+  asking for a marker.
 - It passes when it exits 0, printed no traceback, and no HTTP reply it printed is an OpenAI
   error body (`curl -s` exits 0 on a 400).
 
@@ -61,6 +64,11 @@ BLOCK_TIMEOUT_S = 300.0
 BLOCKS, STRAY_MARKERS = repository_blocks(REPO)
 RUN_BLOCKS = [block for block in BLOCKS if block.runs_here]
 TEST_PATH = re.compile(r"\btests/[\w/]+\.py(?:::\w+)?")
+# Commands a test must never run unasked: they install things, change a cluster or start a
+# server that runs until stopped. An unmarked block with one fails at once, asking for a marker.
+NEVER_RUN = re.compile(r"\b(?:pip3? install|apt(?:-get)? install|make (?:test|install)|helm (?:install|upgrade)"
+                       r"|kubectl (?:apply|create|delete)|(?:docker|podman|buildah) push"
+                       r"|splitserve (?:serve|worker|frontend|operator|kvstore)\b(?!.*--help))")
 
 
 def test_every_block_runs_here_or_says_why_not():
@@ -80,6 +88,15 @@ def test_every_block_runs_here_or_says_why_not():
     missing = [f"{block.id}: {name}" for block in marked
                for name in TEST_PATH.findall(block.reason or "") if not _test_exists(name)]
     assert not missing, f"markers naming tests that do not exist: {missing}"
+
+
+@pytest.mark.parametrize("source, refused", [
+    ("python3 -m pip install -e '.[nixl]' && splitserve serve", True), ("make test", True),
+    ("helm install splitserve deploy/helm/splitserve", True), ("splitserve frontend --worker both=h:1", True),
+    ("splitserve serve --help", False), ("splitserve generate --model smollm2 --prompt Hi", False),
+    ("curl -s http://127.0.0.1:8000/v1/models", False)])
+def test_blocks_that_install_or_start_servers_are_refused_unmarked(source: str, refused: bool):
+    assert bool(NEVER_RUN.search(source)) == refused
 
 
 def _test_exists(name: str) -> bool:
@@ -156,6 +173,9 @@ def _error_replies(stdout: str) -> list[dict]:
 
 @pytest.mark.parametrize("block", RUN_BLOCKS, ids=[block.id for block in RUN_BLOCKS])
 def test_doc_block(block: DocBlock, request: pytest.FixtureRequest, smollm2_cache: Path, tmp_path: Path):
+    if block.is_shell and (command := NEVER_RUN.search(block.source)):
+        pytest.fail(f"{block.id} runs `{command.group(0)}`, which a test must not run: put "
+                    "`<!-- not-run: why -->` (or `<!-- run-by: tests/...py::test_name -->`) right before it")
     source = _substituted(block, request)
     result = _run(block, source, _reader_env(smollm2_cache), REPO if block.is_shell else tmp_path)
     shown = f"{block.id} ({block.language}) exited {result.returncode}\n--- stdout\n{result.stdout[-3000:]}" \
