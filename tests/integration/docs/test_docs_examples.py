@@ -38,6 +38,10 @@ Both libraries evaluate Python in the test process (a shared namespace) and skip
 claimed; here every block needs its own process (a fresh interpreter, substituted URLs, the
 reader's PATH) and every unclaimed fence must fail, which is the part neither does. What is left
 is a parser: markdown-it-py is a maintained CommonMark one that is installed already.
+
+Cost, measured on the 2 shared cores (load ~3): the module took 178 s wall, 85 s CPU; the
+`splitserve generate` block (five commands, each a fresh torch process, one with two ranks)
+101 s, the server's start 29 s, the structured-outputs block 28 s, the engine block 13 s.
 """
 
 from __future__ import annotations
