@@ -41,7 +41,8 @@ is a parser: markdown-it-py is a maintained CommonMark one that is installed alr
 
 Cost, measured on the 2 shared cores (load ~3): the module took 178 s wall, 85 s CPU; the
 `splitserve generate` block (five commands, each a fresh torch process, one with two ranks)
-101 s, the server's start 29 s, the structured-outputs block 28 s, the engine block 13 s.
+101 s, the server's start 29 s, the structured-outputs block 28 s, the engine block 13 s. A
+second run at load ~8 took 315 s wall for the same 85 s CPU.
 """
 
 from __future__ import annotations
