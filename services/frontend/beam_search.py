@@ -24,16 +24,17 @@ Stop strings and stop_token_ids play no part, as in vLLM (the request refuses th
 
 `BeamSearch` is that bookkeeping, pure; `run_beam_search` drives it over a `StepRunner`
 (the frontend's `generate`, which routes each step and continues it on another worker if
-its worker fails).
+its worker fails); `search_prompts` and `beam_deltas` are what the HTTP and gRPC APIs call.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
+from collections.abc import AsyncIterator, Callable, Coroutine
+from dataclasses import dataclass, field, replace
 
 from splitserve.proto.v1 import common_pb2
+from splitserve.services.text.tokenizer import Tokenizer
 from splitserve.services.worker_protocol.sampling_params import SamplingParams
 
 from splitserve.services.frontend.core import Delta
@@ -160,24 +161,25 @@ async def run_beam_search(generate: StepRunner, req: GenerationRequest, params: 
                                        req.prompt_ids + beam.token_ids, step_params,
                                        skip_special_tokens=req.skip_special_tokens)
                      for i, beam in enumerate(search.live)]
-        lasts = await _run_all(generate, step_reqs)
+        lasts = await _all_or_first_failure([_last_delta(generate(r)) for r in step_reqs])
         if search.num_steps == 0:
             num_cached_tokens = lasts[0].num_cached_tokens
         search.advance([d.logprobs[-1] for d in lasts])
     return BeamSearchResult(search.best(), len(req.prompt_ids), num_cached_tokens)
 
 
-async def _run_all(generate: StepRunner, reqs: list[GenerationRequest]) -> list[Delta]:
-    """Each request's last delta (the one holding its token); the first failure cancels the rest."""
+async def _all_or_first_failure(coroutines: list[Coroutine]) -> list:
+    """The coroutines' results, run concurrently; the first failure cancels the rest and is raised."""
     try:
         async with asyncio.TaskGroup() as group:
-            tasks = [group.create_task(_last_delta(generate(r))) for r in reqs]
+            tasks = [group.create_task(c) for c in coroutines]
     except BaseExceptionGroup as failures:
         raise failures.exceptions[0] from None
     return [t.result() for t in tasks]
 
 
 async def _last_delta(deltas: AsyncIterator[Delta]) -> Delta:
+    """A step's last delta: the one holding its token."""
     last = None
     try:
         async for delta in deltas:
@@ -188,3 +190,29 @@ async def _last_delta(deltas: AsyncIterator[Delta]) -> Delta:
     if last is None:
         raise APIError(502, "a beam search step ended without a token", type="server_error")
     return last
+
+
+async def search_prompts(generate: StepRunner, gens: list[GenerationRequest], params: BeamSearchParams,
+                         eos_token_id: int | None) -> list[BeamSearchResult]:
+    """One beam search per prompt (each with its own max_tokens), concurrently; the first failure
+    cancels the others."""
+    return await _all_or_first_failure([run_beam_search(generate, g, replace(params, max_tokens=g.params.max_tokens),
+                                                        eos_token_id) for g in gens])
+
+
+def eos_token_id(tokenizer: Tokenizer) -> int | None:
+    """The token that ends a beam (vLLM: the tokenizer's eos_token_id)."""
+    return min(tokenizer.eos_token_ids, default=None)
+
+
+def beam_deltas(result: BeamSearchResult, tokenizer: Tokenizer, skip_special_tokens: bool) -> list[Delta]:
+    """Each beam, best first, as the one finished delta of its choice. Its text leaves out a final
+    EOS (vLLM's), its tokens and logprobs keep it with include_stop_str_in_output."""
+    deltas = []
+    for beam in result.beams:
+        text_ids = beam.token_ids[:-1] if beam.finish_reason == "stop" and beam.token_ids \
+            and beam.token_ids[-1] in tokenizer.eos_token_ids else beam.token_ids
+        deltas.append(Delta(tokenizer.decode(text_ids, skip_special_tokens), list(beam.token_ids),
+                            beam.output_logprobs, beam.finish_reason, result.num_prompt_tokens,
+                            result.num_cached_tokens, len(beam.token_ids)))
+    return deltas

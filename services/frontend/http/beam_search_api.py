@@ -1,5 +1,5 @@
-"""`use_beam_search` on /v1/completions and /v1/chat/completions: which requests may use it,
-its parameters, and its beams as the responses' deltas.
+"""`use_beam_search` on /v1/completions and /v1/chat/completions: which requests may use it, and
+its parameters.
 
 vLLM's servers take `n` as the beam width, `max_tokens`, `length_penalty`, `ignore_eos`,
 `include_stop_str_in_output` and `temperature` for beam search (`to_beam_search_params`) and
@@ -15,15 +15,7 @@ The beam search itself is services/frontend/beam_search.py.
 
 from __future__ import annotations
 
-import asyncio
-from dataclasses import replace
-
-from splitserve.services.text.tokenizer import Tokenizer
-
-from splitserve.services.frontend.beam_search import MAX_BEAM_WIDTH, BeamSearchParams, BeamSearchResult, \
-    StepRunner, run_beam_search
-from splitserve.services.frontend.core import Delta
-from splitserve.services.frontend.generation_request import GenerationRequest
+from splitserve.services.frontend.beam_search import MAX_BEAM_WIDTH, BeamSearchParams
 
 # Fields beam search does not use, and the values that ask for nothing (vLLM's defaults).
 _NEUTRAL = {"stop": (None, [], ""), "stop_token_ids": (None, []), "top_p": (None, 1.0), "top_k": (None, 0, -1),
@@ -75,29 +67,3 @@ def beam_search_params(body, max_tokens: int, num_top_logprobs: int) -> BeamSear
     return BeamSearchParams(beam_width=body.n or 1, max_tokens=max_tokens, length_penalty=body.length_penalty,
                             ignore_eos=body.ignore_eos, include_stop_str_in_output=body.include_stop_str_in_output,
                             num_top_logprobs=num_top_logprobs)
-
-
-async def search_prompts(generate: StepRunner, gens: list[GenerationRequest], params: BeamSearchParams,
-                         eos_token_id: int | None) -> list[BeamSearchResult]:
-    """One beam search per prompt (each with its own max_tokens), concurrently; the first failure
-    cancels the others."""
-    try:
-        async with asyncio.TaskGroup() as group:
-            tasks = [group.create_task(run_beam_search(generate, g, replace(params, max_tokens=g.params.max_tokens),
-                                                       eos_token_id)) for g in gens]
-    except BaseExceptionGroup as failures:
-        raise failures.exceptions[0] from None
-    return [t.result() for t in tasks]
-
-
-def beam_deltas(result: BeamSearchResult, tokenizer: Tokenizer, skip_special_tokens: bool) -> list[Delta]:
-    """Each beam, best first, as the one finished delta of its choice. Its text leaves out a final
-    EOS (vLLM's), its tokens and logprobs keep it with include_stop_str_in_output."""
-    deltas = []
-    for beam in result.beams:
-        text_ids = beam.token_ids[:-1] if beam.finish_reason == "stop" and beam.token_ids \
-            and beam.token_ids[-1] in tokenizer.eos_token_ids else beam.token_ids
-        deltas.append(Delta(tokenizer.decode(text_ids, skip_special_tokens), list(beam.token_ids),
-                            beam.output_logprobs, beam.finish_reason, result.num_prompt_tokens,
-                            result.num_cached_tokens, len(beam.token_ids)))
-    return deltas

@@ -31,11 +31,11 @@ from pydantic import BaseModel, ValidationError
 from splitserve.services.frontend import metrics as m
 from splitserve.services.frontend.asgi import DONE, Receive, Scope, Send, event, send_json
 from splitserve.services.frontend.errors import APIError, from_validation_error, invalid
-from splitserve.services.frontend.beam_search import BeamSearchParams
+from splitserve.services.frontend.beam_search import BeamSearchParams, beam_deltas, eos_token_id, search_prompts
 from splitserve.services.frontend.core import Delta, Frontend, SamplingRequest, new_request_id
 from splitserve.services.frontend.generation_request import GenerationRequest
 from splitserve.services.frontend.limits import PromptBound, check_prompt_tokens
-from splitserve.services.frontend.http.beam_search_api import beam_deltas, beam_search_params, search_prompts
+from splitserve.services.frontend.http.beam_search_api import beam_search_params
 from splitserve.services.frontend.http.protocol import ChatCompletionRequest, CompletionRequest
 from splitserve.services.frontend.http.responses import (ChatFormatter, CompletionFormatter, best_samples, merge_full,
                                                          merged_usage)
@@ -281,7 +281,7 @@ class GenerationEndpoints:
         tokenizer = self.frontend.tokenizer
         try:
             results = await search_prompts(self.frontend.generate, [g[0].gen for g in groups], req.beam,
-                                           next(iter(sorted(tokenizer.eos_token_ids)), None))
+                                           eos_token_id(tokenizer))
         except APIError as error:
             await response.fail(error)
             return

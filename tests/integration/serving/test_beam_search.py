@@ -6,7 +6,8 @@ search over each step's full-vocabulary logprobs (vLLM's rules: 2 x n candidates
 finishes a beam, the length-penalised ranking). On a 4-token model a beam as wide as every
 path must also return the brute-force best continuations, each scored over the whole
 sequence. Deployments: a 4-token Llama aggregated and disaggregated (1 prefill + 1 decode,
-every step prefilled remotely), and the usual 32000-token Llama aggregated (chat, streaming).
+every step prefilled remotely), and the usual 32000-token Llama aggregated (chat, streaming);
+the public gRPC endpoint's beam_width on two of them.
 """
 
 from __future__ import annotations
@@ -229,3 +230,35 @@ def test_what_beam_search_cannot_do_is_a_400_naming_it(deployment):
         ok = http.post(f"{server.openai_url}/completions", json={
             "model": name, "prompt": "hi", "max_tokens": 2, "use_beam_search": True, "temperature": 0.8, "n": 2})
     assert ok.status_code == 200 and len(ok.json()["choices"]) == 2
+
+
+@pytest.mark.parametrize("deployment", ["tiny-disaggregated", "llama-aggregated"], indirect=True)
+def test_public_grpc_beam_width_answers_one_message_per_beam(deployment):
+    import grpc
+
+    from splitserve.proto.v1 import common_pb2, inference_pb2, inference_pb2_grpc
+
+    model, folder, server = deployment
+    prompt = prompt_of(model)
+    request = inference_pb2.GenerateRequest(token_ids=inference_pb2.TokenIds(ids=prompt), max_tokens=4,
+                                            beam_width=3, length_penalty=0.5, logprobs=0, include_usage=True,
+                                            include_stop_str_in_output=True)
+    with grpc.insecure_channel(server.grpc_address) as channel:
+        stub = inference_pb2_grpc.InferenceStub(channel)
+        replies = list(stub.Generate(request, timeout=120))
+        refusals = []
+        for bad in (inference_pb2.GenerateRequest(text="hi", beam_width=2, stop=["x"]),
+                    inference_pb2.GenerateRequest(text="hi", beam_width=11),
+                    inference_pb2.GenerateRequest(text="hi", length_penalty=0.5)):
+            with pytest.raises(grpc.RpcError) as info:
+                list(stub.Generate(bad, timeout=30))
+            refusals.append(info.value.code())
+    want = reference_beam_search(folder, prompt, 3, 4, 0.5)
+    names = {common_pb2.FINISH_REASON_STOP: "stop", common_pb2.FINISH_REASON_LENGTH: "length"}
+    got = [(list(r.token_ids), sum(lp.logprob for lp in r.logprobs), names[r.finish_reason]) for r in replies]
+    assert [r.index for r in replies] == [0, 1, 2]
+    assert_beams_equal(got, want)
+    assert [r.HasField("usage") for r in replies] == [False, False, True]
+    assert replies[-1].usage.completion_tokens == sum(len(t) for t, _, _ in want)
+    assert replies[-1].usage.prompt_tokens == len(prompt)
+    assert refusals == [grpc.StatusCode.INVALID_ARGUMENT] * 3
