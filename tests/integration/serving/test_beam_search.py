@@ -107,7 +107,7 @@ def reference_beam_search(folder: Path, prompt: list[int], width: int, max_token
 def assert_clear(sorted_scores: list[float], width: int, what: str) -> None:
     """The test's prompt must not leave a near-tie where the reference draws a line."""
     scores = sorted_scores[:width + 1]
-    gaps = [a - b for a, b in zip(scores, scores[1:])]
+    gaps = [a - b for a, b in itertools.pairwise(scores)]
     assert all(g > MARGIN for g in gaps), f"{what} holds a near-tie ({gaps}); choose another prompt"
 
 

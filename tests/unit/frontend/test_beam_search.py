@@ -61,7 +61,8 @@ def brute_force(max_tokens: int, width: int, length_penalty: float) -> list[tupl
                 tokens = [*body, last]
                 cum = sum(next_logprobs(PROMPT + tokens[:i])[t] for i, t in enumerate(tokens))
                 sequences.append((tokens, cum))
-    score = lambda s: beam_score(s[0][-1], len(PROMPT) + len(s[0]), s[1], EOS, length_penalty)  # noqa: E731
+    def score(s: tuple[list[int], float]) -> float:
+        return beam_score(s[0][-1], len(PROMPT) + len(s[0]), s[1], EOS, length_penalty)
     return sorted(sequences, key=score, reverse=True)[:width]
 
 
