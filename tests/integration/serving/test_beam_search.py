@@ -12,6 +12,8 @@ the public gRPC endpoint's beam_width on two of them.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import functools
 import itertools
 import json
@@ -24,6 +26,7 @@ import torch
 
 from splitserve.testing.models import EOS_TOKEN_ID, build_random_model
 from splitserve.testing.openai_api import served_model_name
+from splitserve.testing.waiting import async_wait_until, wait_until
 from splitserve.testing.workers import wait_idle, worker_stats
 
 from .conftest import start_serve, stop_serve
@@ -262,3 +265,35 @@ def test_public_grpc_beam_width_answers_one_message_per_beam(deployment):
     assert replies[-1].usage.completion_tokens == sum(len(t) for t, _, _ in want)
     assert replies[-1].usage.prompt_tokens == len(prompt)
     assert refusals == [grpc.StatusCode.INVALID_ARGUMENT] * 3
+
+
+@pytest.mark.parametrize("deployment", ["tiny-disaggregated"], indirect=True)
+def test_a_client_that_leaves_mid_search_stops_it_and_leaves_the_workers_idle(deployment):
+    _, _, server = deployment
+    body = {"model": served_model_name(server.openai_url), "prompt": TINY_PROMPT, "max_tokens": 2000, "n": 4,
+            "use_beam_search": True, "ignore_eos": True}
+    decode = server.role("decode")[0]
+    before = worker_stats(decode).num_remote_prefills
+
+    async def leave_mid_search() -> None:
+        async with httpx.AsyncClient(timeout=300) as http:
+            request = asyncio.ensure_future(http.post(f"{server.openai_url}/completions", json=body))
+            # Several steps ran (each a remote prefill here), the search goes on: the client leaves.
+            await async_wait_until(lambda: worker_stats(decode).num_remote_prefills >= before + 8, timeout=60,
+                                   interval=0.05, what="a few beam search steps")
+            assert not request.done()
+            request.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await request
+
+    asyncio.run(leave_mid_search())
+    wait_idle(server.workers, 10.0)
+    wait_until(lambda: in_flight(server) == 0, timeout=10, what="the frontend to serve no request")
+    steps = worker_stats(decode).num_remote_prefills
+    assert steps < before + 200, steps            # far from 2000 steps x 4 beams: the search stopped
+
+
+def in_flight(server) -> float:
+    text = httpx.get(f"{server.base_url}/metrics", timeout=10).text
+    return next(float(line.split()[-1]) for line in text.splitlines()
+                if line.startswith("splitserve_requests_in_flight"))
