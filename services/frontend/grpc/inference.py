@@ -18,9 +18,8 @@ from splitserve.services.worker_protocol.sampling_params import StructuredOutput
 
 from splitserve.services.frontend.beam_search import MAX_BEAM_WIDTH, BeamSearchParams, beam_deltas, eos_token_id, \
     search_prompts
-from splitserve.services.frontend.core import Delta
+from splitserve.services.frontend.core import Delta, Frontend, SamplingRequest, new_request_id
 from splitserve.services.frontend.errors import APIError, invalid
-from splitserve.services.frontend.core import Frontend, SamplingRequest, new_request_id
 from splitserve.services.frontend.generation_request import GenerationRequest
 from splitserve.services.frontend.limits import check_prompt_tokens
 
@@ -78,7 +77,11 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
             ignore_eos=request.ignore_eos, include_stop_str_in_output=request.include_stop_str_in_output,
             num_top_logprobs=request.logprobs)
         [result] = await search_prompts(self.frontend.generate, [gen], params, eos_token_id(self.frontend.tokenizer))
-        return beam_deltas(result, self.frontend.tokenizer, gen.skip_special_tokens)
+        deltas = beam_deltas(result, self.frontend.tokenizer, gen.skip_special_tokens)
+        if not request.HasField("logprobs"):      # as without beam search: logprobs only when asked
+            for delta in deltas:
+                delta.logprobs = []
+        return deltas
 
     def _prepare(self, request: inference_pb2.GenerateRequest) -> GenerationRequest:
         fe = self.frontend

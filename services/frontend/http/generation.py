@@ -273,7 +273,6 @@ class GenerationEndpoints:
             for call in calls:
                 call.close()
 
-
     async def _generate_beams(self, req: Prepared, response: "Response") -> None:
         """use_beam_search: one beam search per prompt (beam_search.py), its beams the prompt's
         choices, best first; a whole body, or (chat) the role chunks, then each beam's one chunk."""

@@ -249,6 +249,8 @@ def test_public_grpc_beam_width_answers_one_message_per_beam(deployment):
     with grpc.insecure_channel(server.grpc_address) as channel:
         stub = inference_pb2_grpc.InferenceStub(channel)
         replies = list(stub.Generate(request, timeout=120))
+        quiet = list(stub.Generate(inference_pb2.GenerateRequest(token_ids=inference_pb2.TokenIds(ids=prompt),
+                                                                 max_tokens=2, beam_width=2), timeout=120))
         refusals = []
         for bad in (inference_pb2.GenerateRequest(text="hi", beam_width=2, stop=["x"]),
                     inference_pb2.GenerateRequest(text="hi", beam_width=11),
@@ -265,6 +267,7 @@ def test_public_grpc_beam_width_answers_one_message_per_beam(deployment):
     assert replies[-1].usage.completion_tokens == sum(len(t) for t, _, _ in want)
     assert replies[-1].usage.prompt_tokens == len(prompt)
     assert refusals == [grpc.StatusCode.INVALID_ARGUMENT] * 3
+    assert [r.index for r in quiet] == [0, 1] and all(r.token_ids and not r.logprobs for r in quiet)
 
 
 @pytest.mark.parametrize("deployment", ["tiny-disaggregated"], indirect=True)
