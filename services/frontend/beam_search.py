@@ -5,7 +5,8 @@ and so does splitserve, with the same rules, so that a client gets the beams vLL
 
 - every step, each live beam is one worker request: the prompt plus the beam's tokens,
   `max_tokens` 1, greedy, `logprobs` 2 x beam_width. The prefix cache makes these cheap:
-  only the beam's last token is new to a worker that served the beam's previous step;
+  a worker that served the beam's previous step computes only the tokens after its last
+  full cached KV block (the KV-aware router sends the step there);
 - a beam's candidates are those 2 x beam_width most likely next tokens, each scored by the
   beam's cumulative logprob plus its own. A candidate that is EOS (unless ignore_eos)
   finishes its beam (finish_reason "stop"; the EOS token stays in the output only with
