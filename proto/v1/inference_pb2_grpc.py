@@ -47,6 +47,7 @@ class InferenceServicer:
     def Generate(self, request, context):
         """Streams text deltas; the last message has finish_reason set and, when
         include_usage, the usage. Cancelling the call aborts the request.
+        With beam_width: one finished message per beam, best first (index 0, 1, ...).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

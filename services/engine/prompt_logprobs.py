@@ -32,7 +32,7 @@ def score_prompt_tokens(logits: torch.Tensor, spans: list[tuple[Sequence, range]
         chosen = chosen_t.squeeze(1).tolist()
         n = seq.params.prompt_logprobs or 0
         if n:
-            values, ids = logprobs.topk(n, dim=-1)
+            values, ids = logprobs.topk(min(n, logprobs.shape[-1]), dim=-1)
             tops = [dict(zip(i, v)) for i, v in zip(ids.tolist(), values.tolist())]
         else:
             tops = [{} for _ in positions]

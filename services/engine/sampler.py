@@ -58,7 +58,7 @@ def sample(logits: torch.Tensor, params: list[SamplingParams],
             continue
         top = {}
         if n:
-            values, ids = logprobs[i].topk(n)
+            values, ids = logprobs[i].topk(min(n, logprobs.shape[-1]))   # a vocabulary smaller than n: all
             top = dict(zip(ids.tolist(), values.tolist()))
         out.append(SampledToken(t, float(logprobs[i, t]), top))
     return out

@@ -3,7 +3,8 @@
 Same lifecycle as HTTP (Frontend.prepare + generate); a refusal becomes a gRPC
 status (INVALID_ARGUMENT for what HTTP answers with 400, NOT_FOUND for an
 unknown model, UNAVAILABLE when no worker is ready). Cancelling the call
-cancels the worker call, as a disconnect does for HTTP.
+cancels the worker call, as a disconnect does for HTTP. `beam_width` runs the
+HTTP API's beam search (beam_search.py) and answers one finished message per beam.
 """
 
 from __future__ import annotations
@@ -15,8 +16,10 @@ from splitserve.services.worker_protocol.proto_conversion import finish_reason_t
 from splitserve.services.worker_protocol.outputs import FinishReason
 from splitserve.services.worker_protocol.sampling_params import StructuredOutput
 
+from splitserve.services.frontend.beam_search import MAX_BEAM_WIDTH, BeamSearchParams, beam_deltas, eos_token_id, \
+    search_prompts
+from splitserve.services.frontend.core import Delta, Frontend, SamplingRequest, new_request_id
 from splitserve.services.frontend.errors import APIError, invalid
-from splitserve.services.frontend.core import Frontend, SamplingRequest, new_request_id
 from splitserve.services.frontend.generation_request import GenerationRequest
 from splitserve.services.frontend.limits import check_prompt_tokens
 
@@ -25,6 +28,10 @@ _HTTP_TO_GRPC = {400: grpc.StatusCode.INVALID_ARGUMENT, 404: grpc.StatusCode.NOT
                  503: grpc.StatusCode.UNAVAILABLE, 504: grpc.StatusCode.DEADLINE_EXCEEDED}
 
 _ROLES = ("system", "developer", "user", "assistant")
+# Fields beam search does not use (refused when set to anything else), with their neutral values.
+_UNUSED_BY_BEAMS = {"stop": None, "stop_token_ids": None, "top_p": 1.0, "top_k": 0, "min_p": 0.0,
+                    "presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0,
+                    "logit_bias": None, "min_tokens": 0, "structured": None}
 
 
 class InferenceService(inference_pb2_grpc.InferenceServicer):
@@ -36,21 +43,45 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
         failure = None
         try:
             gen = self._prepare(request)
-            async for delta in self.frontend.generate(gen):
-                reason = FinishReason(delta.finish_reason) if delta.finish_reason else None
-                response = inference_pb2.GenerateResponse(
-                    request_id=gen.request_id, text=delta.text, token_ids=delta.token_ids,
-                    logprobs=delta.logprobs, finish_reason=finish_reason_to_proto(reason))
-                if reason is not None and request.include_usage:
-                    response.usage.CopyFrom(inference_pb2.Usage(
-                        prompt_tokens=delta.num_prompt_tokens, completion_tokens=delta.num_output_tokens,
-                        total_tokens=delta.num_prompt_tokens + delta.num_output_tokens,
-                        cached_tokens=delta.num_cached_tokens))
-                yield response
+            if not request.beam_width:
+                async for delta in self.frontend.generate(gen):
+                    yield _response(gen, delta, request.include_usage and delta.finish_reason is not None)
+            else:
+                beams = await self._beams(request, gen)
+                for index, delta in enumerate(beams):
+                    last = index == len(beams) - 1
+                    response = _response(gen, delta, False, index)
+                    if last and request.include_usage:
+                        completion = sum(d.num_output_tokens for d in beams)
+                        response.usage.CopyFrom(_usage(delta.num_prompt_tokens, completion, delta.num_cached_tokens))
+                    yield response
         except APIError as exc:
             failure = exc
         if failure is not None:
             await context.abort(_HTTP_TO_GRPC.get(failure.status, grpc.StatusCode.INTERNAL), failure.message)
+
+    async def _beams(self, request: inference_pb2.GenerateRequest, gen: GenerationRequest) -> list[Delta]:
+        """The request's beam search: its beams, best first (the HTTP API's use_beam_search)."""
+        for name, neutral in _UNUSED_BY_BEAMS.items():
+            field = request.DESCRIPTOR.fields_by_name[name]
+            is_set = request.HasField(name) if field.has_presence else bool(getattr(request, name))
+            if is_set and (neutral is None or getattr(request, name) != neutral):
+                raise invalid(f"{name} cannot be used with beam search: beams are ranked by the model's logprobs "
+                              f"alone and end only at EOS or max_tokens", name)
+        if request.beam_width > MAX_BEAM_WIDTH:
+            raise invalid(f"beam_width must be at most {MAX_BEAM_WIDTH} (each step asks the workers for "
+                          f"2 x beam_width logprobs), got {request.beam_width}", "beam_width")
+        params = BeamSearchParams(
+            beam_width=request.beam_width, max_tokens=gen.params.max_tokens,
+            length_penalty=request.length_penalty if request.HasField("length_penalty") else 1.0,
+            ignore_eos=request.ignore_eos, include_stop_str_in_output=request.include_stop_str_in_output,
+            num_top_logprobs=request.logprobs)
+        [result] = await search_prompts(self.frontend.generate, [gen], params, eos_token_id(self.frontend.tokenizer))
+        deltas = beam_deltas(result, self.frontend.tokenizer, gen.skip_special_tokens)
+        if not request.HasField("logprobs"):      # as without beam search: logprobs only when asked
+            for delta in deltas:
+                delta.logprobs = []
+        return deltas
 
     def _prepare(self, request: inference_pb2.GenerateRequest) -> GenerationRequest:
         fe = self.frontend
@@ -73,6 +104,8 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
         else:
             raise invalid("set one of text, token_ids or chat", "prompt")
         check_prompt_tokens(len(prompt_ids), self.max_prompt_tokens, "prompt")
+        if request.HasField("length_penalty") and not request.beam_width:
+            raise invalid("length_penalty only applies to beam search (beam_width > 0)", "length_penalty")
         if any(not s for s in request.stop):
             raise invalid("stop strings must not be empty", "stop")
         sampling = SamplingRequest(
@@ -99,4 +132,16 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
                                  max_tokens_from_client=sampling.caps_output)
 
 
+def _response(gen: GenerationRequest, delta: Delta, with_usage: bool, index: int = 0) -> inference_pb2.GenerateResponse:
+    reason = FinishReason(delta.finish_reason) if delta.finish_reason else None
+    response = inference_pb2.GenerateResponse(
+        request_id=gen.request_id, text=delta.text, token_ids=delta.token_ids, logprobs=delta.logprobs,
+        finish_reason=finish_reason_to_proto(reason), index=index)
+    if with_usage:
+        response.usage.CopyFrom(_usage(delta.num_prompt_tokens, delta.num_output_tokens, delta.num_cached_tokens))
+    return response
 
+
+def _usage(num_prompt_tokens: int, num_completion_tokens: int, num_cached_tokens: int) -> inference_pb2.Usage:
+    return inference_pb2.Usage(prompt_tokens=num_prompt_tokens, completion_tokens=num_completion_tokens,
+                               total_tokens=num_prompt_tokens + num_completion_tokens, cached_tokens=num_cached_tokens)

@@ -31,9 +31,11 @@ from pydantic import BaseModel, ValidationError
 from splitserve.services.frontend import metrics as m
 from splitserve.services.frontend.asgi import DONE, Receive, Scope, Send, event, send_json
 from splitserve.services.frontend.errors import APIError, from_validation_error, invalid
+from splitserve.services.frontend.beam_search import BeamSearchParams, beam_deltas, eos_token_id, search_prompts
 from splitserve.services.frontend.core import Delta, Frontend, SamplingRequest, new_request_id
 from splitserve.services.frontend.generation_request import GenerationRequest
 from splitserve.services.frontend.limits import PromptBound, check_prompt_tokens
+from splitserve.services.frontend.http.beam_search_api import beam_search_params
 from splitserve.services.frontend.http.protocol import ChatCompletionRequest, CompletionRequest
 from splitserve.services.frontend.http.responses import (ChatFormatter, CompletionFormatter, best_samples, merge_full,
                                                          merged_usage)
@@ -61,6 +63,7 @@ class Prepared:
     choices: list[Choice]
     stream: bool
     keep_best: int = 0    # best_of > n: of each prompt's samples, return the n (this) most likely
+    beam: BeamSearchParams | None = None     # use_beam_search: each prompt's first choice is the search
 
     @property
     def gen(self) -> GenerationRequest:
@@ -118,7 +121,9 @@ class GenerationEndpoints:
                 fmt = CompletionFormatter(request_id, self.frontend.model_name, self.frontend.tokenizer, body,
                                           prompt_ids, index, echo)
                 choices.append(Choice(gen, fmt, first_of_prompt=j == 0))
-        return Prepared(choices, body.stream, body.num_choices if ranked else 0)
+        beam = beam_search_params(body, choices[0].gen.params.max_tokens, body.logprobs or 0) \
+            if body.use_beam_search else None
+        return Prepared(choices, body.stream, body.num_choices if ranked else 0, beam)
 
     def prepare_chat(self, raw: bytes) -> Prepared:
         body = self._parse(raw, ChatCompletionRequest, "chat")
@@ -149,7 +154,9 @@ class GenerationEndpoints:
             choices.append(Choice(gen, ChatFormatter(request_id, self.frontend.model_name, self.frontend.tokenizer,
                                                      body, prompt_ids, j, echo, tools.output() if tools else None),
                                   first_of_prompt=j == 0))
-        return Prepared(choices, body.stream)
+        beam = beam_search_params(body, choices[0].gen.params.max_tokens, body.num_logprobs() or 0) \
+            if body.use_beam_search else None
+        return Prepared(choices, body.stream, beam=beam)
 
     def _parse(self, raw: bytes, model: type[BaseModel], api: str):
         def parse():
@@ -206,6 +213,9 @@ class GenerationEndpoints:
             watcher.stop()
 
     async def _generate(self, req: Prepared, response: "Response") -> None:
+        if req.beam is not None:
+            await self._generate_beams(req, response)
+            return
         if len(req.choices) > 1:
             await self._generate_choices(req, response)
             return
@@ -262,6 +272,34 @@ class GenerationEndpoints:
                 await s.aclose()
             for call in calls:
                 call.close()
+
+    async def _generate_beams(self, req: Prepared, response: "Response") -> None:
+        """use_beam_search: one beam search per prompt (beam_search.py), its beams the prompt's
+        choices, best first; a whole body, or (chat) the role chunks, then each beam's one chunk."""
+        groups = _by_prompt(req.choices)
+        tokenizer = self.frontend.tokenizer
+        try:
+            results = await search_prompts(self.frontend.generate, [g[0].gen for g in groups], req.beam,
+                                           eos_token_id(tokenizer))
+        except APIError as error:
+            await response.fail(error)
+            return
+        choices, deltas = [], []
+        for group, result in zip(groups, results):
+            beams = beam_deltas(result, tokenizer, group[0].gen.skip_special_tokens)
+            choices += group[:len(beams)]
+            deltas += beams
+        first_of_prompt = [c.first_of_prompt for c in choices]
+        usage = merged_usage(deltas, first_of_prompt)
+        if not req.stream:
+            await response.whole(merge_full([c.formatter.full([d]) for c, d in zip(choices, deltas)], usage))
+            return
+        await response.start(200, _SSE_HEADERS)
+        chunks = [chunk for c in choices for chunk in c.formatter.opening()]
+        chunks += [chunk for c, d in zip(choices, deltas) for chunk in c.formatter.chunks(d)]
+        if choices[0].formatter.include_usage:
+            chunks.append(choices[0].formatter.usage_chunk(usage))
+        await response.body(b"".join(event(chunk) for chunk in chunks) + DONE, last=True)
 
 
 def _by_prompt(choices: list[Choice]) -> list[list[Choice]]:

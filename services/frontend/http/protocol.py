@@ -21,6 +21,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from splitserve.services.frontend.http.beam_search_api import beam_search_problems
 from splitserve.services.frontend.tools.choice import tool_problems
 from splitserve.services.frontend.tools.schema import AssistantToolCall, Tool, ToolChoice
 
@@ -170,10 +171,7 @@ class _VllmExtensions(_Strict):
             problems.append(("allowed_token_ids", "allowed_token_ids must not be empty: no token could be sampled"))
         if self.priority != 0:
             problems.append(("priority", "priority scheduling is not enabled: every request has priority 0"))
-        if self.use_beam_search:
-            problems.append(("use_beam_search", "beam search is not supported; use n for several samples"))
-        if self.length_penalty != 1.0:
-            problems.append(("length_penalty", "length_penalty only applies to beam search, which is not supported"))
+        problems += beam_search_problems(self)
         if not self.spaces_between_special_tokens:
             problems.append(("spaces_between_special_tokens", "the served tokenizers (fast, tokenizers-library) "
                                                               "never put spaces between special tokens; only "

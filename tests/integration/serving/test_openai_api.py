@@ -566,7 +566,6 @@ def test_request_id_names_the_response_and_may_be_reused(client, model_name):
 
 @pytest.mark.parametrize("field, value, words", [
     ("priority", 1, "priority scheduling"),
-    ("use_beam_search", True, "beam search"),
     ("length_penalty", 0.5, "beam search"),
     ("chat_template", "{{ messages }}", "chat template"),
     ("logits_processors", ["my.module.Processor"], "server-side code"),

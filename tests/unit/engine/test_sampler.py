@@ -60,3 +60,10 @@ def test_logprobs_are_those_of_the_unfiltered_distribution():
 def test_invalid_parameters_are_rejected(params):
     with pytest.raises(InvalidRequestError):
         params.validate()
+
+
+def test_more_logprobs_than_the_vocabulary_has_gives_every_token():
+    """A request may ask for more alternatives than a tiny vocabulary holds (beam search asks for
+    2 x its width): it gets them all, most likely first, and the batch is not failed."""
+    [out] = sample(LOGITS[:1], [SamplingParams(logprobs=20)], [None])
+    assert list(out.top_logprobs) == [1, 3, 2, 0]
