@@ -14,6 +14,7 @@ from splitserve.proto.v1 import inference_pb2, inference_pb2_grpc
 from splitserve.services.worker_protocol.proto_conversion import finish_reason_to_proto
 from splitserve.services.worker_protocol.outputs import FinishReason
 from splitserve.services.worker_protocol.sampling_params import StructuredOutput
+from splitserve.tracing import TraceContext
 
 from splitserve.services.frontend.errors import APIError, invalid
 from splitserve.services.frontend.core import Frontend, SamplingRequest, new_request_id
@@ -36,6 +37,8 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
         failure = None
         try:
             gen = self._prepare(request)
+            if self.frontend.tracer is not None:      # W3C traceparent in the call's metadata
+                gen.trace_context = TraceContext.from_pairs(context.invocation_metadata() or ())
             async for delta in self.frontend.generate(gen):
                 reason = FinishReason(delta.finish_reason) if delta.finish_reason else None
                 response = inference_pb2.GenerateResponse(
