@@ -96,9 +96,11 @@ def build_frontend(config: FrontendConfig, pool: WorkerPool) -> tuple[Frontend, 
                               metrics_registry=metrics.registry, tier_credit=config.kv_tier_credit)
     except ValueError as exc:
         raise SplitserveError(str(exc)) from None
+    tracer = start_tracer("splitserve-frontend", config.otlp_traces_endpoint)
+    if tracer is not None:
+        print(f"frontend: exporting traces to {config.otlp_traces_endpoint} (OTLP/gRPC)", flush=True)
     frontend = Frontend(tokenizer, pool, router, metrics, config.served_model_name,
-                        MigrationPolicy(config.migration_limit, config.migration_wait_s), defaults,
-                        start_tracer("splitserve-frontend", config.otlp_traces_endpoint))
+                        MigrationPolicy(config.migration_limit, config.migration_wait_s), defaults, tracer)
     frontend.tool_parser = config.tool_call_parser
     router.feeds.stats_listeners.append(metrics.faults.workers.update)
     metrics.registry.register(WorkerRestarts(lambda: pool.workers))

@@ -105,6 +105,8 @@ async def serve(config: WorkerServerConfig, stop: asyncio.Event | None = None,
     health = WorkerHealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
     tracer = start_tracer("splitserve-worker", config.options.otlp_traces_endpoint, config.options.worker_id)
+    if tracer is not None:
+        print(f"worker {wid} exporting traces to {config.options.otlp_traces_endpoint} (OTLP/gRPC)", flush=True)
     service = WorkerService(config.options, health, tracer)
     worker_pb2_grpc.add_WorkerServicer_to_server(service, server)
     address = f"{config.host}:{config.port}"
