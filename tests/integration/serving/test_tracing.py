@@ -13,10 +13,12 @@ from __future__ import annotations
 
 import secrets
 
+import grpc
 import httpx
 import openai
 import pytest
 
+from splitserve.proto.v1 import inference_pb2, inference_pb2_grpc
 from splitserve.testing.models import random_prompt
 from splitserve.testing.otlp_collector import OtlpCollector, ReceivedSpan
 from splitserve.testing.waiting import wait_until
@@ -147,6 +149,21 @@ def test_a_raw_http_chat_stream_continues_the_clients_trace(traced, collector):
     assert root.attributes["gen_ai.usage.input_tokens"] == usage["prompt_tokens"]
     assert root.attributes["gen_ai.usage.output_tokens"] == usage["completion_tokens"]
     assert spans["decode-0", "generate"].parent_span_id == spans["splitserve-frontend", "worker_call"].span_id
+
+
+def test_the_public_grpc_api_continues_the_trace_in_its_metadata(traced, collector):
+    traceparent, trace_id, client_span_id = _traceparent()
+    request = inference_pb2.GenerateRequest(token_ids=inference_pb2.TokenIds(ids=random_prompt(8, 60)),
+                                            max_tokens=MAX_TOKENS, temperature=0.0, include_usage=True)
+    with grpc.insecure_channel(traced.grpc_address) as channel:
+        replies = list(inference_pb2_grpc.InferenceStub(channel).Generate(
+            request, metadata=[("traceparent", traceparent)], timeout=60))
+    usage = replies[-1].usage
+    spans = _whole_trace(collector, trace_id)
+    root = spans["splitserve-frontend", "llm_request"]
+    assert root.parent_span_id == client_span_id
+    assert root.attributes["gen_ai.usage.output_tokens"] == usage.completion_tokens == MAX_TOKENS
+    assert root.attributes["gen_ai.usage.input_tokens"] == usage.prompt_tokens == 60
 
 
 def test_without_the_flag_nothing_is_exported(llama_dir):
