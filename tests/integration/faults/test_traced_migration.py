@@ -1,7 +1,8 @@
 """A migration in the trace (issue 37): a decode worker SIGKILLed mid-stream, and the client's
 trace shows the broken worker call, a `migration` span naming the worker and the tokens already
 forwarded, and the call that finished the request, all below one `llm_request` whose usage is
-the response's."""
+the response's; the worker that finished it (aggregated: it prefills itself) adds its `generate`
+span with `prefill` and `decode` below that call."""
 
 from __future__ import annotations
 
@@ -23,10 +24,10 @@ SPAN_STATUS_ERROR = 2
 def test_a_migrated_request_shows_its_migration_in_the_clients_trace(cluster):
     collector = OtlpCollector.start()
     try:
-        workers = [cluster.start_worker(f"w{i}", "both") for i in range(2)]
+        tracing, env = ("--otlp-traces-endpoint", collector.endpoint), {"OTEL_BSP_SCHEDULE_DELAY": "100"}
+        workers = [cluster.start_worker(f"w{i}", "both", *tracing, env=env) for i in range(2)]
         cluster.wait_workers()
-        front = cluster.start_frontend(*FRONTEND_FLAGS, "--otlp-traces-endpoint", collector.endpoint,
-                                       env={"OTEL_BSP_SCHEDULE_DELAY": "100"})
+        front = cluster.start_frontend(*FRONTEND_FLAGS, *tracing, env=env)
         front.wait_ready()
         trace_id, client_span_id = secrets.token_hex(16), secrets.token_hex(8)
         client = openai.OpenAI(base_url=front.openai_url, api_key="unused", max_retries=0, timeout=120)
@@ -47,7 +48,8 @@ def test_a_migrated_request_shows_its_migration_in_the_clients_trace(cluster):
         def whole():
             spans = collector.trace(trace_id)
             names = [s.name for s in spans]
-            return spans if names.count("worker_call") == 2 and "llm_request" in names else None
+            return spans if names.count("worker_call") == 2 and {"llm_request", "generate", "decode"} <= set(names) \
+                else None
         spans = wait_until(whole, timeout=30, what="the migrated request's trace",
                            details=lambda: [(s.name, s.parent_span_id) for s in collector.trace(trace_id)])
         [root] = [s for s in spans if s.name == "llm_request"]
@@ -64,5 +66,15 @@ def test_a_migrated_request_shows_its_migration_in_the_clients_trace(cluster):
         assert root.attributes["splitserve.migrations"] == 1
         assert root.attributes["gen_ai.usage.output_tokens"] == usage.completion_tokens
         assert root.attributes["gen_ai.usage.input_tokens"] == usage.prompt_tokens
+        # The killed worker exported nothing more; the other one's spans continue the second call.
+        [generate] = [s for s in spans if s.name == "generate"]
+        assert generate.instance == finished.attributes["splitserve.worker.id"]
+        assert generate.parent_span_id == finished.span_id
+        assert generate.attributes["splitserve.prefill.remote"] is False
+        phases = {s.name: s for s in spans if s.parent_span_id == generate.span_id}
+        assert set(phases) == {"prefill", "decode"}
+        forwarded = migration.attributes["splitserve.migration.num_forwarded_tokens"]
+        assert generate.attributes["gen_ai.usage.input_tokens"] == usage.prompt_tokens + forwarded
+        assert generate.attributes["gen_ai.usage.output_tokens"] == MAX_TOKENS - forwarded
     finally:
         collector.stop()
