@@ -39,7 +39,7 @@ from splitserve.proto.v1 import worker_pb2, worker_pb2_grpc
 from splitserve.services.engine_api.contract import Engine, Reservation
 from splitserve.services.worker_protocol.sampling_params import SamplingParams
 from splitserve.tls import PLAINTEXT, TlsConfig
-from splitserve.tracing import Tracer
+from splitserve.tracing import GenAI, Tracer
 
 from splitserve.services.worker_protocol.proto_conversion import params_to_proto
 from splitserve.services.worker.output_messages import decode_first_token, logprob_from_proto
@@ -119,11 +119,14 @@ class RemotePrefill:
         deadline = clock() + self.timeout_s
         queue = None if self.tracer is None else self.tracer.start_span("queue", span, attributes={
             "splitserve.queue.waiting_for": "kv_blocks"})
+        reservation = None
         try:
             reservation = await self._reserve(request_id, token_ids, params, forks, deadline)
         finally:
             if queue is not None:
                 queue.set_attribute("splitserve.queue.reserved", reservation is not None)
+                if span is not None:          # vLLM's name for the time a request waited to run
+                    span.set_attribute(GenAI.LATENCY_TIME_IN_QUEUE, clock() + self.timeout_s - deadline)
                 queue.end()
         if reservation is None:
             log.info("request %s: no free blocks for a remote prefill within %.0f s; prefilling locally",
