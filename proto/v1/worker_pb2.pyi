@@ -28,7 +28,7 @@ class PrefillPeer(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., address: _Optional[str] = ...) -> None: ...
 
 class TokenGenerateRequest(_message.Message):
-    __slots__ = ("request_id", "token_ids", "params", "prefill_peer", "alternate_prefill_peers", "n", "cache_salt")
+    __slots__ = ("request_id", "token_ids", "params", "prefill_peer", "alternate_prefill_peers", "n", "cache_salt", "trace_context")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     PARAMS_FIELD_NUMBER: _ClassVar[int]
@@ -36,6 +36,7 @@ class TokenGenerateRequest(_message.Message):
     ALTERNATE_PREFILL_PEERS_FIELD_NUMBER: _ClassVar[int]
     N_FIELD_NUMBER: _ClassVar[int]
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
+    TRACE_CONTEXT_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     params: _common_pb2.SamplingParams
@@ -43,7 +44,8 @@ class TokenGenerateRequest(_message.Message):
     alternate_prefill_peers: _containers.RepeatedCompositeFieldContainer[PrefillPeer]
     n: int
     cache_salt: str
-    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., prefill_peer: _Optional[_Union[PrefillPeer, _Mapping]] = ..., alternate_prefill_peers: _Optional[_Iterable[_Union[PrefillPeer, _Mapping]]] = ..., n: _Optional[int] = ..., cache_salt: _Optional[str] = ...) -> None: ...
+    trace_context: _common_pb2.TraceContext
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., prefill_peer: _Optional[_Union[PrefillPeer, _Mapping]] = ..., alternate_prefill_peers: _Optional[_Iterable[_Union[PrefillPeer, _Mapping]]] = ..., n: _Optional[int] = ..., cache_salt: _Optional[str] = ..., trace_context: _Optional[_Union[_common_pb2.TraceContext, _Mapping]] = ...) -> None: ...
 
 class TokenGenerateResponse(_message.Message):
     __slots__ = ("token_ids", "logprobs", "finished", "finish_reason", "num_prompt_tokens", "num_cached_tokens", "num_output_tokens", "prefilled_remotely", "choice", "prompt_logprobs")
@@ -134,18 +136,20 @@ class FirstToken(_message.Message):
     def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[_Union[_common_pb2.TokenLogprob, _Mapping]] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("request_id", "token_ids", "params", "target", "cache_salt")
+    __slots__ = ("request_id", "token_ids", "params", "target", "cache_salt", "trace_context")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     PARAMS_FIELD_NUMBER: _ClassVar[int]
     TARGET_FIELD_NUMBER: _ClassVar[int]
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
+    TRACE_CONTEXT_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     params: _common_pb2.SamplingParams
     target: TransferTarget
     cache_salt: str
-    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., target: _Optional[_Union[TransferTarget, _Mapping]] = ..., cache_salt: _Optional[str] = ...) -> None: ...
+    trace_context: _common_pb2.TraceContext
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., target: _Optional[_Union[TransferTarget, _Mapping]] = ..., cache_salt: _Optional[str] = ..., trace_context: _Optional[_Union[_common_pb2.TraceContext, _Mapping]] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
     __slots__ = ("first_token_id", "first_logprob", "num_prompt_tokens", "num_cached_tokens", "prompt_logprobs")

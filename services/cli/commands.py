@@ -96,6 +96,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
     options = WorkerOptions(worker_id=args.worker_id or f"{role.value}-{args.port}", role=role,
                             remote_prefill_threshold=args.remote_prefill_threshold,
                             prefill_timeout_s=args.prefill_timeout)
+    options.otlp_traces_endpoint = _tracing_endpoint(args)
     config = WorkerServerConfig(options=options, engine=BuiltinEngineLauncher(engine), host=args.host,
                                 advertise_host=args.advertise_host,
                                 port=args.port, transfer=args.transfer, etcd=etcd_endpoints(args.etcd),
@@ -141,6 +142,7 @@ def cmd_frontend(args: argparse.Namespace) -> int:
     config.migration_wait_s = args.migration_wait
     config.generation_config = args.generation_config
     config.tool_call_parser = check_tool_args(args)
+    config.otlp_traces_endpoint = _tracing_endpoint(args)
     _apply_frontend_security(config, args)
     # uvloop: about a quarter of a millisecond less added latency per request, and less CPU
     # (bench/serving.py, frontend overhead).
@@ -192,6 +194,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if args.autoscale and args.on_ray:
         raise SplitserveError("--autoscale starts and drains local worker processes; it does not apply with "
                               "--on-ray (scale Ray Serve's deployments with Ray's own autoscaling)")
+    if args.otlp_traces_endpoint and args.on_ray:
+        raise SplitserveError("--otlp-traces-endpoint is not available with --on-ray yet: the Ray Serve "
+                              "replicas do not trace")
     if args.on_ray:
         from splitserve.services.ray_serve.launch import run_on_ray
 
@@ -201,8 +206,20 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from splitserve.services.launch.local import run_serve
 
     _security_args.check_serve_args(args)
+    args.otlp_traces_endpoint = _tracing_endpoint(args)      # every child gets the flag
     _check_kv_store(args.kv_store_gib > 0 if args.kv_store_gib >= 0 else None, args.tp)
     return run_serve(args)
+
+
+def _tracing_endpoint(args: argparse.Namespace) -> str | None:
+    """--otlp-traces-endpoint, else OTEL_EXPORTER_OTLP_TRACES_ENDPOINT; refused at once when given
+    but OpenTelemetry is not installed."""
+    from splitserve.tracing import require_tracing, resolve_endpoint
+
+    endpoint = resolve_endpoint(args.otlp_traces_endpoint)
+    if endpoint:
+        require_tracing()
+    return endpoint
 
 
 def check_tool_args(args: argparse.Namespace) -> str | None:

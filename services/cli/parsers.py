@@ -179,9 +179,18 @@ def _add_worker_parser(sub) -> None:
                    help="lease TTL of the etcd registration; routers drop the worker this long after it "
                         "stops refreshing (default: %(default)s)")
     _add_drain_arg(p, "calls")
+    _add_tracing_arg(p, "each request's prefill, KV transfer and decode")
     _security_args.add_worker_tls_args(p)
     _security_args.add_transfer_token_arg(p)
     p.set_defaults(func=commands.cmd_worker)
+
+
+def _add_tracing_arg(p: argparse.ArgumentParser, what: str) -> None:
+    p.add_argument("--otlp-traces-endpoint", default=None, metavar="URL",
+                   help=f"export OpenTelemetry traces of {what} to this OTLP/gRPC collector, e.g. "
+                        "http://127.0.0.1:4317 (as vLLM's flag; the client's W3C traceparent header is "
+                        "continued). Needs `pip install 'splitserve[tracing]'` (default: "
+                        "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT when set, else off)")
 
 
 def _add_drain_arg(p: argparse.ArgumentParser, what: str) -> None:
@@ -287,6 +296,7 @@ def _add_frontend_parser(sub) -> None:
                    help="public gRPC port (default: none)")
     _add_migration_arg(p)
     _add_drain_arg(p, "requests")
+    _add_tracing_arg(p, "each request (its routing, worker calls and migrations)")
     _security_args.add_api_key_args(p)
     _security_args.add_limit_args(p)
     _security_args.add_public_tls_args(p)
@@ -370,6 +380,7 @@ def _add_serve_parser(sub) -> None:
     p.add_argument("--ready-timeout", type=float, default=600.0, metavar="S",
                    help="give up when not ready after this many seconds (default: %(default)s)")
     _add_migration_arg(p)
+    _add_tracing_arg(p, "every request through the frontends and the workers (each child gets the flag)")
     _add_autoscale_args(p)
     ray = p.add_argument_group("Ray Serve (splitserve.services.ray_serve)")
     ray.add_argument("--on-ray", action="store_true",

@@ -30,6 +30,7 @@ from splitserve.services.text.tokenizer import Tokenizer
 from splitserve.services.worker_protocol.proto_conversion import finish_reason_from_proto
 from splitserve.services.worker_protocol.outputs import FinishReason
 from splitserve.services.worker_protocol.sampling_params import SamplingParams, StructuredOutput
+from splitserve.tracing import Tracer
 
 from splitserve.services.frontend import metrics as m
 from splitserve.services.frontend.errors import APIError, from_grpc, invalid
@@ -37,6 +38,7 @@ from splitserve.services.frontend.forks import ENDED, ForkedCall, forkable
 from splitserve.services.frontend.generation_request import GenerationRequest
 from splitserve.services.frontend.fault_metrics import OUTCOME_MIGRATED, OUTCOME_RETRIED, PHASE_BEFORE_FIRST_TOKEN, PHASE_STREAMING
 from splitserve.services.frontend.metrics import FrontendMetrics
+from splitserve.services.frontend.request_tracing import RequestTrace
 from splitserve.services.frontend.migration import MigrationPolicy, Progress, Refusal, breaks_stream
 from splitserve.services.frontend.routing import Route, RouteRequest, Router
 from splitserve.services.frontend.sampling_defaults import SamplingDefaults
@@ -106,7 +108,7 @@ def new_request_id(prefix: str) -> str:
 class Frontend:
     def __init__(self, tokenizer: Tokenizer, pool: WorkerPool, router: Router, metrics: FrontendMetrics,
                  served_model_name: str | None = None, migration: MigrationPolicy | None = None,
-                 sampling_defaults: SamplingDefaults | None = None):
+                 sampling_defaults: SamplingDefaults | None = None, tracer: Tracer | None = None):
         self.tokenizer = tokenizer
         self.pool = pool
         self.router = router
@@ -114,6 +116,7 @@ class Frontend:
         self.served_model_name = served_model_name
         self.migration = migration or MigrationPolicy()
         self.sampling_defaults = sampling_defaults or SamplingDefaults()   # for omitted parameters
+        self.tracer = tracer           # None: tracing is off (--otlp-traces-endpoint)
         self.tool_parser: str | None = None   # --tool-call-parser with --enable-auto-tool-choice
         self.draining = False          # shutting down: refuse new requests, finish running ones
         self.num_in_flight = 0
@@ -240,18 +243,23 @@ class Frontend:
             self.metrics.admitted_capped.inc()
             self.metrics.admitted_max_tokens.inc(req.params.max_tokens)
         self.num_in_flight += 1
+        trace = RequestTrace(self.tracer, req, self.model_name) if self.tracer is not None else None
         try:
             while True:
                 if fork is not None:
-                    attempt, fork = self._forked_attempt(req, *fork, progress, run), None
+                    attempt, fork = self._forked_attempt(req, *fork, progress, run, trace), None
                 else:
-                    attempt = self._attempt(req, await self.route(req, progress), progress, run)
+                    routing = self.route(req, progress)
+                    route = await (routing if trace is None else trace.route(routing))
+                    attempt = self._attempt(req, route, progress, run, trace)
                 async with contextlib.aclosing(attempt) as deltas:
                     async for delta in deltas:
                         yield delta
                 if run.finished:
                     return
                 self._migrate(req, progress, run.broken, run.worker_id)
+                if trace is not None:
+                    trace.migrating(progress, run.worker_id, run.broken)
         except _Refused as refused:
             status, failure = m.STATUS_UNAVAILABLE, refused.reason
             raise refused.error from None
@@ -279,6 +287,8 @@ class Frontend:
             self.metrics.requests.labels(req.api, status).inc()
             if status in (m.STATUS_UNAVAILABLE, m.STATUS_ERROR):
                 faults.failures.labels(req.api, failure).inc()
+            if trace is not None:
+                trace.finish(progress, run.finish_reason, run.first_token_at, None if run.finished else status)
 
     def _excluded(self, progress: Progress) -> frozenset[str]:
         """The workers whose stream broke for this request, unless restarted since (a new instance)."""
@@ -336,11 +346,12 @@ class Frontend:
                  f"another worker: {refusal.message}", type="service_unavailable"))
 
     async def _attempt(self, req: GenerationRequest, route: Route, progress: Progress,
-                       run: "_Run") -> AsyncIterator[Delta]:
+                       run: "_Run", trace: RequestTrace | None = None) -> AsyncIterator[Delta]:
         """One worker call. Ends with run.finished, or run.broken set (migrate), or raises the
         worker's refusal of the request as an APIError."""
         message = progress.worker_request()
         self.add_prefill_peers(message, route)
+        call_span = trace.start_call(message, route) if trace is not None else None
         log.info("request %s: %d prompt tokens -> %s (%s)", message.request_id, len(message.token_ids),
                  route.decode.worker_id, route.reason)
         run.broken, run.first_of_attempt, run.worker_id = "", True, route.decode.worker_id
@@ -357,6 +368,8 @@ class Frontend:
             self._broken_or_refused(run, exc)
         finally:
             self.router.on_finished(message.request_id)
+            if call_span is not None:
+                trace.end_call(call_span, run.broken or run.failure)
 
     def add_prefill_peers(self, message: worker_pb2.TokenGenerateRequest, route: Route) -> None:
         if route.prefill is not None:
@@ -376,11 +389,12 @@ class Frontend:
         run.broken = f"{exc.code().name}: {exc.details()}"
 
     async def _forked_attempt(self, req: GenerationRequest, call: ForkedCall, choice: int,
-                              progress: Progress, run: "_Run") -> AsyncIterator[Delta]:
+                              progress: Progress, run: "_Run", trace: RequestTrace | None = None
+                              ) -> AsyncIterator[Delta]:
         """Choice `choice`'s part of a ForkedCall, as `_attempt` reads a call of its own."""
         run.broken, run.first_of_attempt = "", True
         try:
-            run.worker_id = (await call.start(self, progress)).decode.worker_id
+            run.worker_id = (await call.start(self, progress, trace)).decode.worker_id
             inbox = call.inboxes[choice]
             while (item := await inbox.get()) is not ENDED:
                 if isinstance(item, WorkerCallError):
@@ -409,6 +423,7 @@ class Frontend:
             now = time.monotonic()
             if run.last_token_at is None:
                 self.metrics.ttft.observe(now - req.arrival)
+                run.first_token_at = now
             else:
                 self.metrics.itl.observe((now - run.last_token_at) / len(token_ids))
             if run.first_of_attempt:
@@ -431,6 +446,7 @@ class Frontend:
             progress.num_cached_tokens = min(resp.num_cached_tokens, len(progress.prompt_ids))
         if reason is not None:
             run.checker.finish()
+            run.finish_reason = reason.value
         prompt_logprobs = list(resp.prompt_logprobs) if req.params.prompt_logprobs is not None and token_ids \
             and progress.num_output_tokens == len(token_ids) else None         # the request's first tokens
         return Delta(run.checker.take_text(), token_ids, logprobs, reason.value if reason is not None else None,
@@ -444,6 +460,8 @@ class _Run:
 
     checker: StopChecker
     last_token_at: float | None = None
+    first_token_at: float | None = None
+    finish_reason: str | None = None
     first_of_attempt: bool = True
     finished: bool = False
     broken: str = ""              # why the last attempt's stream broke

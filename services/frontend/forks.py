@@ -29,6 +29,7 @@ from splitserve.services.frontend.migration import Progress
 from splitserve.services.frontend.workers.session import WorkerCallError
 
 if TYPE_CHECKING:
+    from splitserve.services.frontend.request_tracing import RequestTrace
     from splitserve.services.frontend.routing import Route
 
 log = logging.getLogger(__name__)
@@ -76,14 +77,16 @@ class ForkedCall:
         """The worker's id of one sample (services/worker/service.py fork_id)."""
         return f"{self.request_id}/{choice}"
 
-    async def start(self, frontend: Frontend, progress: Progress) -> Route:
-        """Route the call and start it, once for every choice; raises the routing's refusal."""
+    async def start(self, frontend: Frontend, progress: Progress, trace: RequestTrace | None = None) -> Route:
+        """Route the call and start it, once for every choice; raises the routing's refusal.
+        `trace`: the spans of the choice that starts it, which the worker's spans join."""
         async with self._starting:
             if self.failure is not None:
                 raise self.failure
             if self.route is None:
                 try:
-                    self.route = await frontend.route(self.reqs[0], progress)
+                    routing = frontend.route(self.reqs[0], progress)
+                    self.route = await (routing if trace is None else trace.route(routing))
                 except BaseException as exc:
                     self.failure = exc
                     raise
@@ -91,6 +94,8 @@ class ForkedCall:
                 message = Progress(first.request_id, first.prompt_ids, first.params).worker_request()
                 message.n = len(self.reqs)
                 frontend.add_prefill_peers(message, self.route)
+                if trace is not None:
+                    trace.carry(message)
                 log.info("request %s: %d samples of %d prompt tokens -> %s (%s)", message.request_id,
                          message.n, len(message.token_ids), self.route.decode.worker_id, self.route.reason)
                 self._pump = asyncio.ensure_future(self._read(frontend, message))

@@ -7,6 +7,7 @@ import time
 from dataclasses import dataclass, field
 
 from splitserve.services.worker_protocol.sampling_params import SamplingParams
+from splitserve.tracing import TraceContext
 
 
 @dataclass(slots=True)
@@ -19,3 +20,4 @@ class GenerationRequest:
     skip_special_tokens: bool = True      # the text of the output (workers see token ids only)
     # params.max_tokens is a cap the client set (or its API's default), not the rest of the context.
     max_tokens_from_client: bool = False
+    trace_context: TraceContext | None = None   # the client's, read only when the frontend traces

@@ -37,6 +37,7 @@ class Route:
     decode: WorkerHandle
     prefill: WorkerHandle | None
     reason: object          # str() says why: formatted only when it is logged
+    decision: RouteDecision | None = None     # the scores behind it (the trace's route span)
 
 
 class Router(Protocol):
@@ -67,7 +68,7 @@ class PoolRouter:
         if decision is None:
             return None
         prefill = prefillers[decision.prefill.winner.worker_id] if decision.prefill else None
-        return Route(decoders[decision.decode.winner.worker_id], prefill, _Explanation(decision))
+        return Route(decoders[decision.decode.winner.worker_id], prefill, _Explanation(decision), decision)
 
     def on_first_token(self, request_id: str) -> None:
         self.core.on_first_token(request_id)

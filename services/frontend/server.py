@@ -27,6 +27,7 @@ from splitserve.router.policies.kv import DEFAULT_PREFILL_WEIGHT
 from splitserve.checkpoints.model_source import open_checkpoint
 from splitserve.services.text.tokenizer import Tokenizer
 from splitserve.tls import PLAINTEXT, TlsConfig
+from splitserve.tracing import start_tracer
 
 from splitserve.services.frontend.auth import ApiKeys
 from splitserve.services.frontend.grpc.inference import InferenceService
@@ -75,6 +76,7 @@ class FrontendConfig:
     # vllm (the engine's neutral ones) or a folder holding a generation_config.json.
     generation_config: str = MODE_AUTO
     tool_call_parser: str | None = None     # tool_choice="auto" reads calls with it (None: refused)
+    otlp_traces_endpoint: str | None = None  # export traces there (splitserve/tracing.py); None: off
 
 
 def build_frontend(config: FrontendConfig, pool: WorkerPool) -> tuple[Frontend, Guard]:
@@ -94,8 +96,11 @@ def build_frontend(config: FrontendConfig, pool: WorkerPool) -> tuple[Frontend, 
                               metrics_registry=metrics.registry, tier_credit=config.kv_tier_credit)
     except ValueError as exc:
         raise SplitserveError(str(exc)) from None
+    tracer = start_tracer("splitserve-frontend", config.otlp_traces_endpoint)
+    if tracer is not None:
+        print(f"frontend: exporting traces to {config.otlp_traces_endpoint} (OTLP/gRPC)", flush=True)
     frontend = Frontend(tokenizer, pool, router, metrics, config.served_model_name,
-                        MigrationPolicy(config.migration_limit, config.migration_wait_s), defaults)
+                        MigrationPolicy(config.migration_limit, config.migration_wait_s), defaults, tracer)
     frontend.tool_parser = config.tool_call_parser
     router.feeds.stats_listeners.append(metrics.faults.workers.update)
     metrics.registry.register(WorkerRestarts(lambda: pool.workers))
@@ -157,4 +162,6 @@ async def run_frontend(config: FrontendConfig) -> int:
         if registry is not None:
             await registry.close()
         await pool.close()
+        if frontend.tracer is not None:
+            frontend.tracer.shutdown()          # exports the spans still buffered
     return 0

@@ -85,6 +85,8 @@ def frontend_argv(args: argparse.Namespace, model: str, host: str, port: int, gr
 def serve_child_argv(args: argparse.Namespace, child: str) -> list[str]:
     """The flags `serve` forwards to one child: "worker" or "frontend" (secrets go by environment)."""
     internal = ["--tls-ca", args.tls_ca] if args.tls_ca else []
+    if args.otlp_traces_endpoint:
+        internal += ["--otlp-traces-endpoint", args.otlp_traces_endpoint]
     if child == "worker":
         if args.tls_internal_cert:
             internal += ["--tls-cert", args.tls_internal_cert, "--tls-key", args.tls_internal_key]

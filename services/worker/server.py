@@ -30,6 +30,7 @@ from splitserve.proto.v1 import worker_pb2_grpc
 from splitserve.startup import process_age_s
 from splitserve.services.engine_api.contract import Engine, EngineLauncher, KVStoreSettings, TransferSettings
 from splitserve.tls import PLAINTEXT, TlsConfig
+from splitserve.tracing import start_tracer
 
 from splitserve.services.worker.health import WorkerHealthServicer
 from splitserve.services.worker.service import Role, WorkerOptions, WorkerService
@@ -103,7 +104,10 @@ async def serve(config: WorkerServerConfig, stop: asyncio.Event | None = None,
     server = grpc.aio.server(options=GRPC_OPTIONS)
     health = WorkerHealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
-    service = WorkerService(config.options, health)
+    tracer = start_tracer("splitserve-worker", config.options.otlp_traces_endpoint, config.options.worker_id)
+    if tracer is not None:
+        print(f"worker {wid} exporting traces to {config.options.otlp_traces_endpoint} (OTLP/gRPC)", flush=True)
+    service = WorkerService(config.options, health, tracer)
     worker_pb2_grpc.add_WorkerServicer_to_server(service, server)
     address = f"{config.host}:{config.port}"
     port = config.options.tls.add_port(server, address)   # mutual TLS when a certificate is configured
@@ -176,6 +180,8 @@ async def serve(config: WorkerServerConfig, stop: asyncio.Event | None = None,
             await metrics.close()
         if engine is not None:
             engine.close()
+        if tracer is not None:
+            tracer.shutdown()             # exports the spans still buffered
 
 
 def attach_store(config: WorkerServerConfig, engine: Engine, settings: TransferSettings) -> None:

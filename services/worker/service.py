@@ -23,6 +23,7 @@ from splitserve.errors import FatalError, InvalidRequestError, RecoverableError
 from splitserve.proto.v1 import worker_pb2, worker_pb2_grpc
 from splitserve.services.engine_api.contract import Engine, EngineLoad
 from splitserve.tls import PLAINTEXT, TlsConfig
+from splitserve.tracing import Tracer
 
 from splitserve.services.worker_protocol.proto_conversion import params_from_proto
 from splitserve.services.worker_protocol.sampling_params import SamplingParams
@@ -35,6 +36,7 @@ from splitserve.kvtransfer.sender_receiver import (KVReceiver, KVSender, Transfe
 from splitserve.services.worker.kv.write_fences import WriteFences
 from splitserve.services.worker.kv_event_hub import KvEventHub
 from splitserve.services.worker.session import GenerateSession
+from splitserve.services.worker.request_tracing import GenerateTrace, prefill_span
 
 log = logging.getLogger(__name__)
 
@@ -64,6 +66,7 @@ class WorkerOptions:
     prefill_timeout_s: float = 30.0        # a remote prefill, retries included; then prefill locally
     kv_event_buffer: int = 10_000
     tls: TlsConfig = PLAINTEXT             # this worker's certificate and CA (mutual TLS; splitserve/tls.py)
+    otlp_traces_endpoint: str | None = None   # export traces there (splitserve/tracing.py); None: off
 
 
 @dataclass(slots=True)
@@ -108,9 +111,10 @@ async def compile_grammar(loop: EngineLoop, params: SamplingParams) -> None:
 
 
 class WorkerService(worker_pb2_grpc.WorkerServicer):
-    def __init__(self, options: WorkerOptions, health: HealthServicer):
+    def __init__(self, options: WorkerOptions, health: HealthServicer, tracer: Tracer | None = None):
         self.options = options
         self.health = health
+        self.tracer = tracer                   # None: tracing is off
         self.sender: KVSender | None = None
         self.receiver: KVReceiver | None = None
         self.instance_id = uuid.uuid4().hex
@@ -135,7 +139,7 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         self.fences = WriteFences(self.loop, self.peers)
         self.remote = RemotePrefill(self.loop, self.receiver, self.peers,
                                     self.options.remote_prefill_threshold, self.options.prefill_timeout_s,
-                                    self.fences)
+                                    self.fences, self.tracer)
         await self._set_health(health_pb2.HealthCheckResponse.SERVING)
 
     async def close(self) -> None:
@@ -211,9 +215,19 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
             self.counters.num_requests += 1
             peers = [request.prefill_peer.address] if request.HasField("prefill_peer") else []
             peers += [p.address for p in request.alternate_prefill_peers if p.address not in peers]
-            async for response in self._generate(loop, request_id, token_ids, params, peers,
-                                                 max(1, request.n)):
-                yield response
+            trace = None if self.tracer is None else \
+                GenerateTrace(self.tracer, self.options.worker_id, request_id, request, params)
+            error = None
+            try:
+                async for response in self._generate(loop, request_id, token_ids, params, peers,
+                                                     max(1, request.n), trace):
+                    yield response
+            except BaseException as exc:
+                error = None if isinstance(exc, GeneratorExit) else exc    # closed by the caller: not a failure
+                raise
+            finally:
+                if trace is not None:
+                    trace.end(error)
         finally:
             self.counters.num_in_flight -= 1
 
@@ -221,7 +235,7 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         return self.options.role is Role.DECODE and self.receiver is not None and bool(self.receiver.backend)
 
     async def _generate(self, loop: EngineLoop, request_id: str, token_ids: list[int], params,
-                        peers: list[str], n: int = 1):
+                        peers: list[str], n: int = 1, trace: GenerateTrace | None = None):
         """One request's messages; n > 1 samples of the prompt run as engine forks (one prefill,
         shared KV blocks) with engine ids "<request_id>/<i>", each message tagged with i."""
         ids = [request_id] if n == 1 else [fork_id(request_id, i) for i in range(n)]
@@ -229,18 +243,27 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         choice = {rid: i for i, rid in enumerate(ids)}
         remote = self.remote
         if peers and self._disaggregates() and await remote.worth_it(token_ids, params.cache_salt):
-            outcome = await remote.run(ids[0], token_ids, params, peers, self._count_retry, forks)
+            outcome = await remote.run(ids[0], token_ids, params, peers, self._count_retry, forks,
+                                       trace.span if trace is not None else None)
             if outcome.first_token is not None:
                 self.counters.num_remote_prefills += 1
+                if trace is not None:
+                    trace.prefilled_remotely()
                 start = remote.complete(ids[0], outcome.first_token, outcome.prompt_logprobs)
                 async for out in loop.stream(ids[0], start, ids[1:]):
+                    if trace is not None:
+                        trace.observe(out)
                     yield output_to_proto(out, prefilled_remotely=True, choice=choice[out.request_id])
                 return
             if outcome.num_failures:
                 self.counters.num_prefill_fallbacks += 1
         self.counters.num_local_prefills += 1
+        if trace is not None:
+            trace.prefilling_locally()
         add = lambda e: e.add_request(ids[0], token_ids, params, forks=forks)  # noqa: E731
         async for out in loop.stream(ids[0], add, ids[1:]):
+            if trace is not None:
+                trace.observe(out)
             yield output_to_proto(out, choice=choice[out.request_id])
 
     def abort_choice(self, request_id: str, running: set[str] | dict) -> bool:
@@ -257,7 +280,7 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
 
     # -- Prefill -----------------------------------------------------------------
     async def Prefill(self, request, context):
-        failure = None
+        failure = span = None
         self.counters.num_in_flight += 1
         try:
             loop = self._engine_loop()
@@ -272,8 +295,10 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
                                                      other_ranks),
                                     list(t.block_ids), t.num_cached_blocks,
                                     TransferGrant(t.incarnation, t.deadline_unix))
+            if self.tracer is not None:
+                span = prefill_span(self.tracer, self.options.worker_id, request, params)
             out = await serve_prefill(loop, self.sender, request.request_id, list(request.token_ids),
-                                      params, target)
+                                      params, target, self.tracer, span)
             self.counters.num_prefills_served += 1
             response = worker_pb2.PrefillResponse(
                 first_token_id=out.new_token_ids[0], num_prompt_tokens=out.num_prompt_tokens,
@@ -286,6 +311,10 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
             failure = exc
         finally:
             self.counters.num_in_flight -= 1
+            if span is not None:
+                if failure is not None:
+                    self.tracer.fail(span, failure)
+                span.end()
         await self._fail(context, "Prefill", request.request_id, failure)
 
     # -- control -----------------------------------------------------------------

@@ -15,6 +15,7 @@ from splitserve.proto.v1 import inference_pb2, inference_pb2_grpc
 from splitserve.services.worker_protocol.proto_conversion import finish_reason_to_proto
 from splitserve.services.worker_protocol.outputs import FinishReason
 from splitserve.services.worker_protocol.sampling_params import StructuredOutput
+from splitserve.tracing import TraceContext
 
 from splitserve.services.frontend.beam_search import MAX_BEAM_WIDTH, BeamSearchParams, beam_deltas, eos_token_id, \
     search_prompts
@@ -43,6 +44,8 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
         failure = None
         try:
             gen = self._prepare(request)
+            if self.frontend.tracer is not None:      # W3C traceparent in the call's metadata
+                gen.trace_context = TraceContext.from_pairs(context.invocation_metadata() or ())
             if not request.beam_width:
                 async for delta in self.frontend.generate(gen):
                     yield _response(gen, delta, request.include_usage and delta.finish_reason is not None)

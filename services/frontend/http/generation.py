@@ -28,6 +28,8 @@ from dataclasses import dataclass
 import orjson
 from pydantic import BaseModel, ValidationError
 
+from splitserve.tracing import TraceContext
+
 from splitserve.services.frontend import metrics as m
 from splitserve.services.frontend.asgi import DONE, Receive, Scope, Send, event, send_json
 from splitserve.services.frontend.errors import APIError, from_validation_error, invalid
@@ -92,7 +94,7 @@ class GenerationEndpoints:
         elif scope["method"] != "POST":
             await send_json(send, 405, APIError(405, "Method Not Allowed").body(), [(b"allow", b"POST")])
         else:
-            await self._serve(prepare, receive, send)
+            await self._serve(prepare, scope, receive, send)
 
     # -- parsing ---------------------------------------------------------------------
     def prepare_completion(self, raw: bytes) -> Prepared:
@@ -189,7 +191,8 @@ class GenerationEndpoints:
             raise
 
     # -- serving ---------------------------------------------------------------------
-    async def _serve(self, prepare: Callable[[bytes], Prepared], receive: Receive, send: Send) -> None:
+    async def _serve(self, prepare: Callable[[bytes], Prepared], scope: Scope, receive: Receive,
+                     send: Send) -> None:
         raw = await read_body(receive)
         if raw is None:
             return                      # the client left before the body was complete
@@ -198,6 +201,10 @@ class GenerationEndpoints:
         except APIError as error:
             await send_json(send, error.status, error.body())
             return
+        if self.frontend.tracer is not None:          # the client's W3C traceparent, if it sent one
+            context = TraceContext.from_pairs(scope["headers"])
+            for choice in req.choices:
+                choice.gen.trace_context = context
         watcher = DisconnectWatcher(receive)
         response = Response(send, req.gen.request_id)
         try:

@@ -23,6 +23,7 @@ import asyncio
 import time
 
 from splitserve.services.worker_protocol.sampling_params import SamplingParams
+from splitserve.tracing import GenAI, Tracer
 
 from splitserve.services.worker.output_messages import encode_first_token
 from splitserve.services.worker.engine_loop import EngineLoop
@@ -39,13 +40,21 @@ def grant_time_left(target: TransferTarget) -> float | None:
 
 
 async def serve_prefill(loop: EngineLoop, sender: KVSender, request_id: str, token_ids: list[int],
-                        params: SamplingParams, target: TransferTarget) -> RequestOutput:
+                        params: SamplingParams, target: TransferTarget, tracer: Tracer | None = None,
+                        span=None) -> RequestOutput:
     """Compute the prompt, pushing each layer to `target`; returns the first-token output.
 
     Raises TransferError when the transfer fails or the grant runs out first; the blocks
-    are released in every case.
+    are released in every case. `span`: the Prefill call's (request_tracing.py), under which
+    the transfer gets a `kv_transfer` span.
     """
     sender.begin(request_id, target, len(token_ids))
+    transfer = None if tracer is None else tracer.start_span("kv_transfer", span, attributes={
+        "splitserve.kv_transfer.backend": sender.backend,
+        "splitserve.kv_transfer.destination": target.endpoint.agent_name,
+        "splitserve.kv_transfer.num_blocks": len(target.block_ids) - target.num_cached_blocks,
+        "splitserve.kv_transfer.num_cached_blocks": target.num_cached_blocks,
+        "splitserve.kv_transfer.num_destination_ranks": 1 + len(target.endpoint.other_ranks)})
     try:
         async with asyncio.timeout(grant_time_left(target)):
             last = None
@@ -57,13 +66,22 @@ async def serve_prefill(loop: EngineLoop, sender: KVSender, request_id: str, tok
                 raise TransferError(f"prefill of {request_id!r} ended without a first token")
             token = last.logprobs[0] if last.logprobs else SampledToken(last.new_token_ids[0])
             await sender.finish(request_id, encode_first_token(token))
+        if span is not None:
+            span.set_attributes({GenAI.USAGE_OUTPUT_TOKENS: 1, "splitserve.num_cached_tokens": last.num_cached_tokens})
         return last
     except TimeoutError:
         sender.abandon(request_id)
-        raise TransferError(f"prefill of {request_id!r}: the receiver's grant expired before the "
-                            "transfer completed") from None
-    except BaseException:
+        error = TransferError(f"prefill of {request_id!r}: the receiver's grant expired before the "
+                              "transfer completed")
+        if transfer is not None:
+            tracer.fail(transfer, error)
+        raise error from None
+    except BaseException as exc:
         sender.abandon(request_id)
+        if transfer is not None:
+            tracer.fail(transfer, exc)
         raise
     finally:
         loop.post(lambda e: e.release_transfer(request_id))
+        if transfer is not None:
+            transfer.end()

@@ -39,6 +39,7 @@ from splitserve.proto.v1 import worker_pb2, worker_pb2_grpc
 from splitserve.services.engine_api.contract import Engine, Reservation
 from splitserve.services.worker_protocol.sampling_params import SamplingParams
 from splitserve.tls import PLAINTEXT, TlsConfig
+from splitserve.tracing import GenAI, Tracer
 
 from splitserve.services.worker_protocol.proto_conversion import params_to_proto
 from splitserve.services.worker.output_messages import decode_first_token, logprob_from_proto
@@ -96,6 +97,7 @@ class RemotePrefill:
     threshold_tokens: int          # minimum uncached prompt tokens worth sending away
     timeout_s: float               # the whole remote prefill, every attempt included
     fences: WriteFences            # its clock times the deadline too (the fences' expiry)
+    tracer: Tracer | None = None   # None: tracing is off; else `queue` and `remote_prefill` spans
 
     async def worth_it(self, token_ids: list[int], cache_salt: str = "") -> bool:
         num_cached = await self.loop.call(lambda e: e.num_cached_prompt_tokens(token_ids, cache_salt))
@@ -104,9 +106,10 @@ class RemotePrefill:
 
     async def run(self, request_id: str, token_ids: list[int], params: SamplingParams,
                   addresses: list[str], on_retry: Callable[[], None],
-                  forks: list[tuple[str, SamplingParams]] = ()) -> PrefillOutcome:
+                  forks: list[tuple[str, SamplingParams]] = (), span=None) -> PrefillOutcome:
         """Reserve, then try each prefill worker in turn until one fills the reservation.
-        `forks`: the request's other samples (n > 1), forked here once the KV arrived.
+        `forks`: the request's other samples (n > 1), forked here once the KV arrived. `span`:
+        the request's span (request_tracing.py), parent of the queue and each attempt's.
 
         Returns the first token with the reservation still held (complete it next),
         or None with the reservation given back (prefill locally). Cancellation
@@ -114,7 +117,17 @@ class RemotePrefill:
         """
         clock = self.fences.clock
         deadline = clock() + self.timeout_s
-        reservation = await self._reserve(request_id, token_ids, params, forks, deadline)
+        queue = None if self.tracer is None else self.tracer.start_span("queue", span, attributes={
+            "splitserve.queue.waiting_for": "kv_blocks"})
+        reservation = None
+        try:
+            reservation = await self._reserve(request_id, token_ids, params, forks, deadline)
+        finally:
+            if queue is not None:
+                queue.set_attribute("splitserve.queue.reserved", reservation is not None)
+                if span is not None:          # vLLM's name for the time a request waited to run
+                    span.set_attribute(GenAI.LATENCY_TIME_IN_QUEUE, clock() + self.timeout_s - deadline)
+                queue.end()
         if reservation is None:
             log.info("request %s: no free blocks for a remote prefill within %.0f s; prefilling locally",
                      request_id, self.timeout_s)
@@ -131,7 +144,7 @@ class RemotePrefill:
                     on_retry()
                 try:
                     token, prompt_logprobs = await self._attempt(request_id, token_ids, params, reservation,
-                                                                 address, left, fences)
+                                                                 address, left, fences, span, attempt)
                     return PrefillOutcome(token, failures, prompt_logprobs)
                 except (grpc.aio.AioRpcError, TransferError, asyncio.TimeoutError) as exc:
                     failures += 1
@@ -166,9 +179,14 @@ class RemotePrefill:
 
     async def _attempt(self, request_id: str, token_ids: list[int], params: SamplingParams,
                        reservation: Reservation, address: str, timeout_s: float,
-                       fences: list[asyncio.Task]) -> tuple[SampledToken, list[SampledToken] | None]:
+                       fences: list[asyncio.Task], span=None,
+                       attempt: int = 0) -> tuple[SampledToken, list[SampledToken] | None]:
         bs = self.loop.engine.describe().block_size
         num_cached_blocks = reservation.num_cached_tokens // bs
+        call = None if self.tracer is None else self.tracer.start_span("remote_prefill", span, "client", {
+            "splitserve.prefill_worker.address": address, "splitserve.prefill.attempt": attempt,
+            "splitserve.kv_transfer.num_blocks": len(reservation.block_ids) - num_cached_blocks,
+            "splitserve.kv_transfer.num_cached_blocks": num_cached_blocks})
         try:
             grant = self.receiver.expect(request_id, reservation.block_ids[num_cached_blocks:], timeout_s)
             ep = self.receiver.endpoint()
@@ -181,18 +199,28 @@ class RemotePrefill:
             request = worker_pb2.PrefillRequest(request_id=request_id, token_ids=token_ids,
                                                 params=params_to_proto(params), target=target,
                                                 cache_salt=params.cache_salt)
+            if call is not None:
+                context = self.tracer.context_of(call)
+                request.trace_context.traceparent, request.trace_context.tracestate = \
+                    context.traceparent, context.tracestate
             async with asyncio.timeout(timeout_s):
                 response = await self.peers.stub(address).Prefill(request)
                 payload = await self.receiver.wait_complete(request_id)
             prompt_logprobs = None
             if params.prompt_logprobs is not None:
                 prompt_logprobs = [logprob_from_proto(t) for t in response.prompt_logprobs]
+            if call is not None:
+                call.set_attribute("splitserve.prefill_worker.num_cached_tokens", response.num_cached_tokens)
             return decode_first_token(payload), prompt_logprobs
-        except BaseException:           # failed or cancelled: the worker may still be writing
+        except BaseException as exc:    # failed or cancelled: the worker may still be writing
             fences.append(self.fences.ask(address, request_id))
+            if call is not None:
+                self.tracer.fail(call, _describe(exc))
             raise
         finally:
             self.receiver.release(request_id)
+            if call is not None:
+                call.end()
 
     def complete(self, request_id: str, first_token: SampledToken,
                  prompt_logprobs: list[SampledToken] | None = None):

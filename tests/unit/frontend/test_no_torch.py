@@ -1,4 +1,5 @@
-"""The frontend process never imports torch: not to start, not to open its tokenizer.
+"""The frontend process never imports torch: not to start, not to open its tokenizer (nor
+OpenTelemetry, while tracing is off).
 
 Text work is the frontend's and weights are the workers', so a frontend needs
 the tokenizer and the wire contract only; torch would add seconds and hundreds
@@ -51,3 +52,7 @@ def test_the_frontend_starts_and_opens_its_tokenizer_without_torch(llama_dir):
     assert "torch" not in modules, [m for m in modules if m.startswith("torch")][:5]
     loaded = sorted(m for m in modules if m in ENGINE_SIDE or m.startswith(tuple(f"{p}." for p in ENGINE_SIDE)))
     assert not loaded, loaded
+    # Tracing off (no --otlp-traces-endpoint) loads no OpenTelemetry SDK or exporter (splitserve/tracing.py;
+    # FastAPI itself imports the API's context and trace modules where they are installed).
+    sdk = [m for m in modules if m.startswith(("opentelemetry.sdk", "opentelemetry.exporter"))]
+    assert not sdk, sdk

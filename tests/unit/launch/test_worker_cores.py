@@ -33,7 +33,8 @@ def test_the_worker_command_line_carries_its_cores():
                               max_num_batched_tokens=2048, max_num_seqs=64, threads=None, attention_backend="auto",
                               transfer="auto",
                               remote_prefill_threshold=64, prefill_timeout=30.0, tls_ca=None,
-                              tls_internal_cert=None, kv_host_gib=0.0, kv_disk_gib=0.0, kv_disk_path=None)
+                              tls_internal_cert=None, kv_host_gib=0.0, kv_disk_gib=0.0, kv_disk_path=None,
+                              otlp_traces_endpoint=None)
     argv = worker_argv(args, "decode-0", "decode", 5000, "m", "3")
     assert argv[argv.index("--cpu-cores") + 1] == "3"
     assert "--cpu-cores" not in worker_argv(args, "decode-0", "decode", 5000, "m")
@@ -44,7 +45,7 @@ def test_the_attention_backend_reaches_every_worker():
                               max_num_batched_tokens=2048, max_num_seqs=64, threads=None,
                               attention_backend="gather", transfer="auto", remote_prefill_threshold=64,
                               prefill_timeout=30.0, tls_ca=None, tls_internal_cert=None,
-                              kv_host_gib=0.0, kv_disk_gib=0.0, kv_disk_path=None)
+                              kv_host_gib=0.0, kv_disk_gib=0.0, kv_disk_path=None, otlp_traces_endpoint=None)
     for role in ("prefill", "decode", "both"):
         argv = worker_argv(args, "w", role, 5000, "m")
         assert argv[argv.index("--attention-backend") + 1] == "gather"
