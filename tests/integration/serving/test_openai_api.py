@@ -203,6 +203,12 @@ BAD_BODIES = [
     ({"model": "MODEL", "prompt": "hi", "temperature": 5}, "completions", 400, "temperature"),
     ({"model": "MODEL", "prompt": "hi", "top_p": 0}, "completions", 400, "top_p"),
     ({"model": "MODEL", "prompt": "hi", "logprobs": 50}, "completions", 400, "logprobs"),
+    # -1 (vLLM's whole vocabulary) is more than the default --max-logprobs of 20 allows: vLLM's 400.
+    ({"model": "MODEL", "prompt": "hi", "logprobs": -1}, "completions", 400, "logprobs"),
+    ({"model": "MODEL", "prompt": "hi", "prompt_logprobs": -1}, "completions", 400, "prompt_logprobs"),
+    ({"model": "MODEL", "messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": -1},
+     "chat/completions", 400, "top_logprobs"),
+    ({"model": "MODEL", "prompt": "hi", "logprobs": -2}, "completions", 400, "logprobs"),
     ({"model": "MODEL", "prompt": "hi", "stop": ""}, "completions", 400, "stop"),
     ({"model": "MODEL", "prompt": "hi", "seed": 2**70}, "completions", 400, "seed"),
     ({"model": "MODEL", "prompt": ""}, "completions", 400, "prompt"),
