@@ -171,6 +171,10 @@ def test_minus_one_logprobs_are_the_whole_vocabulary(server, client, model):
     prompt = post(server, "/v1/completions", {"model": model, "prompt": PROMPT_IDS[:4], "max_tokens": 1,
                                               "prompt_logprobs": -1})["choices"][0]["prompt_logprobs"]
     assert prompt[0] is None and [len(entry) for entry in prompt[1:]] == [VOCAB] * 3
+    # One worker message carries a request's prompt logprobs: more than it can hold is a 400, not a broken stream.
+    error = post_error(server, "/v1/completions", {"model": model, "prompt": PROMPT_IDS * 10, "max_tokens": 1,
+                                                   "prompt_logprobs": -1})
+    assert error["param"] == "prompt_logprobs" and "ask for fewer" in error["message"]
 
 
 def test_logprob_token_ids_are_the_named_tokens_logprobs(server, client, model):
