@@ -218,7 +218,8 @@ class Frontend:
         d = self.sampling_defaults
         params = SamplingParams(
             max_tokens=max_tokens, temperature=d.temperature_or(s.temperature), top_p=d.top_p_or(s.top_p),
-            top_k=d.top_k_or(s.top_k), min_p=d.min_p_or(s.min_p), seed=s.seed, stop=list(s.stop), ignore_eos=s.ignore_eos, logprobs=logprobs,
+            top_k=d.top_k_or(s.top_k), min_p=d.min_p_or(s.min_p), seed=s.seed, stop=list(s.stop),
+            ignore_eos=s.ignore_eos, logprobs=logprobs,
             include_stop_str_in_output=s.include_stop_str_in_output,
             presence_penalty=s.presence_penalty or 0.0, frequency_penalty=s.frequency_penalty or 0.0,
             repetition_penalty=d.repetition_penalty_or(s.repetition_penalty),
@@ -252,9 +253,10 @@ class Frontend:
             counts.append(n)
         logprobs, prompt_logprobs = counts[0], counts[1]
         # A worker sends a request's prompt logprobs in one message (its first), under the frame limit.
-        if prompt_logprobs is not None and (num_prompt_tokens - 1) * (prompt_logprobs + 1) > MAX_PROMPT_LOGPROB_ENTRIES:
+        num_entries = (num_prompt_tokens - 1) * (prompt_logprobs + 1) if prompt_logprobs is not None else 0
+        if num_entries > MAX_PROMPT_LOGPROB_ENTRIES:
             raise invalid(f"prompt_logprobs={s.prompt_logprobs} over a prompt of {num_prompt_tokens} tokens is "
-                          f"{(num_prompt_tokens - 1) * (prompt_logprobs + 1)} logprobs, more than the "
+                          f"{num_entries} logprobs, more than the "
                           f"{MAX_PROMPT_LOGPROB_ENTRIES} one worker message carries; ask for fewer or a shorter "
                           f"prompt", "prompt_logprobs", "invalid_value")
         return logprobs, prompt_logprobs

@@ -34,7 +34,7 @@ from splitserve.services.frontend.errors import APIError, from_validation_error,
 from splitserve.services.frontend.core import Delta, Frontend, SamplingRequest, new_request_id
 from splitserve.services.frontend.generation_request import GenerationRequest
 from splitserve.services.frontend.limits import PromptBound, check_prompt_tokens
-from splitserve.services.frontend.http.protocol import ChatCompletionRequest, CompletionRequest
+from splitserve.services.frontend.http.protocol import ALL_LOGPROBS, ChatCompletionRequest, CompletionRequest
 from splitserve.services.frontend.http.responses import (ChatFormatter, CompletionFormatter, best_samples, merge_full,
                                                          merged_usage)
 from splitserve.services.frontend.http.structured import requested_structure
@@ -434,6 +434,8 @@ def _prompt_logprobs(body) -> int | None:
     wanted = [body.prompt_logprobs] if body.prompt_logprobs is not None else []
     if isinstance(body, CompletionRequest) and body.echo and body.logprobs is not None:
         wanted.append(body.logprobs)
+    if ALL_LOGPROBS in wanted:          # vLLM's -1: the whole vocabulary, more than any n
+        return ALL_LOGPROBS
     return max(wanted) if wanted else None
 
 

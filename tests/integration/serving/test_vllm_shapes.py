@@ -139,7 +139,8 @@ def test_fields_vllm_always_has_are_null_unless_asked_for(server, client, model)
     completion = {"model": model, "prompt": PROMPT_IDS, "max_tokens": 2, "temperature": 0}
     choice = post(server, "/v1/completions", completion)["choices"][0]
     assert choice["prompt_logprobs"] is None and choice["prompt_token_ids"] is None and choice["token_ids"] is None
-    asked = post(server, "/v1/completions", {**completion, "return_token_ids": True, "prompt_logprobs": 1})["choices"][0]
+    asked = post(server, "/v1/completions",
+                 {**completion, "return_token_ids": True, "prompt_logprobs": 1})["choices"][0]
     assert asked["prompt_token_ids"] == PROMPT_IDS and len(asked["token_ids"]) == 2
     assert asked["prompt_logprobs"][0] is None and len(asked["prompt_logprobs"]) == len(PROMPT_IDS)
     sdk = client.completions.create(**completion, extra_body={"return_token_ids": True}).choices[0]
@@ -171,6 +172,10 @@ def test_minus_one_logprobs_are_the_whole_vocabulary(server, client, model):
     prompt = post(server, "/v1/completions", {"model": model, "prompt": PROMPT_IDS[:4], "max_tokens": 1,
                                               "prompt_logprobs": -1})["choices"][0]["prompt_logprobs"]
     assert prompt[0] is None and [len(entry) for entry in prompt[1:]] == [VOCAB] * 3
+    # echo with logprobs -1: the echoed prompt tokens get the whole vocabulary too (prompt_logprobs 0 or not).
+    echo = post(server, "/v1/completions", {"model": model, "prompt": PROMPT_IDS[:4], "max_tokens": 1, "echo": True,
+                                            "logprobs": -1, "prompt_logprobs": 0, "return_tokens_as_token_ids": True})
+    assert [len(top) for top in echo["choices"][0]["logprobs"]["top_logprobs"][1:]] == [VOCAB] * 4
     # One worker message carries a request's prompt logprobs: more than it can hold is a 400, not a broken stream.
     error = post_error(server, "/v1/completions", {"model": model, "prompt": PROMPT_IDS * 10, "max_tokens": 1,
                                                    "prompt_logprobs": -1})
