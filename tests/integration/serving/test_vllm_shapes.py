@@ -198,6 +198,20 @@ def test_logprob_token_ids_are_the_named_tokens_logprobs(server, client, model):
         assert [x.token for x in t.top_logprobs][1:] == [f"token_id:{i}" for i in named]
     error = post_error(server, "/v1/completions", {**body, "logprobs": None})
     assert error["param"] == "logprob_token_ids" and "`logprobs` must be set" in error["message"]
+    # The public gRPC API takes them too: each token's `top` is the named tokens', in their order.
+    import grpc
+
+    from splitserve.proto.v1 import inference_pb2, inference_pb2_grpc
+
+    with grpc.insecure_channel(server.grpc_address) as channel:
+        stub = inference_pb2_grpc.InferenceStub(channel)
+        replies = list(stub.Generate(inference_pb2.GenerateRequest(
+            token_ids=inference_pb2.TokenIds(ids=PROMPT_IDS), max_tokens=2, temperature=0, logprobs=0,
+            logprob_token_ids=named), timeout=60))
+        logprobs = [lp for r in replies for lp in r.logprobs]
+        assert len(logprobs) == 2 and all([t.token_id for t in lp.top] == named for lp in logprobs)
+        assert [t.logprob for t in logprobs[0].top] == pytest.approx(
+            [every[0][f"token_id:{t}"] for t in named], abs=1e-5)
 
 
 def test_truncation_side_keeps_the_first_or_last_tokens(server, client, model):
