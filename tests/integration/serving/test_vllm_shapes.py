@@ -172,6 +172,7 @@ def test_minus_one_logprobs_are_the_whole_vocabulary(server, client, model):
     prompt = post(server, "/v1/completions", {"model": model, "prompt": PROMPT_IDS[:4], "max_tokens": 1,
                                               "prompt_logprobs": -1})["choices"][0]["prompt_logprobs"]
     assert prompt[0] is None and [len(entry) for entry in prompt[1:]] == [VOCAB] * 3
+    assert post_error(server, "/v1/completions", {**body, "logprobs": -2})["param"] == "logprobs"   # only -1
     # echo with logprobs -1: the echoed prompt tokens get the whole vocabulary too (prompt_logprobs 0 or not).
     echo = post(server, "/v1/completions", {"model": model, "prompt": PROMPT_IDS[:4], "max_tokens": 1, "echo": True,
                                             "logprobs": -1, "prompt_logprobs": 0, "return_tokens_as_token_ids": True})
