@@ -24,27 +24,27 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1asplitserve/v1/common.proto\x12\rsplitserve.v1\"\x84\x05\n\x0eSamplingParams\x12\x12\n\nmax_tokens\x18\x01 \x01(\r\x12\x13\n\x0btemperature\x18\x02 \x01(\x01\x12\r\n\x05top_k\x18\x03 \x01(\r\x12\r\n\x05top_p\x18\x04 \x01(\x01\x12\r\n\x05min_p\x18\x05 \x01(\x01\x12\x11\n\x04seed\x18\x06 \x01(\x03H\x00\x88\x01\x01\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x08 \x03(\r\x12\x12\n\nignore_eos\x18\t \x01(\x08\x12\x15\n\x08logprobs\x18\n \x01(\rH\x01\x88\x01\x01\x12\"\n\x1ainclude_stop_str_in_output\x18\x0b \x01(\x08\x12\x17\n\x0fnum_prior_draws\x18\x0c \x01(\r\x12\x18\n\x10presence_penalty\x18\r \x01(\x01\x12\x19\n\x11\x66requency_penalty\x18\x0e \x01(\x01\x12\x1a\n\x12repetition_penalty\x18\x0f \x01(\x01\x12,\n\nlogit_bias\x18\x10 \x03(\x0b\x32\x18.splitserve.v1.TokenBias\x12\x12\n\nmin_tokens\x18\x11 \x01(\r\x12\x1f\n\x17num_prior_output_tokens\x18\x12 \x01(\r\x12\x33\n\nstructured\x18\x13 \x01(\x0b\x32\x1f.splitserve.v1.StructuredOutput\x12\x19\n\x11\x61llowed_token_ids\x18\x14 \x03(\r\x12/\n\tbad_words\x18\x15 \x03(\x0b\x32\x1c.splitserve.v1.TokenSequence\x12\x1c\n\x0fprompt_logprobs\x18\x16 \x01(\rH\x02\x88\x01\x01\x42\x07\n\x05_seedB\x0b\n\t_logprobsB\x12\n\x10_prompt_logprobs\"\"\n\rTokenSequence\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\".\n\x10StructuredOutput\x12\x0c\n\x04kind\x18\x01 \x01(\t\x12\x0c\n\x04spec\x18\x02 \x01(\t\"+\n\tTokenBias\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0c\n\x04\x62ias\x18\x02 \x01(\x01\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x01\"g\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x01\x12&\n\x03top\x18\x03 \x03(\x0b\x32\x19.splitserve.v1.TopLogprob\x12\x0c\n\x04rank\x18\x04 \x01(\r\"7\n\x0cTraceContext\x12\x13\n\x0btraceparent\x18\x01 \x01(\t\x12\x12\n\ntracestate\x18\x02 \x01(\t*\x98\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x12\x1e\n\x1a\x46INISH_REASON_PREFILL_DONE\x10\x04\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1asplitserve/v1/common.proto\x12\rsplitserve.v1\"\x9f\x05\n\x0eSamplingParams\x12\x12\n\nmax_tokens\x18\x01 \x01(\r\x12\x13\n\x0btemperature\x18\x02 \x01(\x01\x12\r\n\x05top_k\x18\x03 \x01(\r\x12\r\n\x05top_p\x18\x04 \x01(\x01\x12\r\n\x05min_p\x18\x05 \x01(\x01\x12\x11\n\x04seed\x18\x06 \x01(\x03H\x00\x88\x01\x01\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x08 \x03(\r\x12\x12\n\nignore_eos\x18\t \x01(\x08\x12\x15\n\x08logprobs\x18\n \x01(\rH\x01\x88\x01\x01\x12\"\n\x1ainclude_stop_str_in_output\x18\x0b \x01(\x08\x12\x17\n\x0fnum_prior_draws\x18\x0c \x01(\r\x12\x18\n\x10presence_penalty\x18\r \x01(\x01\x12\x19\n\x11\x66requency_penalty\x18\x0e \x01(\x01\x12\x1a\n\x12repetition_penalty\x18\x0f \x01(\x01\x12,\n\nlogit_bias\x18\x10 \x03(\x0b\x32\x18.splitserve.v1.TokenBias\x12\x12\n\nmin_tokens\x18\x11 \x01(\r\x12\x1f\n\x17num_prior_output_tokens\x18\x12 \x01(\r\x12\x33\n\nstructured\x18\x13 \x01(\x0b\x32\x1f.splitserve.v1.StructuredOutput\x12\x19\n\x11\x61llowed_token_ids\x18\x14 \x03(\r\x12/\n\tbad_words\x18\x15 \x03(\x0b\x32\x1c.splitserve.v1.TokenSequence\x12\x1c\n\x0fprompt_logprobs\x18\x16 \x01(\rH\x02\x88\x01\x01\x12\x19\n\x11logprob_token_ids\x18\x17 \x03(\rB\x07\n\x05_seedB\x0b\n\t_logprobsB\x12\n\x10_prompt_logprobs\"\"\n\rTokenSequence\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\".\n\x10StructuredOutput\x12\x0c\n\x04kind\x18\x01 \x01(\t\x12\x0c\n\x04spec\x18\x02 \x01(\t\"+\n\tTokenBias\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0c\n\x04\x62ias\x18\x02 \x01(\x01\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x01\"g\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x01\x12&\n\x03top\x18\x03 \x03(\x0b\x32\x19.splitserve.v1.TopLogprob\x12\x0c\n\x04rank\x18\x04 \x01(\r\"7\n\x0cTraceContext\x12\x13\n\x0btraceparent\x18\x01 \x01(\t\x12\x12\n\ntracestate\x18\x02 \x01(\t*\x98\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x12\x1e\n\x1a\x46INISH_REASON_PREFILL_DONE\x10\x04\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'splitserve.v1.common_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_FINISHREASON']._serialized_start=1033
-  _globals['_FINISHREASON']._serialized_end=1185
+  _globals['_FINISHREASON']._serialized_start=1060
+  _globals['_FINISHREASON']._serialized_end=1212
   _globals['_SAMPLINGPARAMS']._serialized_start=46
-  _globals['_SAMPLINGPARAMS']._serialized_end=690
-  _globals['_TOKENSEQUENCE']._serialized_start=692
-  _globals['_TOKENSEQUENCE']._serialized_end=726
-  _globals['_STRUCTUREDOUTPUT']._serialized_start=728
-  _globals['_STRUCTUREDOUTPUT']._serialized_end=774
-  _globals['_TOKENBIAS']._serialized_start=776
-  _globals['_TOKENBIAS']._serialized_end=819
-  _globals['_TOPLOGPROB']._serialized_start=821
-  _globals['_TOPLOGPROB']._serialized_end=868
-  _globals['_TOKENLOGPROB']._serialized_start=870
-  _globals['_TOKENLOGPROB']._serialized_end=973
-  _globals['_TRACECONTEXT']._serialized_start=975
-  _globals['_TRACECONTEXT']._serialized_end=1030
+  _globals['_SAMPLINGPARAMS']._serialized_end=717
+  _globals['_TOKENSEQUENCE']._serialized_start=719
+  _globals['_TOKENSEQUENCE']._serialized_end=753
+  _globals['_STRUCTUREDOUTPUT']._serialized_start=755
+  _globals['_STRUCTUREDOUTPUT']._serialized_end=801
+  _globals['_TOKENBIAS']._serialized_start=803
+  _globals['_TOKENBIAS']._serialized_end=846
+  _globals['_TOPLOGPROB']._serialized_start=848
+  _globals['_TOPLOGPROB']._serialized_end=895
+  _globals['_TOKENLOGPROB']._serialized_start=897
+  _globals['_TOKENLOGPROB']._serialized_end=1000
+  _globals['_TRACECONTEXT']._serialized_start=1002
+  _globals['_TRACECONTEXT']._serialized_end=1057
 # @@protoc_insertion_point(module_scope)

@@ -365,7 +365,7 @@ class DescribeRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class DescribeResponse(_message.Message):
-    __slots__ = ("worker_id", "instance_id", "role", "model_name", "max_model_len", "vocab_size", "block_size", "num_kv_blocks", "dtype", "device", "tensor_parallel_size", "transfer_backend", "block_hash_extra_key", "session_port")
+    __slots__ = ("worker_id", "instance_id", "role", "model_name", "max_model_len", "vocab_size", "block_size", "num_kv_blocks", "dtype", "device", "tensor_parallel_size", "transfer_backend", "block_hash_extra_key", "session_port", "max_logprobs")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
@@ -380,6 +380,7 @@ class DescribeResponse(_message.Message):
     TRANSFER_BACKEND_FIELD_NUMBER: _ClassVar[int]
     BLOCK_HASH_EXTRA_KEY_FIELD_NUMBER: _ClassVar[int]
     SESSION_PORT_FIELD_NUMBER: _ClassVar[int]
+    MAX_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     instance_id: str
     role: WorkerRole
@@ -394,7 +395,8 @@ class DescribeResponse(_message.Message):
     transfer_backend: str
     block_hash_extra_key: bytes
     session_port: int
-    def __init__(self, worker_id: _Optional[str] = ..., instance_id: _Optional[str] = ..., role: _Optional[_Union[WorkerRole, str]] = ..., model_name: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., block_size: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., tensor_parallel_size: _Optional[int] = ..., transfer_backend: _Optional[str] = ..., block_hash_extra_key: _Optional[bytes] = ..., session_port: _Optional[int] = ...) -> None: ...
+    max_logprobs: int
+    def __init__(self, worker_id: _Optional[str] = ..., instance_id: _Optional[str] = ..., role: _Optional[_Union[WorkerRole, str]] = ..., model_name: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., block_size: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., tensor_parallel_size: _Optional[int] = ..., transfer_backend: _Optional[str] = ..., block_hash_extra_key: _Optional[bytes] = ..., session_port: _Optional[int] = ..., max_logprobs: _Optional[int] = ...) -> None: ...
 
 class DrainRequest(_message.Message):
     __slots__ = ()

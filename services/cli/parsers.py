@@ -36,6 +36,10 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-num-batched-tokens", type=int, default=2048,
                    help="token budget per step (prefill chunk size)")
     g.add_argument("--max-num-seqs", type=int, default=64, help="maximum running sequences")
+    g.add_argument("--max-logprobs", type=int, default=20, metavar="N",
+                   help="vLLM's: the most logprobs (logprobs, top_logprobs, prompt_logprobs) a request may ask "
+                        "for per token; -1: the whole vocabulary, which a request asks for with -1 "
+                        "(default: %(default)s)")
     g.add_argument("--threads", type=int, default=None,
                    help="torch CPU threads per rank (default: torch's, all cores; under `serve` on CPU: "
                         "the cores shared out among the ranks it starts)")

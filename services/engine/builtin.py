@@ -35,7 +35,8 @@ class BuiltinEngine:
             model_name=cfg.model_name, max_model_len=core.max_model_len, vocab_size=core.model_config.vocab_size,
             block_size=cfg.block_size, num_kv_blocks=cfg.num_kv_blocks,
             dtype=str(cfg.torch_dtype()).removeprefix("torch."), device=cfg.device,
-            tensor_parallel_size=cfg.tensor_parallel_size, block_hash_extra_key=core.scheduler.extra_key)
+            tensor_parallel_size=cfg.tensor_parallel_size, block_hash_extra_key=core.scheduler.extra_key,
+            max_logprobs=cfg.max_logprobs)
 
     @classmethod
     def start(cls, config: EngineConfig) -> BuiltinEngine:

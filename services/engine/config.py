@@ -154,6 +154,7 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048   # per-step token budget (chunked prefill)
     max_num_seqs: int = 64
     max_model_len: int | None = None     # None: the model's max_position_embeddings
+    max_logprobs: int = 20               # vLLM's --max-logprobs: most logprobs per token; -1: the vocabulary
     enable_prefix_caching: bool = True
     tensor_parallel_size: int = 1
     seed: int = 0

@@ -401,9 +401,12 @@ class LLMEngine:
         vocab = self.model_config.vocab_size
         if any(not isinstance(t, int) or not 0 <= t < vocab for t in ids):
             raise InvalidRequestError(f"prompt token ids must be integers in [0, {vocab})")
-        if any(t >= vocab for t in params.logit_bias):
-            raise InvalidRequestError(f"logit_bias token ids must be in [0, {vocab})")
+        out_of_vocab = sorted(t for t in params.logit_bias if t >= vocab)
+        if out_of_vocab:         # vLLM's words
+            raise InvalidRequestError(f"token_id(s) {out_of_vocab} in logit_bias contain out-of-vocab token ids. "
+                                      f"Vocabulary size: {vocab}")
         params.check_vocab(vocab)
+        params.check_logprobs(self.config.max_logprobs, vocab)
         if len(ids) >= self.max_model_len:
             raise InvalidRequestError(
                 f"prompt has {len(ids)} tokens but this model's context is {self.max_model_len} "

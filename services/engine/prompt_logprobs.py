@@ -30,7 +30,7 @@ def score_prompt_tokens(logits: torch.Tensor, spans: list[tuple[Sequence, range]
         chosen_t = logprobs.gather(1, targets.unsqueeze(1))
         ranks = ((logprobs > chosen_t).sum(dim=1) + 1).tolist()      # vLLM's Logprob.rank
         chosen = chosen_t.squeeze(1).tolist()
-        n = seq.params.prompt_logprobs or 0
+        n = min(seq.params.prompt_logprobs or 0, logprobs.shape[1])
         if n:
             values, ids = logprobs.topk(min(n, logprobs.shape[-1]), dim=-1)
             tops = [dict(zip(i, v)) for i, v in zip(ids.tolist(), values.tolist())]

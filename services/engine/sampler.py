@@ -57,7 +57,10 @@ def sample(logits: torch.Tensor, params: list[SamplingParams],
             out.append(SampledToken(t))
             continue
         top = {}
-        if n:
+        if params[i].logprob_token_ids:        # vLLM's logprob_token_ids: these, not the top-n
+            named = torch.tensor(params[i].logprob_token_ids, dtype=torch.long, device=logits.device)
+            top = dict(zip(params[i].logprob_token_ids, logprobs[i].index_select(0, named).tolist()))
+        elif n:
             values, ids = logprobs[i].topk(min(n, logprobs.shape[-1]))   # a vocabulary smaller than n: all
             top = dict(zip(ids.tolist(), values.tolist()))
         out.append(SampledToken(t, float(logprobs[i, t]), top))

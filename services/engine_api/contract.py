@@ -48,6 +48,7 @@ class EngineDescription:
     device: str
     tensor_parallel_size: int
     block_hash_extra_key: bytes     # splitserve/block_hashes.py's extra key: model, dtype, engine options
+    max_logprobs: int = 20          # vLLM's --max-logprobs: most logprobs per token a request may ask; -1: all
 
 
 @dataclass(frozen=True, slots=True)

@@ -47,6 +47,9 @@ from splitserve.services.frontend.workers.pool import WorkerPool
 
 log = logging.getLogger(__name__)
 ROUTE_POLL_S = 0.1     # how often a migration waiting for a decode worker looks again
+# Prompt logprob entries (each prompt token's own and its top-n) one worker message may carry:
+# about 14 bytes each on the wire, so well within the session stream's and gRPC's 64 MiB.
+MAX_PROMPT_LOGPROB_ENTRIES = 2_000_000
 
 
 @dataclass(slots=True)
@@ -81,6 +84,7 @@ class SamplingRequest:
     ignore_eos: bool = False
     logprobs: int | None = None
     max_tokens_param: str = "max_tokens"
+    logprobs_param: str = "logprobs"      # the request's name for it (chat: top_logprobs)
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True      # for the text only: not a worker parameter
     presence_penalty: float | None = None
@@ -94,6 +98,7 @@ class SamplingRequest:
     bad_words: list[str] = field(default_factory=list)   # text: tokenized here (text/bad_words.py)
     cache_salt: str = ""
     prompt_logprobs: int | None = None
+    logprob_token_ids: list[int] = field(default_factory=list)   # vLLM's: these tokens' logprobs, not the top-n
 
     @property
     def caps_output(self) -> bool:
@@ -133,6 +138,20 @@ class Frontend:
     def max_model_len(self) -> int | None:
         lens = [w.info.max_model_len for w in self.pool.ready("decode")]
         return min(lens) if lens else None
+
+    @property
+    def vocab_size(self) -> int:
+        """The served model's vocabulary (the workers', as vLLM's -1 logprobs counts it)."""
+        sizes = [w.info.vocab_size for w in self.pool.ready("decode") if w.info.vocab_size]
+        return min(sizes) if sizes else self.tokenizer.vocab_size
+
+    @property
+    def max_logprobs(self) -> int:
+        """vLLM's --max-logprobs of the workers (the lowest; -1: the whole vocabulary)."""
+        limits = [w.info.max_logprobs if w.info.HasField("max_logprobs") else SamplingParams.DEFAULT_MAX_LOGPROBS
+                  for w in self.pool.ready("decode")]
+        resolved = [self.vocab_size if n == -1 else n for n in limits]
+        return min(resolved) if resolved else SamplingParams.DEFAULT_MAX_LOGPROBS
 
     def is_ready(self) -> bool:
         return not self.draining and bool(self.pool.ready("decode"))
@@ -198,10 +217,12 @@ class Frontend:
                           f"{context} tokens and the prompt has {num_prompt_tokens}, so at most {room} "
                           f"can be generated; you asked for {max_tokens}", s.max_tokens_param,
                           "context_length_exceeded")
+        logprobs, prompt_logprobs = self._logprob_counts(s, num_prompt_tokens)
         d = self.sampling_defaults
         params = SamplingParams(
             max_tokens=max_tokens, temperature=d.temperature_or(s.temperature), top_p=d.top_p_or(s.top_p),
-            top_k=d.top_k_or(s.top_k), min_p=d.min_p_or(s.min_p), seed=s.seed, stop=list(s.stop), ignore_eos=s.ignore_eos, logprobs=s.logprobs,
+            top_k=d.top_k_or(s.top_k), min_p=d.min_p_or(s.min_p), seed=s.seed, stop=list(s.stop),
+            ignore_eos=s.ignore_eos, logprobs=logprobs,
             include_stop_str_in_output=s.include_stop_str_in_output,
             presence_penalty=s.presence_penalty or 0.0, frequency_penalty=s.frequency_penalty or 0.0,
             repetition_penalty=d.repetition_penalty_or(s.repetition_penalty),
@@ -210,12 +231,38 @@ class Frontend:
             min_tokens=s.min_tokens, stop_token_ids=list(s.stop_token_ids), structured=s.structured,
             allowed_token_ids=list(s.allowed_token_ids),
             bad_words=bad_word_token_ids(self.tokenizer, s.bad_words) if s.bad_words else [],
-            cache_salt=s.cache_salt, prompt_logprobs=s.prompt_logprobs)
+            cache_salt=s.cache_salt, prompt_logprobs=prompt_logprobs, logprob_token_ids=list(s.logprob_token_ids))
         try:
             params.validate()
         except InvalidRequestError as exc:
             raise invalid(str(exc)) from exc
         return params
+
+    def _logprob_counts(self, s: SamplingRequest, num_prompt_tokens: int) -> tuple[int | None, int | None]:
+        """(logprobs, prompt_logprobs) for the workers: vLLM's -1 is the whole vocabulary, and
+        neither may exceed the workers' --max-logprobs (vLLM's check and words)."""
+        asked = (("sample logprobs of", s.logprobs_param, s.logprobs),
+                 ("prompt logprobs of", "prompt_logprobs", s.prompt_logprobs),
+                 ("logprob_token_ids of length", "logprob_token_ids", len(s.logprob_token_ids) or None))
+        if all(n is None for _, _, n in asked):
+            return None, None
+        limit, vocab = self.max_logprobs, self.vocab_size
+        counts = []
+        for what, name, n in asked:
+            n = vocab if n == -1 else n
+            if n is not None and n > limit:
+                raise invalid(f"Requested {what} {n}, which is greater than max allowed: {limit}", name,
+                              "invalid_value")
+            counts.append(n)
+        logprobs, prompt_logprobs = counts[0], counts[1]
+        # A worker sends a request's prompt logprobs in one message (its first), under the frame limit.
+        num_entries = (num_prompt_tokens - 1) * (prompt_logprobs + 1) if prompt_logprobs is not None else 0
+        if num_entries > MAX_PROMPT_LOGPROB_ENTRIES:
+            raise invalid(f"prompt_logprobs={s.prompt_logprobs} over a prompt of {num_prompt_tokens} tokens is "
+                          f"{num_entries} logprobs, more than the "
+                          f"{MAX_PROMPT_LOGPROB_ENTRIES} one worker message carries; ask for fewer or a shorter "
+                          f"prompt", "prompt_logprobs", "invalid_value")
+        return logprobs, prompt_logprobs
 
     # -- generate ------------------------------------------------------------------
     def generate_forked(self, reqs: list[GenerationRequest]) -> tuple[list[AsyncIterator[Delta]], ForkedCall | None]:

@@ -34,7 +34,7 @@ log = logging.getLogger(__name__)
 
 DRAIN_FACTOR = 16          # an over-limit body this many times the limit is still read (and dropped)
 OPEN_PATHS = frozenset({"/health", "/ready", "/metrics", "/openapi.json"})
-LIMITED_ROOT_PATHS = frozenset({"/tokenize", "/detokenize"})   # limited like POST /v1/...
+LIMITED_ROOT_PATHS = frozenset({"/tokenize", "/detokenize", "/invocations"})   # limited like POST /v1/...
 
 
 

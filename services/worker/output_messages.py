@@ -15,7 +15,8 @@ from splitserve.services.worker_protocol.outputs import RequestOutput, SampledTo
 
 
 def logprob_to_proto(token: SampledToken) -> common_pb2.TokenLogprob:
-    top = sorted((token.top_logprobs or {}).items(), key=lambda kv: -kv[1])
+    # The engine's order: most likely first (top-n), or logprob_token_ids as the request named them.
+    top = (token.top_logprobs or {}).items()
     return common_pb2.TokenLogprob(
         token_id=token.token_id, logprob=token.logprob or 0.0, rank=token.rank or 0,
         top=[common_pb2.TopLogprob(token_id=t, logprob=lp) for t, lp in top])

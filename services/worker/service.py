@@ -394,7 +394,8 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
             block_size=d.block_size, num_kv_blocks=d.num_kv_blocks, dtype=d.dtype, device=d.device,
             tensor_parallel_size=d.tensor_parallel_size,
             transfer_backend=self.sender.backend if self.sender is not None else "",
-            block_hash_extra_key=d.block_hash_extra_key, session_port=self.session_port)
+            block_hash_extra_key=d.block_hash_extra_key, session_port=self.session_port,
+            max_logprobs=d.max_logprobs)
 
     async def start_draining(self) -> None:
         """Refuse new work (UNAVAILABLE) and report NOT_SERVING; running calls go on."""

@@ -44,7 +44,7 @@ def params_to_proto(p: SamplingParams) -> common_pb2.SamplingParams:
         frequency_penalty=p.frequency_penalty, repetition_penalty=p.repetition_penalty,
         logit_bias=[common_pb2.TokenBias(token_id=t, bias=b) for t, b in sorted(p.logit_bias.items())],
         min_tokens=p.min_tokens, num_prior_output_tokens=p.num_prior_output_tokens,
-        allowed_token_ids=list(p.allowed_token_ids),
+        allowed_token_ids=list(p.allowed_token_ids), logprob_token_ids=list(p.logprob_token_ids),
         bad_words=[common_pb2.TokenSequence(token_ids=w) for w in p.bad_words])
     if p.prompt_logprobs is not None:
         msg.prompt_logprobs = p.prompt_logprobs
@@ -65,7 +65,7 @@ def params_from_proto(msg: common_pb2.SamplingParams, cache_salt: str = "") -> S
         top_p=msg.top_p or 1.0, min_p=msg.min_p,
         seed=msg.seed if msg.HasField("seed") else None,
         stop=list(msg.stop), stop_token_ids=list(msg.stop_token_ids), ignore_eos=msg.ignore_eos,
-        logprobs=msg.logprobs if msg.HasField("logprobs") else None,
+        logprobs=msg.logprobs if msg.HasField("logprobs") else None, logprob_token_ids=list(msg.logprob_token_ids),
         include_stop_str_in_output=msg.include_stop_str_in_output, num_prior_draws=msg.num_prior_draws,
         presence_penalty=msg.presence_penalty, frequency_penalty=msg.frequency_penalty,
         repetition_penalty=msg.repetition_penalty or 1.0,

@@ -39,6 +39,8 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None       # top-n logprobs per generated token; None: none
+    # vLLM's logprob_token_ids: the logprobs of these tokens instead of the top-n (with logprobs).
+    logprob_token_ids: list[int] = field(default_factory=list)
     include_stop_str_in_output: bool = False
     # Draws a seeded request's generator already made elsewhere (tokens sampled before a
     # migration); the engine skips them so the request continues the same random stream.
@@ -60,7 +62,8 @@ class SamplingParams:
     # PrefillRequest.cache_salt, the request's KV identity), and rides here inside a process.
     cache_salt: str = ""
 
-    MAX_LOGPROBS = 20
+    DEFAULT_MAX_LOGPROBS = 20         # vLLM's --max-logprobs default; the engine's config decides
+    MAX_WIRE = 2**32 - 1              # counts and token ids travel as uint32
     MAX_PENALTY = 2.0
     MAX_CACHE_SALT = 1024
 
@@ -75,8 +78,8 @@ class SamplingParams:
             raise InvalidRequestError(f"top_p must be in (0, 1], got {self.top_p}")
         if not 0.0 <= self.min_p <= 1.0:
             raise InvalidRequestError(f"min_p must be in [0, 1], got {self.min_p}")
-        if self.logprobs is not None and not 0 <= self.logprobs <= self.MAX_LOGPROBS:
-            raise InvalidRequestError(f"logprobs must be in [0, {self.MAX_LOGPROBS}], got {self.logprobs}")
+        if self.logprobs is not None and not (isinstance(self.logprobs, int) and 0 <= self.logprobs <= self.MAX_WIRE):
+            raise InvalidRequestError(f"logprobs must be an integer >= 0, got {self.logprobs!r}")
         if not isinstance(self.num_prior_draws, int) or self.num_prior_draws < 0:
             raise InvalidRequestError(f"num_prior_draws must be an integer >= 0, got {self.num_prior_draws!r}")
         self._validate_controls()
@@ -117,13 +120,27 @@ class SamplingParams:
             if not word or any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in word):
                 raise InvalidRequestError("each bad word must be a non-empty list of token ids >= 0")
         if self.prompt_logprobs is not None and not (
-                isinstance(self.prompt_logprobs, int) and 0 <= self.prompt_logprobs <= self.MAX_LOGPROBS):
-            raise InvalidRequestError(f"prompt_logprobs must be in [0, {self.MAX_LOGPROBS}], "
-                                      f"got {self.prompt_logprobs!r}")
+                isinstance(self.prompt_logprobs, int) and 0 <= self.prompt_logprobs <= self.MAX_WIRE):
+            raise InvalidRequestError(f"prompt_logprobs must be an integer >= 0, got {self.prompt_logprobs!r}")
+        if any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in self.logprob_token_ids):
+            raise InvalidRequestError("logprob_token_ids must be token ids >= 0")
+        if self.logprob_token_ids and self.logprobs is None:
+            raise InvalidRequestError("logprob_token_ids needs logprobs set")
+
+    def check_logprobs(self, max_logprobs: int, vocab_size: int) -> None:
+        """vLLM's --max-logprobs (-1: the whole vocabulary): refuse a request for more."""
+        limit = vocab_size if max_logprobs == -1 else max_logprobs
+        asked = [("sample logprobs of", "logprobs", self.logprobs or 0),
+                 ("prompt logprobs of", "prompt_logprobs", self.prompt_logprobs or 0),
+                 ("logprob_token_ids of length", "logprob_token_ids", len(self.logprob_token_ids))]
+        for what, name, n in asked:
+            if n > limit:        # vLLM's words (its VLLMValidationError names the parameter so)
+                raise InvalidRequestError(f"Requested {what} {n}, which is greater than max allowed: {limit} "
+                                          f"(parameter={name}, value={n})")
 
     def check_vocab(self, vocab_size: int) -> None:
         """Refuse token ids the model does not have (the worker knows its vocabulary)."""
-        named = [("allowed_token_ids", self.allowed_token_ids),
+        named = [("allowed_token_ids", self.allowed_token_ids), ("logprob_token_ids", self.logprob_token_ids),
                  ("bad_words", [t for word in self.bad_words for t in word])]
         for name, ids in named:
             bad = [t for t in ids if t >= vocab_size]

@@ -26,7 +26,8 @@ from .conftest import AUTH, Tally, assert_openai_error
 EXAMPLES = 150
 FIELDS = ["model", "prompt", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k",
           "min_p", "seed", "stop", "stream", "stream_options", "logprobs", "top_logprobs", "n", "best_of",
-          "logit_bias", "ignore_eos", "echo", "suffix", "user", "presence_penalty", "unknown_field"]
+          "logit_bias", "ignore_eos", "echo", "suffix", "user", "presence_penalty", "prompt_logprobs",
+          "logprob_token_ids", "truncate_prompt_tokens", "truncation_side", "input", "unknown_field"]
 
 scalars = (st.none() | st.booleans() | st.integers(min_value=-2**70, max_value=2**70)
            | st.sampled_from([0, 1, -1, 2**31, 2**63, -2**63 - 1, 2**64])
@@ -74,7 +75,7 @@ def hostile_bodies(draw, model: str) -> tuple[bytes, str]:
     return data, content_type
 
 
-@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions"])
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions", "/invocations"])
 def test_hostile_bodies(front, model_name, path):
     tally = Tally()
     client = httpx.Client(base_url=front.base_url, timeout=60)

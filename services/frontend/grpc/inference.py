@@ -122,6 +122,7 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
             seed=request.seed if request.HasField("seed") else None,
             stop=list(request.stop), ignore_eos=request.ignore_eos,
             logprobs=request.logprobs if request.HasField("logprobs") else None,
+            logprob_token_ids=list(request.logprob_token_ids),
             presence_penalty=request.presence_penalty if request.HasField("presence_penalty") else None,
             frequency_penalty=request.frequency_penalty if request.HasField("frequency_penalty") else None,
             repetition_penalty=request.repetition_penalty if request.HasField("repetition_penalty") else None,

@@ -4,7 +4,8 @@ health, metrics.
 The app is FastAPI with two pure-ASGI layers in front, outermost first: the
 guard (guard.py: API keys, limits, body size, request timeout) and the
 generation endpoints (http/generation.py: POST /v1/completions,
-/v1/chat/completions and /v1/responses (http/responses_api.py), served without
+/v1/chat/completions, vLLM's /invocations (either, by the body's shape) and
+/v1/responses (http/responses_api.py), served without
 FastAPI's routing for the sake of latency). Everything else — /v1/models (503
 until a worker can serve the model), /tokenize and /detokenize
 (http/tokenization.py), /health, /ready, /metrics, /openapi.json, and the

@@ -38,7 +38,7 @@ from splitserve.services.frontend.core import Delta, Frontend, SamplingRequest, 
 from splitserve.services.frontend.generation_request import GenerationRequest
 from splitserve.services.frontend.limits import PromptBound, check_prompt_tokens
 from splitserve.services.frontend.http.beam_search_api import beam_search_params
-from splitserve.services.frontend.http.protocol import ChatCompletionRequest, CompletionRequest
+from splitserve.services.frontend.http.protocol import ALL_LOGPROBS, ChatCompletionRequest, CompletionRequest
 from splitserve.services.frontend.http.responses import (ChatFormatter, CompletionFormatter, best_samples, merge_full,
                                                          merged_usage)
 from splitserve.services.frontend.http.structured import requested_structure
@@ -46,6 +46,9 @@ from splitserve.services.frontend.tools.choice import template_message, tool_set
 
 log = logging.getLogger(__name__)
 
+# vLLM's answer to an /invocations body that is no request it serves (its words and its list).
+NO_INVOCATION_HANDLER = ("Cannot find suitable handler for request. Expected one of: "
+                         "['ChatCompletionRequest', 'CompletionRequest']")
 _SSE_HEADERS = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache")]
 
 
@@ -85,7 +88,8 @@ class GenerationEndpoints:
         self.max_prompt_tokens = max_prompt_tokens
         self.bound = PromptBound.of(frontend.tokenizer)
         self.routes: dict[str, Callable[[bytes], Prepared]] = {
-            "/v1/completions": self.prepare_completion, "/v1/chat/completions": self.prepare_chat}
+            "/v1/completions": self.prepare_completion, "/v1/chat/completions": self.prepare_chat,
+            "/invocations": self.prepare_invocation}
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         prepare = self.routes.get(scope["path"]) if scope["type"] == "http" else None
@@ -108,13 +112,12 @@ class GenerationEndpoints:
             prompt_ids = self._refusing("completions",
                                         lambda: self.frontend.text_prompt(prompt, body.add_special_tokens))
             prompt_ids = _truncated(prompt_ids, body)
-            echo = "" if not body.echo else prompt if isinstance(prompt, str) else \
-                self.frontend.tokenizer.decode(prompt_ids)
+            echo = _echo_text(body, prompt, prompt_ids, self.frontend.tokenizer)
             ranked = body.num_samples > body.num_choices
             for j in range(body.num_samples):
                 index = p * body.num_samples + j      # best_of > n: renumbered once ranked
                 # Ranking needs each sampled token's logprob, which the response shows only if asked.
-                logprobs = 0 if ranked and body.logprobs is None else body.logprobs
+                logprobs = 0 if (ranked and body.logprobs is None) or body.logprob_token_ids else body.logprobs
                 sampling = SamplingRequest(max_tokens=body.max_tokens, default_max_tokens=16,
                                            logprobs=logprobs, structured=structured,
                                            **_sampling_fields(body, j))
@@ -151,7 +154,8 @@ class GenerationEndpoints:
             sampling = SamplingRequest(
                 max_tokens=body.requested_max_tokens(), default_max_tokens=None,
                 max_tokens_param="max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens",
-                logprobs=body.num_logprobs(), structured=structured, **_sampling_fields(body, j))
+                logprobs=0 if body.logprob_token_ids else body.num_logprobs(), logprobs_param="top_logprobs",
+                structured=structured, **_sampling_fields(body, j))
             gen = self._prepare("chat", _worker_id(request_id, body), prompt_ids, sampling, "messages", j)
             choices.append(Choice(gen, ChatFormatter(request_id, self.frontend.model_name, self.frontend.tokenizer,
                                                      body, prompt_ids, j, echo, tools.output() if tools else None),
@@ -159,6 +163,21 @@ class GenerationEndpoints:
         beam = beam_search_params(body, choices[0].gen.params.max_tokens, body.num_logprobs() or 0) \
             if body.use_beam_search else None
         return Prepared(choices, body.stream, beam=beam)
+
+    def prepare_invocation(self, raw: bytes) -> Prepared:
+        """vLLM's SageMaker route, POST /invocations: the body's shape picks the endpoint, chat
+        (`messages`) before completions (`prompt`), as vLLM tries them; a body of neither shape (an
+        embedding's `input`...) gets vLLM's 400 naming the shapes served. A body of one shape that
+        the endpoint refuses gets that endpoint's own 400 (vLLM's says only "no handler")."""
+        try:
+            data = loads_body(raw)
+        except ValueError as exc:
+            raise invalid(f"malformed JSON body: {str(exc)[:200]}", None, "invalid_json") from None
+        if isinstance(data, dict) and "messages" in data:
+            return self.prepare_chat(raw)
+        if isinstance(data, dict) and "prompt" in data:
+            return self.prepare_completion(raw)
+        raise invalid(NO_INVOCATION_HANDLER, None, "invalid_request")
 
     def _parse(self, raw: bytes, model: type[BaseModel], api: str):
         def parse():
@@ -450,7 +469,8 @@ def _sampling_fields(body, choice: int = 0) -> dict:
                 stop_token_ids=list(body.stop_token_ids or []),
                 logit_bias={int(k): v for k, v in (body.logit_bias or {}).items()},
                 allowed_token_ids=list(body.allowed_token_ids or []), bad_words=list(body.bad_words or []),
-                cache_salt=body.cache_salt or "", prompt_logprobs=_prompt_logprobs(body))
+                cache_salt=body.cache_salt or "", prompt_logprobs=_prompt_logprobs(body),
+                logprob_token_ids=list(body.logprob_token_ids or []))
 
 
 def _prompt_logprobs(body) -> int | None:
@@ -459,6 +479,8 @@ def _prompt_logprobs(body) -> int | None:
     wanted = [body.prompt_logprobs] if body.prompt_logprobs is not None else []
     if isinstance(body, CompletionRequest) and body.echo and body.logprobs is not None:
         wanted.append(body.logprobs)
+    if ALL_LOGPROBS in wanted:          # vLLM's -1: the whole vocabulary, more than any n
+        return ALL_LOGPROBS
     return max(wanted) if wanted else None
 
 
@@ -475,9 +497,21 @@ def _worker_id(response_id: str, body) -> str:
 
 
 def _truncated(prompt_ids: list[int], body) -> list[int]:
-    """vLLM's truncate_prompt_tokens: keep the prompt's last k tokens."""
+    """vLLM's truncate_prompt_tokens: keep the prompt's last k tokens (truncation_side "left",
+    the default) or its first k ("right")."""
     k = body.truncate_prompt_tokens
-    return prompt_ids[-k:] if k and len(prompt_ids) > k else prompt_ids
+    if not k or len(prompt_ids) <= k:
+        return prompt_ids
+    return prompt_ids[:k] if body.truncation_side == "right" else prompt_ids[-k:]
+
+
+def _echo_text(body: CompletionRequest, prompt: str | list[int], prompt_ids: list[int], tokenizer) -> str:
+    """What /v1/completions' echo puts before the output, as vLLM does: a text prompt as sent, a
+    token-id prompt's whole text (special tokens too), nothing with return_token_ids (the prompt
+    comes back as prompt_token_ids instead)."""
+    if not body.echo or body.return_token_ids:
+        return ""
+    return prompt if isinstance(prompt, str) else tokenizer.decode(prompt_ids, skip_special_tokens=False)
 
 
 async def collect_deltas(first: Delta, deltas: AsyncIterator[Delta]) -> list[Delta]:

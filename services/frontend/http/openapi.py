@@ -58,13 +58,13 @@ def _errors(codes) -> dict:
             for code in codes}
 
 
-def _generation(name: str, summary: str) -> dict:
+def _generation(name: str, summary: str, schema: dict | None = None) -> dict:
     return {"post": {
         "summary": summary,
         "operationId": name,
         "security": [{}, {"bearer": []}],
         "requestBody": {"required": True, "content": {"application/json": {
-            "schema": {"$ref": REF.format(model=name)}}}},
+            "schema": schema or {"$ref": REF.format(model=name)}}}},
         "responses": {
             "200": {"description": "the completion (JSON), or server-sent events with stream=true",
                     "content": {"application/json": {"schema": {"type": "object"}},
@@ -181,6 +181,10 @@ def build_openapi(model_name: str | None, version: str, vocab_size: int | None =
             "/v1/chat/completions": _generation("ChatCompletionRequest", "Create a chat completion"),
             "/v1/completions": _generation("CompletionRequest", "Create a text completion"),
             "/v1/responses": _generation("ResponsesRequest", "Create a response (text in, text out)"),
+            "/invocations": _generation("Invocations", "vLLM's SageMaker route: a chat completion (`messages`) "
+                                        "or a text completion (`prompt`), by the body's shape",
+                                        {"oneOf": [{"$ref": REF.format(model="ChatCompletionRequest")},
+                                                   {"$ref": REF.format(model="CompletionRequest")}]}),
             "/v1/models": models,
             "/tokenize": _tokenization(
                 "Tokenize", "Tokenize a text or a chat (vLLM's schema)",

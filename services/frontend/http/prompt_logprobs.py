@@ -7,7 +7,8 @@ and the top-n. Two shapes come out of them:
   one item per prompt token, `None` for the first, else `{token id: {logprob, rank,
   decoded_token}}` holding the prompt token first, then the top-n (rank 1, 2, ...);
 - OpenAI's echo with logprobs on /v1/completions: the echoed prompt tokens lead the
-  choice's `logprobs` lists, the first with a `None` logprob and `None` alternatives.
+  choice's `logprobs` lists, the first with a `None` logprob and `None` alternatives, the
+  others' alternatives led by the prompt token itself (as vLLM's prompt logprob dicts are).
 Token texts are those each token adds in the prompt's context (text/token_text.py), as
 for generated tokens; `return_tokens_as_token_ids` writes `token_id:<id>` instead.
 """
@@ -19,6 +20,14 @@ from splitserve.services.text.token_text import TokenTexts
 from splitserve.services.text.tokenizer import Tokenizer
 
 
+MIN_LOGPROB = -9999.0      # OpenAI's stand-in for -inf
+
+
+def _first(top, n: int):
+    """The n most likely alternatives; all of them for vLLM's -1."""
+    return list(top) if n < 0 else top[:n]
+
+
 def vllm_prompt_logprobs(tokenizer: Tokenizer, prompt_ids: list[int], entries: list[common_pb2.TokenLogprob],
                          n: int, tokens_as_ids: bool = False) -> list[dict | None]:
     texts = TokenTexts(tokenizer, prompt_ids[:1])
@@ -27,7 +36,7 @@ def vllm_prompt_logprobs(tokenizer: Tokenizer, prompt_ids: list[int], entries: l
         text = lambda t: f"token_id:{t}" if tokens_as_ids else texts.text(t)  # noqa: E731
         item = {str(entry.token_id): {"logprob": entry.logprob, "rank": entry.rank or None,
                                       "decoded_token": text(entry.token_id)}}
-        for rank, top in enumerate(entry.top[:n], start=1):
+        for rank, top in enumerate(_first(entry.top, n), start=1):
             item.setdefault(str(top.token_id), {"logprob": top.logprob, "rank": rank,
                                                 "decoded_token": text(top.token_id)})
         texts.advance(entry.token_id)
@@ -48,9 +57,12 @@ def echoed_logprobs(tokenizer: Tokenizer, prompt_ids: list[int], entries: list[c
             logprobs.append(None)
             tops.append(None)
         else:
-            logprobs.append(entry.logprob)
-            tops.append({(f"token_id:{t.token_id}" if tokens_as_ids else texts.text(t.token_id)): t.logprob
-                         for t in entry.top[:n]})
+            logprobs.append(max(entry.logprob, MIN_LOGPROB))
+            # vLLM's: the prompt token itself, then its top-n alternatives, by text.
+            text = lambda t: f"token_id:{t}" if tokens_as_ids else texts.text(t)  # noqa: E731
+            top = {text(token_id): max(entry.logprob, MIN_LOGPROB)}
+            top.update((text(t.token_id), max(t.logprob, MIN_LOGPROB)) for t in _first(entry.top, n))
+            tops.append(top)
         piece = texts.advance(token_id)
         tokens.append(f"token_id:{token_id}" if tokens_as_ids else piece)
         offsets.append(offset)

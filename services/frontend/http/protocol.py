@@ -12,7 +12,8 @@ streamed. `n` choices and lists of prompts
 on /v1/completions are served as one request per (prompt, choice), concurrently. A few vLLM-style
 extensions are accepted too: top_k, min_p, ignore_eos, return_token_ids,
 repetition_penalty, min_tokens, stop_token_ids, allowed_token_ids, bad_words, cache_salt,
-prompt_logprobs.
+prompt_logprobs, logprob_token_ids, truncation_side; logprobs of -1 (the whole vocabulary,
+within the workers' --max-logprobs).
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from splitserve.services.frontend.http.beam_search_api import beam_search_proble
 from splitserve.services.frontend.tools.choice import tool_problems
 from splitserve.services.frontend.tools.schema import AssistantToolCall, Tool, ToolChoice
 
-MAX_TOP_LOGPROBS = 20
+ALL_LOGPROBS = -1                # vLLM's logprobs/top_logprobs/prompt_logprobs of -1: the whole vocabulary
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 MAX_STOP_SEQUENCES = 16
 MAX_TOKEN_ID = 2**32 - 1      # the wire's uint32; the worker checks the vocabulary
@@ -34,6 +35,9 @@ MAX_CHOICES = 16              # n, and prompts x n of one completions request
 MAX_PROMPTS = 64              # prompts in one /v1/completions request
 
 Seed = Annotated[int, Field(ge=INT64_MIN, le=INT64_MAX)]
+# A count of logprobs per token: n, or -1 (vLLM's whole vocabulary); the workers' --max-logprobs
+# bounds it (core.py, with vLLM's message).
+NumLogprobs = Annotated[int, Field(ge=ALL_LOGPROBS, le=MAX_TOKEN_ID)]
 StopText = Annotated[str, Field(min_length=1)]
 
 
@@ -136,6 +140,7 @@ class _VllmExtensions(_Strict):
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     truncate_prompt_tokens: int | None = Field(default=None, ge=1)
+    truncation_side: Literal["left", "right"] | None = None    # with truncate_prompt_tokens; None: left
     return_tokens_as_token_ids: bool = False
     use_beam_search: bool = False
     length_penalty: float = 1.0
@@ -157,7 +162,9 @@ class _VllmExtensions(_Strict):
     guided_decoding_backend: str | None = None
     guided_whitespace_pattern: str | None = None
     # Token controls and the prompt's logprobs (vLLM's extensions).
-    prompt_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+    prompt_logprobs: NumLogprobs | None = None
+    # vLLM's: each generated token's top logprobs are these tokens' (needs logprobs).
+    logprob_token_ids: Annotated[list[Annotated[int, Field(ge=0, le=MAX_TOKEN_ID)]], Field(min_length=1)] | None = None
     allowed_token_ids: list[Annotated[int, Field(ge=0, le=MAX_TOKEN_ID)]] | None = None  # the worker checks the vocab
     bad_words: list[Annotated[str, Field(min_length=1)]] | None = None
     cache_salt: Annotated[str, Field(min_length=1, max_length=1024)] | None = None   # vLLM: non-empty
@@ -184,7 +191,7 @@ class ChatCompletionRequest(_Common, _VllmExtensions):
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
     logprobs: bool = False
-    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+    top_logprobs: NumLogprobs | None = None
     # vLLM's chat extensions
     echo: bool = False                   # the reply starts with the last message, when it is the assistant's
     add_generation_prompt: bool = True
@@ -207,6 +214,8 @@ class ChatCompletionRequest(_Common, _VllmExtensions):
                                                        "which must be the assistant's"))
         if self.top_logprobs is not None and not self.logprobs:
             problems.append(("top_logprobs", "top_logprobs needs logprobs=true"))
+        if self.logprob_token_ids and not self.logprobs:          # vLLM's words
+            problems.append(("logprob_token_ids", "when using `logprob_token_ids`, `logprobs` must be set to true."))
         return problems
 
     def requested_max_tokens(self) -> int | None:
@@ -222,7 +231,7 @@ TokenIds = Annotated[list[Annotated[int, Field(ge=0, le=MAX_TOKEN_ID)]], Field(m
 class CompletionRequest(_Common, _VllmExtensions):
     prompt: str | TokenIds | list[str] | list[TokenIds]
     max_tokens: int | None = 16
-    logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+    logprobs: NumLogprobs | None = None
     echo: bool = False
     suffix: str | None = None
     best_of: int | None = None
@@ -239,6 +248,8 @@ class CompletionRequest(_Common, _VllmExtensions):
             what = "best_of" if self.best_of else "n"
             problems.append((what, f"prompts x {what} must be at most {MAX_CHOICES * 4}, "
                                    f"got {len(prompts) * self.num_samples}"))
+        if self.logprob_token_ids and self.logprobs is None:      # vLLM's words
+            problems.append(("logprob_token_ids", "when using `logprob_token_ids`, `logprobs` must be set."))
         if self.suffix:
             problems.append(("suffix", "suffix (insertion) is not supported: the served models are not "
                                        "fill-in-the-middle models"))

@@ -15,10 +15,15 @@ from splitserve.proto.v1 import common_pb2
 from splitserve.services.text.tokenizer import Tokenizer
 
 from splitserve.services.frontend.core import Delta
-from splitserve.services.frontend.http.prompt_logprobs import echoed_logprobs, vllm_prompt_logprobs
+from splitserve.services.frontend.http.prompt_logprobs import MIN_LOGPROB, echoed_logprobs, vllm_prompt_logprobs
 from splitserve.services.frontend.http.protocol import ChatCompletionRequest, CompletionRequest
 from splitserve.services.frontend.tools.choice import ToolOutput
 from splitserve.services.text.token_text import TokenTexts
+
+
+def _logprob(value: float) -> float:
+    """OpenAI's (and vLLM's) -9999 for -inf, which JSON cannot carry."""
+    return max(value, MIN_LOGPROB)
 
 
 def _usage(delta: Delta) -> dict:
@@ -46,11 +51,27 @@ class _Formatter:
         self.last: Delta | None = None
         self.prompt_ids = prompt_ids
         self.num_prompt_logprobs = getattr(body, "prompt_logprobs", None)    # vLLM's: whole responses carry them
+        self.named_logprobs = bool(getattr(body, "logprob_token_ids", None))  # top: the named tokens, all
+        self.prompt_ids_due = self.return_token_ids      # streams: prompt_token_ids once, first
 
-    def _prompt_logprobs(self, deltas: list[Delta]) -> list[dict | None]:
+    def _prompt_logprobs(self, deltas: list[Delta]) -> list[dict | None] | None:
+        """vLLM's prompt_logprobs: null unless asked for."""
+        if self.num_prompt_logprobs is None:
+            return None
         entries = [lp for d in deltas for lp in (d.prompt_logprobs or [])]
-        return vllm_prompt_logprobs(self.tokenizer, self.prompt_ids, entries, self.num_prompt_logprobs or 0,
+        return vllm_prompt_logprobs(self.tokenizer, self.prompt_ids, entries, self.num_prompt_logprobs,
                                     self.tokens_as_ids)
+
+    def _token_ids(self, token_ids: list[int]) -> list[int] | None:
+        """A choice's `token_ids`: vLLM has the field always, null unless return_token_ids."""
+        return list(token_ids) if self.return_token_ids else None
+
+    def _stream_prompt_ids(self) -> list[int] | None:
+        """`prompt_token_ids` of a stream: with return_token_ids, in its first chunk only."""
+        if not self.prompt_ids_due:
+            return None
+        self.prompt_ids_due = False
+        return list(self.prompt_ids)
 
     def _token_texts(self, lp: common_pb2.TokenLogprob) -> tuple[str, list[str]]:
         """The chosen token's text and its alternatives', in the text before it (vLLM's
@@ -95,6 +116,7 @@ class ChatFormatter(_Formatter):
                  index: int = 0, echo_text: str = "", tools: ToolOutput | None = None):
         super().__init__(request_id, model, tokenizer, body, prompt_ids, index)
         self.logprobs = body.logprobs
+        self.num_top = body.top_logprobs or 0
         self.echo_text = echo_text      # vLLM's chat `echo`: the reply starts with the last message
         self.tools = tools              # the output read as content and tool calls (tools/choice.py)
 
@@ -104,15 +126,31 @@ class ChatFormatter(_Formatter):
         content = []
         for lp in logprobs:
             text, top_texts = self._token_texts(lp)
-            content.append({"token": text, "logprob": lp.logprob, "bytes": list(text.encode()),
-                            "top_logprobs": [{"token": t, "logprob": top.logprob, "bytes": list(t.encode())}
-                                             for t, top in zip(top_texts, lp.top)]})
+            content.append({"token": text, "logprob": _logprob(lp.logprob), "bytes": list(text.encode()),
+                            "top_logprobs": [{"token": t, "logprob": _logprob(value), "bytes": list(t.encode())}
+                                             for t, value in self._top(lp, text, top_texts)]})
         return {"content": content}
+
+    def _top(self, lp: common_pb2.TokenLogprob, text: str, top_texts: list[str]) -> list[tuple[str, float]]:
+        """vLLM's chat top_logprobs: the first top_logprobs of (the chosen token, then the top-n),
+        each token once; all of them for -1 and for logprob_token_ids."""
+        entries: dict[int, tuple[str, float]] = {lp.token_id: (text, lp.logprob)}
+        for t, top in zip(top_texts, lp.top):
+            entries[top.token_id] = (t, top.logprob)     # the chosen one among them keeps its place
+        listed = list(entries.values())
+        if self.named_logprobs or self.num_top == -1:
+            return listed
+        return listed[:self.num_top]
 
     def opening(self) -> list[dict]:
         choice = {"index": self.index, "delta": {"role": "assistant", "content": self.echo_text}, "logprobs": None,
                   "finish_reason": None}
-        return [self._envelope(self.object_stream, [choice])]
+        chunk = self._envelope(self.object_stream, [choice])
+        chunk["prompt_token_ids"] = self._stream_prompt_ids()     # vLLM: in its first chunk, null unless asked
+        if self.continuous_usage:       # vLLM: the role chunk counts the prompt, nothing generated yet
+            n = len(self.prompt_ids)
+            chunk["usage"] = {"prompt_tokens": n, "completion_tokens": 0, "total_tokens": n}
+        return [chunk]
 
     def chunks(self, delta: Delta) -> list[dict]:
         self.last = delta
@@ -122,9 +160,7 @@ class ChatFormatter(_Formatter):
         if self.tools is not None:
             message, finish_reason = self.tools.delta(delta.text, finish_reason)
         choice = {"index": self.index, "delta": message, "logprobs": self._logprobs(delta.logprobs),
-                  "finish_reason": finish_reason}
-        if self.return_token_ids:
-            choice["token_ids"] = delta.token_ids
+                  "finish_reason": finish_reason, "token_ids": self._token_ids(delta.token_ids)}
         return [self._envelope(self.object_stream, [choice], delta)]
 
     def full(self, deltas: list[Delta]) -> dict:
@@ -133,13 +169,12 @@ class ChatFormatter(_Formatter):
         if self.tools is not None:
             message, finish_reason = self.tools.message(text, finish_reason)
         choice = {"index": self.index, "message": message, "logprobs": self._logprobs(logprobs),
-                  "finish_reason": finish_reason}
-        if self.return_token_ids:
-            choice["token_ids"] = token_ids
+                  "finish_reason": finish_reason, "token_ids": self._token_ids(token_ids)}
         out = self._envelope(self.object_full, [choice])
-        if self.num_prompt_logprobs is not None:
-            out["prompt_logprobs"] = self._prompt_logprobs(deltas)        # vLLM: on the response
         out["usage"] = _usage(last)
+        # vLLM's: on the response (not the choice), always present, null unless asked for.
+        out["prompt_logprobs"] = self._prompt_logprobs(deltas)
+        out["prompt_token_ids"] = list(self.prompt_ids) if self.return_token_ids else None
         return out
 
 
@@ -168,11 +203,14 @@ class CompletionFormatter(_Formatter):
         for lp in logprobs:
             text, top_texts = self._token_texts(lp)
             tokens.append(text)
-            tops.append({t: top.logprob for t, top in zip(top_texts, lp.top)})
+            # vLLM (as the legacy OpenAI API): the chosen token, then the top-n, by text.
+            top = {text: _logprob(lp.logprob)}
+            top.update((t, _logprob(alt.logprob)) for t, alt in zip(top_texts, lp.top))
+            tops.append(top)
             offsets.append(self.offset)
             self.offset += len(text)
-        return {"tokens": tokens, "token_logprobs": values + [lp.logprob for lp in logprobs], "top_logprobs": tops,
-                "text_offset": offsets}
+        return {"tokens": tokens, "token_logprobs": values + [_logprob(lp.logprob) for lp in logprobs],
+                "top_logprobs": tops, "text_offset": offsets}
 
     def opening(self) -> list[dict]:
         return []
@@ -184,20 +222,20 @@ class CompletionFormatter(_Formatter):
         text, self.echo_text = self.echo_text + delta.text, ""
         choice = {"index": self.index, "text": text,
                   "logprobs": self._logprobs(delta.logprobs, _first_prompt_entries([delta])),
-                  "finish_reason": delta.finish_reason}
-        if self.return_token_ids:
-            choice["token_ids"] = delta.token_ids
+                  "finish_reason": delta.finish_reason,
+                  # vLLM: the prompt's ids in the choice's first chunk (with return_token_ids), else null
+                  "prompt_token_ids": self._stream_prompt_ids(), "token_ids": self._token_ids(delta.token_ids)}
         return [self._envelope(self.object_stream, [choice], delta)]
 
     def full(self, deltas: list[Delta]) -> dict:
         text, token_ids, logprobs, last = self._finish(deltas)
         choice = {"index": self.index, "text": self.echo_text + text,
                   "logprobs": self._logprobs(logprobs, _first_prompt_entries(deltas)),
-                  "finish_reason": last.finish_reason}
-        if self.num_prompt_logprobs is not None:
-            choice["prompt_logprobs"] = self._prompt_logprobs(deltas)     # vLLM: on the choice
-        if self.return_token_ids:
-            choice["token_ids"] = token_ids
+                  "finish_reason": last.finish_reason,
+                  # vLLM's: on the choice, always present, null unless asked for
+                  "prompt_logprobs": self._prompt_logprobs(deltas),
+                  "prompt_token_ids": list(self.prompt_ids) if self.return_token_ids else None,
+                  "token_ids": self._token_ids(token_ids)}
         out = self._envelope(self.object_full, [choice])
         out["usage"] = _usage(last)
         return out

@@ -203,6 +203,7 @@ BAD_BODIES = [
     ({"model": "MODEL", "prompt": "hi", "temperature": 5}, "completions", 400, "temperature"),
     ({"model": "MODEL", "prompt": "hi", "top_p": 0}, "completions", 400, "top_p"),
     ({"model": "MODEL", "prompt": "hi", "logprobs": 50}, "completions", 400, "logprobs"),
+    ({"model": "MODEL", "prompt": "hi", "logprobs": 0, "logprob_token_ids": [99999]}, "completions", 400, None),
     ({"model": "MODEL", "prompt": "hi", "stop": ""}, "completions", 400, "stop"),
     ({"model": "MODEL", "prompt": "hi", "seed": 2**70}, "completions", 400, "seed"),
     ({"model": "MODEL", "prompt": ""}, "completions", 400, "prompt"),
@@ -234,6 +235,31 @@ def test_bad_input_gets_its_4xx(server, model_name, body, endpoint, status, para
     error = reply.json()["error"]
     assert set(error) == {"message", "type", "param", "code"} and error["message"]
     assert error["param"] == param, error
+
+
+USER = [{"role": "user", "content": "x"}]
+LOGPROB_REFUSALS = [
+    # -1 (vLLM's whole vocabulary) is more than the default --max-logprobs of 20 allows: vLLM's 400 and words.
+    ({"prompt": "hi", "logprobs": -1}, "completions", "logprobs",
+     "Requested sample logprobs of 32000, which is greater than max allowed: 20"),
+    ({"messages": USER, "logprobs": True, "top_logprobs": -1}, "chat/completions", "top_logprobs",
+     "Requested sample logprobs of 32000, which is greater than max allowed: 20"),
+    ({"prompt": "hi", "prompt_logprobs": -1}, "completions", "prompt_logprobs",
+     "Requested prompt logprobs of 32000, which is greater than max allowed: 20"),
+    ({"prompt": "hi", "logprobs": 0, "logprob_token_ids": list(range(21))}, "completions", "logprob_token_ids",
+     "Requested logprob_token_ids of length 21, which is greater than max allowed: 20"),
+    ({"messages": USER, "logprob_token_ids": [3]}, "chat/completions", "logprob_token_ids",
+     "when using `logprob_token_ids`, `logprobs` must be set to true."),
+]
+
+
+@pytest.mark.parametrize("body, endpoint, param, message", LOGPROB_REFUSALS)
+def test_logprob_counts_past_max_logprobs_are_refused_in_vllms_words(server, model_name, body, endpoint, param,
+                                                                      message):
+    reply = httpx.post(f"{server.openai_url}/{endpoint}", json={"model": model_name, **body}, timeout=30)
+    assert reply.status_code == 400, reply.text
+    error = reply.json()["error"]
+    assert error["param"] == param and error["message"] == message, error
 
 
 def test_server_keeps_serving_after_bad_input(server, client, model_name):

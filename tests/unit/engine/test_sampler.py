@@ -55,7 +55,7 @@ def test_logprobs_are_those_of_the_unfiltered_distribution():
 
 
 @pytest.mark.parametrize("params", [SamplingParams(max_tokens=0), SamplingParams(top_k=-1),
-                                    SamplingParams(min_p=2.0), SamplingParams(logprobs=99),
+                                    SamplingParams(min_p=2.0), SamplingParams(logprobs=-1),
                                     SamplingParams(stop=[""])])
 def test_invalid_parameters_are_rejected(params):
     with pytest.raises(InvalidRequestError):

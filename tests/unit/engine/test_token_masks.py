@@ -104,14 +104,15 @@ def test_incremental_counts_equal_counts_of_the_whole_history():
 
 
 def test_new_fields_round_trip_the_wire():
-    p = SamplingParams(allowed_token_ids=[3, 1], bad_words=[[5], [6, 7]], prompt_logprobs=2)
+    p = SamplingParams(allowed_token_ids=[3, 1], bad_words=[[5], [6, 7]], prompt_logprobs=2, logprobs=0,
+                       logprob_token_ids=[9, 4])
     assert params_from_proto(params_to_proto(p)) == p
     assert params_from_proto(params_to_proto(SamplingParams())).prompt_logprobs is None
 
 
 @pytest.mark.parametrize("change", [
-    dict(allowed_token_ids=[-1]), dict(bad_words=[[]]), dict(bad_words=[[1, -3]]), dict(prompt_logprobs=21),
-    dict(prompt_logprobs=-1),
+    dict(allowed_token_ids=[-1]), dict(bad_words=[[]]), dict(bad_words=[[1, -3]]), dict(prompt_logprobs=2**32),
+    dict(prompt_logprobs=-1), dict(logprob_token_ids=[3]), dict(logprobs=0, logprob_token_ids=[-2]),
 ])
 def test_bad_token_masks_are_refused(change):
     with pytest.raises(InvalidRequestError):
@@ -124,3 +125,16 @@ def test_ids_outside_the_vocabulary_are_refused_with_the_field_named():
     with pytest.raises(InvalidRequestError, match="bad_words"):
         SamplingParams(bad_words=[[1, VOCAB + 5]]).check_vocab(VOCAB)
     SamplingParams(allowed_token_ids=[VOCAB - 1]).check_vocab(VOCAB)
+    with pytest.raises(InvalidRequestError, match=f"logprob_token_ids holds token id {VOCAB}"):
+        SamplingParams(logprobs=0, logprob_token_ids=[1, VOCAB]).check_vocab(VOCAB)
+
+
+def test_the_engines_max_logprobs_bounds_every_count_with_vllms_words():
+    with pytest.raises(InvalidRequestError, match=r"Requested sample logprobs of 21, which is greater than max "
+                                                  r"allowed: 20 \(parameter=logprobs"):
+        SamplingParams(logprobs=21).check_logprobs(20, VOCAB)
+    with pytest.raises(InvalidRequestError, match="Requested prompt logprobs of 21, which is greater than max allowed"):
+        SamplingParams(prompt_logprobs=21).check_logprobs(20, VOCAB)
+    SamplingParams(logprobs=VOCAB, prompt_logprobs=VOCAB).check_logprobs(-1, VOCAB)     # -1: the vocabulary
+    with pytest.raises(InvalidRequestError, match=f"max allowed: {VOCAB}"):
+        SamplingParams(logprobs=VOCAB + 1).check_logprobs(-1, VOCAB)

@@ -14,7 +14,8 @@ def test_document_loads_and_lists_every_operation():
     doc = build_openapi("served", "0.1.0")
     schema = schemathesis.openapi.from_dict(doc)
     labels = {op.ok().label for op in schema.get_all_operations()}
-    assert labels == {"POST /v1/chat/completions", "POST /v1/completions", "POST /v1/responses", "GET /v1/models",
+    assert labels == {"POST /v1/chat/completions", "POST /v1/completions", "POST /v1/responses", "POST /invocations",
+                      "GET /v1/models",
                       "POST /tokenize", "POST /detokenize", "GET /health", "GET /ready", "GET /metrics"}
 
 

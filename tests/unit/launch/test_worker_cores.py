@@ -30,7 +30,8 @@ def test_none_cuda_or_an_explicit_list_leave_placement_to_the_user():
 
 def test_the_worker_command_line_carries_its_cores():
     args = argparse.Namespace(device="cpu", dtype="auto", tp=1, block_size=16, kv_cache_gib=1.0,
-                              max_num_batched_tokens=2048, max_num_seqs=64, threads=None, attention_backend="auto",
+                              max_num_batched_tokens=2048, max_num_seqs=64, max_logprobs=20, threads=None,
+                              attention_backend="auto",
                               transfer="auto",
                               remote_prefill_threshold=64, prefill_timeout=30.0, tls_ca=None,
                               tls_internal_cert=None, kv_host_gib=0.0, kv_disk_gib=0.0, kv_disk_path=None,
@@ -42,7 +43,7 @@ def test_the_worker_command_line_carries_its_cores():
 
 def test_the_attention_backend_reaches_every_worker():
     args = argparse.Namespace(device="cpu", dtype="auto", tp=1, block_size=16, kv_cache_gib=1.0,
-                              max_num_batched_tokens=2048, max_num_seqs=64, threads=None,
+                              max_num_batched_tokens=2048, max_num_seqs=64, max_logprobs=20, threads=None,
                               attention_backend="gather", transfer="auto", remote_prefill_threshold=64,
                               prefill_timeout=30.0, tls_ca=None, tls_internal_cert=None,
                               kv_host_gib=0.0, kv_disk_gib=0.0, kv_disk_path=None, otlp_traces_endpoint=None)
@@ -83,3 +84,12 @@ def test_tier_credit_reaches_the_frontend_and_bad_values_are_refused(capsys):
         with pytest.raises(SystemExit):
             build_parser().parse_args(["serve", "--kv-tier-credit", bad])
         assert "want TIER=SHARE" in capsys.readouterr().err
+
+
+def test_max_logprobs_reaches_every_worker():
+    from splitserve.services.cli.parsers import build_parser
+
+    args = build_parser().parse_args(["serve", "--max-logprobs", "-1"])
+    for name, role in (("prefill-0", "prefill"), ("decode-0", "decode"), ("worker-0", "both")):
+        argv = worker_argv(args, name, role, 5000, "m")
+        assert argv[argv.index("--max-logprobs") + 1] == "-1"
