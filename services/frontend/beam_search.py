@@ -42,8 +42,20 @@ from splitserve.services.frontend.core import Delta
 from splitserve.services.frontend.errors import APIError
 from splitserve.services.frontend.generation_request import GenerationRequest
 
-MAX_LOGPROBS = SamplingParams.MAX_LOGPROBS
-MAX_BEAM_WIDTH = MAX_LOGPROBS // 2       # each step asks for 2 x beam_width logprobs
+
+
+def max_beam_width(max_logprobs: int) -> int:
+    """The widest beam the workers can serve: each step asks for 2 x beam_width logprobs, and
+    they serve up to their --max-logprobs (`Frontend.max_logprobs`; 20 by default: 10 beams)."""
+    return max_logprobs // 2
+
+
+def beam_width_problem(width: int, max_logprobs: int) -> str | None:
+    limit = max_beam_width(max_logprobs)
+    if width <= limit:
+        return None
+    return (f"beam search with a width of {width} would ask the workers for {2 * width} logprobs per step "
+            f"(2 x the width), more than their --max-logprobs of {max_logprobs}: the width must be at most {limit}")
 
 
 @dataclass(slots=True, frozen=True)

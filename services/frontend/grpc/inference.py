@@ -17,7 +17,7 @@ from splitserve.services.worker_protocol.outputs import FinishReason
 from splitserve.services.worker_protocol.sampling_params import StructuredOutput
 from splitserve.tracing import TraceContext
 
-from splitserve.services.frontend.beam_search import MAX_BEAM_WIDTH, BeamSearchParams, beam_deltas, eos_token_id, \
+from splitserve.services.frontend.beam_search import BeamSearchParams, beam_width_problem, beam_deltas, eos_token_id, \
     search_prompts
 from splitserve.services.frontend.core import Delta, Frontend, SamplingRequest, new_request_id
 from splitserve.services.frontend.errors import APIError, invalid
@@ -71,9 +71,9 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
             if is_set and (neutral is None or getattr(request, name) != neutral):
                 raise invalid(f"{name} cannot be used with beam search: beams are ranked by the model's logprobs "
                               f"alone and end only at EOS or max_tokens", name)
-        if request.beam_width > MAX_BEAM_WIDTH:
-            raise invalid(f"beam_width must be at most {MAX_BEAM_WIDTH} (each step asks the workers for "
-                          f"2 x beam_width logprobs), got {request.beam_width}", "beam_width")
+        problem = beam_width_problem(request.beam_width, self.frontend.max_logprobs)
+        if problem is not None:
+            raise invalid(problem, "beam_width")
         params = BeamSearchParams(
             beam_width=request.beam_width, max_tokens=gen.params.max_tokens,
             length_penalty=request.length_penalty if request.HasField("length_penalty") else 1.0,

@@ -15,7 +15,8 @@ The beam search itself is services/frontend/beam_search.py.
 
 from __future__ import annotations
 
-from splitserve.services.frontend.beam_search import MAX_BEAM_WIDTH, BeamSearchParams
+from splitserve.services.frontend.beam_search import BeamSearchParams, beam_width_problem
+from splitserve.services.frontend.errors import invalid
 
 # Fields beam search does not use, and the values that ask for nothing (vLLM's defaults).
 _NEUTRAL = {"stop": (None, [], ""), "stop_token_ids": (None, []), "top_p": (None, 1.0), "top_k": (None, 0, -1),
@@ -36,9 +37,6 @@ def beam_search_problems(body) -> list[tuple[str, str]]:
         return []
     problems = []
     width = body.n or 1
-    if width > MAX_BEAM_WIDTH:
-        problems.append(("n", f"beam search with n={width} would ask the workers for {2 * width} logprobs per "
-                              f"step (2 x n); n must be at most {MAX_BEAM_WIDTH} with use_beam_search"))
     for name, neutral in _NEUTRAL.items():
         value = getattr(body, name, None)
         if value not in neutral:
@@ -62,8 +60,12 @@ def beam_search_problems(body) -> list[tuple[str, str]]:
     return problems
 
 
-def beam_search_params(body, max_tokens: int, num_top_logprobs: int) -> BeamSearchParams:
-    """vLLM's to_beam_search_params: n is the beam width; `max_tokens` as the frontend resolved it."""
+def beam_search_params(body, max_tokens: int, num_top_logprobs: int, max_logprobs: int) -> BeamSearchParams:
+    """vLLM's to_beam_search_params: n is the beam width; `max_tokens` as the frontend resolved it;
+    a width the workers' `max_logprobs` cannot serve is a 400 naming `n`."""
+    problem = beam_width_problem(body.n or 1, max_logprobs)
+    if problem is not None:
+        raise invalid(problem, "n")
     return BeamSearchParams(beam_width=body.n or 1, max_tokens=max_tokens, length_penalty=body.length_penalty,
                             ignore_eos=body.ignore_eos, include_stop_str_in_output=body.include_stop_str_in_output,
                             num_top_logprobs=num_top_logprobs)

@@ -126,7 +126,8 @@ class GenerationEndpoints:
                 fmt = CompletionFormatter(request_id, self.frontend.model_name, self.frontend.tokenizer, body,
                                           prompt_ids, index, echo)
                 choices.append(Choice(gen, fmt, first_of_prompt=j == 0))
-        beam = beam_search_params(body, choices[0].gen.params.max_tokens, body.logprobs or 0) \
+        beam = beam_search_params(body, choices[0].gen.params.max_tokens, body.logprobs or 0,
+                                  self.frontend.max_logprobs) \
             if body.use_beam_search else None
         return Prepared(choices, body.stream, body.num_choices if ranked else 0, beam)
 
@@ -160,7 +161,8 @@ class GenerationEndpoints:
             choices.append(Choice(gen, ChatFormatter(request_id, self.frontend.model_name, self.frontend.tokenizer,
                                                      body, prompt_ids, j, echo, tools.output() if tools else None),
                                   first_of_prompt=j == 0))
-        beam = beam_search_params(body, choices[0].gen.params.max_tokens, body.num_logprobs() or 0) \
+        beam = beam_search_params(body, choices[0].gen.params.max_tokens, body.num_logprobs() or 0,
+                                  self.frontend.max_logprobs) \
             if body.use_beam_search else None
         return Prepared(choices, body.stream, beam=beam)
 

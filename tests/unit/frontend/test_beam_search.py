@@ -15,12 +15,12 @@ import random
 import pytest
 
 from splitserve.proto.v1 import common_pb2
-from splitserve.services.frontend.beam_search import (BeamSearch, BeamSearchParams, beam_score,
+from splitserve.services.frontend.beam_search import (BeamSearch, BeamSearchParams, beam_score, beam_width_problem,
                                                       run_beam_search)
 from splitserve.services.frontend.core import Delta
 from splitserve.services.frontend.errors import APIError
 from splitserve.services.frontend.generation_request import GenerationRequest
-from splitserve.services.frontend.http.beam_search_api import STREAMING_REFUSED
+from splitserve.services.frontend.http.beam_search_api import STREAMING_REFUSED, beam_search_params
 from splitserve.services.frontend.http.generation import parse_body
 from splitserve.services.frontend.http.protocol import ChatCompletionRequest, CompletionRequest
 from splitserve.services.worker_protocol.sampling_params import SamplingParams
@@ -170,13 +170,25 @@ def chat(**fields) -> bytes:
     ({"min_tokens": 2}, "min_tokens"), ({"bad_words": ["x"]}, "bad_words"),
     ({"allowed_token_ids": [3]}, "allowed_token_ids"), ({"prompt_logprobs": 1}, "prompt_logprobs"),
     ({"guided_regex": "a+"}, "guided_regex"), ({"response_format": {"type": "json_object"}}, "response_format"),
-    ({"n": 11}, "n"), ({"n": 2, "best_of": 3}, "best_of"), ({"echo": True, "logprobs": 1}, "echo"),
+    ({"n": 2, "best_of": 3}, "best_of"), ({"echo": True, "logprobs": 1}, "echo"),
 ])
 def test_fields_beam_search_would_pass_over_are_refused_by_name(fields, param):
     with pytest.raises(APIError) as info:
         parse_body(completion(**fields), CompletionRequest)
     assert (info.value.status, info.value.param) == (400, param), info.value.message
     assert "beam search" in info.value.message or "use_beam_search" in info.value.message
+
+
+def test_the_beam_width_is_bounded_by_the_workers_max_logprobs():
+    # each step asks for 2 x width logprobs: 10 beams at vLLM's default --max-logprobs of 20
+    assert beam_width_problem(10, 20) is None and beam_width_problem(50, 100) is None
+    assert "at most 10" in beam_width_problem(11, 20) and "--max-logprobs of 20" in beam_width_problem(11, 20)
+    assert "at most 2" in beam_width_problem(3, 5)
+    body = parse_body(completion(n=11), CompletionRequest)
+    with pytest.raises(APIError) as info:
+        beam_search_params(body, max_tokens=8, num_top_logprobs=0, max_logprobs=20)
+    assert (info.value.status, info.value.param) == (400, "n")
+    assert beam_search_params(body, max_tokens=8, num_top_logprobs=0, max_logprobs=32000).beam_width == 11
 
 
 def test_streaming_completions_are_refused_with_vllms_words_and_chat_streams():
