@@ -20,7 +20,8 @@ def engine_argv(args: argparse.Namespace, model: str) -> list[str]:
     argv = ["--model", model, "--device", args.device, "--dtype", args.dtype, "--tp", str(args.tp),
             "--block-size", str(args.block_size), "--kv-cache-gib", str(args.kv_cache_gib),
             "--max-num-batched-tokens", str(args.max_num_batched_tokens),
-            "--max-num-seqs", str(args.max_num_seqs), "--attention-backend", args.attention_backend]
+            "--max-num-seqs", str(args.max_num_seqs), "--attention-backend", args.attention_backend,
+            "--cpu-yield", args.cpu_yield]
     if args.threads is not None:        # serve fills it in (plan.default_threads)
         argv += ["--threads", str(args.threads)]
     if args.kv_host_gib:

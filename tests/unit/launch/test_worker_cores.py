@@ -31,7 +31,7 @@ def test_none_cuda_or_an_explicit_list_leave_placement_to_the_user():
 def test_the_worker_command_line_carries_its_cores():
     args = argparse.Namespace(device="cpu", dtype="auto", tp=1, block_size=16, kv_cache_gib=1.0,
                               max_num_batched_tokens=2048, max_num_seqs=64, threads=None, attention_backend="auto",
-                              transfer="auto",
+                              transfer="auto", cpu_yield="auto",
                               remote_prefill_threshold=64, prefill_timeout=30.0, tls_ca=None,
                               tls_internal_cert=None, kv_host_gib=0.0, kv_disk_gib=0.0, kv_disk_path=None)
     argv = worker_argv(args, "decode-0", "decode", 5000, "m", "3")
@@ -41,7 +41,7 @@ def test_the_worker_command_line_carries_its_cores():
 
 def test_the_attention_backend_reaches_every_worker():
     args = argparse.Namespace(device="cpu", dtype="auto", tp=1, block_size=16, kv_cache_gib=1.0,
-                              max_num_batched_tokens=2048, max_num_seqs=64, threads=None,
+                              max_num_batched_tokens=2048, max_num_seqs=64, threads=None, cpu_yield="auto",
                               attention_backend="gather", transfer="auto", remote_prefill_threshold=64,
                               prefill_timeout=30.0, tls_ca=None, tls_internal_cert=None,
                               kv_host_gib=0.0, kv_disk_gib=0.0, kv_disk_path=None)
