@@ -89,6 +89,7 @@ class CoreSharing:
         self.yielded = 0               # cores left to other processes now
         self.foreign = 0.0             # their use in the last window, in cores
         self._read, self._clock, self._interval_s = read, clock, interval_s
+        self._told = False
         self._set_threads = set_threads or _set_torch_threads
         self._since, self._since_at = read(cores), clock()
 
@@ -108,8 +109,12 @@ class CoreSharing:
         self.yielded = yielded
         if threads == self.threads:
             return
-        log.info("other processes use %.2f of cores %s: stepping with %d compute thread(s) (was %d)",
-                 self.foreign, ",".join(map(str, self.cores)), threads, self.threads)
+        # The first change says what is going on (serve logs warnings only); later ones are routine.
+        level = logging.WARNING if not self._told else logging.INFO
+        self._told = True
+        log.log(level, "other processes use %.2f of cores %s: stepping with %d compute thread(s) (was %d; "
+                "--cpu-yield off keeps one per core)", self.foreign, ",".join(map(str, self.cores)), threads,
+                self.threads)
         self._set_threads(threads)
         self.threads = threads
 
