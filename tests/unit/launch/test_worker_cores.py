@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 from unittest import mock
 
+import pytest
+
 from splitserve.services.launch.children import worker_argv
 from splitserve.services.launch.topology import PlannedWorker, worker_cores
 
@@ -82,3 +84,17 @@ def test_tier_credit_reaches_the_frontend_and_bad_values_are_refused(capsys):
         with pytest.raises(SystemExit):
             build_parser().parse_args(["serve", "--kv-tier-credit", bad])
         assert "want TIER=SHARE" in capsys.readouterr().err
+
+
+def test_cpu_yield_reaches_every_worker_and_its_engine():
+    from splitserve.services.cli.commands import _engine_config
+    from splitserve.services.cli.parsers import build_parser
+
+    parser = build_parser()
+    for given, expected in ((["--cpu-yield", "off"], False), ([], True)):
+        argv = worker_argv(parser.parse_args(["serve", *given]), "w", "both", 5000, "m", "0,1")
+        worker = parser.parse_args(argv)
+        assert worker.cpu_yield == ("off" if given else "auto")
+        assert _engine_config(worker).cpu_yield is expected
+    with pytest.raises(SystemExit):
+        parser.parse_args(["serve", "--cpu-yield", "sometimes"])
