@@ -48,8 +48,10 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                         "each second how much of the rank's cores other processes use (a benchmark "
                         "client, the frontend, anything else) and steps with one compute thread fewer "
                         "per core's worth of that use (given up from 0.35 of a core, taken back below "
-                        "0.15), so that a process on the same machine does not stall every operator; "
-                        "off: one thread per core always (default: %(default)s)")
+                        "0.15; nothing given up while they use more than all its cores but one, "
+                        "where every thread is a share of the CPU), so that a process on the same "
+                        "machine does not stall every operator; off: one thread per core always "
+                        "(default: %(default)s)")
     g.add_argument("--attention-backend", choices=["auto", "paged", "gather"], default="auto",
                    help="decode attention: 'paged' reads the KV pool in place (on CPU a kernel built "
                         "for this CPU on first use, needs g++; on CUDA a Triton kernel), 'gather' copies "

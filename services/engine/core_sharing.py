@@ -5,14 +5,19 @@ operator. A process that is not the rank's (a benchmark client on the same lapto
 test suite) gets its CPU time from those same cores: the thread whose core it takes falls behind
 and every other thread waits for it, at every operator, so a client using most of one core of
 two costs a step about as much as losing the core would, and more once the waiting threads spin.
-vLLM's CPU backend avoids this by keeping one core free of compute (its default on every
-machine); on 2 cores that halves compute even when nothing else runs (bench/README.md, peers.py).
+vLLM's CPU backend keeps cores free of compute on every machine (vllm/utils/ompmultiprocessing.py,
+0.32: with `VLLM_CPU_OMP_THREADS_BIND=auto`, one core per local rank for its scheduler process,
+which polls); on 2 cores that halves compute even when nothing else runs (bench/README.md, peers.py).
 
 So a rank measures, about once a second, how much of its cores other processes used (the cores'
 busy time in /proc/stat less this process's own CPU time: every thread of the process is pinned to
 them) and steps with one thread fewer for each core's worth of that use: a thread is given up
 from `YIELD_FROM` of a core and taken back once the use is below `RECLAIM_BELOW` of the cores
-still given up (the gap keeps a steady client from flipping the count every second). Torch's
+still given up (the gap keeps a steady client from flipping the count every second). On an
+oversubscribed machine (others using more than all the rank's cores but one) it gives nothing up:
+they would contend for the cores it kept too, and there each thread is a share of the CPU that the
+scheduler hands out (a noisy A/B at a load average of 6 on 2 cores: 5.8 tok/s with two threads,
+3.1 with one). Torch's
 thread count belongs to the thread that sets it (OpenMP keeps it per thread), so the engine's
 step thread applies it itself, between steps (`before_step`). The thread count only ever goes
 down from the configured one, to at least one thread.
@@ -32,6 +37,8 @@ log = logging.getLogger(__name__)
 
 YIELD_FROM = 0.35        # cores' worth of other processes' use that costs the rank one thread
 RECLAIM_BELOW = 0.15     # ... and that, once under it, gives the thread back
+OVERFLOW_FROM = 0.15     # others' use beyond all cores but one (in cores) at which nothing is given up
+OVERFLOW_KEEP = 0.3      # ... and at which the cores given up are taken back
 INTERVAL_S = 1.0         # how often a rank measures
 STALE_S = 5.0            # a longer window (the rank was idle) is started over, not averaged
 
@@ -68,7 +75,11 @@ def foreign_cores(before: CoreTimes, after: CoreTimes, elapsed_s: float) -> floa
 
 def yielded_cores(foreign: float, yielded: int, num_cores: int) -> int:
     """How many of `num_cores` cores to leave to other processes that used `foreign` cores' worth
-    of them, `yielded` being left now. Never all of them: the rank keeps one thread."""
+    of them, `yielded` being left now. Never all of them: the rank keeps one thread. And none when
+    they use more than all the cores but one: then they contend for every core whatever the rank
+    leaves them, and each thread it keeps is one more share of the CPU that the scheduler hands out."""
+    if num_cores < 2 or foreign > num_cores - 1 + (OVERFLOW_KEEP if yielded else OVERFLOW_FROM):
+        return 0
     more = math.ceil(round(foreign - YIELD_FROM, 6))       # a thread given up per started core of use
     fewer = math.ceil(round(foreign - RECLAIM_BELOW, 6))   # ... and taken back only well below it
     return min(max(more, min(yielded, fewer), 0), num_cores - 1)
