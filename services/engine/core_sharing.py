@@ -17,10 +17,11 @@ still given up (the gap keeps a steady client from flipping the count every seco
 oversubscribed machine (others using more than all the rank's cores but one) it gives nothing up:
 they would contend for the cores it kept too, and there each thread is a share of the CPU that the
 scheduler hands out (a noisy A/B at a load average of 6 on 2 cores: 5.8 tok/s with two threads,
-3.1 with one). Torch's
-thread count belongs to the thread that sets it (OpenMP keeps it per thread), so the engine's
-step thread applies it itself, between steps (`before_step`). The thread count only ever goes
-down from the configured one, to at least one thread.
+3.1 with one).
+
+Torch's thread count belongs to the thread that sets it (OpenMP keeps it per thread), so the
+engine's step thread applies it itself, between steps (`before_step`). The thread count only ever
+goes down from the configured one, to at least one thread.
 """
 
 from __future__ import annotations
