@@ -342,6 +342,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--model-dir", default=None, help="fp32 HF folder (default: `vllm-cpu.sh model`)")
     p.add_argument("--vllm-script", default=os.environ.get("SPLITSERVE_PEER_VLLM"),
                    help="the peer script vllm-cpu.sh (default: $SPLITSERVE_PEER_VLLM)")
+    p.add_argument("--keep", type=Path, default=None, metavar="DIR",
+                   help="keep the servers' logs and the clients' files here (default: a temporary folder)")
     p.add_argument("--quick", action="store_true")
     p.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "peers.json")
     args = p.parse_args(argv)
@@ -366,7 +368,10 @@ def main(argv: list[str] | None = None) -> None:
     console = Console(width=180)
     startups: dict[str, list[float]] = {s: [] for s in servers}
     results: list[RunResult] = []
+    if args.keep:
+        args.keep.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="peers-") as tmp:
+        tmp = args.keep or tmp
         for round_ in range(1, args.rounds + 1):
             for server in servers if round_ % 2 else servers[::-1]:
                 startup, runs = bench_server(server, model_dir, clients, shapes, concurrencies, round_, args,
