@@ -23,6 +23,7 @@ def _engine_config(args: argparse.Namespace):
                         max_num_batched_tokens=args.max_num_batched_tokens,
                         max_num_seqs=args.max_num_seqs, max_logprobs=args.max_logprobs, num_threads=args.threads,
                         cpu_cores=parse_cores(args.cpu_cores) if args.cpu_cores else None,
+                        cpu_yield=args.cpu_yield == "auto",
                         attention_backend=args.attention_backend, kv_host_gib=args.kv_host_gib,
                         kv_disk_gib=args.kv_disk_gib, kv_disk_path=args.kv_disk_path)
 

@@ -47,6 +47,15 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="pin the ranks' compute threads to these cores, e.g. 0-3 (shared out among the "
                         "ranks; threads default to one per core; default: not pinned; `serve` on CPU "
                         "sets it, see its --cpu-bind)")
+    g.add_argument("--cpu-yield", choices=["auto", "off"], default="auto",
+                   help="ranks pinned to cores (--cpu-cores; `serve` pins them on CPU): auto measures "
+                        "each second how much of the rank's cores other processes use (a benchmark "
+                        "client, the frontend, anything else) and steps with one compute thread fewer "
+                        "per core's worth of that use (given up from 0.35 of a core, taken back below "
+                        "0.15; nothing given up while they use more than all its cores but one, "
+                        "where every thread is a share of the CPU), so that a process on the same "
+                        "machine does not stall every operator; off: one thread per core always "
+                        "(default: %(default)s)")
     g.add_argument("--attention-backend", choices=["auto", "paged", "gather"], default="auto",
                    help="decode attention: 'paged' reads the KV pool in place (on CPU a kernel built "
                         "for this CPU on first use, needs g++; on CUDA a Triton kernel), 'gather' copies "
@@ -362,8 +371,10 @@ def _add_serve_parser(sub) -> None:
                         "or let them float (none) (default: %(default)s)")
     p.add_argument("--reserved-cores", type=int, default=None, metavar="N",
                    help="with --cpu-bind auto: cores kept free of workers for the frontend and clients "
-                        "(default: 1 on machines of 8 cores or more when the other cores still give "
-                        "every rank one of its own, else 0)")
+                        "at all times (default: 1 on machines of 8 cores or more when the other cores "
+                        "still give every rank one of its own, else 0; with --cpu-yield auto the "
+                        "workers also give cores up while other processes use them; vLLM's CPU "
+                        "placement is --reserved-cores 1 --cpu-yield off)")
     p.add_argument("--prefill-workers", type=int, default=None, metavar="N",
                    help="disaggregated: prefill workers (default: 1)")
     p.add_argument("--decode-workers", type=int, default=None, metavar="M",

@@ -5,15 +5,21 @@ cores with another rank's wait for it at every step; `splitserve serve` gives ev
 ranks cores of their own (`plan_cores`), and each worker pins itself with `pin`. vLLM's CPU
 backend also reserves a core for its frontend process; `plan_cores` does that only on
 machines where one core is a small share (bench/README.md, `peers.py`: on 2 cores the
-reserve halved a worker's compute for a frontend that needed a few percent of a core).
+reserve halved a worker's compute for a frontend that needed a few percent of a core). Instead a
+pinned rank gives cores up while other processes use them (`--cpu-yield auto`, core_sharing.py):
+a client on the same machine costs it a thread, not a stall at every operator.
 """
 
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from splitserve.errors import InvalidRequestError
+
+if TYPE_CHECKING:
+    from splitserve.services.engine.core_sharing import CoreSharing
 
 
 def parse_cores(text: str) -> tuple[int, ...]:
@@ -105,12 +111,23 @@ def pin(cores: tuple[int, ...]) -> None:
             raise InvalidRequestError(f"cannot pin to cores {format_cores(cores)}: {exc}") from None
 
 
-def apply_rank_threads(config, rank: int) -> None:
-    """Pin this process (rank `rank` of `config`, an EngineConfig) and set torch's threads."""
+def adapts_threads(cores: tuple[int, ...] | None, threads: int | None, cpu_yield: bool) -> bool:
+    """Whether a rank with these cores and threads steps with fewer threads while other processes
+    use its cores (core_sharing.py): pinned, more than one thread, no more threads than cores."""
+    return bool(cpu_yield and cores and threads and 1 < threads <= len(cores))
+
+
+def apply_rank_threads(config, rank: int) -> CoreSharing | None:
+    """Pin this process (rank `rank` of `config`, an EngineConfig) and set torch's threads.
+    Returns what fits the thread count to the other processes on the rank's cores (None where
+    `adapts_threads` says no): its `before_step` belongs in the thread that runs the steps."""
     import torch
+
+    from splitserve.services.engine.core_sharing import CoreSharing
 
     cores, threads = config.rank_threads(rank)
     if cores:
         pin(cores)
     if threads:
         torch.set_num_threads(threads)
+    return CoreSharing(cores, threads) if adapts_threads(cores, threads, config.cpu_yield) else None

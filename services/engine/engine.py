@@ -73,7 +73,7 @@ class GenerationResult:
 
 class LLMEngine:
     def __init__(self, config: EngineConfig):
-        apply_rank_threads(config, 0)
+        self._core_sharing = apply_rank_threads(config, 0)
         if config.block_size < 1 or config.max_num_batched_tokens < 1 or config.max_num_seqs < 1:
             raise InvalidRequestError("block_size, max_num_batched_tokens and max_num_seqs must be >= 1")
         ckpt = open_model(config.model)
@@ -276,6 +276,8 @@ class LLMEngine:
         decision = self.scheduler.schedule()
         if not decision.chunks:
             return outputs
+        if self._core_sharing is not None:
+            self._core_sharing.before_step()
         reports = self._layer_reports(decision.chunks)
         scored = [(c.seq, prompt_logit_positions(c)) for c in decision.chunks]   # before advance
         started, prompt_before = time.perf_counter(), self.stats.num_prompt_tokens_computed

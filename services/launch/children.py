@@ -21,7 +21,7 @@ def engine_argv(args: argparse.Namespace, model: str) -> list[str]:
             "--block-size", str(args.block_size), "--kv-cache-gib", str(args.kv_cache_gib),
             "--max-num-batched-tokens", str(args.max_num_batched_tokens),
             "--max-num-seqs", str(args.max_num_seqs), "--max-logprobs", str(args.max_logprobs),
-            "--attention-backend", args.attention_backend]
+            "--attention-backend", args.attention_backend, "--cpu-yield", args.cpu_yield]
     if args.threads is not None:        # serve fills it in (plan.default_threads)
         argv += ["--threads", str(args.threads)]
     if args.kv_host_gib:

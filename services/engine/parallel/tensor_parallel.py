@@ -40,6 +40,7 @@ from splitserve.errors import FatalError
 from splitserve.net import free_port
 
 from splitserve.services.engine.config import EngineConfig
+from splitserve.services.engine.core_sharing import CoreSharing
 from splitserve.services.engine.cpu_placement import apply_rank_threads
 from splitserve.services.engine.model.forward_batch import ForwardBatch
 from splitserve.services.engine.rank import build_rank
@@ -190,7 +191,7 @@ class TensorParallelGroup:
 
 
 def serve_rank(config: EngineConfig, rank: int, conn, device: str, host: str | None = None,
-               advertise_host: str | None = None) -> None:
+               advertise_host: str | None = None, core_sharing: CoreSharing | None = None) -> None:
     """A rank's life once it joined the group: load its shard, serve the control connection,
     run rank 0's steps until rank 0 broadcasts None. `host`: where this rank's KV connector
     listens (None: where rank 0's does, the same machine)."""
@@ -208,6 +209,8 @@ def serve_rank(config: EngineConfig, rank: int, conn, device: str, host: str | N
                 break
             hook = ctx.layer_hook
             layer_done = hook(batch.layer_reports) if hook is not None and batch.layer_reports else None
+            if core_sharing is not None:
+                core_sharing.before_step()
             model.forward(batch.to(torch.device(device)), kv, layer_done)
     except Exception:
         log.exception("tensor-parallel rank %d failed (pid %d)", rank, os.getpid())
@@ -228,13 +231,13 @@ def _worker_main(config: EngineConfig, rank: int, conn) -> None:
     # rank 0 die instead, the next collective fails and this rank exits.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    apply_rank_threads(config, rank)
+    sharing = apply_rank_threads(config, rank)
     device = _rank_device(config.device, rank)
     if device.startswith("cuda"):
         torch.cuda.set_device(device)   # NCCL's object broadcast uses the current device
     _join_group(config.device, config.dist_init_method, rank, config.tensor_parallel_size,
                 config.tp_join_timeout_s)
-    serve_rank(config, rank, conn, device)
+    serve_rank(config, rank, conn, device, core_sharing=sharing)
 
 
 def run_member(member: rendezvous.GroupMember, own: EngineConfig, host: str, advertise_host: str | None = None) -> int:
@@ -245,7 +248,7 @@ def run_member(member: rendezvous.GroupMember, own: EngineConfig, host: str, adv
     SIGTERM is ignored once joined, as on the local ranks: rank 0 stops the group after
     its drain (its pod is stopped at the same time), and a rank leaving first would fail
     the requests it is draining. Before that, SIGTERM stops the wait for the leader."""
-    apply_rank_threads(replace(own, tensor_parallel_size=1), 0)    # a pod's cores are its own
+    sharing = apply_rank_threads(replace(own, tensor_parallel_size=1), 0)    # a pod's cores are its own
     device = "cuda:0" if own.device == "cuda" else own.device     # one device per pod
     if device.startswith("cuda"):
         torch.cuda.set_device(device)
@@ -257,6 +260,6 @@ def run_member(member: rendezvous.GroupMember, own: EngineConfig, host: str, adv
                                                       member.rank))
     print(f"tensor-parallel rank {member.rank}/{member.world_size}: joined {member.leader}, loading "
           f"{config.num_kv_blocks} KV blocks", flush=True)
-    serve_rank(config, member.rank, conn, device, host, advertise_host)
+    serve_rank(config, member.rank, conn, device, host, advertise_host, sharing)
     log.info("tensor-parallel rank %d: stopped by rank 0", member.rank)
     return 0

@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 from unittest import mock
 
+import pytest
+
 from splitserve.services.launch.children import worker_argv
 from splitserve.services.launch.topology import PlannedWorker, worker_cores
 
@@ -32,7 +34,7 @@ def test_the_worker_command_line_carries_its_cores():
     args = argparse.Namespace(device="cpu", dtype="auto", tp=1, block_size=16, kv_cache_gib=1.0,
                               max_num_batched_tokens=2048, max_num_seqs=64, max_logprobs=20, threads=None,
                               attention_backend="auto",
-                              transfer="auto",
+                              transfer="auto", cpu_yield="auto",
                               remote_prefill_threshold=64, prefill_timeout=30.0, tls_ca=None,
                               tls_internal_cert=None, kv_host_gib=0.0, kv_disk_gib=0.0, kv_disk_path=None,
                               otlp_traces_endpoint=None)
@@ -43,7 +45,7 @@ def test_the_worker_command_line_carries_its_cores():
 
 def test_the_attention_backend_reaches_every_worker():
     args = argparse.Namespace(device="cpu", dtype="auto", tp=1, block_size=16, kv_cache_gib=1.0,
-                              max_num_batched_tokens=2048, max_num_seqs=64, max_logprobs=20, threads=None,
+                              max_num_batched_tokens=2048, max_num_seqs=64, max_logprobs=20, threads=None, cpu_yield="auto",
                               attention_backend="gather", transfer="auto", remote_prefill_threshold=64,
                               prefill_timeout=30.0, tls_ca=None, tls_internal_cert=None,
                               kv_host_gib=0.0, kv_disk_gib=0.0, kv_disk_path=None, otlp_traces_endpoint=None)
@@ -93,3 +95,17 @@ def test_max_logprobs_reaches_every_worker():
     for name, role in (("prefill-0", "prefill"), ("decode-0", "decode"), ("worker-0", "both")):
         argv = worker_argv(args, name, role, 5000, "m")
         assert argv[argv.index("--max-logprobs") + 1] == "-1"
+
+
+def test_cpu_yield_reaches_every_worker_and_its_engine():
+    from splitserve.services.cli.commands import _engine_config
+    from splitserve.services.cli.parsers import build_parser
+
+    parser = build_parser()
+    for given, expected in ((["--cpu-yield", "off"], False), ([], True)):
+        argv = worker_argv(parser.parse_args(["serve", *given]), "w", "both", 5000, "m", "0,1")
+        worker = parser.parse_args(argv)
+        assert worker.cpu_yield == ("off" if given else "auto")
+        assert _engine_config(worker).cpu_yield is expected
+    with pytest.raises(SystemExit):
+        parser.parse_args(["serve", "--cpu-yield", "sometimes"])
