@@ -66,6 +66,9 @@ class Delta:
     # With the first token, when params.prompt_logprobs was set: prompt tokens 1.. (none for
     # a one-token prompt); None in every other delta.
     prompt_logprobs: list[common_pb2.TokenLogprob] | None = None
+    # vLLM's stop_reason, with the last delta: the stop string or the stop_token_ids entry that
+    # ended the request; None for EOS, max_tokens and every other end.
+    stop_reason: str | int | None = None
 
 
 @dataclass(slots=True)
@@ -498,7 +501,19 @@ class Frontend:
             and progress.num_output_tokens == len(token_ids) else None         # the request's first tokens
         return Delta(run.checker.take_text(), token_ids, logprobs, reason.value if reason is not None else None,
                      len(progress.prompt_ids), progress.num_cached_tokens, progress.num_output_tokens,
-                     prompt_logprobs)
+                     prompt_logprobs, self._stop_reason(req.params, run.checker, reason, token_ids))
+
+    def _stop_reason(self, params: SamplingParams, checker: StopChecker, reason: FinishReason | None,
+                     token_ids: list[int]) -> str | int | None:
+        """vLLM's: the stop string, else a stop token id (EOS counts as no reason, as in vLLM)."""
+        if reason is not FinishReason.STOP:
+            return None
+        if checker.matched_stop is not None:
+            return checker.matched_stop
+        last = token_ids[-1] if token_ids else None
+        if last in params.stop_token_ids and (params.ignore_eos or last not in self.tokenizer.eos_token_ids):
+            return last
+        return None
 
 
 @dataclass(slots=True)

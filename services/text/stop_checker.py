@@ -29,6 +29,7 @@ class StopChecker:
     emitted: int = 0                  # characters of detok.text already handed out
     final_text: str | None = None     # set when a stop string cut the text
     num_tokens: int = 0               # output tokens added (stop strings wait for min_tokens)
+    matched_stop: str | None = None   # the stop string that ended the text
 
     def __post_init__(self, prompt_ids: Sequence[int], skip_special_tokens: bool) -> None:
         self.detok = IncrementalDetokenizer.after(self.tokenizer, prompt_ids, skip_special_tokens)
@@ -74,5 +75,6 @@ class StopChecker:
         if best is None:
             return False
         idx, s = best
+        self.matched_stop = s
         self.final_text = text[:idx + len(s)] if self.params.include_stop_str_in_output else text[:idx]
         return True

@@ -144,7 +144,7 @@ class ChatFormatter(_Formatter):
 
     def opening(self) -> list[dict]:
         choice = {"index": self.index, "delta": {"role": "assistant", "content": self.echo_text}, "logprobs": None,
-                  "finish_reason": None}
+                  "finish_reason": None, "stop_reason": None}
         chunk = self._envelope(self.object_stream, [choice])
         chunk["prompt_token_ids"] = self._stream_prompt_ids()     # vLLM: in its first chunk, null unless asked
         if self.continuous_usage:       # vLLM: the role chunk counts the prompt, nothing generated yet
@@ -160,7 +160,8 @@ class ChatFormatter(_Formatter):
         if self.tools is not None:
             message, finish_reason = self.tools.delta(delta.text, finish_reason)
         choice = {"index": self.index, "delta": message, "logprobs": self._logprobs(delta.logprobs),
-                  "finish_reason": finish_reason, "token_ids": self._token_ids(delta.token_ids)}
+                  "finish_reason": finish_reason, "stop_reason": delta.stop_reason,
+                  "token_ids": self._token_ids(delta.token_ids)}
         return [self._envelope(self.object_stream, [choice], delta)]
 
     def full(self, deltas: list[Delta]) -> dict:
@@ -169,7 +170,8 @@ class ChatFormatter(_Formatter):
         if self.tools is not None:
             message, finish_reason = self.tools.message(text, finish_reason)
         choice = {"index": self.index, "message": message, "logprobs": self._logprobs(logprobs),
-                  "finish_reason": finish_reason, "token_ids": self._token_ids(token_ids)}
+                  "finish_reason": finish_reason, "stop_reason": last.stop_reason,
+                  "token_ids": self._token_ids(token_ids)}
         out = self._envelope(self.object_full, [choice])
         out["usage"] = _usage(last)
         # vLLM's: on the response (not the choice), always present, null unless asked for.
@@ -222,7 +224,7 @@ class CompletionFormatter(_Formatter):
         text, self.echo_text = self.echo_text + delta.text, ""
         choice = {"index": self.index, "text": text,
                   "logprobs": self._logprobs(delta.logprobs, _first_prompt_entries([delta])),
-                  "finish_reason": delta.finish_reason,
+                  "finish_reason": delta.finish_reason, "stop_reason": delta.stop_reason,
                   # vLLM: the prompt's ids in the choice's first chunk (with return_token_ids), else null
                   "prompt_token_ids": self._stream_prompt_ids(), "token_ids": self._token_ids(delta.token_ids)}
         return [self._envelope(self.object_stream, [choice], delta)]
@@ -231,7 +233,7 @@ class CompletionFormatter(_Formatter):
         text, token_ids, logprobs, last = self._finish(deltas)
         choice = {"index": self.index, "text": self.echo_text + text,
                   "logprobs": self._logprobs(logprobs, _first_prompt_entries(deltas)),
-                  "finish_reason": last.finish_reason,
+                  "finish_reason": last.finish_reason, "stop_reason": last.stop_reason,
                   # vLLM's: on the choice, always present, null unless asked for
                   "prompt_logprobs": self._prompt_logprobs(deltas),
                   "prompt_token_ids": list(self.prompt_ids) if self.return_token_ids else None,

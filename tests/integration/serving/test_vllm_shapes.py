@@ -8,7 +8,8 @@ the first token). Each shape is read through the official openai client and as r
 top_logprobs lead with the chosen token, echo of token ids keeps the special tokens, chat's
 role chunk carries the continuous usage, -1 logprobs give the whole vocabulary,
 logprob_token_ids and truncation_side do what vLLM's do, a bad logit_bias id is named
-(HTTP and gRPC), and POST /invocations dispatches on the body's shape.
+(HTTP and gRPC), POST /invocations dispatches on the body's shape, and stop_reason names the stop
+string or stop token that ended a choice (null for EOS and max_tokens).
 """
 
 from __future__ import annotations
@@ -263,3 +264,28 @@ def test_invocations_dispatches_on_the_body_shape(server, model):
     assert out.choices[0].text == text["choices"][0]["text"]
     with pytest.raises(openai.BadRequestError, match="Cannot find suitable handler"):
         sdk.post("/invocations", cast_to=openai.types.Completion, body={"model": model, "input": "x"})
+
+
+def test_stop_reason_names_the_stop_string_or_token(server, client, model):
+    body = {"model": model, "prompt": PROMPT_IDS, "max_tokens": 6, "temperature": 0, "ignore_eos": True}
+    free = post(server, "/v1/completions", {**body, "return_token_ids": True})["choices"][0]
+    assert free["finish_reason"] == "length" and "stop_reason" in free and free["stop_reason"] is None
+    first_token = free["token_ids"][0]
+    by_token = post(server, "/v1/completions", {**body, "stop_token_ids": [first_token]})["choices"][0]
+    assert (by_token["finish_reason"], by_token["stop_reason"]) == ("stop", first_token)
+    stop = next(ch for ch in free["text"] if not ch.isspace())
+    by_string = post(server, "/v1/completions", {**body, "stop": [stop]})["choices"][0]
+    assert (by_string["finish_reason"], by_string["stop_reason"]) == ("stop", stop)
+    sdk = client.completions.create(model=model, prompt=PROMPT_IDS, max_tokens=6, temperature=0, stop=[stop],
+                                    extra_body={"ignore_eos": True}).choices[0]
+    assert sdk.stop_reason == stop
+    streamed = [c["choices"][0] for c in stream(server, "/v1/completions", {**body, "stop": [stop]}) if c["choices"]]
+    assert all("stop_reason" in c for c in streamed)
+    assert [c["stop_reason"] for c in streamed if c["finish_reason"]] == [stop]
+    chat = {"model": model, "messages": CHAT, "max_tokens": 6, "temperature": 0, "ignore_eos": True}
+    chat_ids = post(server, "/v1/chat/completions", {**chat, "return_token_ids": True})["choices"][0]["token_ids"]
+    whole = post(server, "/v1/chat/completions", {**chat, "stop_token_ids": [chat_ids[0]]})["choices"][0]
+    assert (whole["finish_reason"], whole["stop_reason"]) == ("stop", chat_ids[0])
+    chunks = [c["choices"][0] for c in stream(server, "/v1/chat/completions", {**chat, "stop_token_ids": [chat_ids[0]]})
+              if c["choices"]]
+    assert chunks[0]["stop_reason"] is None and chunks[-1]["stop_reason"] == chat_ids[0]
