@@ -11,10 +11,9 @@ request produces its 128 tokens).
 
 Servers (`--servers`, default vllm,splitserve-agg):
   splitserve-agg          splitserve serve --aggregated (1 worker; on CPU pinned to every core of
-                          the machine, below 8 cores none reserved, and stepping with a thread fewer
-                          per core's worth that other processes use: engine/core_sharing.py)
-  splitserve-agg-fixed    the same with --cpu-yield off (one thread per core always: the placement
-                          before issue 37)
+                          the machine, below 8 cores none reserved, one thread per core)
+  splitserve-agg-yield    the same with --cpu-yield auto (a thread fewer per core's worth that other
+                          processes use: engine/core_sharing.py)
   splitserve-agg-reserve  --reserved-cores 1 --cpu-yield off (vLLM's CPU placement: a core kept free)
   splitserve-agg-float    --cpu-bind none (torch's threads unpinned)
   splitserve-agg2         splitserve serve --aggregated --workers 2 (one worker pinned to each core)
@@ -63,10 +62,10 @@ from peer_clients import CLIENTS, Client, Workload, make_client
 from splitserve.hardware import write_report
 
 ROOT = Path(__file__).resolve().parents[1]
-SERVERS = ("splitserve-agg", "splitserve-agg-fixed", "splitserve-agg-reserve", "splitserve-agg-float",
+SERVERS = ("splitserve-agg", "splitserve-agg-yield", "splitserve-agg-reserve", "splitserve-agg-float",
            "splitserve-agg2", "splitserve-1p1d", "vllm")
 SERVER_FLAGS = {"splitserve-agg": ["--aggregated"],
-                "splitserve-agg-fixed": ["--aggregated", "--cpu-yield", "off"],
+                "splitserve-agg-yield": ["--aggregated", "--cpu-yield", "auto"],
                 "splitserve-agg-reserve": ["--aggregated", "--reserved-cores", "1", "--cpu-yield", "off"],
                 "splitserve-agg-float": ["--aggregated", "--cpu-bind", "none"],
                 "splitserve-agg2": ["--aggregated", "--workers", "2"],

@@ -47,7 +47,7 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="pin the ranks' compute threads to these cores, e.g. 0-3 (shared out among the "
                         "ranks; threads default to one per core; default: not pinned; `serve` on CPU "
                         "sets it, see its --cpu-bind)")
-    g.add_argument("--cpu-yield", choices=["auto", "off"], default="auto",
+    g.add_argument("--cpu-yield", choices=["auto", "off"], default="off",
                    help="ranks pinned to cores (--cpu-cores; `serve` pins them on CPU): auto measures "
                         "each second how much of the rank's cores other processes use (a benchmark "
                         "client, the frontend, anything else) and steps with one compute thread fewer "

@@ -160,7 +160,7 @@ class EngineConfig:
     seed: int = 0
     num_threads: int | None = None       # torch CPU threads; None leaves torch's default
     cpu_cores: tuple[int, ...] | None = None   # pin the ranks' threads to these cores (cpu_placement)
-    cpu_yield: bool = True               # pinned ranks step with fewer threads while others use their cores (core_sharing)
+    cpu_yield: bool = False              # pinned ranks step with fewer threads while others use their cores (core_sharing)
     attention_backend: str = "auto"      # decode attention: auto | paged (in place, CPU) | gather
     extra_cache_key: str = ""            # mixed into block hashes (e.g. a LoRA id)
     kv_host_gib: float = 0.0             # host-memory tier below the pool (kv_tiers/); 0: none

@@ -5,9 +5,9 @@ cores with another rank's wait for it at every step; `splitserve serve` gives ev
 ranks cores of their own (`plan_cores`), and each worker pins itself with `pin`. vLLM's CPU
 backend also reserves a core for its frontend process; `plan_cores` does that only on
 machines where one core is a small share (bench/README.md, `peers.py`: on 2 cores the
-reserve halved a worker's compute for a frontend that needed a few percent of a core). Instead a
-pinned rank gives cores up while other processes use them (`--cpu-yield auto`, core_sharing.py):
-a client on the same machine costs it a thread, not a stall at every operator.
+reserve halved a worker's compute for a frontend that needed a few percent of a core). With
+`--cpu-yield auto` (core_sharing.py; off by default: not faster where measured, bench/README.md) a
+pinned rank gives cores up while other processes use them.
 """
 
 from __future__ import annotations

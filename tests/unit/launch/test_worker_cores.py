@@ -45,7 +45,8 @@ def test_the_worker_command_line_carries_its_cores():
 
 def test_the_attention_backend_reaches_every_worker():
     args = argparse.Namespace(device="cpu", dtype="auto", tp=1, block_size=16, kv_cache_gib=1.0,
-                              max_num_batched_tokens=2048, max_num_seqs=64, max_logprobs=20, threads=None, cpu_yield="auto",
+                              max_num_batched_tokens=2048, max_num_seqs=64, max_logprobs=20, threads=None,
+                              cpu_yield="auto",
                               attention_backend="gather", transfer="auto", remote_prefill_threshold=64,
                               prefill_timeout=30.0, tls_ca=None, tls_internal_cert=None,
                               kv_host_gib=0.0, kv_disk_gib=0.0, kv_disk_path=None, otlp_traces_endpoint=None)
@@ -102,10 +103,10 @@ def test_cpu_yield_reaches_every_worker_and_its_engine():
     from splitserve.services.cli.parsers import build_parser
 
     parser = build_parser()
-    for given, expected in ((["--cpu-yield", "off"], False), ([], True)):
+    for given, expected in ((["--cpu-yield", "auto"], True), ([], False)):    # off by default (bench/README.md)
         argv = worker_argv(parser.parse_args(["serve", *given]), "w", "both", 5000, "m", "0,1")
         worker = parser.parse_args(argv)
-        assert worker.cpu_yield == ("off" if given else "auto")
+        assert worker.cpu_yield == ("auto" if given else "off")
         assert _engine_config(worker).cpu_yield is expected
     with pytest.raises(SystemExit):
         parser.parse_args(["serve", "--cpu-yield", "sometimes"])
