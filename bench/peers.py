@@ -164,11 +164,7 @@ def run_one(server: str, client: Client, work: Workload, meter: CpuMeter, round_
     foreign, server_cores, client_cores = meter.stop(client_s)
     return RunResult(
         server=server, client=client.name, round=round_, input_len=work.input_len,
-        output_len=work.output_len, concurrency=work.concurrency, requests=work.requests,
-        completed=summary.completed, errors=summary.errors, duration_s=summary.duration_s,
-        output_tokens_per_s=summary.output_tokens_per_s,
-        ttft_p50_s=summary.ttft_p50_s, ttft_p99_s=summary.ttft_p99_s,
-        itl_p50_s=summary.itl_p50_s, itl_p99_s=summary.itl_p99_s,
+        output_len=work.output_len, concurrency=work.concurrency, requests=work.requests, **asdict(summary),
         foreign_cores=round(foreign, 3), server_cores=round(server_cores, 3),
         client_cores=round(client_cores, 3), loadavg_1m=loadavg, attempt=attempt)
 
