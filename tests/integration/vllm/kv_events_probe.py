@@ -55,8 +55,8 @@ from vllm.v1.engine.llm_engine import LLMEngine  # noqa: E402
 from splitserve.services.engine_api.kv_events import AllCleared, BlockRemoved, BlockStored  # noqa: E402
 from splitserve.services.engine_vllm.kv_events import VllmKVEvents  # noqa: E402
 
-BLOCK_SIZE = 16
-NUM_BLOCKS = 40
+BLOCK_SIZE = 32
+NUM_BLOCKS = 24
 EXTRA_KEY = b"smollm2|float32|vllm"
 MAX_TOKENS = 4
 
@@ -119,8 +119,8 @@ def main() -> None:
     probe = Probe(model, work)
     prefix = [(7 * i + 11) % 4000 + 100 for i in range(3 * BLOCK_SIZE + 5)]
     prompts = {"late": [(5 * i + 3) % 3000 + 200 for i in range(2 * BLOCK_SIZE + 3)],
-               "shared_a": prefix + [901, 902, 903, 904, 905, 906] * 3,
-               "shared_b": prefix + [1901, 1902, 1903] * 7}
+               "shared_a": prefix + [901, 902, 903, 904, 905, 906] * 7,
+               "shared_b": prefix + [1901, 1902, 1903] * 14}
     result: dict = {"block_size": BLOCK_SIZE, "extra_key": EXTRA_KEY.hex(), "prompts": prompts, "outputs": {},
                     "phases": {}}
 
@@ -142,7 +142,7 @@ def main() -> None:
     result["outputs"]["salted"], = probe.generate([prompts["shared_a"]], cache_salt="tenant-7")
     result["phases"]["salted"] = probe.phase()
 
-    fillers = [[(13 * i + 17 * j) % 5000 + 300 for i in range(8 * BLOCK_SIZE)] for j in range(1, 5)]
+    fillers = [[(13 * i + 17 * j) % 5000 + 300 for i in range(4 * BLOCK_SIZE)] for j in range(1, 5)]
     result["prompts"]["fillers"] = fillers
     result["outputs"]["fillers"] = probe.generate(fillers[:2]) + probe.generate(fillers[2:])
     result["phases"]["evict"] = probe.phase()
