@@ -35,6 +35,7 @@ from splitserve.block_hashes import block_hashes
 from splitserve.metrics_http import MetricsApp, MetricsServer
 from splitserve.proto.v1 import worker_pb2, worker_pb2_grpc
 from splitserve.services.worker.stats_metrics import stats_reader
+from splitserve.testing.metrics import scrape
 from splitserve.testing.waiting import wait_until
 from splitserve.testing.workers import wait_idle, worker_stats
 
@@ -186,19 +187,27 @@ def test_sigkill_of_a_vllm_worker_under_load_loses_no_stream(fleet):
     victim = "worker-0"
     num_kv_blocks = worker_stats(fleet.workers[victim]).num_kv_blocks
 
+    running: list[int] = []
+    migrated_before = scrape(f"{fleet.base}/metrics", "splitserve_migrations_total", outcome="migrated")
+
     async def kill_when_streaming(progress: list[int]) -> None:
         deadline = time.monotonic() + 300
         while min(progress) < 4:
             assert time.monotonic() < deadline, f"streams stuck: {progress}"
             await asyncio.sleep(0.02)
-        assert worker_stats(fleet.workers[victim]).num_running > 0, "the victim runs no stream"
+        running.append(worker_stats(fleet.workers[victim]).num_running)
+        assert running[0] > 0, "the victim runs no stream"
         os.kill(fleet.pid_of(victim), signal.SIGKILL)
 
     results, errors = _streams(fleet, prompts, kill_when_streaming)
     assert errors == [], errors
     assert results == reference          # greedy, so token replay on the other worker continues exactly
+    migrated = scrape(f"{fleet.base}/metrics", "splitserve_migrations_total", outcome="migrated") - migrated_before
+    assert migrated >= running[0], f"{running[0]} streams on the victim, {migrated} migrated"
     fleet.proc.wait_for_line(rf"splitserve: {victim} is serving again", RESTART_TIMEOUT_S)
     assert f"{victim} exited with code -9; restarting it" in fleet.proc.output
+    wait_until(lambda: scrape(f"{fleet.base}/metrics", "splitserve_worker_restarts_total", worker=victim) >= 1,
+               timeout=30, what=f"the frontend to count {victim}'s restart")
     idle = wait_idle(fleet.workers, 60.0)             # no request holds a block on either worker
     assert idle.stats[victim].num_kv_blocks == num_kv_blocks
     # the frontend sees the new instance and routes to it again: a burst spreads over both workers
