@@ -1,11 +1,11 @@
-"""Two vLLM workers behind splitserve's router: `splitserve serve --engine vllm --aggregated --workers 2`.
+"""Two vLLM workers behind splitserve's router: `splitserve serve --engine vllm --workers 2` (aggregated).
 
 One server for the module (each vLLM start costs ~30-60 s of the 2-core budget); the tests run in
 file order and each leaves both workers idle:
 - the workers' KV events reach the router with splitserve's block hashes (a worker's KvEvents
   snapshot holds exactly `block_hashes(prompt)`), and the second of two requests sharing a
   ~1,000-token prefix goes to the worker holding it and reports cached tokens (openai client and
-  raw HTTP);
+  raw HTTP); a salted prefix likewise, under its salted hashes;
 - the frontend SIGKILLed: the supervisor restarts it and its new router rebuilds its index from
   the workers' events, routing the prefix to its holder again;
 - a vLLM worker SIGKILLed under streaming load: every stream completes, token-exact (greedy,
@@ -31,7 +31,7 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from splitserve.block_hashes import block_hashes
+from splitserve.block_hashes import block_hashes, salted_key
 from splitserve.metrics_http import MetricsApp, MetricsServer
 from splitserve.proto.v1 import worker_pb2, worker_pb2_grpc
 from splitserve.services.worker.stats_metrics import stats_reader
@@ -112,8 +112,9 @@ def fleet(vllm_python):
         stop_vllm_serve(server)
 
 
-def complete(fleet: Fleet, prompt: list[int]):
-    return fleet.client.completions.create(model=fleet.model, prompt=prompt, max_tokens=2, temperature=0)
+def complete(fleet: Fleet, prompt: list[int], **extra_body):
+    return fleet.client.completions.create(model=fleet.model, prompt=prompt, max_tokens=2, temperature=0,
+                                           extra_body=extra_body or None)
 
 
 def test_kv_routing_sends_a_shared_prefix_to_its_holder(fleet):
@@ -136,6 +137,22 @@ def test_kv_routing_sends_a_shared_prefix_to_its_holder(fleet):
                                               "temperature": 0}, timeout=300))
     assert raw.status_code == 200, raw.text
     assert raw_holder == holder and raw.json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+    wait_idle(fleet.workers, 10.0)
+
+
+def test_a_salted_prefix_is_published_and_routed_by_its_salted_hashes(fleet):
+    """`cache_salt`: vLLM's events carry the salt on a chain's first block only; the worker publishes
+    every block under the salted key, which is what the router computes for the salted request."""
+    salt = "tenant-38"
+    holder, first = fleet.served_by(lambda: complete(fleet, PREFIX + [71], cache_salt=salt))
+    d = fleet.describe(holder)
+    expected = block_hashes(PREFIX, d.block_size, salted_key(d.block_hash_extra_key, salt))
+    assert not set(expected) & set(block_hashes(PREFIX, d.block_size, d.block_hash_extra_key))
+    wait_until(lambda: set(expected) <= fleet.snapshot(holder), timeout=30, interval=0.1,
+               what=f"{holder}'s KV events to hold the salted prefix's {len(expected)} blocks")
+    assert first.usage.prompt_tokens_details.cached_tokens == 0      # the unsalted prefix is not shared
+    again, second = fleet.served_by(lambda: complete(fleet, PREFIX + [72, 73], cache_salt=salt))
+    assert again == holder and second.usage.prompt_tokens_details.cached_tokens > 0
     wait_idle(fleet.workers, 10.0)
 
 
