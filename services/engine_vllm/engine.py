@@ -240,6 +240,11 @@ class VllmEngine:
         return False
 
     # -- KV events ---------------------------------------------------------------
+    def attach_kv_events(self, events: Any) -> None:
+        """Republish `events` (a kv_events.VllmKVEvents on this vLLM's stream); before the worker
+        installs its hooks."""
+        self._events = events
+
     def subscribe_events(self, callback: Callable[[list[KVEvent]], None]) -> None:
         self._on_events = callback
 

@@ -91,7 +91,7 @@ class VllmEngineLauncher:
 
     flags: WorkerEngineFlags
     vllm_argv: list[str] = field(default_factory=list)
-    kv_events: Any = None        # a kv_events.VllmKVEvents, or None: no KV events
+    kv_events: bool = True       # republish vLLM's KV events to routers (kv_events.py)
 
     @property
     def model(self) -> str:
@@ -104,11 +104,25 @@ class VllmEngineLauncher:
         from splitserve.services.engine_vllm.engine import VllmEngine
 
         engine_args = parse_engine_args(self.flags, self.vllm_argv)
-        if self.kv_events is not None:
+        endpoint = None
+        if self.kv_events:
             from vllm.config import KVEventsConfig
 
-            engine_args.kv_events_config = KVEventsConfig(**self.kv_events.engine_config())
+            from splitserve.services.engine_vllm.kv_events import events_config, new_ipc_endpoint
+
+            if engine_args.kv_events_config is not None:
+                log.warning("--kv-events-config after -- is replaced: the worker subscribes to vLLM's KV events "
+                            "itself and republishes them to routers")
+            endpoint = new_ipc_endpoint()
+            engine_args.kv_events_config = KVEventsConfig(**events_config(endpoint))
         log.info("starting vLLM for %s: %s", self.flags.model, engine_args)
         llm = LLMEngine.from_engine_args(engine_args)
         name = engine_args.served_model_name
-        return VllmEngine(llm, name[0] if isinstance(name, list) else (name or self.flags.model), self.kv_events)
+        engine = VllmEngine(llm, name[0] if isinstance(name, list) else (name or self.flags.model))
+        if endpoint is not None:
+            from splitserve.services.engine_vllm.kv_events import VllmKVEvents
+
+            # The hashes the router computes: the block size vLLM chose, the engine's extra key.
+            d = engine.describe()
+            engine.attach_kv_events(VllmKVEvents(endpoint, d.block_size, d.block_hash_extra_key))
+        return engine
