@@ -105,3 +105,23 @@ def test_repeated_long_prompt_reports_cached_tokens(vllm_server, tokenize):
     block = vllm_server.describe().block_size
     assert cached >= (len(prompt) - 1) // block * block - block > 0, (cached, len(prompt), block)
     assert first.choices[0].text == second.choices[0].text
+
+
+def test_structured_choice_through_vllms_guided_decoding(vllm_server):
+    client = openai.OpenAI(base_url=vllm_server.openai_url, api_key="unused", max_retries=0, timeout=300)
+    choices = ["lighthouse", "submarine", "volcano"]
+    reply = client.completions.create(model="smollm2", prompt="My favourite word is", max_tokens=12, temperature=1.0,
+                                      seed=3, n=2, extra_body={"structured_outputs": {"choice": choices}})
+    assert sorted(c.index for c in reply.choices) == [0, 1]
+    assert all(c.text in choices and c.finish_reason == "stop" for c in reply.choices), reply.choices
+
+
+def test_logprobs_come_from_vllm_with_top_n_and_the_chosen_token(vllm_server):
+    client = openai.OpenAI(base_url=vllm_server.openai_url, api_key="unused", max_retries=0, timeout=300)
+    reply = client.completions.create(model="smollm2", prompt="The capital of France is", max_tokens=5,
+                                      temperature=0, logprobs=3)
+    lp = reply.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 5
+    for chosen, logprob, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+        assert len(top) == 3 and max(top.values()) == pytest.approx(logprob, abs=1e-5)   # greedy: the best
+        assert top[chosen] == pytest.approx(logprob, abs=1e-5)

@@ -44,7 +44,7 @@ def test_serve_hands_its_vllm_workers_the_flags_after_the_separator(tmp_path):
     _check_vllm_serve(serve)
     assert serve.aggregated                                   # implied
     argv = worker_argv(serve, "worker-0", "both", 50051, str(tmp_path))
-    assert argv[-5:] == ["--engine", "vllm", "--", "--max-model-len", "4096", "--enable-prefix-caching"][-5:]
+    assert argv[-6:] == ["--engine", "vllm", "--", "--max-model-len", "4096", "--enable-prefix-caching"]
     worker = parser.parse_args(argv)
     assert worker.engine == "vllm" and worker.engine_args == ["--max-model-len", "4096", "--enable-prefix-caching"]
     launcher = _vllm_launcher(worker)
