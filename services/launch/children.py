@@ -18,10 +18,12 @@ DRAIN_S = GRACE_S - 3.0      # children drain (finish running requests) within t
 
 def engine_argv(args: argparse.Namespace, model: str) -> list[str]:
     argv = ["--model", model, "--device", args.device, "--dtype", args.dtype, "--tp", str(args.tp),
-            "--block-size", str(args.block_size), "--kv-cache-gib", str(args.kv_cache_gib),
+            "--kv-cache-gib", str(args.kv_cache_gib),
             "--max-num-batched-tokens", str(args.max_num_batched_tokens),
             "--max-num-seqs", str(args.max_num_seqs), "--max-logprobs", str(args.max_logprobs),
             "--attention-backend", args.attention_backend, "--cpu-yield", args.cpu_yield]
+    if args.block_size is not None:
+        argv += ["--block-size", str(args.block_size)]
     if args.threads is not None:        # serve fills it in (plan.default_threads)
         argv += ["--threads", str(args.threads)]
     if args.kv_host_gib:
@@ -55,7 +57,10 @@ def worker_argv(args: argparse.Namespace, name: str, role: str, port: int, model
     if role != "both":
         argv += ["--transfer", args.transfer, "--remote-prefill-threshold", str(args.remote_prefill_threshold),
                  "--prefill-timeout", str(args.prefill_timeout)]
-    return argv + serve_child_argv(args, "worker")
+    argv += serve_child_argv(args, "worker")
+    if getattr(args, "engine", "builtin") == "vllm":       # vLLM's own flags last, after --
+        argv += ["--engine", "vllm", "--", *args.engine_args]
+    return argv
 
 
 def frontend_argv(args: argparse.Namespace, model: str, host: str, port: int, grpc_port: int,

@@ -38,6 +38,8 @@ import grpc
 
 from splitserve.errors import SplitserveError
 from splitserve.net import free_port
+from splitserve.services.engine_vllm.environment import (check_engine_python, default_engine_python,
+                                                        resolve_vllm_model)
 from splitserve.services.launch.children import export_serve_secrets, frontend_argv, kvstore_argv, worker_argv
 from splitserve.services.launch.membership import ETCD_ENV, LocalEtcd
 from splitserve.services.launch.topology import (autoscale_settings, default_threads, plan_workers, process_role,
@@ -157,6 +159,12 @@ def _start_autoscaler(sup: Supervisor, args: argparse.Namespace, settings, pytho
     return autoscaler
 
 
+def vllm_python(args: argparse.Namespace) -> str:
+    """The vLLM workers' python: --engine-python, else the engine environment's (a clear error
+    naming the install command when it is missing)."""
+    return check_engine_python(args.engine_python or default_engine_python())
+
+
 def run_serve(args: argparse.Namespace) -> int:
     plan = plan_workers(args)
     autoscale = autoscale_settings(args, plan)
@@ -170,12 +178,14 @@ def run_serve(args: argparse.Namespace) -> int:
     export_serve_secrets(args, os.environ)      # children read them from the environment
     tls = TlsConfig(cert=args.tls_internal_cert, key=args.tls_internal_key, ca=args.tls_ca)
     scheme = "https" if args.tls_cert else "http"
-    model = resolve_model(args.model, say)
+    model = resolve_model(args.model, say) if args.engine != "vllm" else resolve_vllm_model(args.model)
     host = args.host
     port = args.port or free_port(host)
     grpc_port = args.grpc_port if args.grpc_port is not None else port + 1
     grpc_port = grpc_port or free_port(host)
     python = [sys.executable, "-m", "splitserve", "--log-level", args.log_level]
+    # vLLM workers run with the vLLM engine environment's python (docs/engines.md); the rest with ours.
+    worker_python = python if args.engine != "vllm" else [vllm_python(args), *python[1:]]
     sup = Supervisor(say, tls, args.ready_timeout)
     previous = {sig: signal.signal(sig, _raise_stop) for sig in (signal.SIGINT, signal.SIGTERM)}
     etcd = autoscaler = None
@@ -183,7 +193,8 @@ def run_serve(args: argparse.Namespace) -> int:
         workers = []
         roles = [w.role for w in plan]
         if args.aggregated:
-            say(f"starting {len(plan)} aggregated worker(s) and the frontend for {model}")
+            engine = " vLLM" if args.engine == "vllm" else ""
+            say(f"starting {len(plan)} aggregated{engine} worker(s) and the frontend for {model}")
         else:
             say(f"starting {roles.count('prefill')} prefill and {roles.count('decode')} decode worker(s) "
                 f"(KV transfer: {args.transfer}) and the frontend for {model}")
@@ -195,7 +206,7 @@ def run_serve(args: argparse.Namespace) -> int:
         for w, wcores in zip(plan, cores):
             wport = free_port("127.0.0.1")
             role = process_role(w.role, autoscale)
-            workers.append(sup.spawn(w.name, [*python, *worker_argv(args, w.name, role, wport, model, wcores,
+            workers.append(sup.spawn(w.name, [*worker_python, *worker_argv(args, w.name, role, wport, model, wcores,
                                                                     kv_store, endpoint)], f"127.0.0.1:{wport}"))
         ports = [port] + [free_port(host) for _ in range(max(args.frontends, 1) - 1)]
         for i, fport in enumerate(ports):

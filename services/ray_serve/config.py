@@ -162,6 +162,6 @@ def config_from_args(args: argparse.Namespace) -> RayServeConfig:
 
 
 def _engine_from_args(args: argparse.Namespace, model: str) -> EngineSettings:
-    return EngineSettings(model=model, device=args.device, dtype=args.dtype, block_size=args.block_size,
+    return EngineSettings(model=model, device=args.device, dtype=args.dtype, block_size=args.block_size or 16,
                           kv_cache_gib=args.kv_cache_gib, max_num_batched_tokens=args.max_num_batched_tokens,
                           max_num_seqs=args.max_num_seqs, threads=args.threads)

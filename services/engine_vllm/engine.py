@@ -1,0 +1,291 @@
+"""vLLM behind the engine contract (services/engine_api/contract.py): `VllmEngine`.
+
+vLLM runs in the worker's own process: one `vllm.v1.engine.llm_engine.LLMEngine` built with
+`VLLM_ENABLE_V1_MULTIPROCESSING=0` (launcher.py), whose `step()` runs its scheduler and model
+once, as the contract's `step()` does. Requests go in as token ids with vLLM's `SamplingParams`
+(sampling.py; `RequestOutputKind.DELTA`, no detokenization) and come out as splitserve's
+`RequestOutput`s. vLLM keys outputs by the caller's request id (it adds a random suffix
+internally), and `abort_request` frees a request's blocks at once; vLLM emits nothing for an
+aborted request, so the final ABORT output the contract promises is queued here and returned
+by the next `step()`.
+
+The description and load come from vLLM's own config and scheduler: its block pool (minus
+the null block vLLM keeps), its running and waiting queues, and the cached-token counts its
+outputs report. KV events: vLLM's ZMQ event stream translated to splitserve's block hashes
+(kv_events.py) when one is attached; the hooks are those of the contract.
+
+Only the aggregated role is served: a prefill or decode worker needs vLLM's KV connector
+(issue 39), so the disaggregated methods refuse clearly.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+from splitserve.errors import InvalidRequestError, SplitserveError
+from splitserve.kvtransfer.sender_receiver import LayerCallback
+from splitserve.services.engine_api.contract import (EngineCounters, EngineDescription, EngineLoad, Fork,
+                                                     KVStoreSettings, KVTransfer, RankGroup, Reservation,
+                                                     TransferSettings)
+from splitserve.services.engine_api.kv_events import KVEvent
+from splitserve.services.engine_vllm.sampling import vllm_sampling_kwargs
+from splitserve.services.worker_protocol.outputs import FinishReason, RequestOutput, SampledToken
+from splitserve.services.worker_protocol.sampling_params import SamplingParams
+
+log = logging.getLogger(__name__)
+
+DISAGGREGATION_REFUSED = ("disaggregated prefill/decode with the vLLM engine comes with vLLM's KV connector "
+                          "(issue 39); serve it aggregated (role both)")
+_FINISH = {"stop": FinishReason.STOP, "length": FinishReason.LENGTH, "abort": FinishReason.ABORT}
+
+
+@dataclass(slots=True)
+class _Request:
+    """What the contract's outputs need that vLLM's DELTA outputs do not repeat."""
+
+    num_prompt_tokens: int
+    params: SamplingParams
+    num_output_tokens: int = 0
+    num_cached_tokens: int = 0
+    prompt_logprobs_sent: bool = False
+
+
+def to_vllm_params(params: SamplingParams) -> Any:
+    """vLLM's `SamplingParams` for `params`; vLLM's own validation errors become InvalidRequestError."""
+    from vllm import SamplingParams as VllmSamplingParams
+    from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
+
+    kwargs = vllm_sampling_kwargs(params)
+    structured = kwargs.pop("structured_outputs", None)
+    bad_words = kwargs.pop("bad_words_token_ids", None)
+    try:
+        if structured is not None:
+            kwargs["structured_outputs"] = StructuredOutputsParams(**structured)
+        out = VllmSamplingParams(output_kind=RequestOutputKind.DELTA, **kwargs)
+    except ValueError as exc:            # vLLM's VLLMValidationError is a ValueError
+        raise InvalidRequestError(str(exc)) from None
+    if bad_words:
+        out._bad_words_token_ids = bad_words     # what update_from_tokenizer makes of bad words
+    return out
+
+
+class VllmEngine:
+    """An `Engine` over one in-process vLLM `LLMEngine` (`llm`)."""
+
+    def __init__(self, llm: Any, model_name: str, kv_events: Any = None):
+        self.llm = llm
+        self._core = llm.engine_core.engine_core          # vLLM's EngineCore (InprocClient's)
+        self._requests: dict[str, _Request] = {}
+        self._pending: list[RequestOutput] = []           # ABORT outputs for the next step
+        self._stats = EngineCounters()
+        self._events = kv_events
+        self._on_events: Callable[[list[KVEvent]], None] | None = None
+        self._description = self._describe(model_name)
+
+    def _describe(self, model_name: str) -> EngineDescription:
+        cfg = self.llm.vllm_config
+        mc, cc = cfg.model_config, cfg.cache_config
+        dtype = str(mc.dtype).removeprefix("torch.")
+        return EngineDescription(
+            model_name=model_name, max_model_len=mc.max_model_len, vocab_size=mc.get_vocab_size(),
+            block_size=cc.block_size, num_kv_blocks=self._pool.num_gpu_blocks - 1, dtype=dtype,
+            device=str(cfg.device_config.device_type), tensor_parallel_size=cfg.parallel_config.tensor_parallel_size,
+            block_hash_extra_key=f"{model_name}|torch.{dtype}|engine=vllm".encode(),
+            max_logprobs=mc.max_logprobs)
+
+    @property
+    def _pool(self) -> Any:
+        return self._core.scheduler.kv_cache_manager.block_pool
+
+    def describe(self) -> EngineDescription:
+        return self._description
+
+    def load(self) -> EngineLoad:
+        sched, pool = self._core.scheduler, self._pool
+        free = pool.free_block_queue.get_all_free_blocks()
+        num_running, num_waiting = sched.get_request_counts()
+        total = pool.num_gpu_blocks - 1                   # the null block is never free nor used
+        return EngineLoad(
+            num_kv_blocks=total, num_used_kv_blocks=total - len(free),
+            num_cached_kv_blocks=sum(1 for b in free if b.block_hash is not None),
+            num_running=num_running, num_waiting=num_waiting, num_remote_prefill=0,
+            num_remote_prefill_kv_blocks=0, num_held_prefills=0, num_fenced_kv_blocks=0,
+            counters=replace(self._stats))
+
+    @property
+    def ranks(self) -> RankGroup | None:
+        return None             # vLLM's tensor-parallel workers live and fail inside it
+
+    # -- requests ----------------------------------------------------------------
+    def prepare(self, params: SamplingParams) -> None:
+        to_vllm_params(params)
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *,
+                    forks: Sequence[Fork] = (), prefill_only: bool = False,
+                    on_layer_done: LayerCallback | None = None) -> None:
+        if prefill_only:
+            raise InvalidRequestError(DISAGGREGATION_REFUSED)
+        # Every fork is a request of its own: vLLM's prefix cache shares the prompt's full blocks.
+        batch = [(request_id, params), *forks]
+        vllm_params = [(rid, p, self._checked(rid, prompt_token_ids, p)) for rid, p in batch]
+        for rid, p, vp in vllm_params:
+            prompt: dict[str, Any] = {"prompt_token_ids": list(prompt_token_ids)}
+            if p.cache_salt:
+                prompt["cache_salt"] = p.cache_salt
+            try:
+                self.llm.add_request(rid, prompt, vp)
+            except ValueError as exc:      # vLLM's validation (prompt length, logprobs limits...)
+                for added, _, _ in vllm_params:
+                    if added == rid:
+                        break
+                    self.abort(added)
+                raise InvalidRequestError(str(exc)) from None
+            self._requests[rid] = _Request(len(prompt_token_ids), p)
+        self._stats.num_forks += len(forks)
+
+    def _checked(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> Any:
+        if request_id in self._requests:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use")
+        d = self._description
+        if not prompt_token_ids:
+            raise InvalidRequestError("prompt is empty")
+        if any(not isinstance(t, int) or not 0 <= t < d.vocab_size for t in prompt_token_ids):
+            raise InvalidRequestError(f"prompt token ids must be integers in [0, {d.vocab_size})")
+        if len(prompt_token_ids) >= d.max_model_len:
+            raise InvalidRequestError(
+                f"This model's maximum context length is {d.max_model_len} tokens. However, your request has "
+                f"{len(prompt_token_ids)} input tokens (at least one more is generated) "
+                f"(parameter=input_tokens, value={len(prompt_token_ids)})")
+        params.check_vocab(d.vocab_size)
+        params.check_logprobs(d.max_logprobs, d.vocab_size)
+        return to_vllm_params(params)
+
+    def abort(self, request_id: str) -> bool:
+        state = self._requests.pop(request_id, None)
+        if state is None:
+            return False
+        self.llm.abort_request([request_id])
+        self._stats.num_aborted += 1
+        self._pending.append(RequestOutput(request_id, [], True, FinishReason.ABORT, state.num_prompt_tokens,
+                                           state.num_cached_tokens, state.num_output_tokens))
+        return True
+
+    def has_unfinished(self) -> bool:
+        return bool(self._pending) or self.llm.has_unfinished_requests()
+
+    def step(self) -> list[RequestOutput]:
+        outputs, self._pending = self._pending, []
+        if self.llm.has_unfinished_requests():
+            outputs.extend(self._convert(out) for out in self.llm.step() if out.request_id in self._requests)
+            self._stats.num_steps += 1
+        self._publish_events()
+        return outputs
+
+    def _convert(self, out: Any) -> RequestOutput:
+        state = self._requests[out.request_id]
+        completion = out.outputs[0]
+        new_ids = list(completion.token_ids)
+        first = state.num_output_tokens == 0 and new_ids
+        if first:
+            state.num_cached_tokens = out.num_cached_tokens or 0
+            s = self._stats
+            s.num_prefix_hit_tokens += state.num_cached_tokens
+            s.num_prompt_tokens_computed += state.num_prompt_tokens - state.num_cached_tokens
+            s.num_computed_tokens += state.num_prompt_tokens - state.num_cached_tokens
+        state.num_output_tokens += len(new_ids)
+        self._stats.num_generated_tokens += len(new_ids)
+        self._stats.num_computed_tokens += len(new_ids)
+        reason = _FINISH.get(completion.finish_reason) if out.finished else None
+        if out.finished:
+            self._requests.pop(out.request_id, None)
+            self._stats.num_finished += 1
+            reason = reason or FinishReason.STOP
+        result = RequestOutput(out.request_id, new_ids, out.finished, reason, state.num_prompt_tokens,
+                               state.num_cached_tokens, state.num_output_tokens)
+        if state.params.logprobs is not None and completion.logprobs:
+            result.logprobs = [sampled_token(t, lps, state.params) for t, lps in zip(new_ids, completion.logprobs)]
+        if state.params.prompt_logprobs is not None and not state.prompt_logprobs_sent and out.prompt_logprobs:
+            state.prompt_logprobs_sent = True
+            result.prompt_logprobs = prompt_tokens(out.prompt_token_ids, out.prompt_logprobs,
+                                                   state.params.prompt_logprobs)
+        return result
+
+    # -- disaggregated prefill: refused until vLLM's KV connector (issue 39) ---------------
+    def num_cached_prompt_tokens(self, token_ids: list[int], cache_salt: str = "") -> int:
+        return 0
+
+    def reserve_remote_prefill(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *,
+                               fence_writes: bool = False, forks: Sequence[Fork] = ()) -> Reservation | None:
+        raise InvalidRequestError(DISAGGREGATION_REFUSED)
+
+    def complete_remote_prefill(self, request_id: str, first_token: int | SampledToken,
+                                prompt_logprobs: list[SampledToken] | None = None) -> RequestOutput | None:
+        return None
+
+    def cancel_remote_prefill(self, request_id: str) -> bool:
+        return False
+
+    def release_transfer(self, request_id: str) -> bool:
+        return False
+
+    # -- KV events ---------------------------------------------------------------
+    def subscribe_events(self, callback: Callable[[list[KVEvent]], None]) -> None:
+        self._on_events = callback
+
+    def wake_on_store_events(self, wake: Callable[[], None]) -> None:
+        if self._events is not None:
+            self._events.start(wake)
+
+    def flush_store_events(self) -> None:
+        self._publish_events()
+
+    def _publish_events(self) -> None:
+        if self._events is None or self._on_events is None:
+            return
+        events = self._events.take_events()
+        if events:
+            self._on_events(events)
+
+    # -- wiring ------------------------------------------------------------------
+    def build_kv_transfer(self, settings: TransferSettings) -> KVTransfer:
+        raise SplitserveError(DISAGGREGATION_REFUSED)
+
+    def attach_kv_store(self, store: KVStoreSettings, transfer: TransferSettings) -> None:
+        raise SplitserveError("the shared KV store (--kv-store) is not available with the vLLM engine")
+
+    def close(self) -> None:
+        if self._events is not None:
+            self._events.close()
+        try:
+            self.llm.engine_core.shutdown()
+        except Exception:               # best effort at exit
+            log.exception("vLLM engine shutdown failed")
+
+
+def sampled_token(token_id: int, logprobs: dict[int, Any], params: SamplingParams) -> SampledToken:
+    """One generated token from vLLM's logprobs entry ({token id: Logprob}: the sampled token and
+    the top-n, or the sampled token and `logprob_token_ids`)."""
+    chosen = logprobs.get(token_id)
+    if params.logprob_token_ids:
+        top = {t: logprobs[t].logprob for t in params.logprob_token_ids if t in logprobs}
+    else:
+        n = params.logprobs or 0
+        top = {t: lp.logprob for t, lp in logprobs.items() if lp.rank is not None and lp.rank <= n}
+    return SampledToken(token_id, chosen.logprob if chosen is not None else None, top,
+                        chosen.rank if chosen is not None else None)
+
+
+def prompt_tokens(prompt_ids: list[int], prompt_logprobs: list[dict[int, Any] | None], n: int) -> list[SampledToken]:
+    """vLLM's prompt logprobs (None for the first token, then {token id: Logprob}) in splitserve's shape:
+    one entry per prompt token from the second on."""
+    out = []
+    for token_id, entry in zip(prompt_ids[1:], prompt_logprobs[1:]):
+        entry = entry or {}
+        chosen = entry.get(token_id)
+        top = {t: lp.logprob for t, lp in entry.items() if lp.rank is not None and lp.rank <= n}
+        out.append(SampledToken(token_id, chosen.logprob if chosen is not None else None, top,
+                                chosen.rank if chosen is not None else None))
+    return out
