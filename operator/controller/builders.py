@@ -93,7 +93,10 @@ def _etcd_tls(workload: WorkloadOptions) -> tuple[list[str], list[dict], list[di
 def worker_args(spec: ServingDeploymentSpec, pool: str) -> list[str]:
     """The operator's own `splitserve worker` flags (builders' OPERATOR_WORKER_FLAGS)."""
     p = spec.pool(pool)
-    args = ["worker", "--role", pool, "--model", spec.model.source, "--dtype", spec.model.dtype,
+    # A vLLM worker serves aggregated (role both: it prefills its own prompts) until issue 39;
+    # the spec allows it only in the decode pool, with no prefill groups.
+    role = "both" if p.engine == "vllm" else pool
+    args = ["worker", "--role", role, "--model", spec.model.source, "--dtype", spec.model.dtype,
             "--device", "cuda" if p.gpus_per_rank > 0 else "cpu"]
     if p.engine == "vllm":
         # vLLM spawns its own ranks inside the pod: its parallel sizes go after `--` (vllm_args).

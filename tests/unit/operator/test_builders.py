@@ -207,17 +207,16 @@ def test_vllm_pipeline_parallel_goes_to_vllm_too():
     assert container["resources"]["requests"][names.GPU_RESOURCE] == "8"
 
 
-def test_vllm_worker_flags_before_the_split_parse_with_the_worker_cli():
-    """Before `--` the operator passes `splitserve worker` flags (the worker CLI's own parser,
-    less --engine, which the vLLM worker adds); after it, only vLLM's."""
+def test_vllm_pod_args_parse_with_the_worker_cli():
+    """What the operator passes is what `splitserve worker --engine vllm` accepts: its flags before
+    `--`, vLLM's after (the worker's own parser, no process)."""
     from splitserve.services.cli.parsers import build_parser
 
     args = builders.build_worker_pod(OWNER, VLLM, "decode", "g0", 0)["spec"]["containers"][0]["args"]
-    head = args[:args.index("--")]
-    assert head[1:3] == ["--engine", "vllm"]
-    parsed = build_parser().parse_args([head[0], *head[3:]])
-    assert (parsed.role, parsed.model, parsed.kv_cache_gib, parsed.port) == ("decode", "/models/qwen", 8.0,
-                                                                              names.WORKER_PORT)
+    parsed = build_parser().parse_args(args)
+    assert (parsed.command, parsed.engine, parsed.role) == ("worker", "vllm", "both")    # aggregated
+    assert (parsed.model, parsed.kv_cache_gib, parsed.port) == ("/models/qwen", 8.0, names.WORKER_PORT)
+    assert parsed.engine_args == ["--quantization", "fp8", "--max-model-len=8192", "--tensor-parallel-size", "4"]
 
 
 def test_the_engine_and_the_vllm_image_roll_the_pool_and_builtin_hashes_stay():
