@@ -53,6 +53,14 @@ class _Request:
     prompt_logprobs_sent: bool = False
 
 
+def client_errors() -> tuple[type[Exception], ...]:
+    """What vLLM raises for a request it refuses: its VLLMClientError family (validation) and the
+    plain ValueError some of its checks still raise."""
+    from vllm.exceptions import VLLMClientError
+
+    return (VLLMClientError, ValueError)
+
+
 def to_vllm_params(params: SamplingParams) -> Any:
     """vLLM's `SamplingParams` for `params`; vLLM's own validation errors become InvalidRequestError."""
     from vllm import SamplingParams as VllmSamplingParams
@@ -65,7 +73,7 @@ def to_vllm_params(params: SamplingParams) -> Any:
         if structured is not None:
             kwargs["structured_outputs"] = StructuredOutputsParams(**structured)
         out = VllmSamplingParams(output_kind=RequestOutputKind.DELTA, **kwargs)
-    except ValueError as exc:            # vLLM's VLLMValidationError is a ValueError
+    except client_errors() as exc:
         raise InvalidRequestError(str(exc)) from None
     if bad_words:
         out._bad_words_token_ids = bad_words     # what update_from_tokenizer makes of bad words
@@ -137,7 +145,7 @@ class VllmEngine:
                 prompt["cache_salt"] = p.cache_salt
             try:
                 self.llm.add_request(rid, prompt, vp)
-            except ValueError as exc:      # vLLM's validation (prompt length, logprobs limits...)
+            except client_errors() as exc:     # vLLM's validation (prompt length, logprobs limits...)
                 for added, _, _ in vllm_params:
                     if added == rid:
                         break

@@ -60,6 +60,16 @@ class VllmServer:
     grpc_address: str
     workers: dict[str, str] = field(default_factory=dict)     # worker-0 -> its gRPC address
     child_pids: list[int] = field(default_factory=list)
+    max_model_len: int = MAX_MODEL_LEN
+
+    def describe(self, name: str = "worker-0"):
+        """The worker's Describe reply (vLLM's block size, KV blocks, context length)."""
+        import grpc
+
+        from splitserve.proto.v1 import worker_pb2, worker_pb2_grpc
+
+        with grpc.insecure_channel(self.workers[name]) as channel:
+            return worker_pb2_grpc.WorkerStub(channel).Describe(worker_pb2.DescribeRequest(), timeout=10)
 
     @property
     def openai_url(self) -> str:

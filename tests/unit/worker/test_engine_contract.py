@@ -18,6 +18,8 @@ from grpc_health.v1._async import HealthServicer
 from splitserve.proto.v1 import worker_pb2
 from splitserve.services.engine.builtin import BuiltinEngine, BuiltinEngineLauncher
 from splitserve.services.engine_api.contract import Engine, EngineLauncher
+from splitserve.services.engine_vllm.engine import VllmEngine
+from splitserve.services.engine_vllm.launcher import VllmEngineLauncher
 from splitserve.services.worker.engine_loop import EngineLoop, EngineStepError
 from splitserve.services.worker.server import build_transfer
 from splitserve.services.worker.service import Role, WorkerOptions, WorkerService
@@ -32,14 +34,14 @@ def _parameters(fn) -> list[tuple[str, object, object]]:
     return [(p.name, p.kind, p.default) for p in inspect.signature(fn).parameters.values() if p.name != "self"]
 
 
-@pytest.mark.parametrize("implementation", [BuiltinEngine, FakeEngine])
+@pytest.mark.parametrize("implementation", [BuiltinEngine, VllmEngine, FakeEngine])
 @pytest.mark.parametrize("member", CONTRACT_MEMBERS)
 def test_each_engine_implements_the_contract_with_its_signatures(implementation, member):
     assert callable(getattr(implementation, member, None)), f"{implementation.__name__} lacks {member}"
     assert _parameters(getattr(implementation, member)) == _parameters(getattr(Engine, member))
 
 
-@pytest.mark.parametrize("implementation", [BuiltinEngine, FakeEngine])
+@pytest.mark.parametrize("implementation", [BuiltinEngine, VllmEngine, FakeEngine])
 def test_each_engine_says_whether_it_spans_processes(implementation):
     assert isinstance(getattr(implementation, "ranks"), property)
 
@@ -51,7 +53,8 @@ def test_the_contract_names_what_the_worker_calls():
             "cancel_remote_prefill", "release_transfer", "subscribe_events", "wake_on_store_events",
             "flush_store_events", "build_kv_transfer", "attach_kv_store", "close"} == set(CONTRACT_MEMBERS)
     assert {"model", "launch"} <= set(vars(EngineLauncher))
-    assert callable(BuiltinEngineLauncher.launch) and isinstance(BuiltinEngineLauncher.model, property)
+    for launcher in (BuiltinEngineLauncher, VllmEngineLauncher):
+        assert callable(launcher.launch) and isinstance(launcher.model, property)
 
 
 class _Context:
