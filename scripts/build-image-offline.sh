@@ -5,7 +5,7 @@
 # buildah's vfs storage and chroot isolation (no daemon, no overlay mounts, no user
 # namespaces needed). Opt-in: `make test` does not run it.
 #
-#   scripts/build-image-offline.sh [ARGS for scripts/build-image.sh ...]
+#   scripts/build-image-offline.sh [ARGS for scripts/build-image.sh ...]     (--engine vllm: the vLLM flavour)
 #
 # Needs root, debootstrap and buildah (apt-get install debootstrap buildah). The base
 # rootfs and buildah's storage are cached under

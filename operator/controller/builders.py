@@ -59,7 +59,7 @@ def pool_spec_hash(spec: ServingDeploymentSpec, pool: str) -> str:
     """What a worker group's pods are built from, minus the group count: a change here
     means the group must be replaced (rolling update)."""
     p = spec.pool(pool)
-    return content_hash({"image": spec.image, "model": spec.model.to_dict(),
+    return content_hash({"image": spec.worker_image(pool), "model": spec.model.to_dict(),
                          "threshold": spec.disaggregation_threshold,
                          "pool": {**p.to_dict(), "replicas": None, "autoscaling": None}})[:10]
 
@@ -91,13 +91,39 @@ def _etcd_tls(workload: WorkloadOptions) -> tuple[list[str], list[dict], list[di
 # --- worker groups -------------------------------------------------------------------------
 
 def worker_args(spec: ServingDeploymentSpec, pool: str) -> list[str]:
+    """The operator's own `splitserve worker` flags (builders' OPERATOR_WORKER_FLAGS)."""
     p = spec.pool(pool)
-    return ["worker", "--role", pool, "--model", spec.model.source, "--dtype", spec.model.dtype,
-            "--device", "cuda" if p.gpus_per_rank > 0 else "cpu", "--tp", str(p.tensor_parallel),
-            "--host", "0.0.0.0", "--advertise-host", "$(POD_IP)", "--port", str(names.WORKER_PORT),
-            "--worker-id", "$(POD_NAME)",
-            "--metrics-port", str(names.WORKER_METRICS_PORT), "--session-port", str(names.WORKER_SESSION_PORT),
-            "--remote-prefill-threshold", str(spec.disaggregation_threshold), "--etcd", "$(SPLITSERVE_ETCD)"]
+    # A vLLM worker serves aggregated (role both: it prefills its own prompts) until issue 39;
+    # the spec allows it only in the decode pool, with no prefill groups.
+    role = "both" if p.engine == "vllm" else pool
+    args = ["worker", "--role", role, "--model", spec.model.source, "--dtype", spec.model.dtype,
+            "--device", "cuda" if p.gpus_per_rank > 0 else "cpu"]
+    if p.engine == "vllm":
+        # vLLM spawns its own ranks inside the pod: its parallel sizes go after `--` (vllm_args).
+        args[1:1] = ["--engine", "vllm"]
+    else:
+        args += ["--tp", str(p.tensor_parallel)]
+    return args + [
+        "--host", "0.0.0.0", "--advertise-host", "$(POD_IP)", "--port", str(names.WORKER_PORT),
+        "--worker-id", "$(POD_NAME)",
+        "--metrics-port", str(names.WORKER_METRICS_PORT), "--session-port", str(names.WORKER_SESSION_PORT),
+        "--remote-prefill-threshold", str(spec.disaggregation_threshold), "--etcd", "$(SPLITSERVE_ETCD)"]
+
+
+def vllm_args(p: PoolSpec) -> list[str]:
+    """What follows `--` for an engine: vllm pool: its engineArgs, then the parallel sizes."""
+    args = [*p.engine_args, "--tensor-parallel-size", str(p.tensor_parallel)]
+    if p.pipeline_parallel > 1:
+        args += ["--pipeline-parallel-size", str(p.pipeline_parallel)]
+    return args
+
+
+def container_args(spec: ServingDeploymentSpec, pool: str, tls_flags: list[str]) -> list[str]:
+    p = spec.pool(pool)
+    args = worker_args(spec, pool) + tls_flags + list(p.worker_args)
+    if p.engine == "vllm":
+        return args + ["--", *vllm_args(p)]
+    return args + list(p.engine_args)
 
 
 def leader_address(owner: Owner, group: str) -> str:
@@ -109,6 +135,19 @@ def leader_address(owner: Owner, group: str) -> str:
 def probe_command() -> list[str]:
     """The active canary: gRPC health SERVING and a one-token Generate (operator/controller/probe.py)."""
     return ["python", "-m", "splitserve.operator.probe", "--address", f"127.0.0.1:{names.WORKER_PORT}"]
+
+
+# How long a worker may take to load before it counts as failed: the built-in engine loads
+# its weights; vLLM also profiles memory and (without --enforce-eager) compiles and captures CUDA
+# graphs, which takes minutes on a first start.
+STARTUP_SECONDS = {"builtin": 600, "vllm": 1800}
+
+
+def startup_probe(p: PoolSpec) -> dict[str, Any]:
+    """Plain gRPC health: SERVING once the engine is up (the readinessProbe's canary then runs)."""
+    period = 5 if p.engine == "builtin" else 10
+    return {"grpc": {"port": names.WORKER_PORT}, "periodSeconds": period,
+            "failureThreshold": STARTUP_SECONDS[p.engine] // period}
 
 
 def scrape_annotations(port: int) -> dict[str, str]:
@@ -143,12 +182,12 @@ def build_worker_pod(owner: Owner, spec: ServingDeploymentSpec, pool: str, group
                 {"name": "SPLITSERVE_TP_LEADER", "value": f"{leader_address(owner, group)}:{names.DIST_PORT}"}]
     resources: dict[str, Any] = {"cpu": p.resources.cpu, "memory": p.resources.memory}
     limits = dict(resources)
-    if p.gpus_per_rank > 0:
-        resources[names.GPU_RESOURCE] = str(p.gpus_per_rank)
-        limits[names.GPU_RESOURCE] = str(p.gpus_per_rank)
+    if p.gpus_per_pod > 0:
+        resources[names.GPU_RESOURCE] = str(p.gpus_per_pod)
+        limits[names.GPU_RESOURCE] = str(p.gpus_per_pod)
     container: dict[str, Any] = {
-        "name": "worker", "image": spec.image, "command": ["splitserve"],
-        "args": worker_args(spec, pool) + tls_flags + list(p.engine_args), "env": env,
+        "name": "worker", "image": spec.worker_image(pool), "command": ["splitserve"],
+        "args": container_args(spec, pool, tls_flags), "env": env,
         "ports": [{"name": "grpc", "containerPort": names.WORKER_PORT},
                   {"name": "dist", "containerPort": names.DIST_PORT},
                   {"name": names.METRICS_PORT_NAME, "containerPort": names.WORKER_METRICS_PORT},
@@ -160,8 +199,7 @@ def build_worker_pod(owner: Owner, spec: ServingDeploymentSpec, pool: str, group
     if rank == 0:
         container["readinessProbe"] = {"exec": {"command": probe_command()}, "periodSeconds": 10,
                                        "timeoutSeconds": 8, "failureThreshold": 3}
-        container["startupProbe"] = {"grpc": {"port": names.WORKER_PORT}, "periodSeconds": 5,
-                                     "failureThreshold": 120}
+        container["startupProbe"] = startup_probe(p)
     return {
         "apiVersion": "v1", "kind": "Pod",
         "metadata": owner.metadata(name, labels, annotations),

@@ -10,6 +10,7 @@ starts workers with.
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 
 from splitserve.errors import SplitserveError
@@ -43,7 +44,12 @@ def check_engine_python(python: str | os.PathLike) -> str:
 
 
 def shipped_model_dir() -> Path:
-    """The shipped SmolLM2 as a float32 Hugging Face folder, inside the engine environment."""
+    """The shipped SmolLM2 as a float32 Hugging Face folder, inside the engine environment: this
+    interpreter's own when it has one (a worker in an engine environment, the image's vLLM
+    flavour: /opt/splitserve/models/smollm2), else the default environment's."""
+    own = Path(sys.prefix) / "models" / "smollm2"
+    if (own / "config.json").is_file():
+        return own
     return engine_env_dir() / "models" / "smollm2"
 
 

@@ -17,7 +17,8 @@ maps onto Ray:
 | disaggregationThreshold | the decode workers' and router's remote-prefill threshold |
 | migrationLimit | the frontend's migration limit |
 | drainTimeoutSeconds | how long a stopping worker replica drains (Serve's graceful_shutdown_timeout_s follows) |
-| image, frontend.serviceType | Kubernetes only (ignored) |
+| image, vllmImage, frontend.serviceType | Kubernetes only (ignored) |
+| engine, *.engine | builtin only: a vllm pool is refused (Kubernetes and `serve --engine vllm` run it) |
 
 What the spec does not say (KV pool size, batch limits, threads, transfer
 backend) comes from `EngineSettings` defaults or the CLI flags. A GPU pool
@@ -101,6 +102,11 @@ def _pool(pool_spec, role: str, engine: EngineSettings, threshold: int, transfer
 def config_from_spec(spec, engine: EngineSettings | None = None, transfer: str = "auto",
                      served_model_name: str | None = None) -> RayServeConfig:
     """`engine` supplies what the spec does not say; its model and dtype come from the spec."""
+    vllm_pools = [name for name in ("prefill", "decode") if spec.pool(name).engine != "builtin"]
+    if vllm_pools:
+        raise SplitserveError(f"{', '.join(f'{name}.engine' for name in vllm_pools)}: vllm is served on Kubernetes "
+                              "(the operator) and by `splitserve serve --engine vllm`; the Ray Serve target "
+                              "reads builtin pools only from a ServingDeployment file")
     engine = replace(engine or EngineSettings(model=spec.model.source), model=spec.model.source,
                      dtype=spec.model.dtype)
     threshold = spec.disaggregation_threshold

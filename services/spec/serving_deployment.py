@@ -22,6 +22,9 @@ KIND = "ServingDeployment"
 PLURAL = "servingdeployments"
 
 DEFAULT_IMAGE = "ghcr.io/splitserve/splitserve:0.1.0"
+# The image's vLLM flavour (deploy/image/Dockerfile, ENGINE=vllm): the workers of `engine: vllm` pools.
+DEFAULT_VLLM_IMAGE = "ghcr.io/splitserve/splitserve:0.1.0-vllm"
+ENGINES = ("builtin", "vllm")
 DTYPES = ("float32", "bfloat16", "float16")
 ROUTER_POLICIES = ("kv", "round-robin", "random", "least-loaded", "power-of-two")
 SERVICE_TYPES = ("ClusterIP", "NodePort", "LoadBalancer")
@@ -32,6 +35,11 @@ POOL_NAMES = ("prefill", "decode")
 OPERATOR_WORKER_FLAGS = ("--role", "--model", "--dtype", "--device", "--tp", "--host", "--advertise-host",
                          "--port", "--worker-id", "--metrics-port", "--session-port",
                          "--remote-prefill-threshold", "--etcd", "--etcd-ca", "--etcd-cert", "--etcd-key")
+# vLLM engine flags that the operator sets after `--` (tensor and pipeline parallel sizes from the
+# pool) or that name what `splitserve worker` owns (the model, its own address): the engineArgs of
+# an `engine: vllm` pool may not give them.
+OPERATOR_VLLM_FLAGS = ("--model", "--host", "--port", "--tensor-parallel-size", "-tp",
+                       "--pipeline-parallel-size", "-pp")
 
 
 # --- field readers: each names the field path in its error ---------------------------------
@@ -364,7 +372,14 @@ class SloAutoscalingSpec:
 
 @dataclass(frozen=True, slots=True)
 class PoolSpec:
-    """One worker pool: `replicas` worker groups of `group_size` ranks (pods) each."""
+    """One worker pool: `replicas` worker groups of `group_size` pods each.
+
+    The built-in engine runs one pod per tensor/pipeline-parallel rank (a gang-scheduled group);
+    vLLM spawns its own ranks, so an `engine: vllm` group is one pod holding every rank's GPUs.
+    `engine_args` are the engine's own flags: the built-in engine's are `splitserve worker` flags
+    (appended to it, as before `engine` existed), vLLM's go after `--` to its EngineArgs parser.
+    `worker_args` are `splitserve worker` flags for either engine (--kv-cache-gib, --kv-store, ...).
+    """
 
     replicas: int = 1
     tensor_parallel: int = 1
@@ -373,22 +388,41 @@ class PoolSpec:
     resources: ResourcesSpec = field(default_factory=ResourcesSpec)
     topology: TopologySpec = field(default_factory=TopologySpec)
     autoscaling: AutoscalingSpec | None = None
-    engine_args: tuple[str, ...] = ()    # appended to `splitserve worker` (--kv-cache-gib 4, --threads 8, ...)
+    engine_args: tuple[str, ...] = ()
+    engine: str = "builtin"             # resolved: the pool's own `engine`, else the deployment's
+    worker_args: tuple[str, ...] = ()
+
+    _FIELDS = ("replicas", "tensorParallel", "pipelineParallel", "gpusPerRank", "resources", "topology",
+               "autoscaling", "engine", "workerArgs", "engineArgs")
 
     @property
-    def group_size(self) -> int:
+    def num_ranks(self) -> int:
         return self.tensor_parallel * self.pipeline_parallel
 
     @property
+    def group_size(self) -> int:
+        """Pods per worker group."""
+        return 1 if self.engine == "vllm" else self.num_ranks
+
+    @property
+    def gpus_per_pod(self) -> int:
+        return self.gpus_per_rank * (self.num_ranks if self.engine == "vllm" else 1)
+
+    @property
     def gpus_per_group(self) -> int:
-        return self.group_size * self.gpus_per_rank
+        return self.group_size * self.gpus_per_pod
 
     @classmethod
-    def from_dict(cls, d: Any, path: str) -> PoolSpec:
+    def from_dict(cls, d: Any, path: str, default_engine: str = "builtin") -> PoolSpec:
         d = _mapping(d, path)
-        _reject_unknown(d, ("replicas", "tensorParallel", "pipelineParallel", "gpusPerRank", "resources",
-                            "topology", "autoscaling", "engineArgs"), path)
+        _reject_unknown(d, cls._FIELDS, path)
         auto = d.get("autoscaling")
+        engine = _str(d, "engine", default_engine, path, ENGINES)
+        worker_args = _worker_args(d.get("workerArgs"), f"{path}.workerArgs")
+        if engine == "vllm":
+            engine_args = _vllm_args(d.get("engineArgs"), f"{path}.engineArgs")
+        else:
+            engine_args = _worker_args(d.get("engineArgs"), f"{path}.engineArgs")
         return cls(replicas=_int(d, "replicas", 1, path, minimum=0),
                    tensor_parallel=_int(d, "tensorParallel", 1, path, minimum=1),
                    pipeline_parallel=_int(d, "pipelineParallel", 1, path, minimum=1),
@@ -396,30 +430,67 @@ class PoolSpec:
                    resources=ResourcesSpec.from_dict(d.get("resources"), f"{path}.resources"),
                    topology=TopologySpec.from_dict(d.get("topology"), f"{path}.topology"),
                    autoscaling=None if auto is None else AutoscalingSpec.from_dict(auto, f"{path}.autoscaling"),
-                   engine_args=_engine_args(d.get("engineArgs"), f"{path}.engineArgs"))
+                   engine_args=engine_args, engine=engine, worker_args=worker_args)
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self, default_engine: str = "builtin") -> dict[str, Any]:
+        """`engine` is written only where it differs from `default_engine` (the deployment's),
+        so a built-in pool's document, and so its spec hash, is what it was before engines."""
         out: dict[str, Any] = {"replicas": self.replicas, "tensorParallel": self.tensor_parallel,
                                "pipelineParallel": self.pipeline_parallel, "gpusPerRank": self.gpus_per_rank,
                                "resources": self.resources.to_dict(), "topology": self.topology.to_dict()}
         if self.autoscaling is not None:
             out["autoscaling"] = self.autoscaling.to_dict()
+        if self.engine != default_engine:
+            out["engine"] = self.engine
+        if self.worker_args:
+            out["workerArgs"] = list(self.worker_args)
         if self.engine_args:
             out["engineArgs"] = list(self.engine_args)
         return out
 
 
-def _engine_args(value: Any, path: str) -> tuple[str, ...]:
+def _flag_list(value: Any, path: str) -> tuple[str, ...]:
     if value is None:
         return ()
     if not isinstance(value, list) or not all(isinstance(a, str) and a for a in value):
         raise ValueError(f"{path}: expected a list of non-empty strings, got {value!r}")
-    for arg in value:
+    if "--" in value:
+        raise ValueError(f"{path}: a bare -- is not allowed: the operator puts it between splitserve's "
+                         "flags (workerArgs) and an engine: vllm pool's vLLM flags (engineArgs)")
+    return tuple(value)
+
+
+def _worker_args(value: Any, path: str) -> tuple[str, ...]:
+    """Flags of `splitserve worker`: any but those the operator sets."""
+    args = _flag_list(value, path)
+    for arg in args:
         flag = arg.split("=", 1)[0]
         if flag in OPERATOR_WORKER_FLAGS:
             raise ValueError(f"{path}: {flag} is set by the operator from the spec and the pod "
                              f"(flags it owns: {', '.join(OPERATOR_WORKER_FLAGS)})")
-    return tuple(value)
+        if flag == "--engine":
+            raise ValueError(f"{path}: --engine is set by the operator from the engine field "
+                             f"(spec.engine or the pool's engine: {', '.join(ENGINES)})")
+    return args
+
+
+def _vllm_args(value: Any, path: str) -> tuple[str, ...]:
+    """vLLM engine flags (`vllm serve --help`'s engine group): any but those the operator sets.
+    vLLM's parser reads `--max_model_len` as `--max-model-len`, so both spellings are checked."""
+    args = _flag_list(value, path)
+    for arg in args:
+        flag = arg.split("=", 1)[0]
+        if flag.startswith("--"):
+            flag = "--" + flag[2:].replace("_", "-")
+        if flag in OPERATOR_VLLM_FLAGS:
+            where = {"--model": "spec.model.source", "--host": "the pod (splitserve worker serves the API)",
+                     "--port": "the pod (splitserve worker serves the API)",
+                     "--tensor-parallel-size": "the pool's tensorParallel", "-tp": "the pool's tensorParallel",
+                     "--pipeline-parallel-size": "the pool's pipelineParallel",
+                     "-pp": "the pool's pipelineParallel"}[flag]
+            raise ValueError(f"{path}: {flag} is set by the operator from {where}; vLLM flags it owns: "
+                             f"{', '.join(OPERATOR_VLLM_FLAGS)}")
+    return args
 
 
 @dataclass(frozen=True, slots=True)
@@ -434,9 +505,14 @@ class ServingDeploymentSpec:
     migration_limit: int = 2
     drain_timeout_seconds: int = 300
     autoscaling: SloAutoscalingSpec = field(default_factory=SloAutoscalingSpec)
+    engine: str = "builtin"              # the pools' engine unless a pool names its own
+    vllm_image: str = DEFAULT_VLLM_IMAGE  # the workers of engine: vllm pools (the frontends run `image`)
 
-    _FIELDS = ("image", "model", "frontend", "router", "prefill", "decode", "disaggregationThreshold",
-               "migrationLimit", "drainTimeoutSeconds", "autoscaling")
+    _FIELDS = ("image", "vllmImage", "model", "engine", "frontend", "router", "prefill", "decode",
+               "disaggregationThreshold", "migrationLimit", "drainTimeoutSeconds", "autoscaling")
+
+    def worker_image(self, pool: str) -> str:
+        return self.vllm_image if self.pool(pool).engine == "vllm" else self.image
 
     def pool(self, name: str) -> PoolSpec:
         if name == "prefill":
@@ -450,16 +526,33 @@ class ServingDeploymentSpec:
         """Parse the mapping under `spec:`; raises ValueError naming the bad field."""
         d = _mapping(d, path)
         _reject_unknown(d, cls._FIELDS, path)
-        return cls(model=ModelSpec.from_dict(d.get("model"), f"{path}.model"),
+        engine = _str(d, "engine", "builtin", path, ENGINES)
+        spec = cls(model=ModelSpec.from_dict(d.get("model"), f"{path}.model"),
                    image=_str(d, "image", DEFAULT_IMAGE, path),
                    frontend=FrontendSpec.from_dict(d.get("frontend"), f"{path}.frontend"),
                    router=RouterSpec.from_dict(d.get("router"), f"{path}.router"),
-                   prefill=PoolSpec.from_dict(d.get("prefill"), f"{path}.prefill"),
-                   decode=PoolSpec.from_dict(d.get("decode"), f"{path}.decode"),
+                   prefill=PoolSpec.from_dict(d.get("prefill"), f"{path}.prefill", engine),
+                   decode=PoolSpec.from_dict(d.get("decode"), f"{path}.decode", engine),
                    disaggregation_threshold=_int(d, "disaggregationThreshold", 0, path, minimum=0),
                    migration_limit=_int(d, "migrationLimit", 2, path, minimum=0),
                    drain_timeout_seconds=_int(d, "drainTimeoutSeconds", 300, path, minimum=0),
-                   autoscaling=SloAutoscalingSpec.from_dict(d.get("autoscaling"), f"{path}.autoscaling"))
+                   autoscaling=SloAutoscalingSpec.from_dict(d.get("autoscaling"), f"{path}.autoscaling"),
+                   engine=engine, vllm_image=_str(d, "vllmImage", DEFAULT_VLLM_IMAGE, path))
+        spec._check_vllm_is_aggregated(path)
+        return spec
+
+    def _check_vllm_is_aggregated(self, path: str) -> None:
+        """vLLM workers serve aggregated only (the decode pool prefills its own prompts): their
+        KV transfer to another worker is issue 39's."""
+        if "vllm" not in (self.prefill.engine, self.decode.engine):
+            return
+        if self.prefill.replicas > 0:
+            raise ValueError(f"{path}.prefill.replicas: engine vllm serves aggregated only until disaggregated "
+                             f"prefill/decode with vLLM lands (issue 39): set prefill.replicas to 0 (the decode "
+                             f"pool prefills its own prompts), got {self.prefill.replicas}")
+        if self.autoscaling.enabled:
+            raise ValueError(f"{path}.autoscaling.enabled: the SLO planner sizes a prefill and a decode pool, "
+                             f"which engine vllm cannot run until issue 39: leave autoscaling off")
 
     @classmethod
     def from_resource(cls, body: Mapping[str, Any]) -> ServingDeploymentSpec:
@@ -470,9 +563,10 @@ class ServingDeploymentSpec:
         return cls.from_dict(body.get("spec"))
 
     def to_dict(self) -> dict[str, Any]:
-        return {"image": self.image, "model": self.model.to_dict(), "frontend": self.frontend.to_dict(),
-                "router": self.router.to_dict(), "prefill": self.prefill.to_dict(),
-                "decode": self.decode.to_dict(), "disaggregationThreshold": self.disaggregation_threshold,
+        return {"image": self.image, "vllmImage": self.vllm_image, "model": self.model.to_dict(),
+                "engine": self.engine, "frontend": self.frontend.to_dict(), "router": self.router.to_dict(),
+                "prefill": self.prefill.to_dict(self.engine), "decode": self.decode.to_dict(self.engine),
+                "disaggregationThreshold": self.disaggregation_threshold,
                 "migrationLimit": self.migration_limit, "drainTimeoutSeconds": self.drain_timeout_seconds,
                 "autoscaling": self.autoscaling.to_dict()}
 

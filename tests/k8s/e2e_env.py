@@ -75,11 +75,13 @@ class E2EDeployment:
     # ---- bring-up ----------------------------------------------------------------
 
     @classmethod
-    def up(cls, cluster: KubeCluster, namespace: str, model_dir: Path, workdir: Path) -> E2EDeployment:
+    def up(cls, cluster: KubeCluster, namespace: str, model_dir: Path, workdir: Path,
+           image_env: dict[str, dict[str, str]] | None = None) -> E2EDeployment:
+        """`image_env`: the node agent's environment per image (NodeAgent.image_env)."""
         token = secrets.token_hex(3)
         agent = NodeAgent(cluster.api_client(), f"e2e-{token}", workdir / "agent", gpus=8, cpu="64",
                           memory="256Gi", pod_cidr=next_pod_cidr(), taint=None,
-                          labels={E2E_LABEL: token}).start()
+                          labels={E2E_LABEL: token}, image_env=dict(image_env or {})).start()
         etcd = None
         try:
             cluster.wait_node_ready(agent.node_name, True, timeout=30)

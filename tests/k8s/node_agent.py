@@ -19,7 +19,9 @@ never run; pods bound to a node of this agent run for real, as host processes:
   probes (node_agent_probes.py), restarts, status, graceful deletion.
 - There is no image: a container runs the host's programs (the venv's python
   and `splitserve` first on PATH), which stand in for the image; a container
-  without `command` runs `splitserve`, our image's entrypoint.
+  without `command` runs `splitserve`, our image's entrypoint. `image_env` gives
+  the containers of one image more environment over that (the image's vLLM flavour:
+  the vLLM engine environment's bin first on PATH).
 - Host servers: `expose_host_port()` relays a port on the node's address to
   the host's 127.0.0.1 (node_agent_forward.py), e.g. the control plane's etcd.
   The `kubernetes` Service: its ClusterIP is an address of the node namespace,
@@ -114,6 +116,7 @@ class NodeAgent:
     taint: dict[str, str] | None = field(default_factory=lambda: dict(AGENT_TAINT))
     entrypoints: dict[str, tuple[str, ...]] = field(default_factory=dict)
     base_env: dict[str, str] = field(default_factory=default_base_env)
+    image_env: dict[str, dict[str, str]] = field(default_factory=dict)   # image -> env over base_env
     cluster: ClusterNetwork | None = None      # links this node's pods to other agents' nodes
     network: NodeNetwork | None = None
     pods: dict[str, PodSupervisor] = field(default_factory=dict)   # by uid
@@ -387,7 +390,7 @@ class NodeAgent:
             workdir=self.workdir / "pods" / f"{meta['namespace']}_{meta['name']}_{meta['uid'][:8]}",
             lookup=self._lookup(meta["namespace"]), post_status=self._post_pod_status,
             finish_deletion=self._finish_deletion, on_finished=self._forget, on_crash=self._crashed,
-            base_env=self.base_env, entrypoints=self.entrypoints, token=self._token, service_env=self.service_env)
+            base_env=self.base_env, image_env=self.image_env, entrypoints=self.entrypoints, token=self._token, service_env=self.service_env)
         with self._lock:
             self.pods[meta["uid"]] = sup
         sup.start()

@@ -138,6 +138,7 @@ class PodSupervisor:
     on_finished: Callable[[PodSupervisor], None]            # the thread's last act, unless it crashed
     on_crash: Callable[[PodSupervisor, str], None]          # a bug in the agent: the pod stays stuck
     base_env: dict[str, str]
+    image_env: dict[str, dict[str, str]]                    # image -> env over base_env
     entrypoints: dict[str, tuple[str, ...]]
     token: TokenSource
     service_env: dict[str, str] = field(default_factory=dict)   # KUBERNETES_SERVICE_HOST/PORT, as kubelet sets
@@ -227,7 +228,8 @@ class PodSupervisor:
             c.next_start = now + 1.0
             (self.workdir / f"{c.name}.error").write_text(str(e))
             return
-        c.env = {**self.base_env, "HOSTNAME": self.pod["metadata"]["name"], **self.service_env, **env}
+        c.env = {**self.base_env, **self.image_env.get(c.spec.get("image", ""), {}),
+                 "HOSTNAME": self.pod["metadata"]["name"], **self.service_env, **env}
         argv = container_argv(c.spec, c.env, self.entrypoints)
         program = shutil.which(argv[0], path=c.env.get("PATH")) or argv[0]
         cwd = c.spec.get("workingDir")

@@ -42,7 +42,8 @@ MONITOR_APIS = ("--api-versions", "monitoring.coreos.com/v1/ServiceMonitor",
 
 ALL_OPTIONS = {
     "commonLabels": {"team": "inference"},
-    "image": {"repository": "registry.example/splitserve", "tag": "0.1.0-test", "pullPolicy": "Always"},
+    "image": {"repository": "registry.example/splitserve", "tag": "0.1.0-test", "vllmTag": "0.1.0-test-vllm-cpu",
+              "pullPolicy": "Always"},
     "imagePullSecrets": [{"name": "regcred"}],
     "operator": {"replicas": 2, "watchNamespaces": ["team-a", "team-b"], "logLevel": "debug",
                  "extraArgs": ["--verbose"], "extraEnv": [{"name": "EXTRA", "value": "1"}],
@@ -159,6 +160,47 @@ def test_all_options_render_is_valid_kubernetes(k8s_bin_dir: Path, tmp_path: Pat
                          "crd/servingdeployments.splitserve.io")
     sample["metadata"]["namespace"] = k8s_namespace
     kube_cluster.kubectl("create", "--dry-run=server", "-o", "name", "-f", "-", input=yaml.safe_dump(sample))
+
+
+VLLM_SAMPLE = {"model": {"source": "/models/qwen", "dtype": "float32"}, "engine": "vllm",
+               "prefill": {"replicas": 0},
+               "decode": {"replicas": 2, "tensorParallel": 2, "gpusPerRank": 1,
+                          "workerArgs": ["--kv-cache-gib", "8"],
+                          "engineArgs": ["--quantization", "fp8", "--max-model-len", "8192"]}}
+
+
+def test_an_engine_vllm_sample_renders_and_its_worker_pods_are_valid(k8s_bin_dir: Path, tmp_path: Path,
+                                                                       kube_cluster: KubeCluster, k8s_namespace: str):
+    """`engine: vllm` through the chart: the sample gets the image's vLLM flavour, the apiserver
+    takes it against the CRD (and refuses it with a prefill pool), and the worker pod the
+    operator builds from it is valid Kubernetes."""
+    values = {"image": {"repository": "registry.example/splitserve", "tag": "0.1.0-test"},
+              "sample": {"enabled": True, "name": "vllm", "spec": VLLM_SAMPLE}}
+    docs = _documents(_helm_template(k8s_bin_dir, tmp_path, values).stdout)
+    [sample] = _validate_all(docs)
+    assert sample["spec"]["vllmImage"] == "registry.example/splitserve:0.1.0-test-vllm"
+    assert sample["spec"]["image"] == "registry.example/splitserve:0.1.0-test"
+    cpu = {**values, "image": {**values["image"], "vllmTag": "0.1.0-vllm-cpu"}}
+    [cpu_sample] = _validate_all(_documents(_helm_template(k8s_bin_dir, tmp_path, cpu).stdout))
+    assert cpu_sample["spec"]["vllmImage"] == "registry.example/splitserve:0.1.0-vllm-cpu"
+    kube_cluster.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(CRD_FILE))
+    kube_cluster.kubectl("wait", "--for=condition=Established", "--timeout=30s",
+                         "crd/servingdeployments.splitserve.io")
+    sample["metadata"]["namespace"] = k8s_namespace
+    created = kube_cluster.kubectl("create", "--dry-run=server", "-o", "json", "-f", "-",
+                                   input=yaml.safe_dump(sample))
+    spec = ServingDeploymentSpec.from_resource(json.loads(created.stdout))    # with the apiserver's defaults
+    owner = builders.Owner("vllm", k8s_namespace, "uid-1")
+    [pod] = builders.build_group_pods(owner, spec, "decode", "vllm-decode-abc12")
+    kubernetes_validate.validate(pod, K8S_SCHEMA_VERSION, strict=True)
+    container = pod["spec"]["containers"][0]
+    assert container["image"] == "registry.example/splitserve:0.1.0-test-vllm"
+    assert container["args"][container["args"].index("--"):] == [
+        "--", "--quantization", "fp8", "--max-model-len", "8192", "--tensor-parallel-size", "2"]
+    disaggregated = {**sample, "spec": {**sample["spec"], "prefill": {"replicas": 1}}}
+    refused = kube_cluster.kubectl("create", "--dry-run=server", "-o", "name", "-f", "-",
+                                   input=yaml.safe_dump(disaggregated), check=False)
+    assert refused.returncode != 0 and "engine vllm serves aggregated only until issue 39" in refused.stderr
 
 
 def test_kv_store_is_a_statefulset_workers_reach_and_that_reaches_them(k8s_bin_dir: Path, tmp_path: Path):

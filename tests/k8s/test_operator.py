@@ -101,6 +101,8 @@ def env(kube_cluster, tmp_path_factory):
      "worker-group size (tensorParallel x pipelineParallel) must be between 1 and 64"),
     ({"decode": {"topology": {"mode": "same-label"}}}, "topology.labelKey is required with mode same-label"),
     ({"model": None}, "spec.model: Required value"),
+    ({"engine": "sglang"}, 'spec.engine: Unsupported value: "sglang"'),
+    ({"decode": {"engine": "vllm"}}, "engine vllm serves aggregated only until issue 39: set prefill.replicas to 0"),
 ])
 def test_bad_specs_are_rejected_by_the_schema(env, patch, message):
     spec = {"model": {"source": "smollm2"}, **patch}
@@ -313,6 +315,46 @@ def test_deleting_the_deployment_removes_everything_it_owns(env):
         return [f"{i['kind']}/{i['metadata']['name']}" for i in found["items"]]
 
     env.wait(lambda: not leftovers(), "garbage collection of everything the deployment owned", timeout=60)
+
+
+def test_an_engine_vllm_deployment_runs_one_pod_per_group_with_vllms_flags(env):
+    """engine: vllm (issue 38): a group is one pod asking for all tensorParallel GPUs (vLLM spawns
+    its ranks itself), from the vLLM image, running `splitserve worker --engine vllm <operator's
+    flags> -- <engineArgs> --tensor-parallel-size N`; the gang scheduler binds it whole."""
+    api = env.api
+    name = "vllm"
+    # Room for it even beside the sample's groups (when this test runs without the ones before it).
+    env.add_node("op-vllm", gpus=12)
+    spec = {"model": {"source": "/models/qwen", "dtype": "float32"}, "engine": "vllm", "prefill": {"replicas": 0},
+            "decode": {"replicas": 1, "tensorParallel": 4, "gpusPerRank": 1,
+                       "resources": {"cpu": "1", "memory": "1Gi"}, "workerArgs": ["--kv-cache-gib", "2"],
+                       "engineArgs": ["--max-model-len", "2048", "--enforce-eager"]}}
+    api.apply(sd_doc(name, spec))
+    [pod] = env.wait(lambda: (pods := api.pods(name, "decode")) and all(nodes_of(pods)) and pods,
+                     "the vLLM group's one pod to be bound")
+    container = pod["spec"]["containers"][0]
+    args = container["args"]
+    assert args[:3] == ["worker", "--engine", "vllm"] and "--tp" not in args
+    assert args[args.index("--") - 2:] == ["--kv-cache-gib", "2", "--", "--max-model-len", "2048", "--enforce-eager",
+                                           "--tensor-parallel-size", "4"]
+    assert container["resources"]["requests"]["nvidia.com/gpu"] == "4"
+    assert container["image"] == "ghcr.io/splitserve/splitserve:0.1.0-vllm"       # the CRD's vllmImage default
+    assert not [e for e in container["env"] if e["name"].startswith("SPLITSERVE_TP_")]
+    assert container["startupProbe"]["periodSeconds"] * container["startupProbe"]["failureThreshold"] == 1800
+    sd = env.wait(lambda: (s := api.sd(name)) and condition(s, "Ready").get("status") == "True" and s,
+                  "the vLLM deployment to be Ready")
+    assert pool_status(sd, "decode")["ready"] == 1 and pool_status(sd, "prefill")["desired"] == 0
+    frontend = api.kubectl_json("get", "deployment", f"{name}-frontend")["spec"]["template"]["spec"]
+    assert frontend["containers"][0]["image"] == sd["spec"]["image"]               # frontends: the splitserve image
+    printed = env.cluster.kubectl("-n", env.namespace, "get", "sd", name).stdout.split("\n")
+    assert printed[0].split()[:3] == ["NAME", "MODEL", "ENGINE"] and printed[1].split()[:3] == [name, "/models/qwen",
+                                                                                                "vllm"]
+    # Scaling its prefill pool up would make it disaggregated: the apiserver refuses the patch.
+    refused = env.cluster.kubectl("-n", env.namespace, "patch", "sd", name, "--type=merge",
+                                  "-p", json.dumps({"spec": {"prefill": {"replicas": 1}}}), check=False)
+    assert refused.returncode != 0 and "engine vllm serves aggregated only" in refused.stderr
+    env.cluster.kubectl("-n", env.namespace, "delete", "sd", name, "--wait=false")
+    env.wait(lambda: not api.pods(name), "the vLLM deployment's pod to go", timeout=60)
 
 
 def test_a_bind_failing_midway_rolls_the_whole_group_back(kube_cluster, k8s_namespace):

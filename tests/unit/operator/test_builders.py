@@ -166,3 +166,70 @@ def test_a_single_rank_group_gets_no_group_environment():
     [pod] = builders.build_group_pods(OWNER, spec, "decode", "g0")
     assert not [name for name in env(pod) if name.startswith("SPLITSERVE_TP_")]
     assert env(pod)["POD_IP"] is None            # from the downward API: status.podIP
+
+
+VLLM = ServingDeploymentSpec.from_dict({
+    "model": {"source": "/models/qwen", "dtype": "bfloat16"}, "engine": "vllm", "vllmImage": "example/ss:1-vllm",
+    "prefill": {"replicas": 0},
+    "decode": {"replicas": 2, "tensorParallel": 4, "gpusPerRank": 1, "workerArgs": ["--kv-cache-gib", "8"],
+               "engineArgs": ["--quantization", "fp8", "--max-model-len=8192"]},
+})
+
+
+def test_a_vllm_group_is_one_pod_with_every_ranks_gpus_and_the_vllm_image():
+    [pod] = builders.build_group_pods(OWNER, VLLM, "decode", "llm-decode-abc12")
+    container = pod["spec"]["containers"][0]
+    assert pod["metadata"]["annotations"][names.ANN_GROUP_SIZE] == "1"
+    assert container["resources"]["requests"][names.GPU_RESOURCE] == "4"
+    assert container["resources"]["limits"][names.GPU_RESOURCE] == "4"
+    assert container["image"] == "example/ss:1-vllm"
+    assert not [name for name in env(pod) if name.startswith("SPLITSERVE_TP_")]   # vLLM spawns its own ranks
+    args = container["args"]
+    split = args.index("--")
+    assert args[:3] == ["worker", "--engine", "vllm"] and "--tp" not in args[:split]
+    assert args[split - 2:split] == ["--kv-cache-gib", "8"]                        # workerArgs: splitserve's
+    assert args[split + 1:] == ["--quantization", "fp8", "--max-model-len=8192", "--tensor-parallel-size", "4"]
+    # vLLM's start-up (profiling, compilation) gets 30 minutes before the pod counts as failed
+    probe = container["startupProbe"]
+    assert probe["grpc"]["port"] == names.WORKER_PORT and probe["periodSeconds"] * probe["failureThreshold"] == 1800
+    assert container["readinessProbe"]["exec"]["command"] == builders.probe_command()
+    # the frontends stay on the splitserve image
+    frontend = builders.build_frontend_deployment(OWNER, VLLM)["spec"]["template"]["spec"]["containers"][0]
+    assert frontend["image"] == VLLM.image
+
+
+def test_vllm_pipeline_parallel_goes_to_vllm_too():
+    spec = ServingDeploymentSpec.from_dict({**VLLM.to_dict(), "decode": {
+        **VLLM.decode.to_dict(VLLM.engine), "tensorParallel": 2, "pipelineParallel": 2, "gpusPerRank": 2}})
+    [pod] = builders.build_group_pods(OWNER, spec, "decode", "g0")
+    container = pod["spec"]["containers"][0]
+    assert container["args"][-4:] == ["--tensor-parallel-size", "2", "--pipeline-parallel-size", "2"]
+    assert container["resources"]["requests"][names.GPU_RESOURCE] == "8"
+
+
+def test_vllm_pod_args_parse_with_the_worker_cli():
+    """What the operator passes is what `splitserve worker --engine vllm` accepts: its flags before
+    `--`, vLLM's after (the worker's own parser, no process)."""
+    from splitserve.services.cli.parsers import build_parser
+
+    args = builders.build_worker_pod(OWNER, VLLM, "decode", "g0", 0)["spec"]["containers"][0]["args"]
+    parsed = build_parser().parse_args(args)
+    assert (parsed.command, parsed.engine, parsed.role) == ("worker", "vllm", "both")    # aggregated
+    assert (parsed.model, parsed.kv_cache_gib, parsed.port) == ("/models/qwen", 8.0, names.WORKER_PORT)
+    assert parsed.engine_args == ["--quantization", "fp8", "--max-model-len=8192", "--tensor-parallel-size", "4"]
+
+
+def test_the_engine_and_the_vllm_image_roll_the_pool_and_builtin_hashes_stay():
+    # What the operator before `engine` computed for SPEC's pools: an upgraded operator rolls no
+    # built-in pool, whatever vllmImage says.
+    before = builders.pool_spec_hash(SPEC, "decode")
+    assert (before, builders.pool_spec_hash(SPEC, "prefill")) == ("10f0b39012", "d4986a4c14")
+    assert builders.pool_spec_hash(ServingDeploymentSpec.from_dict({**SPEC.to_dict(), "vllmImage": "x:9"}),
+                                   "decode") == before
+    vllm_decode = ServingDeploymentSpec.from_dict({**SPEC.to_dict(), "prefill": {"replicas": 0},
+                                                   "decode": {**SPEC.decode.to_dict(), "engine": "vllm"}})
+    assert builders.pool_spec_hash(vllm_decode, "decode") != before
+    moved = ServingDeploymentSpec.from_dict({**VLLM.to_dict(), "vllmImage": "example/ss:2-vllm"})
+    assert builders.pool_spec_hash(moved, "decode") != builders.pool_spec_hash(VLLM, "decode")
+    assert builders.pool_spec_hash(ServingDeploymentSpec.from_dict({**VLLM.to_dict(), "image": "x:2"}),
+                                   "decode") == builders.pool_spec_hash(VLLM, "decode")

@@ -7,7 +7,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from splitserve.services.spec.serving_deployment import DTYPES, ROUTER_POLICIES, ServingDeploymentSpec
+from splitserve.services.spec.serving_deployment import (DEFAULT_VLLM_IMAGE, DTYPES, ENGINES, ROUTER_POLICIES,
+                                                         PoolSpec, ServingDeploymentSpec)
 
 CRD = Path(__file__).resolve().parents[3] / "deploy/helm/splitserve/crds/servingdeployments.splitserve.io.yaml"
 
@@ -60,6 +61,29 @@ def test_full_spec_round_trips():
     ({"decode": {"engineArgs": ["--tp", "2"]}}, "spec.decode.engineArgs: --tp is set by the operator"),
     ({"decode": {"engineArgs": ["--etcd=x:1"]}}, "spec.decode.engineArgs: --etcd is set by the operator"),
     ({"decode": {"engineArgs": "--threads 2"}}, "spec.decode.engineArgs: expected a list of non-empty strings"),
+    ({"decode": {"workerArgs": ["--port", "1"]}}, "spec.decode.workerArgs: --port is set by the operator"),
+    ({"decode": {"engineArgs": ["--engine", "vllm"]}}, "spec.decode.engineArgs: --engine is set by the operator "
+                                                       "from the engine field"),
+    ({"engine": "sglang"}, "spec.engine: 'sglang' is not one of builtin, vllm"),
+    ({"prefill": {"replicas": 0}, "decode": {"engine": "tgi"}}, "spec.decode.engine: 'tgi' is not one of"),
+    # vLLM flags the operator sets, in either spelling vLLM's parser reads
+    *[({"engine": "vllm", "prefill": {"replicas": 0}, "decode": {"engineArgs": args}},
+       f"spec.decode.engineArgs: {flag} is set by the operator from {where}")
+      for args, flag, where in [(["--tensor-parallel-size", "2"], "--tensor-parallel-size", "the pool's tensorParallel"),
+                                (["--tensor_parallel_size=2"], "--tensor-parallel-size", "the pool's tensorParallel"),
+                                (["-tp", "2"], "-tp", "the pool's tensorParallel"),
+                                (["-pp", "2"], "-pp", "the pool's pipelineParallel"),
+                                (["--model", "/m"], "--model", "spec.model.source"),
+                                (["--port=9"], "--port", "the pod"), (["--host", "x"], "--host", "the pod")]],
+    ({"engine": "vllm", "prefill": {"replicas": 0}, "decode": {"engineArgs": ["--dtype", "half", "--", "-tp"]}},
+     "spec.decode.engineArgs: a bare -- is not allowed"),
+    # engine vllm is aggregated only (issue 39): whichever pool names it
+    ({"engine": "vllm"}, "spec.prefill.replicas: engine vllm serves aggregated only until disaggregated "
+                         "prefill/decode with vLLM lands (issue 39): set prefill.replicas to 0"),
+    ({"decode": {"engine": "vllm"}}, "spec.prefill.replicas: engine vllm serves aggregated only"),
+    ({"engine": "vllm", "prefill": {"replicas": 0},
+      "autoscaling": {"enabled": True, "ttftP90Ms": 500, "itlP90Ms": 50}},
+     "spec.autoscaling.enabled: the SLO planner sizes a prefill and a decode pool, which engine vllm cannot run"),
 ])
 def test_bad_specs_name_the_field(patch, message):
     doc = {"model": {"source": "smollm2"}, **patch}
@@ -70,6 +94,41 @@ def test_bad_specs_name_the_field(patch, message):
     assert message in str(err.value)
 
 
+def test_engine_vllm_spec_round_trips_with_its_flags_where_the_engine_takes_them():
+    doc = {"model": {"source": "/models/qwen3-moe", "dtype": "bfloat16"}, "engine": "vllm",
+           "prefill": {"replicas": 0},
+           "decode": {"replicas": 2, "tensorParallel": 4, "gpusPerRank": 1,
+                      "workerArgs": ["--kv-cache-gib", "8"],
+                      "engineArgs": ["--quantization", "fp8", "--max_model_len=8192", "--enable-lora"]}}
+    spec = ServingDeploymentSpec.from_dict(doc)
+    assert (spec.engine, spec.decode.engine, spec.prefill.engine) == ("vllm", "vllm", "vllm")
+    assert spec.vllm_image == DEFAULT_VLLM_IMAGE and spec.worker_image("decode") == DEFAULT_VLLM_IMAGE
+    assert spec.decode.worker_args == ("--kv-cache-gib", "8")
+    assert spec.decode.engine_args == ("--quantization", "fp8", "--max_model_len=8192", "--enable-lora")
+    # vLLM spawns its own ranks: one pod per group, holding all four GPUs
+    assert (spec.decode.group_size, spec.decode.gpus_per_pod, spec.decode.gpus_per_group) == (1, 4, 4)
+    assert ServingDeploymentSpec.from_dict(spec.to_dict()) == spec
+    # A pool's own engine wins over the deployment's, and is written back only where it differs.
+    mixed = ServingDeploymentSpec.from_dict({**doc, "engine": "builtin", "decode": {**doc["decode"], "engine": "vllm"}})
+    assert (mixed.prefill.engine, mixed.decode.engine) == ("builtin", "vllm")
+    assert mixed.worker_image("prefill") == mixed.image
+    assert "engine" not in mixed.to_dict()["prefill"] and mixed.to_dict()["decode"]["engine"] == "vllm"
+    assert ServingDeploymentSpec.from_dict(mixed.to_dict()) == mixed
+
+
+def test_builtin_pools_keep_engine_args_as_worker_flags_and_their_document():
+    """Manifests written before `engine` existed mean what they meant: engineArgs are
+    `splitserve worker` flags, and the pool's document (its spec hash) has no new key."""
+    doc = {"model": {"source": "smollm2"}, "decode": {"engineArgs": ["--kv-cache-gib", "4"]}}
+    spec = ServingDeploymentSpec.from_dict(doc)
+    assert spec.engine == "builtin" and spec.decode.engine_args == ("--kv-cache-gib", "4")
+    assert spec.decode.group_size == 1 and spec.decode.gpus_per_pod == 1
+    assert set(spec.decode.to_dict()) == {"replicas", "tensorParallel", "pipelineParallel", "gpusPerRank",
+                                          "resources", "topology", "engineArgs"}
+    wide = ServingDeploymentSpec.from_dict({**doc, "decode": {"tensorParallel": 4}})
+    assert (wide.decode.group_size, wide.decode.gpus_per_pod) == (4, 1)
+
+
 def test_crd_schema_agrees_with_the_dataclasses():
     crd = yaml.safe_load(CRD.read_text())
     schema = crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]
@@ -78,8 +137,13 @@ def test_crd_schema_agrees_with_the_dataclasses():
     assert schema["required"] == ["model"]
     assert tuple(props["router"]["properties"]["policy"]["enum"]) == ROUTER_POLICIES
     assert tuple(props["model"]["properties"]["dtype"]["enum"]) == DTYPES
+    assert tuple(props["engine"]["enum"]) == ENGINES and props["engine"]["default"] == "builtin"
+    assert tuple(props["prefill"]["properties"]["engine"]["enum"]) == ENGINES
+    assert "default" not in props["prefill"]["properties"]["engine"]      # absent: the deployment's engine
+    assert props["vllmImage"]["default"] == DEFAULT_VLLM_IMAGE
     assert props["decode"] == props["prefill"]
     pool = props["prefill"]["properties"]
+    assert set(pool) == set(PoolSpec._FIELDS)
     assert pool["replicas"]["minimum"] == 0 and pool["tensorParallel"]["minimum"] == 1
     # The schema's defaults are the dataclasses' defaults.
     defaults = ServingDeploymentSpec.from_dict({"model": {"source": "m"}}).to_dict()

@@ -149,3 +149,9 @@ def test_security_flags_are_refused_not_ignored():
     args = build_parser().parse_args(["serve", "--on-ray", "--model", "/m", "--api-key", "secret"])
     with pytest.raises(SplitserveError, match="--api-key"):
         config_from_args(args)
+
+
+def test_a_vllm_pool_is_refused_not_run_on_the_builtin_engine(tmp_path):
+    doc = {**SPEC, "engine": "vllm", "prefill": {"replicas": 0}, "decode": {"replicas": 1}}
+    with pytest.raises(SplitserveError, match=r"prefill\.engine, decode\.engine: vllm is served on Kubernetes"):
+        config_from_spec(read_spec(_write(tmp_path, doc)))

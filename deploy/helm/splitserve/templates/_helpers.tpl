@@ -54,6 +54,11 @@ app.kubernetes.io/part-of: splitserve
 {{- printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) -}}
 {{- end -}}
 
+{{- /* The image's vLLM flavour (the workers of engine: vllm pools): image.vllmTag, else "<tag>-vllm". */ -}}
+{{- define "splitserve.vllmImage" -}}
+{{- printf "%s:%s" .Values.image.repository (default (printf "%s-vllm" (default .Chart.AppVersion .Values.image.tag)) .Values.image.vllmTag) -}}
+{{- end -}}
+
 {{- define "splitserve.operator.serviceAccountName" -}}
 {{- if .Values.operator.serviceAccount.create -}}
 {{- default (include "splitserve.componentName" (dict "root" . "component" "operator")) .Values.operator.serviceAccount.name -}}

