@@ -225,7 +225,7 @@ def _check_vllm_serve(args: argparse.Namespace) -> None:
     if args.prefill_workers is not None or args.decode_workers is not None:
         raise SplitserveError("--engine vllm serves aggregated workers (--workers N): disaggregated prefill/decode "
                               "with vLLM comes with vLLM's KV connector (issue 39)")
-    refused = [("--kv-store-gib", args.kv_store_gib > 0), ("--autoscale", args.autoscale), ("--on-ray", args.on_ray)]
+    refused = [("--kv-store-gib", args.kv_store_gib > 0), ("--autoscale", args.autoscale)]
     for flag, given in refused:
         if given:
             raise SplitserveError(f"{flag} is not available with --engine vllm yet")
