@@ -245,34 +245,42 @@ DRAIN_TOKENS = 160       # longer than serve's drain timeout (7 s) on these CPUs
 def test_sigterm_drains_a_vllm_worker_without_a_client_error(fleet):
     """SIGTERM is how serve, Kubernetes and the autoscaler stop a worker: it stops admitting,
     its running streams get serve's drain timeout to finish, the rest fail with UNAVAILABLE and
-    the frontend migrates them (token replay); it exits 0 and the supervisor starts it again."""
+    the frontend migrates them (token replay); it exits 0 and the supervisor starts it again
+    (before, serve's supervisor took the NOT_SERVING drain for failed health checks and
+    SIGKILLed the worker 6 s into it)."""
     prompts = [[random.Random(300 + i).randrange(100, 40000) for _ in range(20 + 5 * i)] for i in range(4)]
     reference, errors = _streams(fleet, prompts, max_tokens=DRAIN_TOKENS)
     assert errors == [] and all(len(t) == DRAIN_TOKENS for t in reference), errors
     wait_idle(fleet.workers, 10.0)
-    victim = "worker-1"
-    num_kv_blocks = worker_stats(fleet.workers[victim]).num_kv_blocks
+    num_kv_blocks = {name: worker_stats(address).num_kv_blocks for name, address in fleet.workers.items()}
     migrated_before = scrape(f"{fleet.base}/metrics", "splitserve_migrations_total", outcome="migrated")
-    running: list[int] = []
+    running: dict[str, int] = {}
+    victims: list[str] = []
 
     async def sigterm_when_streaming(progress: list[int]) -> None:
         deadline = time.monotonic() + 300
         while min(progress) < 4:
             assert time.monotonic() < deadline, f"streams stuck: {progress}"
             await asyncio.sleep(0.02)
-        running.append(worker_stats(fleet.workers[victim]).num_running)
-        assert running[0] > 0, "the victim runs no stream"
+        running.update({name: worker_stats(address).num_running for name, address in fleet.workers.items()})
+        victim = max(running, key=running.get)          # the worker running more of the streams
+        assert running[victim] > 0, f"no worker runs a stream: {running}"
+        victims.append(victim)
         os.kill(fleet.pid_of(victim), signal.SIGTERM)
 
     results, errors = _streams(fleet, prompts, sigterm_when_streaming, DRAIN_TOKENS)
     assert errors == [], errors
     assert results == reference
+    [victim] = victims
     fleet.proc.wait_for_line(rf"splitserve: {victim} exited with code 0; restarting it", 60)
+    # serve's supervisor saw it draining and let it finish, instead of killing it as a failing worker
+    assert f"splitserve: {victim} is draining" in fleet.proc.output
+    assert f"splitserve: {victim} failed" not in fleet.proc.output
     migrated = scrape(f"{fleet.base}/metrics", "splitserve_migrations_total", outcome="migrated") - migrated_before
-    print(f"drain: {running[0]} streams on {victim}, {migrated:g} migrated after the drain timeout")
+    print(f"drain: {running[victim]} streams on {victim}, {migrated:g} migrated after the drain timeout")
     fleet.proc.wait_for_line(rf"splitserve: {victim} is serving again", RESTART_TIMEOUT_S)
     idle = wait_idle(fleet.workers, 60.0)             # no request holds a block on either worker
-    assert idle.stats[victim].num_kv_blocks == num_kv_blocks
+    assert {name: s.num_kv_blocks for name, s in idle.stats.items()} == num_kv_blocks
 
 
 def test_a_vllm_workers_stats_are_its_prometheus_metrics(fleet):
