@@ -13,8 +13,8 @@ after a back-off that doubles from RESTART_BACKOFF_FIRST to RESTART_BACKOFF_MAX
 and resets once a child has run RESTART_RESET_S; a worker whose gRPC health
 check fails CANARY_FAILURES times in a row (hung, not dead) is killed and
 restarted the same way. A serving worker that answers NOT_SERVING is draining (a SIGTERM
-from outside serve): it is left to finish its drain and exit (then restarted), and counts
-as failing only once it has drained for RETIRE_KILL_S. Requests that were on a lost worker migrate (the
+from outside serve): it is left to finish its drain and shutdown and exit (then restarted),
+and its health checks count again only RETIRE_KILL_S after its drain began. Requests that were on a lost worker migrate (the
 frontend's work); a restarted child gets SPLITSERVE_RESTARTS, the number of
 times it was restarted, which it reports in its /metrics.
 
@@ -204,15 +204,14 @@ class Supervisor:
                          f"restart)")
             child.serving, child.canary_failures, child.draining_since = True, 0, None
             return
-        if status == health_pb2.HealthCheckResponse.NOT_SERVING and child.serving:
+        if status == health_pb2.HealthCheckResponse.NOT_SERVING and child.serving and child.draining_since is None:
             # It answers but takes no new work: it is draining (a SIGTERM from outside serve). Its
-            # running streams get its drain timeout; its exit then restarts it. Killing it now
-            # would cut the drain short. One still draining after RETIRE_KILL_S is failing.
-            if child.draining_since is None:
-                child.draining_since = now
-                self.say(f"splitserve: {child.name} is draining; it restarts once it exits")
-            if now - child.draining_since < RETIRE_KILL_S:
-                return
+            # running streams get its drain timeout, then its server stops and the process exits
+            # (which restarts it). Killing it meanwhile would cut the drain or its shutdown short.
+            child.draining_since = now
+            self.say(f"splitserve: {child.name} is draining; it restarts once it exits")
+        if child.draining_since is not None and now - child.draining_since < RETIRE_KILL_S:
+            return                    # draining or shutting down: failing only after RETIRE_KILL_S
         if not child.serving and now - child.started < self.start_timeout_s:
             return                    # still starting: loading a model is not a failed canary
         child.canary_failures += 1

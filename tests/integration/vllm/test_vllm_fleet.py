@@ -272,7 +272,7 @@ def test_sigterm_drains_a_vllm_worker_without_a_client_error(fleet):
     assert errors == [], errors
     assert results == reference
     [victim] = victims
-    fleet.proc.wait_for_line(rf"splitserve: {victim} exited with code 0; restarting it", 60)
+    fleet.proc.wait_for_line(rf"splitserve: {victim} exited with code 0; restarting it", 90)
     # serve's supervisor saw it draining and let it finish, instead of killing it as a failing worker
     assert f"splitserve: {victim} is draining" in fleet.proc.output
     assert f"splitserve: {victim} failed" not in fleet.proc.output

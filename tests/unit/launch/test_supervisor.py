@@ -89,6 +89,11 @@ def test_a_draining_worker_is_left_to_finish_its_drain_not_killed():
             sup.supervise(now + i)
         assert child.process.poll() is None and child.restart_at is None        # still draining
         assert lines == ["splitserve: worker-1 is draining; it restarts once it exits"]
+        server.stop(0)                    # its drain ended: the server stops, the process exits soon
+        for i in range(sv.CANARY_FAILURES):
+            child.canary_at = 0.0
+            sup.supervise(now + 10 + i)
+        assert child.process.poll() is None and child.restart_at is None
         later = now + sv.RETIRE_KILL_S
         for i in range(sv.CANARY_FAILURES):
             child.canary_at = 0.0
