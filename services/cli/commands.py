@@ -225,10 +225,16 @@ def _check_vllm_serve(args: argparse.Namespace) -> None:
     if args.prefill_workers is not None or args.decode_workers is not None:
         raise SplitserveError("--engine vllm serves aggregated workers (--workers N): disaggregated prefill/decode "
                               "with vLLM comes with vLLM's KV connector (issue 39)")
-    refused = [("--kv-store-gib", args.kv_store_gib > 0), ("--autoscale", args.autoscale), ("--on-ray", args.on_ray)]
-    for flag, given in refused:
-        if given:
-            raise SplitserveError(f"{flag} is not available with --engine vllm yet")
+    if args.kv_store_gib > 0:
+        raise SplitserveError("--kv-store-gib is not available with --engine vllm yet")
+    if args.autoscale:
+        # The planner may switch to disaggregated serving only where workers can take a prefill or
+        # decode role; a vLLM worker serves aggregated only, so its autoscaler sizes one pool.
+        if getattr(args, "autoscale_mode", None) == "auto":
+            raise SplitserveError("--autoscale-mode auto with --engine vllm: the planner would switch to "
+                                  "disaggregated serving, which vLLM workers cannot do yet (issue 39); "
+                                  "use --autoscale-mode fixed (the default with --engine vllm)")
+        args.autoscale_mode = "fixed"
     args.aggregated = True
 
 

@@ -422,6 +422,9 @@ def _add_serve_parser(sub) -> None:
     p.add_argument("--served-model-name", default=None, help="model name clients use")
     _add_generation_config_arg(p)
     _add_tool_args(p)
+    p.add_argument("--worker-metrics", action="store_true",
+                   help="each worker also serves its own Prometheus /metrics (`worker --metrics-port`, as the "
+                        "operator's pods do) on a free port of 127.0.0.1; serve prints each URL")
     p.add_argument("--ready-timeout", type=float, default=600.0, metavar="S",
                    help="give up when not ready after this many seconds (default: %(default)s)")
     _add_migration_arg(p)

@@ -39,13 +39,17 @@ def kvstore_argv(args: argparse.Namespace, port: int) -> list[str]:
 
 
 def worker_argv(args: argparse.Namespace, name: str, role: str, port: int, model: str,
-                cores: str | None = None, kv_store: str | None = None, etcd: str | None = None) -> list[str]:
+                cores: str | None = None, kv_store: str | None = None, etcd: str | None = None,
+                metrics_port: int | None = None) -> list[str]:
     """One worker's command line; with `etcd` (HOST:PORT, `serve --autoscale`) it registers
-    there once SERVING and deregisters after its drain (how the frontends learn of it)."""
+    there once SERVING and deregisters after its drain (how the frontends learn of it); with
+    `metrics_port` (`serve --worker-metrics`) it serves its Prometheus /metrics there."""
     argv = ["worker", "--role", role, "--port", str(port), "--worker-id", name, "--drain-timeout", str(DRAIN_S),
             *engine_argv(args, model)]
     if etcd:
         argv += ["--etcd", etcd]
+    if metrics_port is not None:
+        argv += ["--metrics-port", str(metrics_port)]
     if kv_store:
         argv += ["--kv-store", kv_store]
         if role == "both":          # the store client's own transfer (prefill/decode roles get it below)

@@ -124,7 +124,7 @@ def _start_etcd(sup: Supervisor, args: argparse.Namespace, etcd: LocalEtcd) -> N
     say(f"  etcd ready at {etcd.endpoint} (worker membership for --autoscale)")
 
 
-def _start_autoscaler(sup: Supervisor, args: argparse.Namespace, settings, python: list[str], model: str,
+def _start_autoscaler(sup: Supervisor, args: argparse.Namespace, settings, worker_python: list[str], model: str,
                       slot_cores: list[str | None], kv_store: str | None, etcd: LocalEtcd, workers: list[Child],
                       plan, startup: dict[str, float], frontend_urls: list[str], tls: TlsConfig):
     from splitserve.services.launch.autoscale_thread import local_autoscaler
@@ -151,7 +151,7 @@ def _start_autoscaler(sup: Supervisor, args: argparse.Namespace, settings, pytho
         metrics = DecisionMetrics()
         say(f"  autoscale: decisions as metrics on http://127.0.0.1:{server.server_port}/metrics")
     autoscaler = local_autoscaler(sup, say, settings, args.aggregated, result.profile,
-                                  launcher_for(sup, args, python, model, slot_cores, kv_store, etcd.endpoint),
+                                  launcher_for(sup, args, worker_python, model, slot_cores, kv_store, etcd.endpoint),
                                   scaled, frontend_urls, tls, metrics)
     say(f"  autoscale: 1 to {settings.max_workers} workers for TTFT p90 {settings.ttft_p90_s * 1e3:g} ms and "
         f"ITL p90 {settings.itl_p90_s * 1e3:g} ms, every {settings.interval_s:g} s, cool-down "
@@ -203,11 +203,17 @@ def run_serve(args: argparse.Namespace) -> int:
             etcd = LocalEtcd.plan()
             _start_etcd(sup, args, etcd)
         endpoint = etcd.endpoint if etcd else None
+        metrics_urls: dict[str, str] = {}
         for w, wcores in zip(plan, cores):
             wport = free_port("127.0.0.1")
             role = process_role(w.role, autoscale)
+            # A fixed port per worker, so a restarted worker serves its metrics where it did.
+            mport = free_port("127.0.0.1") if getattr(args, "worker_metrics", False) else None
+            if mport is not None:
+                metrics_urls[w.name] = f"http://127.0.0.1:{mport}/metrics"
             workers.append(sup.spawn(w.name, [*worker_python, *worker_argv(args, w.name, role, wport, model, wcores,
-                                                                    kv_store, endpoint)], f"127.0.0.1:{wport}"))
+                                                                    kv_store, endpoint, mport)],
+                                     f"127.0.0.1:{wport}"))
         ports = [port] + [free_port(host) for _ in range(max(args.frontends, 1) - 1)]
         for i, fport in enumerate(ports):
             gport = grpc_port if i == 0 else free_port(host)
@@ -219,11 +225,13 @@ def run_serve(args: argparse.Namespace) -> int:
         for fport in ports[1:]:
             _wait_ready(sup, [], f"{scheme}://{host}:{fport}/ready", args.ready_timeout)
             say(f"  frontend replica: {scheme}://{host}:{fport}/v1")
+        for name, url in metrics_urls.items():
+            say(f"  {name} metrics on {url}")
         if not args.aggregated:
             say(f"  KV transfer between prefill and decode workers: "
                 f"{transfer_backend(workers[0].address, tls)}")
         if autoscale:
-            autoscaler = _start_autoscaler(sup, args, autoscale, python, model, slot_cores, kv_store, etcd, workers,
+            autoscaler = _start_autoscaler(sup, args, autoscale, worker_python, model, slot_cores, kv_store, etcd, workers,
                                            plan, startup, [f"{scheme}://{host}:{p}" for p in ports], tls)
         say(f"splitserve is ready: {base}/v1 (OpenAI-compatible), gRPC {host}:{grpc_port}")
         say(f"  try: curl {base}/v1/models")

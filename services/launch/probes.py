@@ -18,15 +18,21 @@ from splitserve.proto.v1 import worker_pb2, worker_pb2_grpc
 from splitserve.tls import PLAINTEXT, TlsConfig
 
 
-def worker_serving(address: str, tls: TlsConfig = PLAINTEXT) -> bool:
-    """The worker's gRPC health says SERVING (also the Ray worker replica's readiness check)."""
+def worker_health(address: str, tls: TlsConfig = PLAINTEXT) -> int | None:
+    """The worker's gRPC health status (health_pb2.HealthCheckResponse.SERVING, NOT_SERVING...),
+    None when it does not answer."""
     with tls.channel(address) as channel:
         try:
             reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=""),
                                                               timeout=1.0)
         except grpc.RpcError:
-            return False
-    return reply.status == health_pb2.HealthCheckResponse.SERVING
+            return None
+    return reply.status
+
+
+def worker_serving(address: str, tls: TlsConfig = PLAINTEXT) -> bool:
+    """The worker's gRPC health says SERVING (also the Ray worker replica's readiness check)."""
+    return worker_health(address, tls) == health_pb2.HealthCheckResponse.SERVING
 
 
 def http_ready(url: str) -> bool:

@@ -12,7 +12,9 @@ finds a restarted worker at its address, a new instance, and reconnects),
 after a back-off that doubles from RESTART_BACKOFF_FIRST to RESTART_BACKOFF_MAX
 and resets once a child has run RESTART_RESET_S; a worker whose gRPC health
 check fails CANARY_FAILURES times in a row (hung, not dead) is killed and
-restarted the same way. Requests that were on a lost worker migrate (the
+restarted the same way. A serving worker that answers NOT_SERVING is draining (a SIGTERM
+from outside serve): it is left to finish its drain and shutdown and exit (then restarted),
+and its health checks count again only RETIRE_KILL_S after its drain began. Requests that were on a lost worker migrate (the
 frontend's work); a restarted child gets SPLITSERVE_RESTARTS, the number of
 times it was restarted, which it reports in its /metrics.
 
@@ -36,8 +38,10 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from grpc_health.v1 import health_pb2
+
 from splitserve.services.launch.children import GRACE_S
-from splitserve.services.launch.probes import worker_serving
+from splitserve.services.launch.probes import worker_health
 from splitserve.tls import PLAINTEXT, TlsConfig
 
 RESTARTS_ENV = "SPLITSERVE_RESTARTS"
@@ -71,6 +75,7 @@ class Child:
     canary_failures: int = 0
     serving: bool = True              # last known: a worker's health said SERVING
     retired_at: float | None = None   # retire(): when its SIGTERM (drain) was sent
+    draining_since: float | None = None   # a serving worker answered NOT_SERVING: draining (SIGTERM from outside)
     own_group: bool = False           # outside the children's group: stopped after them (the local etcd)
     env: dict[str, str] | None = None # set in its environment (on top of this process's)
 
@@ -186,18 +191,27 @@ class Supervisor:
         child.restarts += 1
         child.process = self._popen(child.argv, child.restarts, child.own_group, child.env)
         child.started, child.restart_at = now, None
-        child.canary_failures, child.serving = 0, False
+        child.canary_failures, child.serving, child.draining_since = 0, False, None
         child.canary_at = now + CANARY_EVERY_S
         self.say(f"splitserve: {child.name} restarted (pid {child.process.pid}, restart {child.restarts})")
 
     def _canary(self, child: Child, now: float) -> None:
         child.canary_at = now + CANARY_EVERY_S
-        if worker_serving(child.address, self.tls):
+        status = worker_health(child.address, self.tls)
+        if status == health_pb2.HealthCheckResponse.SERVING:
             if not child.serving and child.restarts:      # (a new worker's autoscaler says when it is)
                 self.say(f"splitserve: {child.name} is serving again ({now - child.started:.1f} s after its "
                          f"restart)")
-            child.serving, child.canary_failures = True, 0
+            child.serving, child.canary_failures, child.draining_since = True, 0, None
             return
+        if status == health_pb2.HealthCheckResponse.NOT_SERVING and child.serving and child.draining_since is None:
+            # It answers but takes no new work: it is draining (a SIGTERM from outside serve). Its
+            # running streams get its drain timeout, then its server stops and the process exits
+            # (which restarts it). Killing it meanwhile would cut the drain or its shutdown short.
+            child.draining_since = now
+            self.say(f"splitserve: {child.name} is draining; it restarts once it exits")
+        if child.draining_since is not None and now - child.draining_since < RETIRE_KILL_S:
+            return                    # draining or shutting down: failing only after RETIRE_KILL_S
         if not child.serving and now - child.started < self.start_timeout_s:
             return                    # still starting: loading a model is not a failed canary
         child.canary_failures += 1

@@ -18,7 +18,8 @@ maps onto Ray:
 | migrationLimit | the frontend's migration limit |
 | drainTimeoutSeconds | how long a stopping worker replica drains (Serve's graceful_shutdown_timeout_s follows) |
 | image, vllmImage, frontend.serviceType | Kubernetes only (ignored) |
-| engine, *.engine | builtin only: a vllm pool is refused (Kubernetes and `serve --engine vllm` run it) |
+| engine, *.engine | builtin: the worker in the replica's process; vllm: the replica's child process (worker_process.py) |
+| *.engineArgs (vllm) | vLLM's engine flags, after `--` of that child's `splitserve worker --engine vllm` |
 
 What the spec does not say (KV pool size, batch limits, threads, transfer
 backend) comes from `EngineSettings` defaults or the CLI flags. A GPU pool
@@ -88,6 +89,11 @@ def _pool(pool_spec, role: str, engine: EngineSettings, threshold: int, transfer
     if pool_spec.pipeline_parallel != 1:
         raise SplitserveError(f"{role}.pipelineParallel: the engine has no pipeline parallelism yet; use 1")
     gpus = pool_spec.gpus_per_rank
+    if pool_spec.engine == "vllm":        # the spec's engineArgs, else those after `--` on the command line
+        engine = replace(engine, engine="vllm", engine_args=pool_spec.engine_args or engine.engine_args,
+                         block_size=engine.block_size if engine.engine == "vllm" else None)
+    else:
+        engine = replace(engine, engine="builtin", engine_args=(), block_size=engine.block_size or 16)
     worker = WorkerSettings(role=role, engine=replace(engine, device="cuda" if gpus else "cpu"),
                             tensor_parallel=pool_spec.tensor_parallel, transfer=transfer,
                             remote_prefill_threshold=threshold, drain_timeout_s=drain_timeout_s)
@@ -100,13 +106,8 @@ def _pool(pool_spec, role: str, engine: EngineSettings, threshold: int, transfer
 
 
 def config_from_spec(spec, engine: EngineSettings | None = None, transfer: str = "auto",
-                     served_model_name: str | None = None) -> RayServeConfig:
+                     served_model_name: str | None = None, migration_wait_s: float | None = None) -> RayServeConfig:
     """`engine` supplies what the spec does not say; its model and dtype come from the spec."""
-    vllm_pools = [name for name in ("prefill", "decode") if spec.pool(name).engine != "builtin"]
-    if vllm_pools:
-        raise SplitserveError(f"{', '.join(f'{name}.engine' for name in vllm_pools)}: vllm is served on Kubernetes "
-                              "(the operator) and by `splitserve serve --engine vllm`; the Ray Serve target "
-                              "reads builtin pools only from a ServingDeployment file")
     engine = replace(engine or EngineSettings(model=spec.model.source), model=spec.model.source,
                      dtype=spec.model.dtype)
     threshold = spec.disaggregation_threshold
@@ -118,7 +119,7 @@ def config_from_spec(spec, engine: EngineSettings | None = None, transfer: str =
     prefill = None if aggregated else _pool(spec.prefill, "prefill", engine, threshold, transfer, drain)
     ingress = IngressSettings(model=spec.model.source, router=router,
                               served_model_name=served_model_name or default_served_name(spec.model.source),
-                              migration_limit=spec.migration_limit)
+                              migration_limit=spec.migration_limit, migration_wait_s=migration_wait_s)
     return RayServeConfig(ingress=ingress, decode=decode, prefill=prefill,
                           ingress_replicas=max(1, spec.frontend.replicas), http_port=spec.frontend.port)
 
@@ -136,7 +137,8 @@ def config_from_args(args: argparse.Namespace) -> RayServeConfig:
     if args.config:
         spec = read_spec(args.config)
         engine = _engine_from_args(args, spec.model.source)
-        return config_from_spec(spec, engine, args.transfer, args.served_model_name)
+        return config_from_spec(spec, engine, args.transfer, args.served_model_name,
+                                getattr(args, "migration_wait", None))
     roles = [w.role for w in plan_workers(args)]
     engine = _engine_from_args(args, args.model)
     threshold = args.remote_prefill_threshold
@@ -153,6 +155,7 @@ def config_from_args(args: argparse.Namespace) -> RayServeConfig:
     ingress = IngressSettings(model=args.model, router=router,
                               served_model_name=args.served_model_name or default_served_name(args.model),
                               migration_limit=getattr(args, "migration_limit", None),
+                              migration_wait_s=getattr(args, "migration_wait", None),
                               tool_call_parser=args.tool_call_parser if args.enable_auto_tool_choice else None)
     if args.aggregated:
         return RayServeConfig(ingress=ingress, decode=pool("both"), ingress_replicas=args.frontends,
@@ -162,6 +165,12 @@ def config_from_args(args: argparse.Namespace) -> RayServeConfig:
 
 
 def _engine_from_args(args: argparse.Namespace, model: str) -> EngineSettings:
-    return EngineSettings(model=model, device=args.device, dtype=args.dtype, block_size=args.block_size or 16,
+    """`--engine vllm` (the whole deployment) or a spec's `engine: vllm` pool (config_from_spec)
+    runs vLLM workers; their block size is vLLM's own unless --block-size is given."""
+    vllm = getattr(args, "engine", "builtin") == "vllm"
+    return EngineSettings(model=model, device=args.device, dtype=args.dtype,
+                          block_size=args.block_size if vllm else args.block_size or 16,
                           kv_cache_gib=args.kv_cache_gib, max_num_batched_tokens=args.max_num_batched_tokens,
-                          max_num_seqs=args.max_num_seqs, threads=args.threads)
+                          max_num_seqs=args.max_num_seqs, threads=args.threads,
+                          engine="vllm" if vllm else "builtin", engine_python=getattr(args, "engine_python", None),
+                          engine_args=tuple(args.engine_args) if vllm else ())

@@ -49,6 +49,8 @@ def build_frontend(settings: IngressSettings, registry):
                             router_temperature=r.temperature, remote_prefill_threshold=r.remote_prefill_threshold)
     if settings.migration_limit is not None:
         config.migration_limit = settings.migration_limit
+    if settings.migration_wait_s is not None:
+        config.migration_wait_s = settings.migration_wait_s
     config.tool_call_parser = settings.tool_call_parser
     return build(config, WorkerPool(tls=config.worker_tls, registry=registry))
 

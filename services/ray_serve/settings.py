@@ -18,16 +18,23 @@ from splitserve.router.policies.kv import DEFAULT_PREFILL_WEIGHT
 
 @dataclass(slots=True, frozen=True)
 class EngineSettings:
-    """The engine flags every worker of a deployment shares (`splitserve worker`'s)."""
+    """The engine flags every worker of a deployment shares (`splitserve worker`'s).
+
+    `engine` "vllm": each replica runs `<engine_python> -m splitserve worker --engine vllm ...
+    -- <engine_args>` as its child process (worker_process.py); `block_size` None is vLLM's own.
+    """
 
     model: str
     device: str = "cpu"
     dtype: str = "auto"
-    block_size: int = 16
+    block_size: int | None = 16
     kv_cache_gib: float = 1.0
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 64
     threads: int | None = None
+    engine: str = "builtin"                 # builtin | vllm
+    engine_python: str | None = None        # vllm: the engine environment's python (None: the default one)
+    engine_args: tuple[str, ...] = ()       # vllm: its own engine flags, after `--`
 
 
 @dataclass(slots=True, frozen=True)
@@ -60,6 +67,7 @@ class IngressSettings:
     router: RouterSettings
     served_model_name: str | None = None
     migration_limit: int | None = None
+    migration_wait_s: float | None = None   # None: the frontend's default
     tool_call_parser: str | None = None     # tool_choice="auto" (--enable-auto-tool-choice); None: refused
 
 

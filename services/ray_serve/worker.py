@@ -13,6 +13,9 @@ Serve's graceful stop (scale-down, redeploy, delete) drains instead: the
 worker refuses new work, its running calls finish (up to the spec's drain
 timeout), then it gives its lease back and stops.
 
+A vLLM pool's replica runs the worker as its child process instead, with the vLLM
+engine environment's python (worker_process.py says why and how it dies with the actor).
+
 A tensor-parallel worker's extra ranks are the engine's own spawned processes
 (services/engine/parallel/tensor_parallel.py); the replica's placement group (one
 bundle per rank, STRICT_PACK: app.py) reserves their CPUs and GPUs on the
@@ -25,14 +28,11 @@ import asyncio
 import logging
 import os
 import threading
-import time
-
-import grpc
 
 from splitserve.errors import SplitserveError
 from splitserve.net import free_port
-from splitserve.services.launch.probes import worker_serving
 
+from splitserve.services.ray_serve import worker_control
 from splitserve.services.ray_serve.autoscaling import IN_FLIGHT_METRIC
 from splitserve.services.ray_serve.directory import LEASE_RENEW_S, DirectoryEntry
 from splitserve.services.ray_serve.settings import WorkerSettings
@@ -51,7 +51,7 @@ def _server_config(settings: WorkerSettings, worker_id: str, host: str, port: in
 
     e = settings.engine
     engine = EngineConfig(model=e.model, device=e.device, dtype=e.dtype,
-                          tensor_parallel_size=settings.tensor_parallel, block_size=e.block_size,
+                          tensor_parallel_size=settings.tensor_parallel, block_size=e.block_size or 16,
                           kv_cache_gib=e.kv_cache_gib, max_num_batched_tokens=e.max_num_batched_tokens,
                           max_num_seqs=e.max_num_seqs, num_threads=e.threads)
     options = WorkerOptions(worker_id=worker_id, role=Role(settings.role),
@@ -91,38 +91,14 @@ class WorkerThread:
         return self._thread.is_alive()
 
     def wait_serving(self, timeout: float = READY_TIMEOUT_S) -> None:
-        deadline = time.monotonic() + timeout
-        while not worker_serving(self.address):
-            if not self.alive():
-                raise SplitserveError(f"worker {self._config.options.worker_id} exited while starting: "
-                                      f"{self.error!r}")
-            if time.monotonic() > deadline:
-                raise SplitserveError(f"worker {self._config.options.worker_id} not serving after {timeout:.0f} s")
-            time.sleep(0.1)
+        worker_control.wait_serving(self.address, self._config.options.worker_id, self.alive,
+                                    lambda: repr(self.error), timeout)
 
     def drain(self, timeout: float) -> int:
-        """Refuse new work (the routers see NOT_SERVING) and wait up to `timeout` for the
-        calls in flight to end; returns how many were still running."""
-        from splitserve.proto.v1 import worker_pb2, worker_pb2_grpc
-
-        deadline = time.monotonic() + timeout
-        with grpc.insecure_channel(self.address) as channel:
-            stub = worker_pb2_grpc.WorkerStub(channel)
-            try:
-                left = stub.Drain(worker_pb2.DrainRequest(), timeout=5).num_in_flight
-                while left and time.monotonic() < deadline:
-                    time.sleep(0.2)
-                    left = stub.Stats(worker_pb2.StatsRequest(), timeout=5).num_in_flight
-            except grpc.RpcError as exc:
-                log.warning("worker %s: drain failed: %s", self._config.options.worker_id, exc.code().name)
-                return -1
-        return left
+        return worker_control.drain(self.address, self._config.options.worker_id, timeout)
 
     def num_in_flight(self) -> int:
-        from splitserve.proto.v1 import worker_pb2, worker_pb2_grpc
-
-        with grpc.insecure_channel(self.address) as channel:
-            return worker_pb2_grpc.WorkerStub(channel).Stats(worker_pb2.StatsRequest(), timeout=5).num_in_flight
+        return worker_control.num_in_flight(self.address)
 
     def stop(self, timeout: float = STOP_TIMEOUT_S) -> None:
         if self._stop is not None and self.alive():
@@ -142,8 +118,14 @@ class WorkerReplica:
         self.settings = settings
         self.directory = directory
         host = ray.util.get_node_ip_address()
-        self.worker = WorkerThread(settings, self.worker_id, host)
-        await asyncio.to_thread(self.worker.wait_serving)
+        if settings.engine.engine == "vllm":
+            from splitserve.services.ray_serve.worker_process import WorkerProcess
+
+            # Started on this (the replica's event-loop) thread: its death signal follows the thread.
+            self.worker: WorkerThread | WorkerProcess = WorkerProcess(settings, self.worker_id, host)
+        else:
+            self.worker = WorkerThread(settings, self.worker_id, host)
+        await asyncio.to_thread(self.worker.wait_serving, READY_TIMEOUT_S)
         runtime = ray.get_runtime_context()
         self.entry = DirectoryEntry(self.worker_id, settings.role, self.worker.address,
                                     runtime.get_actor_name() or runtime.get_actor_id(), os.getpid())

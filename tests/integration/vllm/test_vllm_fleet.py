@@ -10,7 +10,10 @@ file order and each leaves both workers idle:
   the workers' events, routing the prefix to its holder again;
 - a vLLM worker SIGKILLed under streaming load: every stream completes, token-exact (greedy,
   migrated by token replay), the supervisor restarts the worker, and no KV block leaks;
-- a vLLM worker's Stats (load, KV usage, prefix hits) as the Prometheus families of /metrics.
+- a vLLM worker drained by SIGTERM under streaming load: its streams finish there or migrate (no
+  error, token-exact), it exits 0, the supervisor restarts it, and no KV block is held anywhere;
+- a vLLM worker's own Prometheus /metrics (`serve --worker-metrics`: `worker --metrics-port`, as the
+  operator's pods run it), scraped over HTTP: load, KV usage, prefix-hit tokens.
 """
 
 from __future__ import annotations
@@ -32,9 +35,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from splitserve.block_hashes import block_hashes, salted_key
-from splitserve.metrics_http import MetricsApp, MetricsServer
 from splitserve.proto.v1 import worker_pb2, worker_pb2_grpc
-from splitserve.services.worker.stats_metrics import stats_reader
 from splitserve.testing.metrics import scrape
 from splitserve.testing.waiting import wait_until
 from splitserve.testing.workers import wait_idle, worker_stats
@@ -56,6 +57,8 @@ class Fleet:
         assert len(self.workers) == 2, self.proc.output
         self.client = openai.OpenAI(base_url=server.openai_url, api_key="unused", max_retries=0, timeout=300)
         self.model = self.client.models.list().data[0].id
+        self.metrics_urls = {m.group(1): m.group(2) for line in self.proc.lines
+                             if (m := re.search(r"(worker-\d+) metrics on (\S+)$", line))}
 
     def describe(self, name: str) -> worker_pb2.DescribeResponse:
         with grpc.insecure_channel(self.workers[name]) as channel:
@@ -105,7 +108,7 @@ class Fleet:
 
 @pytest.fixture(scope="module")
 def fleet(vllm_python):
-    server = start_vllm_serve(vllm_python, "--router", "kv", "--threads", "1", num_workers=2)
+    server = start_vllm_serve(vllm_python, "--router", "kv", "--threads", "1", "--worker-metrics", num_workers=2)
     try:
         yield Fleet(server)
     finally:
@@ -169,11 +172,12 @@ def test_a_restarted_router_rebuilds_its_index_from_the_workers_events(fleet):
     wait_idle(fleet.workers, 10.0)
 
 
-def _streams(fleet: Fleet, prompts: list[list[int]], on_progress=None) -> tuple[list[list[int] | None], list[str]]:
+def _streams(fleet: Fleet, prompts: list[list[int]], on_progress=None, max_tokens: int = STREAM_TOKENS
+             ) -> tuple[list[list[int] | None], list[str]]:
     """Greedy streams of every prompt at once; (token ids per prompt, errors)."""
     async def one(client: openai.AsyncOpenAI, i: int, progress: list[int]) -> list[int]:
         tokens: list[int] = []
-        stream = await client.completions.create(model=fleet.model, prompt=prompts[i], max_tokens=STREAM_TOKENS,
+        stream = await client.completions.create(model=fleet.model, prompt=prompts[i], max_tokens=max_tokens,
                                                  temperature=0, stream=True,
                                                  extra_body={"ignore_eos": True, "return_token_ids": True})
         async for chunk in stream:
@@ -235,27 +239,59 @@ def test_sigkill_of_a_vllm_worker_under_load_loses_no_stream(fleet):
     wait_idle(fleet.workers, 10.0)
 
 
+DRAIN_TOKENS = 160       # longer than serve's drain timeout (7 s) on these CPUs: some streams migrate
+
+
+def test_sigterm_drains_a_vllm_worker_without_a_client_error(fleet):
+    """SIGTERM is how serve, Kubernetes and the autoscaler stop a worker: it stops admitting,
+    its running streams get serve's drain timeout to finish, the rest fail with UNAVAILABLE and
+    the frontend migrates them (token replay); it exits 0 and the supervisor starts it again
+    (before, serve's supervisor took the NOT_SERVING drain for failed health checks and
+    SIGKILLed the worker 6 s into it)."""
+    prompts = [[random.Random(300 + i).randrange(100, 40000) for _ in range(20 + 5 * i)] for i in range(4)]
+    reference, errors = _streams(fleet, prompts, max_tokens=DRAIN_TOKENS)
+    assert errors == [] and all(len(t) == DRAIN_TOKENS for t in reference), errors
+    wait_idle(fleet.workers, 10.0)
+    num_kv_blocks = {name: worker_stats(address).num_kv_blocks for name, address in fleet.workers.items()}
+    migrated_before = scrape(f"{fleet.base}/metrics", "splitserve_migrations_total", outcome="migrated")
+    running: dict[str, int] = {}
+    victims: list[str] = []
+
+    async def sigterm_when_streaming(progress: list[int]) -> None:
+        deadline = time.monotonic() + 300
+        while min(progress) < 4:
+            assert time.monotonic() < deadline, f"streams stuck: {progress}"
+            await asyncio.sleep(0.02)
+        running.update({name: worker_stats(address).num_running for name, address in fleet.workers.items()})
+        victim = max(running, key=running.get)          # the worker running more of the streams
+        assert running[victim] > 0, f"no worker runs a stream: {running}"
+        victims.append(victim)
+        os.kill(fleet.pid_of(victim), signal.SIGTERM)
+
+    results, errors = _streams(fleet, prompts, sigterm_when_streaming, DRAIN_TOKENS)
+    assert errors == [], errors
+    assert results == reference
+    [victim] = victims
+    fleet.proc.wait_for_line(rf"splitserve: {victim} exited with code 0; restarting it", 90)
+    # serve's supervisor saw it draining and let it finish, instead of killing it as a failing worker
+    assert f"splitserve: {victim} is draining" in fleet.proc.output
+    assert f"splitserve: {victim} failed" not in fleet.proc.output
+    migrated = scrape(f"{fleet.base}/metrics", "splitserve_migrations_total", outcome="migrated") - migrated_before
+    print(f"drain: {running[victim]} streams on {victim}, {migrated:g} migrated after the drain timeout")
+    fleet.proc.wait_for_line(rf"splitserve: {victim} is serving again", RESTART_TIMEOUT_S)
+    idle = wait_idle(fleet.workers, 60.0)             # no request holds a block on either worker
+    assert {name: s.num_kv_blocks for name, s in idle.stats.items()} == num_kv_blocks
+
+
 def test_a_vllm_workers_stats_are_its_prometheus_metrics(fleet):
-    """The families a worker's /metrics serves (`splitserve worker --metrics-port`, built from its
-    Stats: services/worker/stats_metrics.py), from a vLLM worker's Stats RPC."""
+    """A vLLM worker's own /metrics (`serve --worker-metrics` gives each worker `--metrics-port`,
+    as the operator does), built from its Stats (services/worker/stats_metrics.py), over HTTP."""
     name, _ = fleet.served_by(lambda: complete(fleet, PREFIX + [61]))
     assert fleet.served_by(lambda: complete(fleet, PREFIX + [62]))[0] == name
     address = fleet.workers[name]
-
-    async def scrape() -> str:
-        async def read_stats():
-            async with grpc.aio.insecure_channel(address) as channel:
-                return await worker_pb2_grpc.WorkerStub(channel).Stats(worker_pb2.StatsRequest(), timeout=10)
-
-        server = await MetricsServer.start(MetricsApp(stats_reader(read_stats)), "127.0.0.1", 0)
-        try:
-            async with httpx.AsyncClient() as client:
-                reply = await client.get(f"http://127.0.0.1:{server.port}/metrics")
-                return reply.text
-        finally:
-            await server.close()
-
-    samples = {s.name: s.value for family in text_string_to_metric_families(asyncio.run(scrape()))
+    reply = httpx.get(fleet.metrics_urls[name], timeout=10)     # the vLLM worker's own /metrics server
+    assert reply.status_code == 200, reply.text
+    samples = {s.name: s.value for family in text_string_to_metric_families(reply.text)
                for s in family.samples}
     stats = worker_stats(address)
     assert samples["splitserve_worker_kv_blocks"] == stats.num_kv_blocks > 0

@@ -61,12 +61,18 @@ def test_builtin_workers_get_no_engine_flags(tmp_path):
 @pytest.mark.parametrize("argv, refused", [
     (["--prefill-workers", "1"], "issue 39"),
     (["--kv-store-gib", "1"], "--kv-store-gib"),
-    (["--autoscale"], "--autoscale"),
+    (["--autoscale", "--autoscale-mode", "auto"], "--autoscale-mode auto with --engine vllm"),
 ])
 def test_serve_refuses_what_vllm_workers_cannot_do_yet(argv, refused):
     args = build_parser().parse_args(["serve", "--engine", "vllm", *argv])
     with pytest.raises(SplitserveError, match=refused):
         _check_vllm_serve(args)
+
+
+def test_autoscaled_vllm_workers_stay_aggregated_and_start_with_the_engine_python(tmp_path):
+    args = build_parser().parse_args(["serve", "--engine", "vllm", "--autoscale", "--model", str(tmp_path)])
+    _check_vllm_serve(args)
+    assert args.aggregated and args.autoscale_mode == "fixed"
 
 
 def test_vllm_flags_without_the_vllm_engine_are_refused():

@@ -61,3 +61,45 @@ def test_a_worker_failing_its_health_checks_is_killed_and_restarted():
         assert child.restart_at is not None
     finally:
         sup.stop()
+
+
+def test_a_draining_worker_is_left_to_finish_its_drain_not_killed():
+    """A worker that answers its health check NOT_SERVING after serving was sent SIGTERM from
+    outside serve (a drain): it is not killed as a failing one until RETIRE_KILL_S has passed."""
+    from concurrent import futures
+
+    import grpc
+    from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+    server = grpc.server(futures.ThreadPoolExecutor(2))
+    servicer = health.HealthServicer()
+    servicer.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
+    health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    lines: list[str] = []
+    sup = Supervisor(lines.append, start_timeout_s=0.0)
+    try:
+        child = sup.spawn("worker-1", [sys.executable, "-c", "import time; time.sleep(60)"],
+                          address=f"127.0.0.1:{port}")
+        child.serving = True
+        now = time.monotonic()
+        for i in range(sv.CANARY_FAILURES + 2):
+            child.canary_at = 0.0
+            sup.supervise(now + i)
+        assert child.process.poll() is None and child.restart_at is None        # still draining
+        assert lines == ["splitserve: worker-1 is draining; it restarts once it exits"]
+        server.stop(0)                    # its drain ended: the server stops, the process exits soon
+        for i in range(sv.CANARY_FAILURES):
+            child.canary_at = 0.0
+            sup.supervise(now + 10 + i)
+        assert child.process.poll() is None and child.restart_at is None
+        later = now + sv.RETIRE_KILL_S
+        for i in range(sv.CANARY_FAILURES):
+            child.canary_at = 0.0
+            sup.supervise(later + i)
+        assert child.process.poll() is not None and child.restart_at is not None  # drained too long
+        assert any("failed 3 health checks in a row; killing it" in line for line in lines), lines
+    finally:
+        sup.stop()
+        server.stop(0)

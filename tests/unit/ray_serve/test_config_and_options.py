@@ -151,7 +151,44 @@ def test_security_flags_are_refused_not_ignored():
         config_from_args(args)
 
 
-def test_a_vllm_pool_is_refused_not_run_on_the_builtin_engine(tmp_path):
-    doc = {**SPEC, "engine": "vllm", "prefill": {"replicas": 0}, "decode": {"replicas": 1}}
-    with pytest.raises(SplitserveError, match=r"prefill\.engine, decode\.engine: vllm is served on Kubernetes"):
-        config_from_spec(read_spec(_write(tmp_path, doc)))
+def test_a_vllm_pool_runs_vllm_workers_with_its_engine_args(tmp_path):
+    doc = {**SPEC, "engine": "vllm", "prefill": {"replicas": 0},
+           "decode": {"replicas": 1, "engineArgs": ["--max-model-len", "2048"]}}
+    config = config_from_spec(read_spec(_write(tmp_path, doc)), migration_wait_s=120.0)
+    engine = config.decode.worker.engine
+    assert (engine.engine, engine.engine_args, engine.block_size) == ("vllm", ("--max-model-len", "2048"), None)
+    assert config.decode.worker.role == "both" and config.prefill is None
+    assert config.ingress.migration_wait_s == 120.0
+
+
+def test_a_vllm_replica_starts_the_vllm_worker_with_its_flags_after_the_separator(tmp_path):
+    from splitserve.services.ray_serve.settings import WorkerSettings
+    from splitserve.services.ray_serve.worker_process import worker_argv
+
+    engine = EngineSettings(model=str(tmp_path), kv_cache_gib=2, block_size=None, engine="vllm",
+                            engine_args=("--max-model-len", "2048"))
+    argv = worker_argv(WorkerSettings(role="both", engine=engine), "both-x", "10.0.0.5", 5000)
+    assert argv[:3] == ["worker", "--engine", "vllm"]
+    assert argv[argv.index("--host") + 1] == "10.0.0.5" and argv[argv.index("--port") + 1] == "5000"
+    assert "--block-size" not in argv and argv[argv.index("--kv-cache-gib") + 1] == "2"
+    assert argv[argv.index("--"):] == ["--", "--max-model-len", "2048"]
+    # ...parsed as `splitserve worker` parses it
+    from splitserve.services.cli.parsers import build_parser
+
+    args = build_parser().parse_args(argv)
+    assert args.engine == "vllm" and args.engine_args == ["--max-model-len", "2048"]
+
+
+def test_serve_on_ray_with_engine_vllm_plans_vllm_workers(tmp_path):
+    from splitserve.services.cli.commands import _check_vllm_serve
+    from splitserve.services.cli.parsers import build_parser
+
+    args = build_parser().parse_args(["serve", "--on-ray", "--engine", "vllm", "--engine-python", "/py",
+                                      "--model", "smollm2", "--workers", "1", "--migration-wait", "90",
+                                      "--", "--max-model-len", "2048"])
+    _check_vllm_serve(args)
+    config = config_from_args(args)
+    engine = config.decode.worker.engine
+    assert config.prefill is None and config.decode.worker.role == "both" and config.decode.replicas == 1
+    assert (engine.engine, engine.engine_python, engine.engine_args) == ("vllm", "/py", ("--max-model-len", "2048"))
+    assert engine.block_size is None and config.ingress.migration_wait_s == 90
