@@ -89,8 +89,18 @@ def _vllm_launcher(args: argparse.Namespace):
     flags = WorkerEngineFlags(model=args.model, device=args.device, dtype=args.dtype, tp=args.tp,
                               block_size=args.block_size, kv_cache_gib=args.kv_cache_gib,
                               max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
-                              max_logprobs=args.max_logprobs, cpu_cores=args.cpu_cores)
+                              max_logprobs=args.max_logprobs, cpu_cores=vllm_rank_cores(args.cpu_cores, args.tp))
     return VllmEngineLauncher(flags, list(args.engine_args))
+
+
+def vllm_rank_cores(cpu_cores: str | None, tp: int) -> str | None:
+    """--cpu-cores in VLLM_CPU_OMP_THREADS_BIND's syntax: one list per rank, joined by '|'."""
+    if cpu_cores is None or tp <= 1:
+        return cpu_cores
+    from splitserve.services.engine.cpu_placement import format_cores, parse_cores, rank_cores
+
+    cores = parse_cores(cpu_cores)
+    return "|".join(format_cores(rank_cores(cores, tp, rank)) for rank in range(tp))
 
 
 def _builtin_launcher(args: argparse.Namespace):

