@@ -36,7 +36,7 @@ def test_serve_engine_vllm_autoscale_is_ready_with_a_profile_of_its_vllm_worker(
     assert int(kv_tokens) == d.num_kv_blocks * d.block_size > 0        # vLLM's KV pool, from Describe
     assert re.fullmatch(r"(\d+ tokens \d+ tok/s)(, \d+ tokens \d+ tok/s)*", prefill), prefill
     assert "64 tokens" in prefill and "batch 1 " in decode and float(startup) > 0
-    assert "mode fixed" in autoscaled.proc.output
+    assert "; mode aggregated" in autoscaled.proc.output        # --autoscale-mode fixed: one pool, no switch
     # the profile's random prompts left nothing running, and the server answers (openai and raw HTTP)
     client = openai.OpenAI(base_url=autoscaled.openai_url, api_key="unused", max_retries=0, timeout=300)
     model = client.models.list().data[0].id
