@@ -159,7 +159,7 @@ def routing(args, scratch: Path, console: Console) -> list[dict[str, dict]]:
                                 "--tokenizer", str(shipped_model_dir()), "--prompt-format", "ids",
                                 "--workload", "trace", "--trace-block-tokens", str(args.trace_block_tokens),
                                 "--trace-max-output", str(args.trace_max_output),
-                                "--max-input-len", str(args.trace_max_input),
+                                "--trace-max-input", str(args.trace_max_input),
                                 "--arrival", "concurrency", "--concurrency", str(args.trace_concurrency),
                                 "--num-requests", str(args.trace_requests), "--seed", str(args.seed),
                                 "--out", str(out), "--label", policy, "--no-plots", "--no-progress"],

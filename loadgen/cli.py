@@ -58,10 +58,14 @@ def _add_workload_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--trace-output-scale", type=float, default=None,
                    help="output length factor (default: block tokens / 512)")
     g.add_argument("--trace-max-output", type=int, default=256, help="cap on scaled output lengths")
+    g.add_argument("--trace-max-input", type=int, default=None, metavar="N",
+                   help="cut longer scaled prompts to their first N tokens, their shared prefix kept "
+                        "(e.g. the server's context length less the outputs; default: no cut)")
     g.add_argument("--trace-time-scale", type=float, default=1.0, help="multiply trace timestamps (>1: slower)")
     g.add_argument("--dataset", type=Path, default=None, help="sharegpt: the ShareGPT-style JSON file")
     g.add_argument("--sharegpt-turns", type=int, default=1, help="sharegpt: turns per conversation (default: 1)")
-    g.add_argument("--max-input-len", type=int, default=1024, help="sharegpt: skip longer prompts")
+    g.add_argument("--max-input-len", type=int, default=1024,
+                   help="sharegpt: skip longer prompts (the trace's: --trace-max-input)")
     g.add_argument("--max-output-len", type=int, default=256, help="sharegpt: cap on output lengths")
 
 

@@ -66,19 +66,25 @@ def _block_words(vocab: PromptVocab, hash_id: int, block_tokens: int, seed: int)
 
 def mooncake_trace(vocab: PromptVocab, path: Path | None = None, *, num_requests: int | None = None,
                    start: int = 0, block_tokens: int = 16, output_scale: float | None = None,
-                   max_output_tokens: int = 256, time_scale: float = 1.0, seed: int = 0) -> Workload:
-    """Replay `num_requests` records of a Mooncake trace from index `start`, scaled down."""
+                   max_output_tokens: int = 256, max_input_tokens: int | None = None, time_scale: float = 1.0,
+                   seed: int = 0) -> Workload:
+    """Replay `num_requests` records of a Mooncake trace from index `start`, scaled down; a scaled
+    prompt longer than `max_input_tokens` keeps its first that many tokens (its shared prefix)."""
     path = Path(path) if path else default_trace_path()
     path = _require_file(path, "Mooncake trace", f"pass --trace PATH or set {TRACE_ENV}")
     if block_tokens < 1 or time_scale <= 0:
         raise SplitserveError("trace replay needs block_tokens >= 1 and time_scale > 0")
+    if max_input_tokens is not None and max_input_tokens < 1:
+        raise SplitserveError(f"--trace-max-input {max_input_tokens}: give at least 1 token")
     scale = block_tokens / MOONCAKE_BLOCK_TOKENS
     out_scale = scale if output_scale is None else output_scale
     records = _read_jsonl(path, start, num_requests)
     t0 = records[0]["timestamp"] if records else 0
-    conversations = []
+    conversations, cut = [], 0
     for i, rec in enumerate(records):
         num_tokens = max(1, round(rec["input_length"] * scale))
+        if max_input_tokens is not None and num_tokens > max_input_tokens:
+            num_tokens, cut = max_input_tokens, cut + 1
         hash_ids = list(rec["hash_ids"]) or [f"r{start + i}"]
         words = []
         for hash_id in hash_ids:
@@ -96,9 +102,11 @@ def mooncake_trace(vocab: PromptVocab, path: Path | None = None, *, num_requests
                                           arrival_s=(rec["timestamp"] - t0) / 1000.0 * time_scale))
     note = (f"Mooncake trace {path.name} replayed scaled down: requests {start}..{start + len(records) - 1}; "
             f"a 512-token block became {block_tokens} tokens (input x{scale:g}), output x{out_scale:g} "
-            f"capped at {max_output_tokens}, time x{time_scale:g}")
+            f"capped at {max_output_tokens}, time x{time_scale:g}"
+            + (f"; {cut} prompt(s) cut to their first {max_input_tokens} tokens" if cut else ""))
     params = {"path": str(path), "start": start, "num_requests": len(records), "block_tokens": block_tokens,
               "input_scale": scale, "output_scale": out_scale, "max_output_tokens": max_output_tokens,
+              "max_input_tokens": max_input_tokens, "prompts_cut": cut,
               "time_scale": time_scale, "seed": seed}
     return Workload("trace", conversations, params, [note], cyclic=False)
 

@@ -81,6 +81,7 @@ def build_workload(args: argparse.Namespace, vocab: PromptVocab, num_requests: i
         return datasets.mooncake_trace(vocab, args.trace, num_requests=num_requests, start=args.trace_start,
                                        block_tokens=args.trace_block_tokens, output_scale=args.trace_output_scale,
                                        max_output_tokens=args.trace_max_output,
+                                       max_input_tokens=args.trace_max_input,
                                        time_scale=args.trace_time_scale, seed=args.seed)
     if args.dataset is None:
         raise SplitserveError("--workload sharegpt needs --dataset PATH")

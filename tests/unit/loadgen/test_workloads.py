@@ -84,6 +84,13 @@ def test_mooncake_blocks_share_content_exactly_when_hash_ids_match(llama_vocab, 
     assert ids[3][:16] != ids[0][:16]
     assert [c.turns[0].max_tokens for c in w.conversations] == [16, 2, 1, 1]
     assert [c.arrival_s for c in w.conversations] == pytest.approx([0.0, 1.0, 6.0, 16.0])
+    cut = datasets.mooncake_trace(llama_vocab, trace, block_tokens=16, max_input_tokens=30)
+    cut_ids = [llama_vocab.encode(c.turns[0].text) for c in cut.conversations]
+    assert [len(x) for x in cut_ids] == [30, 30, 28, 19] == [c.turns[0].num_tokens for c in cut.conversations]
+    assert cut_ids[0] == ids[0][:30] and cut_ids[1] == ids[1][:30]          # the prefix kept, shared as before
+    assert cut.params["prompts_cut"] == 2 and "2 prompt(s) cut to their first 30 tokens" in cut.notes[0]
+    with pytest.raises(SplitserveError, match="--trace-max-input 0"):
+        datasets.mooncake_trace(llama_vocab, trace, max_input_tokens=0)
 
 
 def test_mooncake_subset_and_missing_file(llama_vocab, tmp_path, monkeypatch):
