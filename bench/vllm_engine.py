@@ -10,10 +10,13 @@ round: output tokens/s (target ≥ 0.95) and TTFT p50 (target ≤ 1.1).
 
 Part 2, the router: two vLLM workers behind `splitserve serve --engine vllm --workers 2`, with the
 `kv` router and with `round-robin`, on the shipped Mooncake conversation trace (`splitserve bench
---workload trace`, loadgen/data/mooncake/: real prefix sharing between turns), scaled to a CPU
-(`--trace-block-tokens` tokens per trace block, outputs capped) at a closed-loop concurrency, with a
-KV pool per worker too small for every conversation (`--kv-blocks`, vLLM's
-`--num-gpu-blocks-override`), so where a request goes decides whether its prefix is cached.
+--workload trace`, loadgen/data/mooncake/: real prefix sharing between turns): every request of
+its first 24 conversations of 3+ turns, in trace order (`--trace-conversations`; a window of
+consecutive records shares only 3-8 % of its blocks, the turns of a conversation lying minutes
+apart), scaled to a CPU (`--trace-block-tokens` tokens per trace block, outputs capped, prompts
+cut to `--trace-max-input`) at a closed-loop concurrency, with a KV pool per worker too small
+for every conversation (`--kv-blocks`, vLLM's `--num-gpu-blocks-override`), so where a request
+goes decides whether its prefix is cached.
 Ratio per round: kv's TTFT p90 ÷ round-robin's (target ≤ 0.5).
 
 Every comparison is within a round (servers restarted, order reversed every other round);
@@ -161,16 +164,24 @@ def routing(args, scratch: Path, console: Console) -> list[dict[str, dict]]:
                                 "--trace-max-output", str(args.trace_max_output),
                                 "--trace-max-input", str(args.trace_max_input),
                                 "--arrival", "concurrency", "--concurrency", str(args.trace_concurrency),
-                                "--num-requests", str(args.trace_requests), "--seed", str(args.seed),
+                                "--trace-conversations", str(args.trace_conversations),
+                                "--trace-min-turns", str(args.trace_min_turns),
+                                *(["--num-requests", str(args.trace_requests)] if args.trace_requests else []),
+                                "--seed", str(args.seed),
                                 "--out", str(out), "--label", policy, "--no-plots", "--no-progress"],
                                check=True, stdout=subprocess.DEVNULL, timeout=args.ready_timeout * 4)
             finally:
                 stop_group(proc, 60)
-            summary = json.loads((out / "result.json").read_text())["summary"]
+            result = json.loads((out / "result.json").read_text())
+            summary, done = result["summary"], [r for r in result["requests"] if r["ok"]]
+            prompt = sum(r["prompt_tokens"] or 0 for r in done)
+            cached = sum(r["cached_tokens"] or 0 for r in done)
             row[policy] = {"ttft_p50_s": summary["ttft_s"]["p50"], "ttft_p90_s": summary["ttft_s"]["p90"],
-                           "num_ok": summary["num_ok"], "num_errors": summary["num_errors"]}
+                           "num_ok": summary["num_ok"], "num_errors": summary["num_errors"],
+                           "prompt_tokens": prompt, "cached_tokens": cached}
             console.print(f"round {round_} {policy:>12}: TTFT p90 {_ms(row[policy]['ttft_p90_s'])} ms, "
-                          f"{summary['num_ok']} ok, {summary['num_errors']} errors")
+                          f"{summary['num_ok']} ok, {summary['num_errors']} errors, cached "
+                          f"{cached / max(1, prompt):.0%} of {prompt} prompt tokens")
         rounds.append(row)
     return rounds
 
@@ -203,8 +214,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--min-requests", type=int, default=4)
     p.add_argument("--vllm-args", default=DEFAULT_VLLM_ARGS, help="vLLM engine flags both servers get")
     p.add_argument("--kv-gib", type=int, default=1, help="VLLM_CPU_KVCACHE_SPACE / --kv-cache-gib")
-    p.add_argument("--kv-blocks", type=int, default=24, help="routing: KV blocks per worker (vLLM's override)")
-    p.add_argument("--trace-requests", type=int, default=96)
+    p.add_argument("--kv-blocks", type=int, default=48,
+                   help="routing: KV blocks per worker (vLLM's override; 128 tokens each on CPU)")
+    p.add_argument("--trace-conversations", type=int, default=24,
+                   help="routing: the trace's first K conversations of --trace-min-turns turns or more")
+    p.add_argument("--trace-min-turns", type=int, default=3)
+    p.add_argument("--trace-requests", type=int, default=None, help="routing: cap on requests (default: all "
+                   "of the conversations')")
     p.add_argument("--trace-block-tokens", type=int, default=16, help="tokens per trace block (the trace's is 512)")
     p.add_argument("--trace-max-output", type=int, default=8)
     p.add_argument("--trace-max-input", type=int, default=1800)
@@ -212,11 +228,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--ready-timeout", type=float, default=900.0)
     p.add_argument("--keep", type=Path, default=None, metavar="DIR", help="keep logs and client files here")
-    p.add_argument("--quick", action="store_true", help="one round, concurrency 1 and 4, 24 trace requests")
+    p.add_argument("--quick", action="store_true", help="one round, concurrency 1 and 4, 8 trace conversations")
     p.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "vllm-engine.json")
     args = p.parse_args(argv)
     if args.quick:
-        args.rounds, args.concurrency, args.requests_per_client, args.trace_requests = 1, "1,4", 1, 24
+        args.rounds, args.concurrency, args.requests_per_client, args.trace_conversations = 1, "1,4", 1, 8
     args.concurrency = [int(c) for c in args.concurrency.split(",")]
     parts = set(args.parts.split(","))
     if not Path(_python()).is_file():
@@ -252,6 +268,7 @@ def main(argv: list[str] | None = None) -> int:
                 targets[f"tok_s_c{k}_ge_0.95"] = {"min": min(v), "met": min(v) >= 0.95}
             for k, v in ratios["ttft_p50"].items():
                 targets[f"ttft_p50_c{k}_le_1.1"] = {"max": max(v), "met": max(v) <= 1.1}
+            write_report(args.out, {**report, "targets": targets})      # kept should the routing part fail
         if "routing" in parts:
             rounds = routing(args, scratch, console)
             per_round = [r["kv"]["ttft_p90_s"] / r["round-robin"]["ttft_p90_s"] for r in rounds]
@@ -260,6 +277,8 @@ def main(argv: list[str] | None = None) -> int:
             report.update({"routing_rounds": rounds, "kv_vs_round_robin_ttft_p90": statistics.median(per_round),
                            "kv_vs_round_robin_ttft_p90_per_round": per_round,
                            "routing_load": {"workers": 2, "requests": args.trace_requests,
+                                            "conversations": args.trace_conversations,
+                                            "min_turns": args.trace_min_turns,
                                             "trace_block_tokens": args.trace_block_tokens,
                                             "max_output": args.trace_max_output, "max_input": args.trace_max_input,
                                             "concurrency": args.trace_concurrency, "kv_blocks": args.kv_blocks}})

@@ -58,6 +58,11 @@ def _add_workload_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--trace-output-scale", type=float, default=None,
                    help="output length factor (default: block tokens / 512)")
     g.add_argument("--trace-max-output", type=int, default=256, help="cap on scaled output lengths")
+    g.add_argument("--trace-conversations", type=int, default=None, metavar="K",
+                   help="replay only the first K conversations of --trace-min-turns turns or more (records "
+                        "sharing their first two blocks), in trace order: the trace's prefix reuse, dense "
+                        "(every request of theirs unless --num-requests caps them; default: consecutive records)")
+    g.add_argument("--trace-min-turns", type=int, default=3, help="with --trace-conversations (default: 3)")
     g.add_argument("--trace-max-input", type=int, default=None, metavar="N",
                    help="cut longer scaled prompts to their first N tokens, their shared prefix kept "
                         "(e.g. the server's context length less the outputs; default: no cut)")

@@ -82,6 +82,7 @@ def build_workload(args: argparse.Namespace, vocab: PromptVocab, num_requests: i
                                        block_tokens=args.trace_block_tokens, output_scale=args.trace_output_scale,
                                        max_output_tokens=args.trace_max_output,
                                        max_input_tokens=args.trace_max_input,
+                                       conversations=args.trace_conversations, min_turns=args.trace_min_turns,
                                        time_scale=args.trace_time_scale, seed=args.seed)
     if args.dataset is None:
         raise SplitserveError("--workload sharegpt needs --dataset PATH")
@@ -102,7 +103,8 @@ def build_spec(args: argparse.Namespace) -> BenchSpec:
     if args.api == "chat" and args.prompt_format == "ids":
         raise SplitserveError("--prompt-format ids works with --api completions only")
     num_requests = args.num_requests
-    if num_requests is None and args.duration is None:
+    whole_conversations = args.workload == "trace" and args.trace_conversations is not None
+    if num_requests is None and args.duration is None and not whole_conversations:
         num_requests = DEFAULT_NUM_REQUESTS
     limits = Limits(num_requests, args.duration, args.request_timeout, args.drain_timeout)
     vocab = load_vocab(args.tokenizer, args.model)

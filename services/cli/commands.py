@@ -89,8 +89,17 @@ def _vllm_launcher(args: argparse.Namespace):
     flags = WorkerEngineFlags(model=args.model, device=args.device, dtype=args.dtype, tp=args.tp,
                               block_size=args.block_size, kv_cache_gib=args.kv_cache_gib,
                               max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
-                              max_logprobs=args.max_logprobs, cpu_cores=vllm_rank_cores(args.cpu_cores, args.tp))
+                              max_logprobs=args.max_logprobs, cpu_cores=vllm_rank_cores(args.cpu_cores, args.tp),
+                              pinned_cores=vllm_pinned_cores(args.cpu_cores))
     return VllmEngineLauncher(flags, list(args.engine_args))
+
+
+def vllm_pinned_cores(cpu_cores: str | None) -> tuple[int, ...]:
+    if cpu_cores is None:
+        return ()
+    from splitserve.services.engine.cpu_placement import parse_cores
+
+    return parse_cores(cpu_cores)
 
 
 def vllm_rank_cores(cpu_cores: str | None, tp: int) -> str | None:

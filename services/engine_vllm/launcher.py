@@ -39,7 +39,8 @@ class WorkerEngineFlags:
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 64
     max_logprobs: int = 20
-    cpu_cores: str | None = None
+    cpu_cores: str | None = None       # VLLM_CPU_OMP_THREADS_BIND's syntax (a list per rank, '|' between)
+    pinned_cores: tuple[int, ...] = ()  # the worker process's cores (--cpu-cores), all ranks'
     served_model_name: str | None = None
 
 
@@ -68,7 +69,26 @@ def process_env(flags: WorkerEngineFlags, environ: dict[str, str] | os._Environ)
     if flags.device.startswith("cpu"):
         env["VLLM_CPU_KVCACHE_SPACE"] = str(max(1, math.ceil(flags.kv_cache_gib)))
         env["VLLM_CPU_OMP_THREADS_BIND"] = flags.cpu_cores or "nobind"
+        if flags.pinned_cores and flags.tp == 1:
+            # vLLM binds threads only in the processes of its multiprocess executor; in this
+            # process it runs torch with OMP_NUM_THREADS threads (1 when unset): one per core.
+            env["OMP_NUM_THREADS"] = str(len(flags.pinned_cores))
     return {k: v for k, v in env.items() if k not in environ}
+
+
+def pin_process(cores: tuple[int, ...]) -> None:
+    """Every thread of this process, and those it starts later, on `cores` (the worker's
+    --cpu-cores): vLLM's engine, its torch threads, the worker's gRPC threads."""
+    import torch
+
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            os.sched_setaffinity(int(tid), cores)
+        except OSError:
+            pass                                     # the thread has exited
+    if torch.get_num_threads() != len(cores):
+        torch.set_num_threads(len(cores))
+    log.info("vLLM worker pinned to cores %s, %d torch thread(s)", ",".join(map(str, cores)), len(cores))
 
 
 def parse_engine_args(flags: WorkerEngineFlags, vllm_argv: list[str]) -> Any:
@@ -99,6 +119,8 @@ class VllmEngineLauncher:
 
     def launch(self):
         os.environ.update(process_env(self.flags, os.environ))
+        if self.flags.pinned_cores and self.flags.device.startswith("cpu"):
+            pin_process(self.flags.pinned_cores)
         from vllm.v1.engine.llm_engine import LLMEngine
 
         from splitserve.services.engine_vllm.engine import VllmEngine

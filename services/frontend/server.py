@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import signal
 import time
 from dataclasses import dataclass, field
 
@@ -26,6 +25,7 @@ from splitserve.proto.v1 import inference_pb2_grpc
 from splitserve.router.policies.kv import DEFAULT_PREFILL_WEIGHT
 from splitserve.checkpoints.model_source import open_checkpoint
 from splitserve.services.text.tokenizer import Tokenizer
+from splitserve.stop_signals import handle_stop_signals, ignore_stop_signals
 from splitserve.tls import PLAINTEXT, TlsConfig
 from splitserve.tracing import start_tracer
 
@@ -137,8 +137,7 @@ async def run_frontend(config: FrontendConfig) -> int:
         print(f"frontend gRPC listening on {config.host}:{bound}", flush=True)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
+    handle_stop_signals(loop, stop)
     pool.start()
     router.start()
     serving = asyncio.create_task(uv.serve(), name="uvicorn")
@@ -164,4 +163,5 @@ async def run_frontend(config: FrontendConfig) -> int:
         await pool.close()
         if frontend.tracer is not None:
             frontend.tracer.shutdown()          # exports the spans still buffered
+        ignore_stop_signals(loop)
     return 0

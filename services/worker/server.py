@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import signal
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -28,6 +27,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from splitserve.errors import SplitserveError
 from splitserve.proto.v1 import worker_pb2_grpc
 from splitserve.startup import process_age_s
+from splitserve.stop_signals import handle_stop_signals, ignore_stop_signals
 from splitserve.services.engine_api.contract import Engine, EngineLauncher, KVStoreSettings, TransferSettings
 from splitserve.tls import PLAINTEXT, TlsConfig
 from splitserve.tracing import start_tracer
@@ -98,8 +98,7 @@ async def serve(config: WorkerServerConfig, stop: asyncio.Event | None = None,
     stop = stop or asyncio.Event()
     loop = asyncio.get_running_loop()
     if handle_signals:
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, stop.set)
+        handle_stop_signals(loop, stop)
     wid = config.options.worker_id
     server = grpc.aio.server(options=GRPC_OPTIONS)
     health = WorkerHealthServicer()
@@ -182,6 +181,8 @@ async def serve(config: WorkerServerConfig, stop: asyncio.Event | None = None,
             engine.close()
         if tracer is not None:
             tracer.shutdown()             # exports the spans still buffered
+        if handle_signals:
+            ignore_stop_signals(loop)
 
 
 def attach_store(config: WorkerServerConfig, engine: Engine, settings: TransferSettings) -> None:

@@ -25,6 +25,8 @@ import secrets
 import ssl
 import time
 import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -213,6 +215,23 @@ class E2EDeployment:
             self.agent.stop()
             self.cluster.delete_node(self.agent.node_name)
             self.etcd.stop()
+
+
+@contextmanager
+def e2e_deployment(cluster: KubeCluster, prefix: str, model_dir: Path, workdir: Path,
+                   image_env: dict[str, dict[str, str]] | None = None) -> Iterator[E2EDeployment]:
+    """`E2EDeployment.up()` in a namespace of its own (`prefix`-...), torn down and deleted after."""
+    namespace = cluster.create_namespace(prefix)
+    try:
+        t0 = time.monotonic()
+        env = E2EDeployment.up(cluster, namespace, model_dir, workdir, image_env)
+        print(f"\n[{prefix}] node, TLS etcd and chart (operator pod Ready) in {elapsed(t0)}")
+        try:
+            yield env
+        finally:
+            env.down()
+    finally:
+        cluster.delete_namespace(namespace)
 
 
 def _ready(pod: dict[str, Any]) -> bool:

@@ -22,7 +22,7 @@ import pytest
 
 from cluster import wait_until
 from controlplane import KubeCluster
-from e2e_env import ENGINE_ARGS, SD_NAME, E2EDeployment, elapsed
+from e2e_env import ENGINE_ARGS, SD_NAME, E2EDeployment, e2e_deployment, elapsed
 from e2e_load import Load, Tally, run_one, served_model, stream
 
 from splitserve.operator import names
@@ -39,17 +39,8 @@ LEAK_LIMIT_S = 15.0
 
 @pytest.fixture(scope="module")
 def e2e(kube_cluster: KubeCluster, llama_dir: Path, tmp_path_factory: pytest.TempPathFactory):
-    namespace = kube_cluster.create_namespace("e2e")
-    t0 = time.monotonic()
-    env = E2EDeployment.up(kube_cluster, namespace, llama_dir, tmp_path_factory.mktemp("e2e"))
-    print(f"\n[e2e] node, TLS etcd and chart (operator pod Ready) in {elapsed(t0)}")
-    try:
+    with e2e_deployment(kube_cluster, "e2e", llama_dir, tmp_path_factory.mktemp("e2e")) as env:
         yield env
-    finally:
-        try:
-            env.down()
-        finally:
-            kube_cluster.delete_namespace(namespace)
 
 
 @pytest.fixture(scope="module")

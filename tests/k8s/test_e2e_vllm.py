@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 from controlplane import KubeCluster
-from e2e_env import E2E_LABEL, SD_NAME, E2EDeployment, elapsed
+from e2e_env import E2E_LABEL, SD_NAME, E2EDeployment, e2e_deployment, elapsed
 from e2e_load import served_model, stream
 from operator_env import sd_doc
 
@@ -51,23 +51,14 @@ def vllm_python() -> str:
 
 @pytest.fixture(scope="module")
 def e2e(kube_cluster: KubeCluster, vllm_python: str, tmp_path_factory: pytest.TempPathFactory):
-    namespace = kube_cluster.create_namespace("vllm")
     # The vLLM flavour's stand-in: its python and `splitserve` first, this checkout's code (the
     # environment's editable install may point at another checkout), its engines folder.
     vllm_env = {"PATH": os.pathsep.join([str(Path(vllm_python).parent), os.environ.get("PATH", "/usr/bin:/bin")]),
                 "PYTHONPATH": str(REPO),
                 **{k: os.environ[k] for k in ("SPLITSERVE_ENGINES",) if k in os.environ}}
-    t0 = time.monotonic()
-    env = E2EDeployment.up(kube_cluster, namespace, Path("smollm2"), tmp_path_factory.mktemp("e2e-vllm"),
-                           image_env={VLLM_IMAGE: vllm_env})
-    print(f"\n[e2e-vllm] node, TLS etcd and chart (operator pod Ready) in {elapsed(t0)}")
-    try:
+    with e2e_deployment(kube_cluster, "vllm", Path("smollm2"), tmp_path_factory.mktemp("e2e-vllm"),
+                        image_env={VLLM_IMAGE: vllm_env}) as env:
         yield env
-    finally:
-        try:
-            env.down()
-        finally:
-            kube_cluster.delete_namespace(namespace)
 
 
 REFERENCE = textwrap.dedent("""

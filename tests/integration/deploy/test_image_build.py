@@ -17,32 +17,16 @@ TORCH_INDEX_URL=https://pypi.org/simple (PyPI's torch: the CUDA build, runs on C
 from __future__ import annotations
 
 import json
-import os
 import subprocess
-from pathlib import Path
 
 import pytest
 
 from splitserve.net import free_port
 from splitserve.testing.processes import Proc
 
+from .image_support import ROOT, STORAGE, buildah, complete, pins
+
 pytestmark = [pytest.mark.slow, pytest.mark.image]
-
-ROOT = Path(__file__).resolve().parents[3]
-CACHE = Path(os.environ.get("SPLITSERVE_IMAGE_CACHE", Path.home() / ".cache/splitserve/image")) / "bookworm-3.11"
-STORAGE = ["--root", str(CACHE / "storage"), "--runroot", str(CACHE / "run"), "--storage-driver", "vfs"]
-PROMPT = "The capital of France is"
-
-
-def buildah(*args: str) -> str:
-    proc = subprocess.run(["buildah", *STORAGE, *args], capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, f"buildah {args}: {proc.stderr}"
-    return proc.stdout.strip()
-
-
-def pins() -> dict[str, str]:
-    lines = (ROOT / "scripts" / "pins.env").read_text().splitlines()
-    return dict(line.split("=", 1) for line in lines if line.strip() and not line.startswith("#"))
 
 
 @pytest.fixture(scope="module")
@@ -53,21 +37,6 @@ def image() -> str:
                            text=True, timeout=1200)
     assert build.returncode == 0, build.stdout[-4000:] + build.stderr[-4000:]
     return tag
-
-
-@pytest.fixture
-def container(image):
-    name = buildah("from", "--pull=false", image)
-    yield name
-    buildah("rm", name)
-
-
-def complete(port: int) -> str:
-    from openai import OpenAI
-    client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", timeout=120)
-    result = client.completions.create(model="smollm2", prompt=PROMPT, max_tokens=12, temperature=0)
-    assert result.choices[0].finish_reason == "length" and result.usage.completion_tokens == 12
-    return result.choices[0].text
 
 
 def serve_argv(port: int) -> list[str]:

@@ -15,9 +15,7 @@ deploy/helm/README.md, "The vLLM flavour". The flavour runs workers only, so the
 from __future__ import annotations
 
 import json
-import os
 import subprocess
-from pathlib import Path
 
 import httpx
 import pytest
@@ -27,24 +25,11 @@ from splitserve.services.engine_vllm.environment import default_engine_python
 from splitserve.testing.processes import Proc
 from splitserve.testing.waiting import wait_until
 
+from .image_support import ROOT, STORAGE, buildah, complete, pins
+
 pytestmark = [pytest.mark.slow, pytest.mark.image]
 
-ROOT = Path(__file__).resolve().parents[3]
-CACHE = Path(os.environ.get("SPLITSERVE_IMAGE_CACHE", Path.home() / ".cache/splitserve/image")) / "bookworm-3.11"
-STORAGE = ["--root", str(CACHE / "storage"), "--runroot", str(CACHE / "run"), "--storage-driver", "vfs"]
-PROMPT = "The capital of France is"
 VLLM_FLAGS = ["--", "--max-model-len", "1024"]
-
-
-def buildah(*args: str) -> str:
-    proc = subprocess.run(["buildah", *STORAGE, *args], capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, f"buildah {args}: {proc.stderr}"
-    return proc.stdout.strip()
-
-
-def pins() -> dict[str, str]:
-    lines = (ROOT / "scripts" / "pins.env").read_text().splitlines()
-    return dict(line.split("=", 1) for line in lines if line.strip() and not line.startswith("#"))
 
 
 @pytest.fixture(scope="module")
@@ -55,21 +40,6 @@ def image() -> str:
                            capture_output=True, text=True, timeout=3600)
     assert build.returncode == 0, build.stdout[-4000:] + build.stderr[-4000:]
     return tag
-
-
-@pytest.fixture
-def container(image):
-    name = buildah("from", "--pull=false", image)
-    yield name
-    buildah("rm", name)
-
-
-def complete(port: int) -> str:
-    from openai import OpenAI
-    client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", timeout=300)
-    result = client.completions.create(model="smollm2", prompt=PROMPT, max_tokens=12, temperature=0)
-    assert result.choices[0].finish_reason == "length" and result.usage.completion_tokens == 12
-    return result.choices[0].text
 
 
 def ready(port: int) -> bool:
@@ -105,7 +75,7 @@ def test_vllm_image_worker_answers_what_serve_engine_vllm_answers(container):
                                f"both=127.0.0.1:{worker_port}", "--port", str(port), "--grpc-port", str(free_port())])
         wait_until(lambda: ready(port), timeout=900, interval=1.0,
                    what="the frontend here to be ready with the image's vLLM worker", details=inside.tail)
-        from_image = complete(port)
+        from_image = complete(port, 300)
     finally:
         if frontend is not None:
             frontend.stop(timeout=60, must_stop=True)
@@ -116,6 +86,6 @@ def test_vllm_image_worker_answers_what_serve_engine_vllm_answers(container):
                        "--kv-cache-gib", "1", *VLLM_FLAGS])
     try:
         here.wait_for_line(r"splitserve is ready", timeout=900)
-        assert complete(port) == from_image
+        assert complete(port, 300) == from_image
     finally:
         here.stop(timeout=60, must_stop=True)

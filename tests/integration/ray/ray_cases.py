@@ -19,13 +19,11 @@ The cases run in file order (the last one kills a replica):
 from __future__ import annotations
 
 import os
-import re
 import signal
 import subprocess
 import sys
 import threading
 import time
-import urllib.request
 from pathlib import Path
 
 import grpc
@@ -33,6 +31,7 @@ import pytest
 import yaml
 
 from splitserve.net import free_port
+from splitserve.testing.metrics import scrape
 from splitserve.testing.waiting import wait_until
 
 READY_TIMEOUT_S = 120.0
@@ -236,10 +235,7 @@ def _worker_in_flight(address: str) -> int:
 
 
 def _migrations(base_url: str) -> float:
-    with urllib.request.urlopen(base_url.removesuffix("/v1") + "/metrics", timeout=10) as reply:
-        text = reply.read().decode()
-    return sum(float(m.group(1)) for m in
-               re.finditer(r'^splitserve_migrations_total\{[^}]*outcome="migrated"[^}]*\} (\S+)$', text, re.M))
+    return scrape(base_url.removesuffix("/v1") + "/metrics", "splitserve_migrations_total", outcome="migrated")
 
 
 def test_killing_a_decode_replica_mid_stream_is_survived_by_migration(ray_app, reference):

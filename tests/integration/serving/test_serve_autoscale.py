@@ -263,6 +263,9 @@ async def _drive(server, log: Log, r1: float, r2: float, started_pids: dict[str,
 
 # -- a mode switch (--autoscale-mode auto, the default) ----------------------------------------
 SWITCH_STREAMS, SWITCH_PROMPT, SWITCH_OUTPUT = 2, 48, 48
+# A paced load: a closed loop's grows with the machine's speed, and on a quick moment it crossed one
+# aggregated worker's utilisation bound (0.8), so the planner's window kept disaggregated serving.
+SWITCH_PAUSE_S = 0.3
 SWITCH_WITHIN_S = 90.0                     # light load -> the prefill worker gone
 
 
@@ -325,6 +328,7 @@ async def _stream_until_switched(server, log: Log) -> list[Result]:
             results.append(out)
             await _complete(client, model, [rng.randrange(1000, 30000) for _ in range(SWITCH_PROMPT)],
                             SWITCH_OUTPUT, out)
+            await asyncio.sleep(SWITCH_PAUSE_S)
 
     try:
         await asyncio.gather(*(stream_loop() for _ in range(SWITCH_STREAMS)))

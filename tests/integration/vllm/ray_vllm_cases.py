@@ -13,11 +13,9 @@ cases run in file order (the last one kills the replica):
 from __future__ import annotations
 
 import os
-import re
 import sys
 import threading
 import time
-import urllib.request
 from pathlib import Path
 
 import pytest
@@ -25,6 +23,7 @@ import yaml
 
 from splitserve.net import free_port
 from splitserve.services.launch.probes import worker_serving
+from splitserve.testing.metrics import scrape
 from splitserve.testing.waiting import wait_until
 
 READY_TIMEOUT_S = 600.0        # vLLM loads in ~30 s alone; several times that beside the reference on 2 cores
@@ -120,10 +119,7 @@ def directory() -> list:
 
 
 def _migrations(base_url: str) -> float:
-    with urllib.request.urlopen(base_url.removesuffix("/v1") + "/metrics", timeout=10) as reply:
-        text = reply.read().decode()
-    return sum(float(m.group(1)) for m in
-               re.finditer(r'^splitserve_migrations_total\{[^}]*outcome="migrated"[^}]*\} (\S+)$', text, re.M))
+    return scrape(base_url.removesuffix("/v1") + "/metrics", "splitserve_migrations_total", outcome="migrated")
 
 
 def test_a_vllm_replica_answers_with_vllms_greedy_tokens(ray_app, prompts):

@@ -72,3 +72,21 @@ def test_grpc_greedy_tokens_equal_vllm_generate(vllm_server, prompts, expected):
     with ThreadPoolExecutor(len(prompts)) as pool:     # all nine at once, the long one among them
         got = list(pool.map(lambda p: _grpc_tokens(vllm_server.grpc_address, p), prompts))
     assert got == expected
+
+
+def test_the_vllm_worker_runs_on_the_cores_serve_gave_it_keeping_vllms_reserve(vllm_server):
+    """serve places a vLLM worker as `vllm serve` places its compute (one core per rank left free when
+    the rest still give every rank one), and every thread of the worker process stays on its cores
+    (vLLM binds threads only in its multiprocess executor's processes; in-process, the worker pins)."""
+    import os
+
+    from splitserve.services.engine.cpu_placement import parse_cores
+
+    [worker] = [pid for pid in vllm_server.child_pids
+                if "--engine" in (argv := open(f"/proc/{pid}/cmdline").read().split("\0")) and "worker" in argv]
+    argv = open(f"/proc/{worker}/cmdline").read().split("\0")
+    cores = set(parse_cores(argv[argv.index("--cpu-cores") + 1]))
+    available = os.sched_getaffinity(0)
+    assert cores < available if len(available) >= 2 else cores == available
+    for tid in os.listdir(f"/proc/{worker}/task"):
+        assert os.sched_getaffinity(int(tid)) == cores, tid

@@ -33,6 +33,10 @@ def test_process_env_sizes_the_kv_cache_and_yields_to_the_callers():
     assert env["VLLM_CPU_KVCACHE_SPACE"] == "2" and env["VLLM_CPU_OMP_THREADS_BIND"] == "2-3"
     assert env["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0" and env["VLLM_HOST_IP"] == "127.0.0.1"
     assert process_env(WorkerEngineFlags(model="m"), {})["VLLM_CPU_OMP_THREADS_BIND"] == "nobind"
+    pinned = process_env(WorkerEngineFlags(model="m", cpu_cores="2,3", pinned_cores=(2, 3)), {})
+    assert pinned["OMP_NUM_THREADS"] == "2"                  # one torch thread per pinned core, in this process
+    assert "OMP_NUM_THREADS" not in process_env(WorkerEngineFlags(model="m"), {})
+    assert "OMP_NUM_THREADS" not in process_env(WorkerEngineFlags(model="m", tp=2, pinned_cores=(2, 3)), {})
     given = process_env(WorkerEngineFlags(model="m"), {"VLLM_CPU_KVCACHE_SPACE": "4"})
     assert "VLLM_CPU_KVCACHE_SPACE" not in given
 
@@ -109,3 +113,6 @@ def test_a_tensor_parallel_workers_cores_are_one_list_per_rank_for_vllm():
 
     assert vllm_rank_cores("2-5", 2) == "2,3|4,5"          # VLLM_CPU_OMP_THREADS_BIND: rank 0 | rank 1
     assert vllm_rank_cores("2-5", 1) == "2-5" and vllm_rank_cores(None, 2) is None
+    from splitserve.services.cli.commands import vllm_pinned_cores
+
+    assert vllm_pinned_cores("2-4,7") == (2, 3, 4, 7) and vllm_pinned_cores(None) == ()

@@ -93,6 +93,30 @@ def test_mooncake_blocks_share_content_exactly_when_hash_ids_match(llama_vocab, 
         datasets.mooncake_trace(llama_vocab, trace, max_input_tokens=0)
 
 
+def test_mooncake_conversations_replay_whole_conversations_in_trace_order(llama_vocab, tmp_path):
+    trace = _write_trace(tmp_path / "t.jsonl", [
+        {"timestamp": 0, "input_length": 600, "output_length": 10, "hash_ids": [0, 1, 2]},      # A, turn 1
+        {"timestamp": 10, "input_length": 600, "output_length": 10, "hash_ids": [0, 9, 10]},    # B, turn 1
+        {"timestamp": 20, "input_length": 300, "output_length": 10, "hash_ids": [0]},           # no conversation
+        {"timestamp": 30, "input_length": 900, "output_length": 10, "hash_ids": [0, 1, 2, 3]},  # A, turn 2
+        {"timestamp": 40, "input_length": 600, "output_length": 10, "hash_ids": [0, 5, 6]},     # C, turn 1
+        {"timestamp": 50, "input_length": 1100, "output_length": 10, "hash_ids": [0, 1, 2, 3, 4]},  # A, turn 3
+        {"timestamp": 60, "input_length": 900, "output_length": 10, "hash_ids": [0, 9, 10, 11]},    # B, turn 2
+        {"timestamp": 70, "input_length": 900, "output_length": 10, "hash_ids": [0, 5, 6, 7]},      # C, turn 2
+    ])
+    w = datasets.mooncake_trace(llama_vocab, trace, conversations=2, min_turns=2)
+    assert [c.conversation_id for c in w.conversations] == ["trace0", "trace1", "trace3", "trace5", "trace6"]
+    ids = {c.conversation_id: llama_vocab.encode(c.turns[0].text) for c in w.conversations}
+    assert ids["trace5"][:len(ids["trace3"])] == ids["trace3"]        # a later turn repeats the earlier ones
+    assert w.params["conversations"] == 2 and "first 2 conversations of 2+ turns" in w.notes[0]
+    three = datasets.mooncake_trace(llama_vocab, trace, conversations=5, min_turns=3)
+    assert [c.conversation_id for c in three.conversations] == ["trace0", "trace3", "trace5"]
+    capped = datasets.mooncake_trace(llama_vocab, trace, conversations=3, min_turns=2, num_requests=4)
+    assert [c.conversation_id for c in capped.conversations] == ["trace0", "trace1", "trace3", "trace4"]
+    with pytest.raises(SplitserveError, match="no conversation of 4\\+ turns"):
+        datasets.mooncake_trace(llama_vocab, trace, conversations=1, min_turns=4)
+
+
 def test_mooncake_subset_and_missing_file(llama_vocab, tmp_path, monkeypatch):
     trace = _write_trace(tmp_path / "t.jsonl", [
         {"timestamp": t, "input_length": 100, "output_length": 10, "hash_ids": [t]} for t in range(5)])
