@@ -402,8 +402,8 @@ def _add_serve_parser(sub) -> None:
     p.add_argument("--reserved-cores", type=int, default=None, metavar="N",
                    help="with --cpu-bind auto: cores kept free of workers for the frontend and clients "
                         "at all times (default: 1 on machines of 8 cores or more when the other cores "
-                        "still give every rank one of its own, else 0; with --engine vllm, vLLM's own: "
-                        "one per rank when the rest still give every rank one; with --cpu-yield auto the "
+                        "still give every rank one of its own, else 0; --engine vllm workers are not pinned "
+                        "unless this or --cpu-cores is given; with --cpu-yield auto the "
                         "workers also give cores up while other processes use them; vLLM's CPU "
                         "placement is --reserved-cores 1 --cpu-yield off)")
     p.add_argument("--prefill-workers", type=int, default=None, metavar="N",

@@ -53,25 +53,19 @@ def default_threads(args: argparse.Namespace, plan: list[PlannedWorker]) -> int 
 
 def worker_cores(args: argparse.Namespace, plan: list[PlannedWorker]) -> list[str | None]:
     """Per planned worker, the --cpu-cores `serve` gives it (None: not pinned): on CPU with
-    --cpu-bind auto, cpu_placement.plan_cores over the cores this process may use (with
-    --engine vllm, vLLM's reserve by default: vllm_reserved_cores)."""
+    --cpu-bind auto, cpu_placement.plan_cores over the cores this process may use (vLLM workers:
+    not pinned unless --cpu-cores or --reserved-cores asks)."""
     if args.cpu_bind == "none" or args.cpu_cores or not str(args.device).startswith("cpu"):
         return [args.cpu_cores] * len(plan)
+    if getattr(args, "engine", "builtin") == "vllm" and args.reserved_cores is None:
+        # vLLM in the worker's process computes on one torch thread (its serving default) that the
+        # OS places; pinning the worker to a core of its own measured worse (docs/engines.md: 50-52
+        # against 77-84 tok/s at concurrency 16 on 2 cores): its gRPC threads then share that core.
+        return [None] * len(plan)
     from splitserve.services.engine.cpu_placement import available_cores, format_cores, plan_cores
 
-    available = available_cores()
-    reserved = args.reserved_cores
-    if reserved is None and getattr(args, "engine", "builtin") == "vllm":
-        reserved = vllm_reserved_cores(len(available), args.tp * len(plan))
-    placed = plan_cores(available, [args.tp] * len(plan), reserved)
+    placed = plan_cores(available_cores(), [args.tp] * len(plan), args.reserved_cores)
     return [format_cores(c) if c else None for c in placed.workers]
-
-
-def vllm_reserved_cores(available: int, ranks: int) -> int:
-    """vLLM's own CPU placement (its VLLM_CPU_OMP_THREADS_BIND=auto): one core per rank stays free of
-    compute threads for the scheduler, here the worker's Python, the router and the frontend, when the
-    other cores still give every rank one of its own."""
-    return ranks if available - ranks >= ranks else 0
 
 
 def default_served_name(model: str) -> str | None:

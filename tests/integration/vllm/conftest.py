@@ -98,6 +98,12 @@ def start_vllm_serve(vllm_python: str, *extra: str, num_workers: int = 1, vllm_a
         raise
 
 
+def vllm_worker_pid(server: VllmServer) -> int:
+    """The pid of serve's one vLLM worker process."""
+    [pid] = [pid for pid in server.child_pids if "worker" in open(f"/proc/{pid}/cmdline").read().split("\0")]
+    return pid
+
+
 def stop_vllm_serve(server: VllmServer) -> None:
     code = server.proc.stop(signal.SIGTERM, timeout=60)
     assert code == 0, server.proc.tail()

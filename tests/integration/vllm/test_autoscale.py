@@ -5,23 +5,26 @@ between 1 and 2 in the one pool a vLLM worker serves (aggregated: --autoscale-mo
 
 from __future__ import annotations
 
+import os
 import re
 
 import httpx
 import openai
 import pytest
 
-from .conftest import start_vllm_serve, stop_vllm_serve
+from .conftest import start_vllm_serve, stop_vllm_serve, vllm_worker_pid
 
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("vllm")]
 
+PINNED = str(min(os.sched_getaffinity(0)))
 PROFILE = re.compile(r"autoscale: worker-0's profile: prefill (.*?); decode (.*?); KV (\d+) tokens; "
                      r"start-up ([\d.]+) s")
 
 
 @pytest.fixture(scope="module")
 def autoscaled(vllm_python):
-    server = start_vllm_serve(vllm_python, "--autoscale", "--max-workers", "2", "--threads", "1")
+    # Pinned (--cpu-cores): serve leaves vLLM workers unpinned unless asked.
+    server = start_vllm_serve(vllm_python, "--autoscale", "--max-workers", "2", "--cpu-cores", PINNED)
     try:
         yield server
     finally:
@@ -46,3 +49,13 @@ def test_serve_engine_vllm_autoscale_is_ready_with_a_profile_of_its_vllm_worker(
     raw = httpx.post(f"{autoscaled.base_url}/v1/completions", timeout=300,
                      json={"model": model, "prompt": [1, 2, 3], "max_tokens": 2, "temperature": 0})
     assert raw.status_code == 200 and raw.json()["usage"]["completion_tokens"] == 2, raw.text
+
+
+def test_a_vllm_worker_given_cpu_cores_runs_every_thread_on_them(autoscaled):
+    """vLLM binds threads only in its multiprocess executor's processes; in the worker's process the
+    worker pins itself: every thread, vLLM's and torch's and gRPC's, on --cpu-cores."""
+    worker = vllm_worker_pid(autoscaled)
+    tasks = os.listdir(f"/proc/{worker}/task")
+    assert len(tasks) > 3
+    for tid in tasks:
+        assert os.sched_getaffinity(int(tid)) == {int(PINNED)}, tid

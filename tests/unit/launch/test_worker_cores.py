@@ -24,16 +24,13 @@ def test_auto_binds_each_worker_to_its_own_cores():
         assert worker_cores(_args(reserved_cores=1), PLAN_1P1D) == ["1,2", "3"]
 
 
-def test_vllm_workers_keep_vllms_own_reserve_of_one_core_per_rank():
+def test_vllm_workers_are_not_pinned_unless_asked():
     one = [PlannedWorker("worker-0", "both")]
-    two = [PlannedWorker("worker-0", "both"), PlannedWorker("worker-1", "both")]
     with mock.patch("splitserve.services.engine.cpu_placement.available_cores", return_value=[0, 1]):
-        assert worker_cores(_args(engine="vllm"), one) == ["1"]          # core 0: worker's Python, frontend
-        assert worker_cores(_args(engine="vllm"), two) == ["0", "1"]     # no core to spare: none reserved
+        assert worker_cores(_args(engine="vllm"), one) == [None]          # vLLM's one torch thread, placed by the OS
         assert worker_cores(_args(engine="builtin"), one) == ["0,1"]
-        assert worker_cores(_args(engine="vllm", reserved_cores=0), one) == ["0,1"]
-    with mock.patch("splitserve.services.engine.cpu_placement.available_cores", return_value=list(range(8))):
-        assert worker_cores(_args(engine="vllm", tp=2), one) == ["2,3,4,5,6,7"]
+        assert worker_cores(_args(engine="vllm", reserved_cores=1), one) == ["1"]
+        assert worker_cores(_args(engine="vllm", cpu_cores="0"), one) == ["0"]
 
 
 def test_none_cuda_or_an_explicit_list_leave_placement_to_the_user():
