@@ -106,11 +106,15 @@ def build_spec(args: argparse.Namespace) -> BenchSpec:
     whole_conversations = args.workload == "trace" and args.trace_conversations is not None
     if num_requests is None and args.duration is None and not whole_conversations:
         num_requests = DEFAULT_NUM_REQUESTS
-    limits = Limits(num_requests, args.duration, args.request_timeout, args.drain_timeout)
+    unbounded = num_requests is None and args.duration is None      # whole conversations: their requests
+    limits = None if unbounded else Limits(num_requests, args.duration, args.request_timeout, args.drain_timeout)
     vocab = load_vocab(args.tokenizer, args.model)
     target = Target(args.url, resolve_model(args.url, args.model), args.api, args.prompt_format,
                     args.ignore_eos, args.temperature)
     workload = build_workload(args, vocab, num_requests)
+    if limits is None:
+        limits = Limits(sum(len(c.turns) for c in workload.conversations), None, args.request_timeout,
+                        args.drain_timeout)
     kind = _arrival_kind(args)
     rate = args.rate if args.rate is not None else (1.0 if args.sweep_rates else None)
     arrivals = make_arrivals(kind, rate=rate, concurrency=args.concurrency, seed=args.seed)

@@ -53,3 +53,20 @@ def test_package_data_covers_every_shipped_file():
     assert "data/mooncake/conversation_trace.jsonl" in shipped
     uncovered = [name for name in shipped if not any(fnmatch.fnmatch(name, pat) for pat in patterns)]
     assert not uncovered, f"files under loadgen/data/ a wheel would leave out: {uncovered}"
+
+
+def test_bench_replays_every_request_of_the_chosen_conversations():
+    """`splitserve bench --workload trace --trace-conversations K`: bounded by the conversations'
+    requests (no --num-requests), each later turn repeating its conversation's earlier ones."""
+    from splitserve.loadgen.cli import build_run_parser
+    from splitserve.loadgen.options import build_spec
+
+    args = build_run_parser().parse_args(["--url", "http://127.0.0.1:9", "--model", "smollm2",
+                                      "--tokenizer", "smollm2", "--workload", "trace", "--trace-conversations", "2",
+                                      "--trace-min-turns", "3"])
+    spec = build_spec(args)
+    requests = spec.workload.conversations
+    assert spec.limits.max_requests == len(requests) >= 6 and spec.workload.params["conversations"] == 2
+    texts = [c.turns[0].text for c in requests]
+    assert sum(any(t.startswith(os.path.commonprefix([t, u])) and len(os.path.commonprefix([t, u])) > 100
+                   for u in texts[:i]) for i, t in enumerate(texts)) >= len(texts) - 2   # later turns repeat earlier
