@@ -205,7 +205,7 @@ class EngineLoop:
                       len(self._streams))
         self._stopping.set()
         self._fail_all(EngineStoppedError(f"the tensor-parallel group is lost: {exc}"))
-        self.engine.ranks.fail(f"a step failed: {exc}")
+        self.engine.ranks.step_failed(exc)
 
     def _dispatch(self, outputs: list[RequestOutput]) -> None:
         for out in outputs:

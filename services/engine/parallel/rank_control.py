@@ -96,6 +96,7 @@ class RankControl:
         self._lock = threading.Lock()
         self._pending: dict[int, tuple[int, concurrent.futures.Future]] = {}   # seq → (rank, future)
         self._lost: dict[int, str] = {}
+        self._any_lost = threading.Event()
         self._seq = itertools.count(1)
         self._handler: Callable[[int, object], None] | None = None
         self._readers = [threading.Thread(target=self._read, args=(rank, conn), daemon=True,
@@ -207,8 +208,13 @@ class RankControl:
                 except Exception:          # a handler bug must not stop the replies
                     log.exception("tensor-parallel rank %d: event handler failed", rank)
 
+    def wait_lost(self, timeout_s: float) -> bool:
+        """Whether some rank is gone, waiting up to `timeout_s` for its connection to close."""
+        return self._any_lost.wait(timeout_s)
+
     def _lose(self, rank: int, why: str) -> None:
         self._lost[rank] = why
+        self._any_lost.set()
         with self._lock:
             lost = [(seq, f) for seq, (r, f) in self._pending.items() if r == rank]
             for seq, _ in lost:

@@ -54,6 +54,9 @@ log = logging.getLogger(__name__)
 # no step for hours: with torch's default (30 min for gloo, 10 for NCCL) an idle group's
 # ranks died of a timeout. A rank that dies is noticed at once anyway (its sockets close).
 GROUP_TIMEOUT = timedelta(days=365)
+# How long a failed step waits for a dead rank's control connection to close (it closes with
+# the process, within milliseconds).
+STEP_FAILURE_GRACE_S = 2.0
 
 
 class GroupLostError(FatalError):
@@ -160,6 +163,14 @@ class TensorParallelGroup:
                 callback(why)
             except Exception:
                 log.exception("tensor-parallel group: a watcher failed")
+
+    def step_failed(self, exc: BaseException) -> None:
+        """A step failed. When a rank died, its collectives and its control connection fail
+        together, in either order: wait a moment for the control connection, so that the
+        group's failure names the rank that is gone rather than a peer's socket error."""
+        if self.control.wait_lost(STEP_FAILURE_GRACE_S):
+            return          # _rank_lost failed the group, naming the rank
+        self.fail(f"a step failed: {exc}")
 
     @property
     def lost(self) -> str | None:

@@ -62,7 +62,9 @@ def test_calls_posts_and_events(child):
 def test_a_dead_rank_fails_calls_at_once(child):
     control, proc = child
     assert control.call(1, getattr, "rank") == 1
+    assert not control.wait_lost(0.05)                         # alive: a failed step is its own
     proc.kill()
+    assert control.wait_lost(10)                               # what a failed step waits for
     proc.join(10)
     with pytest.raises(RankControlError, match="rank 1"):
         control.call(1, getattr, "rank", timeout_s=10)
