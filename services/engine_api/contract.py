@@ -139,8 +139,9 @@ class RankGroup(Protocol):
     def watch(self, on_lost: Callable[[str], None]) -> None:
         """Call `on_lost(why)` (from any thread) once a rank is gone."""
 
-    def fail(self, why: str) -> None:
-        """A step failed: the ranks may be out of step, so the group is lost (its watchers hear)."""
+    def step_failed(self, exc: BaseException) -> None:
+        """A step failed: the ranks may be out of step, so the group is lost (its watchers hear
+        why: the rank that is gone, when one is, else `exc`)."""
 
 
 @runtime_checkable

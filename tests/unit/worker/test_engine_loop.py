@@ -159,13 +159,13 @@ def test_a_failing_step_fails_every_open_stream_and_the_loop_carries_on(loop, en
 
 
 class _LostGroup:
-    """Stands in for the engine's TensorParallelGroup: records what `fail` was told."""
+    """Stands in for the engine's TensorParallelGroup: records what `step_failed` was told."""
 
     def __init__(self):
         self.lost: list[str] = []
 
-    def fail(self, why: str) -> None:
-        self.lost.append(why)
+    def step_failed(self, exc: BaseException) -> None:
+        self.lost.append(str(exc))
 
 
 def test_a_failing_tensor_parallel_step_loses_the_group_and_stops_the_loop(engine, monkeypatch):
