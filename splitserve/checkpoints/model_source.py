@@ -29,6 +29,7 @@ import uuid
 from pathlib import Path
 
 from splitserve.errors import ModelLoadError
+from splitserve.pids import pid_alive
 from splitserve.checkpoints.checkpoint import Checkpoint, read_json
 from splitserve.checkpoints.hf_loader import load_hf_folder
 
@@ -135,15 +136,6 @@ def remove_abandoned(models: Path, name: str) -> None:
     """Delete temporary folders of conversions whose process is gone (killed mid-way)."""
     for tmp in models.glob(f"{name}{TMP_MARK}*"):
         pid = tmp.name[len(name) + len(TMP_MARK):].split("-", 1)[0]
-        if pid.isdigit() and not _alive(int(pid)):
+        if pid.isdigit() and not pid_alive(int(pid)):
             shutil.rmtree(tmp, ignore_errors=True)
 
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True

@@ -64,12 +64,13 @@ class Proc:
     def children(self) -> list[int]:
         return child_pids(self.process.pid)
 
-    def wait_for_line(self, pattern: str, timeout: float = READY_TIMEOUT_S) -> re.Match:
-        """The first line matching `pattern`; AssertionError with the output so far when the
-        process exits first or `timeout` passes."""
+    def wait_for_line(self, pattern: str, timeout: float = READY_TIMEOUT_S, after: int = 0) -> re.Match:
+        """The first line matching `pattern` from line `after` on (a `len(proc.lines)` taken
+        earlier: a line printed before that, say by an earlier restart, does not count);
+        AssertionError with the output so far when the process exits first or `timeout` passes."""
         def matched() -> re.Match | None:
             exited = self.process.poll() is not None
-            for line in list(self.lines):
+            for line in list(self.lines)[after:]:
                 if m := re.search(pattern, line):
                     return m
             if exited:

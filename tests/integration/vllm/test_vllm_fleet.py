@@ -23,6 +23,7 @@ import os
 import random
 import re
 import signal
+import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -36,6 +37,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from splitserve.block_hashes import block_hashes, salted_key
 from splitserve.proto.v1 import worker_pb2, worker_pb2_grpc
+from splitserve.services.engine_vllm.kv_events import IPC_DIR_PREFIX
 from splitserve.testing.metrics import scrape
 from splitserve.testing.waiting import wait_until
 from splitserve.testing.workers import wait_idle, worker_stats
@@ -209,7 +211,9 @@ def test_sigkill_of_a_vllm_worker_under_load_loses_no_stream(fleet):
     num_kv_blocks = worker_stats(fleet.workers[victim]).num_kv_blocks
 
     running: list[int] = []
+    killed: list[int] = []
     migrated_before = scrape(f"{fleet.base}/metrics", "splitserve_migrations_total", outcome="migrated")
+    mark = len(fleet.proc.lines)           # serve's lines about this kill come after this one
 
     async def kill_when_streaming(progress: list[int]) -> None:
         deadline = time.monotonic() + 300
@@ -218,15 +222,18 @@ def test_sigkill_of_a_vllm_worker_under_load_loses_no_stream(fleet):
             await asyncio.sleep(0.02)
         running.append(worker_stats(fleet.workers[victim]).num_running)
         assert running[0] > 0, "the victim runs no stream"
-        os.kill(fleet.pid_of(victim), signal.SIGKILL)
+        killed.append(fleet.pid_of(victim))
+        os.kill(killed[0], signal.SIGKILL)
 
     results, errors = _streams(fleet, prompts, kill_when_streaming)
     assert errors == [], errors
     assert results == reference          # greedy, so token replay on the other worker continues exactly
     migrated = scrape(f"{fleet.base}/metrics", "splitserve_migrations_total", outcome="migrated") - migrated_before
     assert migrated >= running[0], f"{running[0]} streams on the victim, {migrated} migrated"
-    fleet.proc.wait_for_line(rf"splitserve: {victim} is serving again", RESTART_TIMEOUT_S)
+    fleet.proc.wait_for_line(rf"splitserve: {victim} is serving again", RESTART_TIMEOUT_S, after=mark)
     assert f"{victim} exited with code -9; restarting it" in fleet.proc.output
+    # The killed worker could not remove its KV-event socket's folder; its successor did.
+    assert not list(Path(tempfile.gettempdir()).glob(f"{IPC_DIR_PREFIX}{killed[0]}-*"))
     wait_until(lambda: scrape(f"{fleet.base}/metrics", "splitserve_worker_restarts_total", worker=victim) >= 1,
                timeout=30, what=f"the frontend to count {victim}'s restart")
     idle = wait_idle(fleet.workers, 60.0)             # no request holds a block on either worker
@@ -256,6 +263,7 @@ def test_sigterm_drains_a_vllm_worker_without_a_client_error(fleet):
     migrated_before = scrape(f"{fleet.base}/metrics", "splitserve_migrations_total", outcome="migrated")
     running: dict[str, int] = {}
     victims: list[str] = []
+    mark = len(fleet.proc.lines)           # an earlier test's restart printed "is serving again" too
 
     async def sigterm_when_streaming(progress: list[int]) -> None:
         deadline = time.monotonic() + 300
@@ -272,13 +280,13 @@ def test_sigterm_drains_a_vllm_worker_without_a_client_error(fleet):
     assert errors == [], errors
     assert results == reference
     [victim] = victims
-    fleet.proc.wait_for_line(rf"splitserve: {victim} exited with code 0; restarting it", 90)
+    fleet.proc.wait_for_line(rf"splitserve: {victim} exited with code 0; restarting it", 90, after=mark)
     # serve's supervisor saw it draining and let it finish, instead of killing it as a failing worker
     assert f"splitserve: {victim} is draining" in fleet.proc.output
     assert f"splitserve: {victim} failed" not in fleet.proc.output
     migrated = scrape(f"{fleet.base}/metrics", "splitserve_migrations_total", outcome="migrated") - migrated_before
     print(f"drain: {running[victim]} streams on {victim}, {migrated:g} migrated after the drain timeout")
-    fleet.proc.wait_for_line(rf"splitserve: {victim} is serving again", RESTART_TIMEOUT_S)
+    fleet.proc.wait_for_line(rf"splitserve: {victim} is serving again", RESTART_TIMEOUT_S, after=mark)
     idle = wait_idle(fleet.workers, 60.0)             # no request holds a block on either worker
     assert {name: s.num_kv_blocks for name, s in idle.stats.items()} == num_kv_blocks
 
