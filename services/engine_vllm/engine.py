@@ -83,8 +83,9 @@ def to_vllm_params(params: SamplingParams) -> Any:
 class VllmEngine:
     """An `Engine` over one in-process vLLM `LLMEngine` (`llm`)."""
 
-    def __init__(self, llm: Any, model_name: str, kv_events: Any = None):
+    def __init__(self, llm: Any, model_name: str, kv_events: Any = None, step_counts: Any = None):
         self.llm = llm
+        self._step_counts = step_counts                   # stat_counts.StepCounts: preemptions
         self._core = llm.engine_core.engine_core          # vLLM's EngineCore (InprocClient's)
         self._requests: dict[str, _Request] = {}
         self._pending: list[RequestOutput] = []           # ABORT outputs for the next step
@@ -121,7 +122,8 @@ class VllmEngine:
             num_cached_kv_blocks=sum(1 for b in free if b.block_hash is not None),
             num_running=num_running, num_waiting=num_waiting, num_remote_prefill=0,
             num_remote_prefill_kv_blocks=0, num_held_prefills=0, num_fenced_kv_blocks=0,
-            counters=replace(self._stats))
+            counters=replace(self._stats, num_preemptions=self._step_counts.preemptions if self._step_counts
+                             else 0))
 
     @property
     def ranks(self) -> RankGroup | None:

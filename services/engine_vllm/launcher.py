@@ -137,10 +137,13 @@ class VllmEngineLauncher:
                             "itself and republishes them to routers")
             endpoint = new_ipc_endpoint()
             engine_args.kv_events_config = KVEventsConfig(**events_config(endpoint))
+        from splitserve.services.engine_vllm.stat_counts import StepCounts
+
         log.info("starting vLLM for %s: %s", self.flags.model, engine_args)
-        llm = LLMEngine.from_engine_args(engine_args)
+        counts = StepCounts()
+        llm = LLMEngine.from_engine_args(engine_args, stat_loggers=[counts.logger_factory()])
         name = engine_args.served_model_name
-        engine = VllmEngine(llm, name[0] if isinstance(name, list) else (name or self.flags.model))
+        engine = VllmEngine(llm, name[0] if isinstance(name, list) else (name or self.flags.model), step_counts=counts)
         if endpoint is not None:
             from splitserve.services.engine_vllm.kv_events import VllmKVEvents
 

@@ -10,6 +10,8 @@ Phases (each waits until vLLM's publisher has sent its batches and the subscribe
   salted   most of the first prompt again, with a cache_salt
   evict    distinct prompts that overflow the small pool: earlier blocks are removed
   reset    reset_prefix_cache(): AllBlocksCleared
+  preempt  four long sequences that outgrow the pool together: vLLM preempts, and the worker's
+           stat logger (stat_counts.py) counts what vLLM's own Prometheus counter counts
 A second subscriber without a replay socket starts after "late": its first batch is past 0, so it
 resyncs (an AllCleared first).
 """
@@ -54,6 +56,7 @@ from vllm.v1.engine.llm_engine import LLMEngine  # noqa: E402
 
 from splitserve.services.engine_api.kv_events import AllCleared, BlockRemoved, BlockStored  # noqa: E402
 from splitserve.services.engine_vllm.kv_events import VllmKVEvents  # noqa: E402
+from splitserve.services.engine_vllm.stat_counts import StepCounts  # noqa: E402
 
 BLOCK_SIZE = 32
 NUM_BLOCKS = 24
@@ -79,14 +82,17 @@ class Probe:
         args = EngineArgs(model=model, dtype="float32", enforce_eager=True, block_size=BLOCK_SIZE,
                           enable_prefix_caching=True, max_model_len=256, num_gpu_blocks_override=NUM_BLOCKS,
                           max_num_seqs=4, kv_events_config=KVEventsConfig(**self.events.engine_config()))
-        self.engine = LLMEngine.from_engine_args(args)
+        self.counts = StepCounts()
+        self.engine = LLMEngine.from_engine_args(args, stat_loggers=[self.counts.logger_factory()])
         self.publisher = self.engine.engine_core.engine_core.scheduler.kv_event_publisher
         self.woken = threading.Event()
         self.taken: list[dict] = []
         self.num_requests = 0
 
-    def generate(self, prompts: list[list[int]], cache_salt: str | None = None) -> list[list[int]]:
-        params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, output_kind=RequestOutputKind.FINAL_ONLY)
+    def generate(self, prompts: list[list[int]], cache_salt: str | None = None,
+                 max_tokens: int = MAX_TOKENS) -> list[list[int]]:
+        params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=max_tokens > MAX_TOKENS,
+                                output_kind=RequestOutputKind.FINAL_ONLY)
         ids = []
         for prompt in prompts:
             self.num_requests += 1
@@ -152,6 +158,18 @@ def main() -> None:
     assert probe.engine.reset_prefix_cache()
     probe.generate([[42] * 5])                   # a step, so that the scheduler publishes the clear
     result["phases"]["reset"] = probe.phase()
+
+    # 4 x (96 + 150 tokens) need 32 blocks of 32 at their longest; the pool has 24.
+    long = [[(19 * i + 7 * j) % 5000 + 300 for i in range(3 * BLOCK_SIZE)] for j in range(1, 5)]
+    before = probe.counts.preemptions
+    outputs = probe.generate(long, max_tokens=150)
+    result["phases"]["preempt"] = probe.phase()
+    from prometheus_client import REGISTRY
+
+    result["preempt"] = {"counted": probe.counts.preemptions - before, "total": probe.counts.preemptions,
+                         "lengths": [len(o) for o in outputs],
+                         "vllm_counter": sum(s.value for m in REGISTRY.collect() for s in m.samples
+                                             if s.name == "vllm:num_preemptions_total")}
 
     result["num_dropped_blocks"] = probe.events.translator.num_dropped_blocks
     result["num_resyncs"] = probe.events.num_resyncs

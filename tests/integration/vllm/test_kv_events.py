@@ -125,3 +125,13 @@ def test_a_gap_without_replay_resyncs_with_an_all_cleared(probe):
     assert probe["no_replay"]["num_resyncs"] == 1
     assert events[0]["kind"] == "cleared" and [e["seq"] for e in events] == list(range(1, len(events) + 1))
     assert stored(events)[0]["hashes"] == stored(probe["phases"]["late"])[1]["hashes"]
+
+
+def test_preemptions_are_counted_as_vllm_counts_them(probe):
+    """stat_counts.py: vLLM reports a preemption only in its per-step stats; the worker's logger
+    counts them (Stats.num_preemptions, splitserve_worker_preemptions_total) as vLLM's own
+    Prometheus counter does."""
+    preempt = probe["preempt"]
+    assert preempt["lengths"] == [150] * 4                   # preempted, recomputed, finished
+    assert preempt["counted"] > 0
+    assert preempt["total"] == preempt["vllm_counter"]
