@@ -59,9 +59,12 @@ def pool_spec_hash(spec: ServingDeploymentSpec, pool: str) -> str:
     """What a worker group's pods are built from, minus the group count: a change here
     means the group must be replaced (rolling update)."""
     p = spec.pool(pool)
+    tracing = spec.tracing.to_dict()
+    # Only when set, so that the pods of a deployment without tracing keep their hash (no roll).
     return content_hash({"image": spec.worker_image(pool), "model": spec.model.to_dict(),
                          "threshold": spec.disaggregation_threshold,
-                         "pool": {**p.to_dict(), "replicas": None, "autoscaling": None}})[:10]
+                         "pool": {**p.to_dict(), "replicas": None, "autoscaling": None},
+                         **({"tracing": tracing} if tracing else {})})[:10]
 
 
 # --- settings of the operator that every workload gets -------------------------------------
@@ -88,6 +91,18 @@ def _etcd_tls(workload: WorkloadOptions) -> tuple[list[str], list[dict], list[di
     return flags, volumes, [{"name": "etcd-tls", "mountPath": ETCD_TLS_MOUNT, "readOnly": True}]
 
 
+def _tracing(spec: ServingDeploymentSpec) -> tuple[list[str], list[dict]]:
+    """(flags, env) that turn a pod's tracing on: the endpoint, and the pod's identity as
+    OpenTelemetry resource attributes (Resource.create reads OTEL_RESOURCE_ATTRIBUTES)."""
+    endpoint = spec.tracing.otlp_traces_endpoint
+    if endpoint is None:
+        return [], []
+    env = [{"name": "POD_NAMESPACE", "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}},
+           {"name": "OTEL_RESOURCE_ATTRIBUTES",
+            "value": "k8s.pod.name=$(POD_NAME),k8s.namespace.name=$(POD_NAMESPACE)"}]
+    return ["--otlp-traces-endpoint", endpoint], env
+
+
 # --- worker groups -------------------------------------------------------------------------
 
 def worker_args(spec: ServingDeploymentSpec, pool: str) -> list[str]:
@@ -107,7 +122,8 @@ def worker_args(spec: ServingDeploymentSpec, pool: str) -> list[str]:
         "--host", "0.0.0.0", "--advertise-host", "$(POD_IP)", "--port", str(names.WORKER_PORT),
         "--worker-id", "$(POD_NAME)",
         "--metrics-port", str(names.WORKER_METRICS_PORT), "--session-port", str(names.WORKER_SESSION_PORT),
-        "--remote-prefill-threshold", str(spec.disaggregation_threshold), "--etcd", "$(SPLITSERVE_ETCD)"]
+        "--remote-prefill-threshold", str(spec.disaggregation_threshold), "--etcd", "$(SPLITSERVE_ETCD)",
+        *_tracing(spec)[0]]
 
 
 def vllm_args(p: PoolSpec) -> list[str]:
@@ -173,6 +189,7 @@ def build_worker_pod(owner: Owner, spec: ServingDeploymentSpec, pool: str, group
             "name": names.config_map_name(owner.name), "key": "etcd"}}},
         {"name": "SPLITSERVE_GROUP", "value": group},
         {"name": "SPLITSERVE_POOL", "value": pool},
+        *_tracing(spec)[1],
     ]
     if p.group_size > 1:
         # `splitserve worker` joins its group through these (services/engine/parallel/rendezvous.py):
@@ -241,7 +258,7 @@ def frontend_args(spec: ServingDeploymentSpec) -> list[str]:
             "--router-temperature", str(spec.router.temperature),
             "--remote-prefill-threshold", str(spec.disaggregation_threshold),
             "--etcd", "$(SPLITSERVE_ETCD)", "--host", "0.0.0.0", "--port", str(spec.frontend.port),
-            "--grpc-port", str(spec.frontend.port + names.FRONTEND_GRPC_PORT_OFFSET)]
+            "--grpc-port", str(spec.frontend.port + names.FRONTEND_GRPC_PORT_OFFSET), *_tracing(spec)[0]]
 
 
 def build_frontend_deployment(owner: Owner, spec: ServingDeploymentSpec,
@@ -253,7 +270,9 @@ def build_frontend_deployment(owner: Owner, spec: ServingDeploymentSpec,
     container = {
         "name": "frontend", "image": spec.image, "command": ["splitserve"], "args": frontend_args(spec) + tls_flags,
         "env": [{"name": "SPLITSERVE_ETCD", "valueFrom": {"configMapKeyRef": {
-            "name": names.config_map_name(owner.name), "key": "etcd"}}}],
+            "name": names.config_map_name(owner.name), "key": "etcd"}}},
+                *([{"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+                   *_tracing(spec)[1]] if spec.tracing.otlp_traces_endpoint else [])],
         "ports": [{"name": "http", "containerPort": port},
                   {"name": "grpc", "containerPort": port + names.FRONTEND_GRPC_PORT_OFFSET}],
         "readinessProbe": {"httpGet": {"path": "/ready", "port": port}, "periodSeconds": 5},

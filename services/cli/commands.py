@@ -265,12 +265,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if args.autoscale and args.on_ray:
         raise SplitserveError("--autoscale starts and drains local worker processes; it does not apply with "
                               "--on-ray (scale Ray Serve's deployments with Ray's own autoscaling)")
-    if args.otlp_traces_endpoint and args.on_ray:
-        raise SplitserveError("--otlp-traces-endpoint is not available with --on-ray yet: the Ray Serve "
-                              "replicas do not trace")
     if args.on_ray:
         from splitserve.services.ray_serve.launch import run_on_ray
 
+        args.otlp_traces_endpoint = _tracing_endpoint(args)      # every replica gets it
         return run_on_ray(args)
     if args.config or args.ray_address:
         raise SplitserveError("--config and --ray-address are for --on-ray")

@@ -20,6 +20,7 @@ maps onto Ray:
 | image, vllmImage, frontend.serviceType | Kubernetes only (ignored) |
 | engine, *.engine | builtin: the worker in the replica's process; vllm: the replica's child process (worker_process.py) |
 | *.engineArgs (vllm) | vLLM's engine flags, after `--` of that child's `splitserve worker --engine vllm` |
+| tracing.otlpTracesEndpoint | the ingress's and every worker replica's OTLP endpoint (else the flag's) |
 
 What the spec does not say (KV pool size, batch limits, threads, transfer
 backend) comes from `EngineSettings` defaults or the CLI flags. A GPU pool
@@ -85,7 +86,7 @@ def read_spec(path: str | Path):
 
 
 def _pool(pool_spec, role: str, engine: EngineSettings, threshold: int, transfer: str,
-          drain_timeout_s: float) -> PoolPlan:
+          drain_timeout_s: float, otlp_traces_endpoint: str | None) -> PoolPlan:
     if pool_spec.pipeline_parallel != 1:
         raise SplitserveError(f"{role}.pipelineParallel: the engine has no pipeline parallelism yet; use 1")
     gpus = pool_spec.gpus_per_rank
@@ -96,7 +97,8 @@ def _pool(pool_spec, role: str, engine: EngineSettings, threshold: int, transfer
         engine = replace(engine, engine="builtin", engine_args=(), block_size=engine.block_size or 16)
     worker = WorkerSettings(role=role, engine=replace(engine, device="cuda" if gpus else "cpu"),
                             tensor_parallel=pool_spec.tensor_parallel, transfer=transfer,
-                            remote_prefill_threshold=threshold, drain_timeout_s=drain_timeout_s)
+                            remote_prefill_threshold=threshold, drain_timeout_s=drain_timeout_s,
+                            otlp_traces_endpoint=otlp_traces_endpoint)
     auto = pool_spec.autoscaling
     return PoolPlan(worker=worker, replicas=pool_spec.replicas, cpus_per_rank=parse_cpu(pool_spec.resources.cpu),
                     gpus_per_rank=float(gpus), memory_bytes_per_rank=parse_memory(pool_spec.resources.memory),
@@ -106,8 +108,10 @@ def _pool(pool_spec, role: str, engine: EngineSettings, threshold: int, transfer
 
 
 def config_from_spec(spec, engine: EngineSettings | None = None, transfer: str = "auto",
-                     served_model_name: str | None = None, migration_wait_s: float | None = None) -> RayServeConfig:
-    """`engine` supplies what the spec does not say; its model and dtype come from the spec."""
+                     served_model_name: str | None = None, migration_wait_s: float | None = None,
+                     otlp_traces_endpoint: str | None = None) -> RayServeConfig:
+    """`engine` supplies what the spec does not say; its model and dtype come from the spec.
+    Tracing: the spec's `tracing.otlpTracesEndpoint`, else `otlp_traces_endpoint` (the flag)."""
     engine = replace(engine or EngineSettings(model=spec.model.source), model=spec.model.source,
                      dtype=spec.model.dtype)
     threshold = spec.disaggregation_threshold
@@ -115,11 +119,13 @@ def config_from_spec(spec, engine: EngineSettings | None = None, transfer: str =
                             temperature=spec.router.temperature, remote_prefill_threshold=threshold)
     aggregated = spec.prefill.replicas == 0 and spec.prefill.autoscaling is None
     drain = float(spec.drain_timeout_seconds)
-    decode = _pool(spec.decode, "both" if aggregated else "decode", engine, threshold, transfer, drain)
-    prefill = None if aggregated else _pool(spec.prefill, "prefill", engine, threshold, transfer, drain)
+    traces = spec.tracing.otlp_traces_endpoint or otlp_traces_endpoint
+    decode = _pool(spec.decode, "both" if aggregated else "decode", engine, threshold, transfer, drain, traces)
+    prefill = None if aggregated else _pool(spec.prefill, "prefill", engine, threshold, transfer, drain, traces)
     ingress = IngressSettings(model=spec.model.source, router=router,
                               served_model_name=served_model_name or default_served_name(spec.model.source),
-                              migration_limit=spec.migration_limit, migration_wait_s=migration_wait_s)
+                              migration_limit=spec.migration_limit, migration_wait_s=migration_wait_s,
+                              otlp_traces_endpoint=traces)
     return RayServeConfig(ingress=ingress, decode=decode, prefill=prefill,
                           ingress_replicas=max(1, spec.frontend.replicas), http_port=spec.frontend.port)
 
@@ -138,14 +144,16 @@ def config_from_args(args: argparse.Namespace) -> RayServeConfig:
         spec = read_spec(args.config)
         engine = _engine_from_args(args, spec.model.source)
         return config_from_spec(spec, engine, args.transfer, args.served_model_name,
-                                getattr(args, "migration_wait", None))
+                                getattr(args, "migration_wait", None), getattr(args, "otlp_traces_endpoint", None))
     roles = [w.role for w in plan_workers(args)]
     engine = _engine_from_args(args, args.model)
     threshold = args.remote_prefill_threshold
+    traces = getattr(args, "otlp_traces_endpoint", None)
 
     def pool(role: str) -> PoolPlan:
         worker = WorkerSettings(role=role, engine=engine, tensor_parallel=args.tp, transfer=args.transfer,
-                                remote_prefill_threshold=threshold, prefill_timeout_s=args.prefill_timeout)
+                                remote_prefill_threshold=threshold, prefill_timeout_s=args.prefill_timeout,
+                                otlp_traces_endpoint=traces)
         gpus = 1.0 if engine.device.startswith("cuda") else 0.0
         return PoolPlan(worker=worker, replicas=roles.count(role), cpus_per_rank=args.ray_cpus_per_worker,
                         gpus_per_rank=gpus)
@@ -156,7 +164,8 @@ def config_from_args(args: argparse.Namespace) -> RayServeConfig:
                               served_model_name=args.served_model_name or default_served_name(args.model),
                               migration_limit=getattr(args, "migration_limit", None),
                               migration_wait_s=getattr(args, "migration_wait", None),
-                              tool_call_parser=args.tool_call_parser if args.enable_auto_tool_choice else None)
+                              tool_call_parser=args.tool_call_parser if args.enable_auto_tool_choice else None,
+                              otlp_traces_endpoint=traces)
     if args.aggregated:
         return RayServeConfig(ingress=ingress, decode=pool("both"), ingress_replicas=args.frontends,
                               http_port=args.port)

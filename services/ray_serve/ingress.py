@@ -52,6 +52,7 @@ def build_frontend(settings: IngressSettings, registry):
     if settings.migration_wait_s is not None:
         config.migration_wait_s = settings.migration_wait_s
     config.tool_call_parser = settings.tool_call_parser
+    config.otlp_traces_endpoint = settings.otlp_traces_endpoint
     return build(config, WorkerPool(tls=config.worker_tls, registry=registry))
 
 
@@ -84,6 +85,8 @@ class Ingress:
         if frontend is not None:
             await frontend.router.close()
             await frontend.pool.close()
+            if frontend.tracer is not None:
+                frontend.tracer.shutdown()          # exports the spans still buffered
         registry = getattr(self, "registry", None)
         if registry is not None:
             await registry.close()

@@ -88,6 +88,10 @@ def run_on_ray(args: argparse.Namespace) -> int:
         raise SplitserveError(f"--on-ray needs Ray Serve ({exc}): pip install 'splitserve[ray]'") from None
 
     config = config_from_args(args)
+    if config.ingress.otlp_traces_endpoint:         # the manifest's tracing, or the flag
+        from splitserve.tracing import require_tracing
+
+        require_tracing()
     port = args.port if not args.config else config.http_port
     address = args.ray_address or os.environ.get("RAY_ADDRESS")
     started = time.monotonic()

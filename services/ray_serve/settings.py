@@ -48,6 +48,7 @@ class WorkerSettings:
     remote_prefill_threshold: int = 64
     prefill_timeout_s: float = 30.0
     drain_timeout_s: float = 30.0      # a stopping replica waits this long for its calls
+    otlp_traces_endpoint: str | None = None   # export its spans there (splitserve/tracing.py); None: off
 
 
 @dataclass(slots=True, frozen=True)
@@ -69,6 +70,7 @@ class IngressSettings:
     migration_limit: int | None = None
     migration_wait_s: float | None = None   # None: the frontend's default
     tool_call_parser: str | None = None     # tool_choice="auto" (--enable-auto-tool-choice); None: refused
+    otlp_traces_endpoint: str | None = None  # export its spans there (splitserve/tracing.py); None: off
 
 
 @dataclass(slots=True, frozen=True)

@@ -57,6 +57,7 @@ def _server_config(settings: WorkerSettings, worker_id: str, host: str, port: in
     options = WorkerOptions(worker_id=worker_id, role=Role(settings.role),
                             remote_prefill_threshold=settings.remote_prefill_threshold,
                             prefill_timeout_s=settings.prefill_timeout_s)
+    options.otlp_traces_endpoint = settings.otlp_traces_endpoint
     return WorkerServerConfig(options=options, engine=BuiltinEngineLauncher(engine), host=host, port=port,
                               transfer=settings.transfer)
 

@@ -60,6 +60,8 @@ def worker_argv(settings: WorkerSettings, worker_id: str, host: str, port: int) 
             "--max-num-batched-tokens", str(e.max_num_batched_tokens), "--max-num-seqs", str(e.max_num_seqs)]
     if e.block_size is not None:
         argv += ["--block-size", str(e.block_size)]
+    if settings.otlp_traces_endpoint:
+        argv += ["--otlp-traces-endpoint", settings.otlp_traces_endpoint]
     return [*argv, "--", *e.engine_args]
 
 

@@ -293,6 +293,29 @@ class CapacityProfileSpec:
 
 
 @dataclass(frozen=True, slots=True)
+class TracingSpec:
+    """OpenTelemetry tracing of every frontend and worker pod (`--otlp-traces-endpoint`, vLLM's
+    flag name): None leaves it off."""
+
+    otlp_traces_endpoint: str | None = None
+
+    @classmethod
+    def from_dict(cls, d: Any, path: str = "spec.tracing") -> TracingSpec:
+        d = _mapping(d, path)
+        _reject_unknown(d, ("otlpTracesEndpoint",), path)
+        if d.get("otlpTracesEndpoint") is None:
+            return cls()
+        endpoint = _str(d, "otlpTracesEndpoint", None, path)
+        if not endpoint.startswith(("http://", "https://")):
+            raise ValueError(f"{path}.otlpTracesEndpoint: an OTLP/gRPC collector URL such as "
+                             f"http://otel-collector.observability:4317, got {endpoint!r}")
+        return cls(otlp_traces_endpoint=endpoint)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {} if self.otlp_traces_endpoint is None else {"otlpTracesEndpoint": self.otlp_traces_endpoint}
+
+
+@dataclass(frozen=True, slots=True)
 class SloAutoscalingSpec:
     """`spec.autoscaling`: the operator sizes the prefill and decode pools with the SLO planner
     (services/planner; operator/controller/scaling_task.py), through their ServingPools' scale
@@ -507,9 +530,10 @@ class ServingDeploymentSpec:
     autoscaling: SloAutoscalingSpec = field(default_factory=SloAutoscalingSpec)
     engine: str = "builtin"              # the pools' engine unless a pool names its own
     vllm_image: str = DEFAULT_VLLM_IMAGE  # the workers of engine: vllm pools (the frontends run `image`)
+    tracing: TracingSpec = field(default_factory=TracingSpec)
 
     _FIELDS = ("image", "vllmImage", "model", "engine", "frontend", "router", "prefill", "decode",
-               "disaggregationThreshold", "migrationLimit", "drainTimeoutSeconds", "autoscaling")
+               "disaggregationThreshold", "migrationLimit", "drainTimeoutSeconds", "autoscaling", "tracing")
 
     def worker_image(self, pool: str) -> str:
         return self.vllm_image if self.pool(pool).engine == "vllm" else self.image
@@ -537,7 +561,8 @@ class ServingDeploymentSpec:
                    migration_limit=_int(d, "migrationLimit", 2, path, minimum=0),
                    drain_timeout_seconds=_int(d, "drainTimeoutSeconds", 300, path, minimum=0),
                    autoscaling=SloAutoscalingSpec.from_dict(d.get("autoscaling"), f"{path}.autoscaling"),
-                   engine=engine, vllm_image=_str(d, "vllmImage", DEFAULT_VLLM_IMAGE, path))
+                   engine=engine, vllm_image=_str(d, "vllmImage", DEFAULT_VLLM_IMAGE, path),
+                   tracing=TracingSpec.from_dict(d.get("tracing"), f"{path}.tracing"))
         spec._check_vllm_is_aggregated(path)
         return spec
 
@@ -568,7 +593,7 @@ class ServingDeploymentSpec:
                 "prefill": self.prefill.to_dict(self.engine), "decode": self.decode.to_dict(self.engine),
                 "disaggregationThreshold": self.disaggregation_threshold,
                 "migrationLimit": self.migration_limit, "drainTimeoutSeconds": self.drain_timeout_seconds,
-                "autoscaling": self.autoscaling.to_dict()}
+                "autoscaling": self.autoscaling.to_dict(), "tracing": self.tracing.to_dict()}
 
 
 # --- status --------------------------------------------------------------------------------

@@ -2,7 +2,7 @@
 
 `OtlpCollector.start()` serves the OTLP/gRPC trace service that `--otlp-traces-endpoint`
 exports to and keeps every span it receives, with the `service.name` and
-`service.instance.id` of the process that sent it. The tests read `spans` (a copy, safe
+`service.instance.id` of the process that sent it (and all its resource attributes). The tests read `spans` (a copy, safe
 while exports arrive) and wait for the ones they expect; nothing here sleeps.
 """
 
@@ -29,6 +29,7 @@ class ReceivedSpan:
     kind: int                      # opentelemetry.proto.trace.v1.Span.SpanKind
     attributes: dict[str, object]
     status_code: int               # 0 unset, 1 ok, 2 error
+    resource: dict[str, object]    # every resource attribute of the exporter (k8s.pod.name, ...)
 
 
 def _value(v) -> object:
@@ -51,7 +52,7 @@ class _TraceService(trace_service_pb2_grpc.TraceServiceServicer):
                     received.append(ReceivedSpan(
                         str(resource.get("service.name", "")), str(resource.get("service.instance.id", "")),
                         s.trace_id.hex(), s.span_id.hex(), s.parent_span_id.hex(), s.name, s.kind,
-                        {a.key: _value(a.value) for a in s.attributes}, s.status.code))
+                        {a.key: _value(a.value) for a in s.attributes}, s.status.code, resource))
         with self.collector.lock:
             self.collector.received.extend(received)
             self.collector.num_exports += 1
@@ -91,3 +92,9 @@ class OtlpCollector:
     def stop(self) -> None:
         if self._server is not None:
             self._server.stop(1).wait()
+
+    def __enter__(self) -> OtlpCollector:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

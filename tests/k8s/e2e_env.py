@@ -12,7 +12,9 @@
   Deployment runs on the agent's node as `splitserve operator`, in-cluster (its
   ServiceAccount's token, the chart's RBAC);
 - a ServingDeployment of CPU worker groups (gpusPerRank 0) with the session's
-  random llama: its pods are the operator's, unchanged.
+  random llama: its pods are the operator's, unchanged; its `tracing` names a
+  real OTLP receiver (splitserve.testing.otlp_collector) on the host's
+  127.0.0.1, reached by pods through the node's forward like etcd.
 The test reaches the frontend Service and the workers' gRPC from the host
 through the agent's port forwards (the stand-in for `kubectl port-forward`).
 """
@@ -42,6 +44,7 @@ from operator_env import Api, condition, pool_status, sd_doc
 from splitserve.operator import names
 from splitserve.testing.certs import TestCA
 from splitserve.testing.etcd import Etcd
+from splitserve.testing.otlp_collector import OtlpCollector
 from splitserve.testing.workers import worker_stats
 from splitserve.tls import TlsConfig
 
@@ -72,6 +75,8 @@ class E2EDeployment:
     token: str
     model_dir: Path
     frontend: str = ""                   # 127.0.0.1:<port>, forwarded to the frontend Service
+    collector: OtlpCollector | None = None   # the spec's tracing.otlpTracesEndpoint
+    traces_endpoint: str = ""            # http://<node ip>:<port>, the collector as pods dial it
     _worker_forwards: dict[str, str] = field(default_factory=dict)   # pod IP -> 127.0.0.1:<port>
 
     # ---- bring-up ----------------------------------------------------------------
@@ -84,7 +89,7 @@ class E2EDeployment:
         agent = NodeAgent(cluster.api_client(), f"e2e-{token}", workdir / "agent", gpus=8, cpu="64",
                           memory="256Gi", pod_cidr=next_pod_cidr(), taint=None,
                           labels={E2E_LABEL: token}, image_env=dict(image_env or {})).start()
-        etcd = None
+        etcd, env = None, None
         try:
             cluster.wait_node_ready(agent.node_name, True, timeout=30)
             assert agent.network is not None
@@ -96,6 +101,8 @@ class E2EDeployment:
             env = cls(cluster, namespace, agent, etcd,
                       TlsConfig(cert=str(client.cert), key=str(client.key), ca=str(ca.ca_path)),
                       Api(cluster, namespace), token, model_dir)
+            env.collector = OtlpCollector.start()
+            env.traces_endpoint = f"http://{agent.expose_host_port(env.collector.port)}"
             env._install_chart(agent.expose_host_port(etcd.client_port), client, ca.ca_path, workdir)
             return env
         except BaseException:
@@ -103,6 +110,8 @@ class E2EDeployment:
             cluster.delete_node(agent.node_name)
             if etcd is not None:
                 etcd.stop()
+            if env is not None and env.collector is not None:
+                env.collector.stop()
             raise
 
     def _install_chart(self, etcd_address: str, client, ca_path: Path, workdir: Path) -> None:
@@ -127,7 +136,8 @@ class E2EDeployment:
                 "router": {"policy": "round-robin"},
                 "prefill": pool(1, self.token),
                 "decode": pool(decode_replicas, self.token, tp=2, engine_args=decode_engine_args),
-                "disaggregationThreshold": 0, "drainTimeoutSeconds": 60}
+                "disaggregationThreshold": 0, "drainTimeoutSeconds": 60,
+                "tracing": {"otlpTracesEndpoint": self.traces_endpoint}}
         self.api.apply(sd_doc(SD_NAME, spec))
 
     def wait_ready(self, decode: int, timeout: float = 180.0, prefill: int = 1) -> dict[str, Any]:
@@ -215,6 +225,8 @@ class E2EDeployment:
             self.agent.stop()
             self.cluster.delete_node(self.agent.node_name)
             self.etcd.stop()
+            if self.collector is not None:
+                self.collector.stop()
 
 
 @contextmanager

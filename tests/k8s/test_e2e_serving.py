@@ -14,10 +14,12 @@ Every answer is checked token for token against transformers' greedy output
 
 from __future__ import annotations
 
+import secrets
 import threading
 import time
 from pathlib import Path
 
+import openai
 import pytest
 
 from cluster import wait_until
@@ -132,7 +134,35 @@ def test_helm_install_serves_token_exact_through_pods(e2e: E2EDeployment, cases,
     assert all(served[n] >= 2 for n in decode_names), served
     assert sum(prefilled.values()) == len(cases), prefilled              # threshold 0: all prefilled remotely
     assert ours == _serve_reference(llama_dir, cases)                    # and what `splitserve serve` answers
+    _assert_one_trace_across_the_pods(e2e, base, model, cases[1][0])
     _assert_no_leaks(e2e)
+
+
+def _assert_one_trace_across_the_pods(e2e: E2EDeployment, base: str, model: str, prompt: list[int]) -> None:
+    """spec.tracing: a request sent with a client's traceparent is one trace across the frontend
+    pod, the decode group's rank-0 pod and the prefill group's (threshold 0: prefilled remotely),
+    each span naming its pod and namespace."""
+    trace_id, client_span_id = secrets.token_hex(16), secrets.token_hex(8)
+    with openai.OpenAI(base_url=f"http://{base}/v1", api_key="unused", max_retries=0, timeout=120) as client:
+        out = client.completions.create(model=model, prompt=prompt, max_tokens=2, temperature=0,
+                                        extra_headers={"traceparent": f"00-{trace_id}-{client_span_id}-01"})
+    assert out.usage.completion_tokens == 2
+
+    def whole():
+        spans = {s.name: s for s in e2e.collector.trace(trace_id)}
+        return spans if {"llm_request", "generate", "prefill", "kv_transfer", "decode"} <= spans.keys() else None
+    spans = wait_until(whole, timeout=30, what=f"every span of trace {trace_id}",
+                       details=lambda: sorted((s.resource.get("k8s.pod.name"), s.name)
+                                              for s in e2e.collector.trace(trace_id)))
+    root, generate, prefill = spans["llm_request"], spans["generate"], spans["prefill"]
+    assert root.parent_span_id == client_span_id
+    pods = {p["metadata"]["name"]: p["metadata"]["labels"].get(names.LABEL_ROLE)
+            for p in e2e.api.kubectl_json("get", "pods")["items"]}
+    assert pods[root.resource["k8s.pod.name"]] == "frontend"
+    assert pods[generate.resource["k8s.pod.name"]] == "decode" == pods[generate.instance]
+    assert pods[prefill.resource["k8s.pod.name"]] == "prefill"
+    assert {s.resource["k8s.namespace.name"] for s in spans.values()} == {e2e.namespace}
+    print(f"[e2e] one trace over {sorted({s.resource['k8s.pod.name'] for s in spans.values()})}")
 
 
 def test_kubectl_scale_adds_a_decode_group_that_registers_and_serves(e2e: E2EDeployment, fresh_cases):

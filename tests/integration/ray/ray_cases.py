@@ -11,7 +11,10 @@ The cases run in file order (the last one kills a replica):
    to be prefilled remotely);
 2. redeploying the manifest with another decode count scales the pool in
    place (the surviving replicas are the same actors) up and then down;
-3. killing the decode replica's actor that serves a stream mid-stream: the
+3. a request prefilled remotely, sent with a client's `traceparent`, is one trace
+   across the ingress and both workers' replicas (the manifest's
+   `tracing.otlpTracesEndpoint`, a real OTLP receiver in this namespace);
+4. killing the decode replica's actor that serves a stream mid-stream: the
    client still gets the whole greedy output (migration), the frontend counts
    a migration, and Serve replaces the replica.
 """
@@ -19,6 +22,7 @@ The cases run in file order (the last one kills a replica):
 from __future__ import annotations
 
 import os
+import secrets
 import signal
 import subprocess
 import sys
@@ -32,25 +36,28 @@ import yaml
 
 from splitserve.net import free_port
 from splitserve.testing.metrics import scrape
+from splitserve.testing.otlp_collector import OtlpCollector
 from splitserve.testing.waiting import wait_until
 
 READY_TIMEOUT_S = 120.0
 KV_CACHE_GIB = 0.05
 THRESHOLD = 8            # prompts with more uncached tokens than this are prefilled remotely
 LONG_PROMPT = "one two three four five six seven eight nine ten eleven twelve thirteen fourteen fifteen"
+TRACED_PROMPT = "a traced request about rivers, mountains, deserts, forests, glaciers and the open sea"   # uncached
 CHAT = [{"role": "user", "content": "Tell me about the sea and the ships that sail on it."}]
 KILL_PROMPT = "A long story about a lighthouse keeper and the storms of the northern coast"
 KILL_MAX_TOKENS = 600    # seconds of decoding on these CPUs: room to kill mid-stream
 APP = "splitserve"
 
 
-def manifest(model: str, num_decode: int, port: int) -> dict:
+def manifest(model: str, num_decode: int, port: int, traces_endpoint: str) -> dict:
     pool = {"gpusPerRank": 0, "resources": {"cpu": "1", "memory": "256Mi"}}
     return {"apiVersion": "splitserve.io/v1alpha1", "kind": "ServingDeployment", "metadata": {"name": "t"},
             "spec": {"model": {"source": model, "dtype": "float32"}, "frontend": {"replicas": 1, "port": port},
                      "router": {"policy": "kv"}, "prefill": {"replicas": 1, **pool},
                      "decode": {"replicas": num_decode, **pool},
-                     "disaggregationThreshold": THRESHOLD, "migrationLimit": 3}}
+                     "disaggregationThreshold": THRESHOLD, "migrationLimit": 3,
+                     "tracing": {"otlpTracesEndpoint": traces_endpoint}}}
 
 
 # -- the client side, the same for both targets ------------------------------------------------------
@@ -124,9 +131,10 @@ class ReferenceServer:
 # -- Ray -------------------------------------------------------------------------------------------
 
 class RayApp:
-    def __init__(self, model: str, scratch: Path):
+    def __init__(self, model: str, scratch: Path, collector: OtlpCollector):
         self.model = model
         self.scratch = scratch
+        self.collector = collector
         self.port = free_port()
 
     def deploy(self, num_decode: int):
@@ -135,7 +143,7 @@ class RayApp:
         from splitserve.services.ray_serve.settings import EngineSettings
 
         path = self.scratch / f"deployment-{num_decode}.yaml"
-        path.write_text(yaml.safe_dump(manifest(self.model, num_decode, self.port)))
+        path.write_text(yaml.safe_dump(manifest(self.model, num_decode, self.port, self.collector.endpoint)))
         config = config_from_spec(read_spec(path), EngineSettings(self.model, kv_cache_gib=KV_CACHE_GIB, threads=1))
         return deploy(config, READY_TIMEOUT_S)
 
@@ -176,17 +184,24 @@ def reference_server(llama_dir):
 
 
 @pytest.fixture(scope="module")
-def ray_app(llama_dir, reference_server):
+def collector():
+    with OtlpCollector.start() as receiver:
+        yield receiver
+
+
+@pytest.fixture(scope="module")
+def ray_app(llama_dir, reference_server, collector):
     import ray
     from ray import serve
 
     scratch = Path(os.environ.get("SPLITSERVE_RAY_SCRATCH") or "/tmp")
     started = time.monotonic()
+    # OTEL_BSP_SCHEDULE_DELAY: spans leave each replica within 0.1 s of ending.
     ray.init(num_cpus=8, include_dashboard=False, _temp_dir=os.environ.get("RAY_TMPDIR"),
-             runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}})
+             runtime_env={"env_vars": {"OMP_NUM_THREADS": "1", "OTEL_BSP_SCHEDULE_DELAY": "100"}})
     print(f"ray.init: {time.monotonic() - started:.1f} s", file=sys.stderr)
     try:
-        app = RayApp(str(llama_dir), scratch)
+        app = RayApp(str(llama_dir), scratch, collector)
         serve.start(http_options={"host": "127.0.0.1", "port": app.port})
         app.deploy(num_decode=2)
         print(f"ray.init + serve.start + deploy: {time.monotonic() - started:.1f} s", file=sys.stderr)
@@ -212,6 +227,34 @@ def test_greedy_output_equals_splitserve_serve(ray_app, reference):
     got = greedy_outputs(ray_app.base_url, name)
     assert got == expected
     assert all(len(ids) == 24 for ids in got.values())
+
+
+def test_a_request_is_one_trace_across_the_ingress_and_both_workers(ray_app, reference, collector):
+    name = reference[0]
+    trace_id, client_span_id = secrets.token_hex(16), secrets.token_hex(8)
+    out = _client(ray_app.base_url).completions.create(
+        model=name, prompt=TRACED_PROMPT, max_tokens=4, temperature=0,     # prefilled remotely
+        extra_headers={"traceparent": f"00-{trace_id}-{client_span_id}-01"})
+    assert out.usage.completion_tokens == 4
+
+    def whole():
+        spans = collector.trace(trace_id)
+        names = {s.name for s in spans}
+        return spans if {"llm_request", "route", "worker_call", "generate", "remote_prefill", "prefill",
+                         "kv_transfer", "decode"} <= names else None
+    spans = wait_until(whole, timeout=30, what=f"every span of trace {trace_id}",
+                       details=lambda: sorted((s.service, s.instance, s.name) for s in collector.trace(trace_id)))
+    by_name = {s.name: s for s in spans}
+    root = by_name["llm_request"]
+    assert root.service == "splitserve-frontend" and root.parent_span_id == client_span_id
+    generate, prefill = by_name["generate"], by_name["prefill"]
+    assert generate.service == prefill.service == "splitserve-worker"
+    assert generate.parent_span_id == by_name["worker_call"].span_id
+    assert prefill.parent_span_id == by_name["remote_prefill"].span_id
+    decoders = {e.worker_id for e in ray_app.directory("decode")}
+    [prefiller] = [e.worker_id for e in ray_app.directory("prefill")]
+    assert generate.instance in decoders and prefill.instance == prefiller      # one trace, both replicas
+    assert not [s for s in spans if s.status_code == 2]
 
 
 def test_scaling_a_pool_through_the_config(ray_app):

@@ -44,11 +44,8 @@ EXPECTED = {("splitserve-frontend", "llm_request"), *TREE}
 
 @pytest.fixture(scope="module")
 def collector():
-    receiver = OtlpCollector.start()
-    try:
+    with OtlpCollector.start() as receiver:
         yield receiver
-    finally:
-        receiver.stop()
 
 
 @pytest.fixture(scope="module")

@@ -233,3 +233,31 @@ def test_the_engine_and_the_vllm_image_roll_the_pool_and_builtin_hashes_stay():
     assert builders.pool_spec_hash(moved, "decode") != builders.pool_spec_hash(VLLM, "decode")
     assert builders.pool_spec_hash(ServingDeploymentSpec.from_dict({**VLLM.to_dict(), "image": "x:2"}),
                                    "decode") == builders.pool_spec_hash(VLLM, "decode")
+
+
+def test_spec_tracing_reaches_every_frontend_and_worker_pod_and_rolls_only_then():
+    from splitserve.services.cli.parsers import build_parser
+
+    endpoint = "http://otel.obs:4317"
+    traced = ServingDeploymentSpec.from_dict({**SPEC.to_dict(), "tracing": {"otlpTracesEndpoint": endpoint}})
+    attributes = "k8s.pod.name=$(POD_NAME),k8s.namespace.name=$(POD_NAMESPACE)"
+    pods = [*builders.build_group_pods(OWNER, traced, "prefill", "llm-prefill-abc12"),
+            *builders.build_group_pods(OWNER, traced, "decode", "llm-decode-abc12")]
+    frontend = builders.build_frontend_deployment(OWNER, traced)["spec"]["template"]
+    for pod in [*pods, frontend]:
+        container = pod["spec"]["containers"][0]
+        args, names_ = container["args"], [e["name"] for e in container["env"]]
+        assert args[args.index("--otlp-traces-endpoint") + 1] == endpoint
+        assert env(pod)["OTEL_RESOURCE_ATTRIBUTES"] == attributes
+        # $(VAR) expands only against variables defined before it (Kubernetes' rule).
+        assert names_.index("POD_NAME") < names_.index("OTEL_RESOURCE_ATTRIBUTES")
+        assert names_.index("POD_NAMESPACE") < names_.index("OTEL_RESOURCE_ATTRIBUTES")
+        parsed = build_parser().parse_args(args)
+        assert parsed.otlp_traces_endpoint == endpoint
+    # Off: no flag, no variable, and the pods of an untraced deployment keep their hash (no roll).
+    for pod in [*builders.build_group_pods(OWNER, SPEC, "decode", "g"),
+                builders.build_frontend_deployment(OWNER, SPEC)["spec"]["template"]]:
+        assert "--otlp-traces-endpoint" not in pod["spec"]["containers"][0]["args"]
+        assert "OTEL_RESOURCE_ATTRIBUTES" not in env(pod)
+    assert builders.pool_spec_hash(SPEC, "decode") == "10f0b39012"
+    assert builders.pool_spec_hash(traced, "decode") != builders.pool_spec_hash(SPEC, "decode")

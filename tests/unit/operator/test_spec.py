@@ -65,6 +65,10 @@ def test_full_spec_round_trips():
     ({"decode": {"engineArgs": ["--engine", "vllm"]}}, "spec.decode.engineArgs: --engine is set by the operator "
                                                        "from the engine field"),
     ({"engine": "sglang"}, "spec.engine: 'sglang' is not one of builtin, vllm"),
+    ({"tracing": {"otlpTracesEndpoint": "collector:4317"}}, "spec.tracing.otlpTracesEndpoint: an OTLP/gRPC "
+                                                            "collector URL such as http://"),
+    ({"tracing": {"otlpTracesEndpoint": ""}}, "spec.tracing.otlpTracesEndpoint: expected a non-empty string"),
+    ({"tracing": {"endpoint": "http://c:4317"}}, "spec.tracing: unknown field(s) endpoint; known: otlpTracesEndpoint"),
     ({"prefill": {"replicas": 0}, "decode": {"engine": "tgi"}}, "spec.decode.engine: 'tgi' is not one of"),
     # vLLM flags the operator sets, in either spelling vLLM's parser reads
     *[({"engine": "vllm", "prefill": {"replicas": 0}, "decode": {"engineArgs": args}},
@@ -129,6 +133,16 @@ def test_builtin_pools_keep_engine_args_as_worker_flags_and_their_document():
     assert (wide.decode.group_size, wide.decode.gpus_per_pod) == (4, 1)
 
 
+def test_tracing_is_off_unless_an_endpoint_is_given_and_round_trips():
+    plain = ServingDeploymentSpec.from_dict({"model": {"source": "smollm2"}})
+    assert plain.tracing.otlp_traces_endpoint is None and plain.to_dict()["tracing"] == {}
+    traced = ServingDeploymentSpec.from_dict({"model": {"source": "smollm2"},
+                                              "tracing": {"otlpTracesEndpoint": "http://otel.obs:4317"}})
+    assert traced.tracing.otlp_traces_endpoint == "http://otel.obs:4317"
+    assert ServingDeploymentSpec.from_dict(traced.to_dict()) == traced
+    assert ServingDeploymentSpec.from_dict(plain.to_dict()) == plain
+
+
 def test_crd_schema_agrees_with_the_dataclasses():
     crd = yaml.safe_load(CRD.read_text())
     schema = crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]
@@ -150,3 +164,4 @@ def test_crd_schema_agrees_with_the_dataclasses():
     for key in ("replicas", "tensorParallel", "pipelineParallel", "gpusPerRank"):
         assert pool[key]["default"] == defaults["prefill"][key]
     assert props["drainTimeoutSeconds"]["default"] == defaults["drainTimeoutSeconds"]
+    assert set(props["tracing"]["properties"]) == {"otlpTracesEndpoint"}

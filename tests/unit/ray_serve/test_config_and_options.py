@@ -192,3 +192,32 @@ def test_serve_on_ray_with_engine_vllm_plans_vllm_workers(tmp_path):
     assert config.prefill is None and config.decode.worker.role == "both" and config.decode.replicas == 1
     assert (engine.engine, engine.engine_python, engine.engine_args) == ("vllm", "/py", ("--max-model-len", "2048"))
     assert engine.block_size is None and config.ingress.migration_wait_s == 90
+
+
+def test_tracing_reaches_the_ingress_and_every_worker_replica(tmp_path):
+    """The spec's tracing.otlpTracesEndpoint, else `serve --on-ray --otlp-traces-endpoint`."""
+    from splitserve.services.cli.parsers import build_parser
+    from splitserve.services.ray_serve.worker import _server_config
+    from splitserve.services.ray_serve.worker_process import worker_argv
+
+    def endpoints(config):
+        pools = [p for p in (config.prefill, config.decode) if p is not None]
+        return {config.ingress.otlp_traces_endpoint, *(p.worker.otlp_traces_endpoint for p in pools)}
+
+    traced = {**SPEC, "tracing": {"otlpTracesEndpoint": "http://otel:4317"}}
+    assert endpoints(config_from_spec(read_spec(_write(tmp_path, traced)))) == {"http://otel:4317"}
+    assert endpoints(config_from_spec(read_spec(_write(tmp_path, SPEC)))) == {None}
+    assert endpoints(config_from_spec(read_spec(_write(tmp_path, SPEC)),
+                                      otlp_traces_endpoint="http://flag:4317")) == {"http://flag:4317"}
+    args = build_parser().parse_args(["serve", "--on-ray", "--model", "/m", "--otlp-traces-endpoint", "http://f:4317"])
+    config = config_from_args(args)
+    assert endpoints(config) == {"http://f:4317"}
+    # A built-in replica's worker server, and a vLLM replica's child process, get it.
+    assert _server_config(config.decode.worker, "decode-x", "127.0.0.1", 5000).options.otlp_traces_endpoint \
+        == "http://f:4317"
+    vllm = EngineSettings(model=str(tmp_path), engine="vllm", block_size=None)
+    from splitserve.services.ray_serve.settings import WorkerSettings
+
+    argv = worker_argv(WorkerSettings(role="both", engine=vllm, otlp_traces_endpoint="http://f:4317"), "b", "h", 1)
+    assert build_parser().parse_args(argv).otlp_traces_endpoint == "http://f:4317"
+    assert "--otlp-traces-endpoint" not in worker_argv(WorkerSettings(role="both", engine=vllm), "b", "h", 1)
