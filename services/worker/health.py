@@ -25,6 +25,15 @@ class WorkerHealthServicer(HealthServicer):
         self._ending.set()
 
     async def Watch(self, request: health_pb2.HealthCheckRequest, context) -> None:
+        try:
+            await self._watch(request, context)
+        except asyncio.CancelledError:
+            # The watcher went away (a frontend dropping a worker that deregistered) or the
+            # server stopped: the stream is over either way. Raised into grpc, the cancellation
+            # takes its error path, which at shutdown logs it as an unhandled error with a traceback.
+            return
+
+    async def _watch(self, request: health_pb2.HealthCheckRequest, context) -> None:
         if not self._ending.is_set():
             watch = asyncio.ensure_future(super().Watch(request, context))
             ending = asyncio.ensure_future(self._ending.wait())
