@@ -91,16 +91,22 @@ def _etcd_tls(workload: WorkloadOptions) -> tuple[list[str], list[dict], list[di
     return flags, volumes, [{"name": "etcd-tls", "mountPath": ETCD_TLS_MOUNT, "readOnly": True}]
 
 
-def _tracing(spec: ServingDeploymentSpec) -> tuple[list[str], list[dict]]:
-    """(flags, env) that turn a pod's tracing on: the endpoint, and the pod's identity as
-    OpenTelemetry resource attributes (Resource.create reads OTEL_RESOURCE_ATTRIBUTES)."""
+POD_NAME_ENV = {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}}
+
+
+def _tracing_flags(spec: ServingDeploymentSpec) -> list[str]:
     endpoint = spec.tracing.otlp_traces_endpoint
-    if endpoint is None:
-        return [], []
-    env = [{"name": "POD_NAMESPACE", "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}},
-           {"name": "OTEL_RESOURCE_ATTRIBUTES",
-            "value": "k8s.pod.name=$(POD_NAME),k8s.namespace.name=$(POD_NAMESPACE)"}]
-    return ["--otlp-traces-endpoint", endpoint], env
+    return [] if endpoint is None else ["--otlp-traces-endpoint", endpoint]
+
+
+def _tracing_env(spec: ServingDeploymentSpec) -> list[dict]:
+    """With tracing on, the pod's identity as OpenTelemetry resource attributes (Resource.create
+    reads OTEL_RESOURCE_ATTRIBUTES); POD_NAME must come earlier in the pod's env."""
+    if spec.tracing.otlp_traces_endpoint is None:
+        return []
+    return [{"name": "POD_NAMESPACE", "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}},
+            {"name": "OTEL_RESOURCE_ATTRIBUTES",
+             "value": "k8s.pod.name=$(POD_NAME),k8s.namespace.name=$(POD_NAMESPACE)"}]
 
 
 # --- worker groups -------------------------------------------------------------------------
@@ -123,7 +129,7 @@ def worker_args(spec: ServingDeploymentSpec, pool: str) -> list[str]:
         "--worker-id", "$(POD_NAME)",
         "--metrics-port", str(names.WORKER_METRICS_PORT), "--session-port", str(names.WORKER_SESSION_PORT),
         "--remote-prefill-threshold", str(spec.disaggregation_threshold), "--etcd", "$(SPLITSERVE_ETCD)",
-        *_tracing(spec)[0]]
+        *_tracing_flags(spec)]
 
 
 def vllm_args(p: PoolSpec) -> list[str]:
@@ -183,13 +189,13 @@ def build_worker_pod(owner: Owner, spec: ServingDeploymentSpec, pool: str, group
     annotations = {names.ANN_GROUP_SIZE: str(p.group_size), names.ANN_TOPOLOGY: topology,
                    **scrape_annotations(names.WORKER_METRICS_PORT)}
     env = [
-        {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+        POD_NAME_ENV,
         {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
         {"name": "SPLITSERVE_ETCD", "valueFrom": {"configMapKeyRef": {
             "name": names.config_map_name(owner.name), "key": "etcd"}}},
         {"name": "SPLITSERVE_GROUP", "value": group},
         {"name": "SPLITSERVE_POOL", "value": pool},
-        *_tracing(spec)[1],
+        *_tracing_env(spec),
     ]
     if p.group_size > 1:
         # `splitserve worker` joins its group through these (services/engine/parallel/rendezvous.py):
@@ -258,7 +264,7 @@ def frontend_args(spec: ServingDeploymentSpec) -> list[str]:
             "--router-temperature", str(spec.router.temperature),
             "--remote-prefill-threshold", str(spec.disaggregation_threshold),
             "--etcd", "$(SPLITSERVE_ETCD)", "--host", "0.0.0.0", "--port", str(spec.frontend.port),
-            "--grpc-port", str(spec.frontend.port + names.FRONTEND_GRPC_PORT_OFFSET), *_tracing(spec)[0]]
+            "--grpc-port", str(spec.frontend.port + names.FRONTEND_GRPC_PORT_OFFSET), *_tracing_flags(spec)]
 
 
 def build_frontend_deployment(owner: Owner, spec: ServingDeploymentSpec,
@@ -271,8 +277,7 @@ def build_frontend_deployment(owner: Owner, spec: ServingDeploymentSpec,
         "name": "frontend", "image": spec.image, "command": ["splitserve"], "args": frontend_args(spec) + tls_flags,
         "env": [{"name": "SPLITSERVE_ETCD", "valueFrom": {"configMapKeyRef": {
             "name": names.config_map_name(owner.name), "key": "etcd"}}},
-                *([{"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
-                   *_tracing(spec)[1]] if spec.tracing.otlp_traces_endpoint else [])],
+                *([POD_NAME_ENV, *_tracing_env(spec)] if spec.tracing.otlp_traces_endpoint else [])],
         "ports": [{"name": "http", "containerPort": port},
                   {"name": "grpc", "containerPort": port + names.FRONTEND_GRPC_PORT_OFFSET}],
         "readinessProbe": {"httpGet": {"path": "/ready", "port": port}, "periodSeconds": 5},

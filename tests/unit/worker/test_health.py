@@ -55,4 +55,3 @@ async def _read_to_end(call) -> list[int]:
     while (reply := await call.read()) is not grpc.aio.EOF:
         statuses.append(reply.status)
     return statuses
-
