@@ -21,7 +21,10 @@ its prefix is cached. vLLM's CPU default of 128 tokens per block caches nothing 
 prefix under 128 tokens, and at most 64 % of this load's prompt tokens against 73 % at 32 (a
 simulation with every prefix kept); its GPU default is 16. The routing runs use 32, the smallest
 its CPU attention takes, for both policies.
-Ratio per round: kv's TTFT p90 ÷ round-robin's (target ≤ 0.5).
+Ratio per round: kv's TTFT p90 ÷ round-robin's (target ≤ 0.5). Beside it, per run, what no
+router can change: the most prompt tokens any routing could find cached (one unbounded cache
+holding every earlier prompt, in whole blocks), and how many of the run's slowest tenth were
+served with all of that (their wait is prefill that no routing saves).
 
 Every comparison is within a round (servers restarted, order reversed every other round);
 `--rounds 3` reports min / median / max over rounds. Run it on a quiet machine.
@@ -31,7 +34,8 @@ Every comparison is within a round (servers restarted, order reversed every othe
 
 JSON (`--out`): the commit, CPU and load (splitserve.hardware.write_report), every run,
 `tok_s_vs_vllm` and `ttft_p50_vs_vllm` keyed by concurrency (median over rounds; per round beside
-them), `kv_vs_round_robin_ttft_p90` (median; per round beside it), and the targets.
+them), `kv_vs_round_robin_ttft_p90` (median; per round beside it), per routing run `best_cached_tokens`
+and `slowest_tenth` (`requests`, `routing_optimal`, their `uncached_tokens`), and the targets.
 """
 
 from __future__ import annotations
@@ -151,10 +155,47 @@ def cost_ratios(results: list[RunResult]) -> dict[str, dict[str, list[float]]]:
 
 
 # -- part 2: the router ---------------------------------------------------------------------------
+def best_cached_tokens(args) -> dict[str, int]:
+    """Per replayed request ("trace<index>", as the client names it): the most prompt tokens any
+    routing could find cached, i.e. with one unbounded cache holding every earlier prompt. The
+    prompt's leading trace blocks that an earlier request had, in vLLM's whole blocks of
+    --kv-block-size tokens, and never the last token (vLLM computes at least one). What is left is
+    prefill work that no router can save: it bounds how low kv's TTFT can go on this load."""
+    from splitserve.loadgen.datasets import MOONCAKE_BLOCK_TOKENS, conversation_records, default_trace_path
+
+    with default_trace_path().open(encoding="utf-8") as f:
+        records = [json.loads(line) for line in f if line.strip()]
+    indices, chosen = conversation_records(records, args.trace_conversations, args.trace_min_turns)
+    scale, bs = args.trace_block_tokens / MOONCAKE_BLOCK_TOKENS, args.kv_block_size
+    seen: set[tuple] = set()
+    best = {}
+    for index, rec in list(zip(indices, chosen))[:args.trace_requests]:
+        n = min(max(1, round(rec["input_length"] * scale)), args.trace_max_input)
+        chain = rec["hash_ids"]
+        shared = 0
+        while shared < len(chain) and tuple(chain[:shared + 1]) in seen:
+            shared += 1
+        seen.update(tuple(chain[:j]) for j in range(1, len(chain) + 1))
+        best[f"trace{index}"] = min(shared * args.trace_block_tokens, n - 1) // bs * bs
+    return best
+
+
+def slowest_tenth(result: dict, best: dict[str, int]) -> dict:
+    """Of the requests at or above the run's TTFT p90: how many, and how many were served with every
+    token that any routing could have had cached (their wait is prefill no router saves)."""
+    done = [r for r in result["requests"] if r["ok"] and r["ttft_s"] is not None]
+    p90 = result["summary"]["ttft_s"]["p90"]
+    slow = [r for r in done if r["ttft_s"] >= p90]
+    optimal = [r for r in slow if (r["cached_tokens"] or 0) >= best.get(r["conversation_id"], 0)]
+    return {"requests": len(slow), "routing_optimal": len(optimal),
+            "uncached_tokens": sorted(r["prompt_tokens"] - (r["cached_tokens"] or 0) for r in slow)}
+
+
 def routing(args, scratch: Path, console: Console) -> list[dict[str, dict]]:
     vllm_args = [*args.vllm_args.split(), "--block-size", str(args.kv_block_size),
                  "--num-gpu-blocks-override", str(args.kv_blocks)]
     rounds = []
+    best = best_cached_tokens(args)
     for round_ in range(1, args.rounds + 1):
         order = ["kv", "round-robin"] if round_ % 2 else ["round-robin", "kv"]
         row = {}
@@ -183,10 +224,15 @@ def routing(args, scratch: Path, console: Console) -> list[dict[str, dict]]:
             cached = sum(r["cached_tokens"] or 0 for r in done)
             row[policy] = {"ttft_p50_s": summary["ttft_s"]["p50"], "ttft_p90_s": summary["ttft_s"]["p90"],
                            "num_ok": summary["num_ok"], "num_errors": summary["num_errors"],
-                           "prompt_tokens": prompt, "cached_tokens": cached}
+                           "prompt_tokens": prompt, "cached_tokens": cached,
+                           "best_cached_tokens": sum(best.get(r["conversation_id"], 0) for r in done),
+                           "slowest_tenth": slowest_tenth(result, best)}
+            slow = row[policy]["slowest_tenth"]
             console.print(f"round {round_} {policy:>12}: TTFT p90 {_ms(row[policy]['ttft_p90_s'])} ms, "
                           f"{summary['num_ok']} ok, {summary['num_errors']} errors, cached "
-                          f"{cached / max(1, prompt):.0%} of {prompt} prompt tokens")
+                          f"{cached / max(1, prompt):.0%} of {prompt} prompt tokens (any routing: at most "
+                          f"{row[policy]['best_cached_tokens'] / max(1, prompt):.0%}); slowest tenth: "
+                          f"{slow['routing_optimal']} of {slow['requests']} had all the cache any routing could give")
         rounds.append(row)
     return rounds
 

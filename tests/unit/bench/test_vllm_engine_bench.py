@@ -45,3 +45,44 @@ def test_ratios_pair_runs_of_the_same_round_and_concurrency():
     ratios = vllm_engine.cost_ratios(results)
     assert ratios["tok_s"] == {"1": [pytest.approx(0.9), pytest.approx(1.0)], "4": [pytest.approx(1.5)]}
     assert ratios["ttft_p50"] == {"1": [pytest.approx(1.2), pytest.approx(0.5)], "4": [pytest.approx(0.5)]}
+
+
+def _trace(tmp_path: Path, monkeypatch, records: list[dict]) -> None:
+    import json
+    path = tmp_path / "trace.jsonl"
+    path.write_text("".join(json.dumps({"timestamp": i, "output_length": 64, **r}) + "\n"
+                            for i, r in enumerate(records)))
+    monkeypatch.setenv("SPLITSERVE_MOONCAKE_TRACE", str(path))
+
+
+def test_best_cached_tokens_is_what_one_unbounded_cache_holds_in_whole_blocks(tmp_path, monkeypatch):
+    # Two conversations of two turns (records sharing their first two trace blocks), a stray record
+    # between them; 16 tokens per trace block (input x 16/512), vLLM blocks of 32 tokens.
+    _trace(tmp_path, monkeypatch, [
+        {"input_length": 512 * 3, "hash_ids": [1, 2, 3]},             # a's first turn: 48 tokens, nothing before
+        {"input_length": 512 * 2, "hash_ids": [1, 9]},                # b's first turn: shares block 1 (16 tokens)
+        {"input_length": 512 * 2, "hash_ids": [7, 8]},                # one turn only: not replayed
+        {"input_length": 512 * 5, "hash_ids": [1, 2, 3, 4, 5]},       # a again: 48 tokens held -> 32 (whole blocks)
+        {"input_length": 512 * 2, "hash_ids": [1, 9]},                # b again, the same prompt: all but its last token
+    ])
+    import argparse
+    args = argparse.Namespace(trace_conversations=2, trace_min_turns=2, trace_block_tokens=16, kv_block_size=32,
+                              trace_max_input=1800, trace_requests=None)
+    assert vllm_engine.best_cached_tokens(args) == {"trace0": 0, "trace1": 0, "trace3": 32, "trace4": 0}
+    args.kv_block_size = 16
+    assert vllm_engine.best_cached_tokens(args) == {"trace0": 0, "trace1": 16, "trace3": 48, "trace4": 16}
+    args.trace_requests = 2
+    assert vllm_engine.best_cached_tokens(args) == {"trace0": 0, "trace1": 16}
+
+
+def test_slowest_tenth_counts_who_had_all_the_cache_any_routing_could_give():
+    def req(i: int, ttft: float, prompt: int, cached: int) -> dict:
+        return {"conversation_id": f"trace{i}", "ok": True, "ttft_s": ttft, "prompt_tokens": prompt,
+                "cached_tokens": cached}
+    result = {"summary": {"ttft_s": {"p90": 2.0}},
+              "requests": [req(0, 3.0, 500, 0), req(1, 2.5, 400, 64), req(2, 2.0, 300, 288), req(3, 0.2, 300, 0),
+                           {"conversation_id": "trace4", "ok": False, "ttft_s": None, "prompt_tokens": 9,
+                            "cached_tokens": None}]}
+    best = {"trace0": 0, "trace1": 320, "trace2": 288, "trace3": 256}
+    assert vllm_engine.slowest_tenth(result, best) == {"requests": 3, "routing_optimal": 2,
+                                                       "uncached_tokens": [12, 336, 500]}
