@@ -161,16 +161,16 @@ def best_cached_tokens(args) -> dict[str, int]:
     prompt's leading trace blocks that an earlier request had, in vLLM's whole blocks of
     --kv-block-size tokens, and never the last token (vLLM computes at least one). What is left is
     prefill work that no router can save: it bounds how low kv's TTFT can go on this load."""
-    from splitserve.loadgen.datasets import MOONCAKE_BLOCK_TOKENS, conversation_records, default_trace_path
+    from splitserve.loadgen.datasets import (MOONCAKE_BLOCK_TOKENS, conversation_records, default_trace_path,
+                                             read_trace, scaled_input_tokens)
 
-    with default_trace_path().open(encoding="utf-8") as f:
-        records = [json.loads(line) for line in f if line.strip()]
-    indices, chosen = conversation_records(records, args.trace_conversations, args.trace_min_turns)
+    indices, chosen = conversation_records(read_trace(default_trace_path()), args.trace_conversations,
+                                           args.trace_min_turns)
     scale, bs = args.trace_block_tokens / MOONCAKE_BLOCK_TOKENS, args.kv_block_size
     seen: set[tuple] = set()
     best = {}
     for index, rec in list(zip(indices, chosen))[:args.trace_requests]:
-        n = min(max(1, round(rec["input_length"] * scale)), args.trace_max_input)
+        n = scaled_input_tokens(rec, scale, args.trace_max_input)
         chain = rec["hash_ids"]
         shared = 0
         while shared < len(chain) and tuple(chain[:shared + 1]) in seen:

@@ -89,9 +89,8 @@ def mooncake_trace(vocab: PromptVocab, path: Path | None = None, *, num_requests
     t0 = records[0]["timestamp"] if records else 0
     replayed, cut = [], 0
     for index, rec in zip(indices, records):
-        num_tokens = max(1, round(rec["input_length"] * scale))
-        if max_input_tokens is not None and num_tokens > max_input_tokens:
-            num_tokens, cut = max_input_tokens, cut + 1
+        num_tokens = scaled_input_tokens(rec, scale, max_input_tokens)
+        cut += num_tokens < max(1, round(rec["input_length"] * scale))
         hash_ids = list(rec["hash_ids"]) or [f"r{index}"]
         words = []
         for hash_id in hash_ids:
@@ -120,6 +119,17 @@ def mooncake_trace(vocab: PromptVocab, path: Path | None = None, *, num_requests
               "max_input_tokens": max_input_tokens, "prompts_cut": cut,
               "time_scale": time_scale, "seed": seed}
     return Workload("trace", replayed, params, [note], cyclic=False)
+
+
+def scaled_input_tokens(rec: dict, scale: float, max_input_tokens: int | None) -> int:
+    """A trace record's prompt length replayed at `scale` tokens per trace token, cut to `max_input_tokens`."""
+    n = max(1, round(rec["input_length"] * scale))
+    return n if max_input_tokens is None else min(n, max_input_tokens)
+
+
+def read_trace(path: Path) -> list[dict]:
+    """Every record of a Mooncake trace file, checked."""
+    return _read_jsonl(path, 0, None)
 
 
 def conversation_records(records: list[dict], conversations: int, min_turns: int) -> tuple[list[int], list[dict]]:

@@ -99,12 +99,13 @@ def _tracing_flags(spec: ServingDeploymentSpec) -> list[str]:
     return [] if endpoint is None else ["--otlp-traces-endpoint", endpoint]
 
 
-def _tracing_env(spec: ServingDeploymentSpec) -> list[dict]:
+def _tracing_env(spec: ServingDeploymentSpec, pod_name: bool = False) -> list[dict]:
     """With tracing on, the pod's identity as OpenTelemetry resource attributes (Resource.create
-    reads OTEL_RESOURCE_ATTRIBUTES); POD_NAME must come earlier in the pod's env."""
+    reads OTEL_RESOURCE_ATTRIBUTES); POD_NAME must come earlier in the pod's env (`pod_name`: add
+    it here, for a pod that has no POD_NAME of its own)."""
     if spec.tracing.otlp_traces_endpoint is None:
         return []
-    return [{"name": "POD_NAMESPACE", "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}},
+    return [*([POD_NAME_ENV] if pod_name else []), {"name": "POD_NAMESPACE", "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}},
             {"name": "OTEL_RESOURCE_ATTRIBUTES",
              "value": "k8s.pod.name=$(POD_NAME),k8s.namespace.name=$(POD_NAMESPACE)"}]
 
@@ -277,7 +278,7 @@ def build_frontend_deployment(owner: Owner, spec: ServingDeploymentSpec,
         "name": "frontend", "image": spec.image, "command": ["splitserve"], "args": frontend_args(spec) + tls_flags,
         "env": [{"name": "SPLITSERVE_ETCD", "valueFrom": {"configMapKeyRef": {
             "name": names.config_map_name(owner.name), "key": "etcd"}}},
-                *([POD_NAME_ENV, *_tracing_env(spec)] if spec.tracing.otlp_traces_endpoint else [])],
+                *_tracing_env(spec, pod_name=True)],
         "ports": [{"name": "http", "containerPort": port},
                   {"name": "grpc", "containerPort": port + names.FRONTEND_GRPC_PORT_OFFSET}],
         "readinessProbe": {"httpGet": {"path": "/ready", "port": port}, "periodSeconds": 5},
