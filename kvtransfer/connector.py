@@ -81,7 +81,7 @@ class AgentMetadata:
     layout: KVLayout
     layout_hash: str
     num_blocks: int
-    layer_base_addrs: tuple[int, ...]   # address of each layer's K region; V follows num_blocks blocks later
+    layer_base_addrs: tuple[int, ...]   # address of each layer's region (layout.py: K then V, or pages)
     device: str                      # "cpu" | "cuda:N"
     agent_blob: bytes = b""          # backend agent metadata (NIXL get_agent_metadata())
     auth: bytes = b""                # HMAC tag of the fields above under the transfer token (auth.py)
@@ -133,6 +133,7 @@ class TransferHandle:
     done: bool = False
     error: TransferError | None = None
     counted: bool = field(default=False, repr=False)
+    done_at: float = 0.0             # time.monotonic() when a poll first saw it done (remotely complete)
 
     @property
     def finished(self) -> bool:
@@ -169,14 +170,14 @@ class Connector(ABC):
 
     # -- setup and handshake --------------------------------------------------------------
     def register(self, pool: torch.Tensor) -> None:
-        """Register the local pool `[layers][2][blocks][block_size][local_kv_heads][head_dim]`.
+        """Register the local pool, shaped `layout.pool_shape(num_blocks)` (either layout, layout.py).
 
         Must be called once, before `metadata()`. Raises ValueError if the tensor does
         not match this connector's layout or is not contiguous.
         """
         if self.pool is not None:
             raise ValueError("a pool is already registered")
-        num_blocks = pool.shape[2] if pool.dim() == 6 else -1
+        num_blocks = self.layout.num_blocks_in(tuple(pool.shape))
         if tuple(pool.shape) != self.layout.pool_shape(num_blocks) or pool.dtype != self.layout.torch_dtype:
             raise ValueError(f"pool {tuple(pool.shape)} {pool.dtype} does not match layout "
                              f"{self.layout.pool_shape(num_blocks)} {self.layout.torch_dtype}")
@@ -189,7 +190,7 @@ class Connector(ABC):
 
     @property
     def num_blocks(self) -> int:
-        return self._require_pool().shape[2]
+        return self.layout.num_blocks_in(tuple(self._require_pool().shape))
 
     @abstractmethod
     def metadata(self) -> AgentMetadata:
@@ -477,19 +478,20 @@ class Connector(ABC):
 
     def _count(self, handle: TransferHandle) -> None:
         handle.counted = True
+        handle.done_at = time.monotonic()
         if handle.error is not None:
             self._count_failure(type(handle.error))
             return
-        self._metric("transfers", "send", handle.kind).inc()
-        self._metric("bytes", "send").inc(handle.num_bytes)
+        self.metric("transfers", "send", handle.kind).inc()
+        self.metric("bytes", "send").inc(handle.num_bytes)
         if handle.kind == "write":
-            self._metric("latency").observe(time.monotonic() - handle.posted_at)
+            self.metric("latency").observe(time.monotonic() - handle.posted_at)
 
     def _count_failure(self, error_type: type[TransferError]) -> None:
-        self._metric("failures", error_type.reason).inc()
+        self.metric("failures", error_type.reason).inc()
 
-    def _metric(self, name: str, *labels: str):
-        """The metric's child for (this backend, *labels), looked up once."""
+    def metric(self, name: str, *labels: str):
+        """The transfer metric's child (metrics.py) for (this backend, *labels), looked up once."""
         key = (name, labels)
         child = self._metric_children.get(key)
         if child is None:

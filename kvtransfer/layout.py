@@ -1,12 +1,24 @@
 """The KV layout both sides of a transfer must agree on, and the handshake check.
 
-A worker's KV pool is layer-major, `[layers][2][blocks][block_size][kv_heads][head_dim]`
-(services/engine/kv_cache.py), so one layer's K blocks form one contiguous region
-and its V blocks another. Two peers can exchange blocks only if everything that
-shapes a block's bytes matches: model identity, dtype, layer count, total KV
-heads, head dim, block size, layout name and connector version. Those fields
-go into `layout_hash()`; a peer whose hash differs is refused, and `compare()`
-names the fields so the refusal says what to fix.
+Two pool layouts, named by the `layout` field:
+
+- `LAYOUT_NAME` ("layer-major-v1"), the built-in engine's pool
+  (services/engine/kv_cache.py): `[layers][2][blocks][block_size][local_kv_heads][head_dim]`,
+  so one layer's K blocks form one contiguous region and its V blocks another.
+- `PAGED_LAYOUT` ("paged-heads-kv-v1"), vLLM's CPU attention buffer:
+  `[layers][blocks][local_kv_heads][2][block_size][head_dim]`, one contiguous page per
+  (layer, block) holding K then V of each local head, head-major.
+
+In both, layer l is one region of `layer_bytes(num_blocks)` bytes at the pool's base plus
+l times that, and a block's K and V take `page_bytes` of it; only where those bytes sit
+inside the layer differs (tp_slicing.py turns that into spans and descriptors).
+
+Two peers can exchange blocks only if everything that shapes a block's bytes matches:
+model identity, dtype, layer count, total KV heads, head dim, block size, layout name and
+connector version. Those fields go into `layout_hash()`; a peer whose hash differs is
+refused, and `compare()` names the fields so the refusal says what to fix (a built-in peer
+and a paged one differ in `layout`). The dtype only sizes the bytes, so FP8 KV moves like
+any other.
 
 Tensor-parallel degree is deliberately *not* hashed: a TP rank holds the KV
 heads `[head_start, head_end)` of the model, and a transfer between ranks that
@@ -22,13 +34,16 @@ from dataclasses import dataclass, fields
 import torch
 
 LAYOUT_NAME = "layer-major-v1"
+PAGED_LAYOUT = "paged-heads-kv-v1"      # vLLM's LBHNC page: per (layer, block) [local heads][K,V][block_size][head_dim]
+LAYOUTS = (LAYOUT_NAME, PAGED_LAYOUT)
 CONNECTOR_VERSION = 1
 
 # Fields that must be equal on both sides; order is part of the hash.
 HASHED_FIELDS = ("model", "dtype", "num_layers", "num_kv_heads", "head_dim", "block_size",
                  "layout", "connector_version")
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
+           "float8_e4m3fn": torch.float8_e4m3fn, "float8_e5m2": torch.float8_e5m2}
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -41,12 +56,12 @@ class KVLayout:
     """One side's KV geometry. `num_kv_heads` is the model's total; this rank holds a slice."""
 
     model: str                    # model identity (name, revision, LoRA...): anything that changes KV
-    dtype: str                    # "float32" | "bfloat16" | "float16"
+    dtype: str                    # "float32" | "bfloat16" | "float16" | "float8_e4m3fn" | "float8_e5m2"
     num_layers: int
     num_kv_heads: int
     head_dim: int
     block_size: int
-    layout: str = LAYOUT_NAME
+    layout: str = LAYOUT_NAME     # LAYOUT_NAME | PAGED_LAYOUT
     connector_version: int = CONNECTOR_VERSION
     tp_rank: int = 0
     tp_size: int = 1
@@ -54,6 +69,8 @@ class KVLayout:
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:
             raise ValueError(f"unsupported KV dtype {self.dtype!r}; expected one of {sorted(_DTYPES)}")
+        if self.layout not in LAYOUTS:
+            raise ValueError(f"unknown KV layout {self.layout!r}; expected one of {list(LAYOUTS)}")
         for name in ("num_layers", "num_kv_heads", "head_dim", "block_size", "tp_size"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
@@ -85,7 +102,8 @@ class KVLayout:
 
     @property
     def row_bytes(self) -> int:
-        """Bytes of one token row of one block (all local heads) for K or for V."""
+        """Bytes of one token row of one block (all local heads) for K or for V (paged: a size only,
+        since a page keeps each head's rows together)."""
         return self.num_local_kv_heads * self.head_dim * self.itemsize
 
     @property
@@ -93,8 +111,38 @@ class KVLayout:
         """Bytes of one block of one layer, K or V (not both)."""
         return self.block_size * self.row_bytes
 
+    @property
+    def page_bytes(self) -> int:
+        """Bytes of one block of one layer, K and V: a paged layout's page."""
+        return 2 * self.block_bytes
+
+    @property
+    def paged(self) -> bool:
+        return self.layout == PAGED_LAYOUT
+
+    def layer_bytes(self, num_blocks: int) -> int:
+        """Bytes of one layer's region in a pool of `num_blocks` blocks (either layout)."""
+        return num_blocks * self.page_bytes
+
     def pool_shape(self, num_blocks: int) -> tuple[int, ...]:
-        return (self.num_layers, 2, num_blocks, self.block_size, self.num_local_kv_heads, self.head_dim)
+        return (self.num_layers, *self.layer_shape(num_blocks))
+
+    def layer_shape(self, num_blocks: int, num_heads: int | None = None) -> tuple[int, ...]:
+        """One layer of `num_blocks` blocks holding `num_heads` heads (default: this rank's).
+
+        A staged head slice has this shape too, so its bytes are what a rank holding exactly
+        those heads keeps for those blocks (tp_slicing.gather_slice).
+        """
+        heads = self.num_local_kv_heads if num_heads is None else num_heads
+        if self.paged:
+            return (num_blocks, heads, 2, self.block_size, self.head_dim)
+        return (2, num_blocks, self.block_size, heads, self.head_dim)
+
+    def num_blocks_in(self, shape: tuple[int, ...]) -> int:
+        """The blocks of a pool of `shape` (the dimension `pool_shape` puts them in); -1 if not 6-D."""
+        if len(shape) != 6:
+            return -1
+        return shape[1] if self.paged else shape[2]
 
     def with_tp(self, tp_rank: int, tp_size: int) -> KVLayout:
         values = {f.name: getattr(self, f.name) for f in fields(self)}

@@ -25,6 +25,11 @@ class TransferMetrics:
     transfers: Counter       # labels: backend, direction, kind ("write" | "notify")
     latency: Histogram       # labels: backend; post → completion of one write, seconds
     failures: Counter        # labels: backend, reason (TransferError.reason)
+    # Per send, from the sender's own timestamps (rank_transfer.py), labels: backend.
+    layer_lead: Histogram    # prompt's last layer posted - first layer's writes complete (0: none ahead)
+    exposed: Histogram       # prompt's last layer posted -> completion notification delivered
+    layer_compute: Histogram  # the prompt's compute per layer, as the sender's layer reports came
+    digest_mismatches: Counter  # receiver: transfers refused because the blocks differ from what was sent
 
 
 _lock = threading.Lock()
@@ -46,6 +51,21 @@ def transfer_metrics(registry: CollectorRegistry | None = None) -> TransferMetri
                                   ["backend"], buckets=_LATENCY_BUCKETS, registry=registry),
                 failures=Counter("splitserve_kv_transfer_failures", "KV transfers refused or failed",
                                  ["backend", "reason"], registry=registry),
+                layer_lead=Histogram("splitserve_kv_transfer_layer_lead_seconds",
+                                     "How long before the prompt's last layer was computed its first layer's KV "
+                                     "had landed at the receiver (0: not before)", ["backend"],
+                                     buckets=(0.0, *_LATENCY_BUCKETS), registry=registry),
+                exposed=Histogram("splitserve_kv_transfer_exposed_seconds",
+                                  "From the prompt's last layer computed to the transfer's completion "
+                                  "notification delivered: the transfer time the prefill did not hide",
+                                  ["backend"], buckets=_LATENCY_BUCKETS, registry=registry),
+                layer_compute=Histogram("splitserve_kv_transfer_layer_compute_seconds",
+                                        "A prompt's compute time per layer, from the sender's first to its last "
+                                        "layer report", ["backend"], buckets=_LATENCY_BUCKETS, registry=registry),
+                digest_mismatches=Counter("splitserve_kv_transfer_digest_mismatches",
+                                          "Transfers refused by the receiver: the blocks it holds differ from "
+                                          "what the sender wrote (recomputed instead)", ["backend"],
+                                          registry=registry),
             )
             _by_registry[id(registry)] = metrics
         return metrics

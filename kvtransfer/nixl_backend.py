@@ -17,13 +17,16 @@ Shaped by what DESIGN section 5 measured on these machines:
   are keyed by str: names are decoded once, here.
 - Descriptors are prepared once and reused: per layer, one local descriptor
   list (`prep_xfer_dlist(NIXL_INIT_AGENT)`) and, per remote agent, one remote
-  list, each with one descriptor per block (K blocks, then V blocks). A write
-  is `make_prepped_xfer` with block indices: no descriptor validation or
-  lookup per write (`initialize_xfer` with fresh lists costs that on every
-  call). Coalescing: NIXL's makeXferReq merges indices whose descriptors are
-  adjacent in memory on both sides into one descriptor, so a run of consecutive
-  blocks on both sides (tp_slicing.run_arrays) moves as one UCX put per K/V.
-  `coalesce=False` passes `skip_desc_merge` (one put per block, for comparison).
+  list, each with `2 * num_blocks` descriptors of `block_bytes` from the layer's
+  base: K blocks then V blocks (layer-major), or each block's page as two halves
+  (paged; tp_slicing.block_rows). A write is `make_prepped_xfer` with those
+  indices: no descriptor validation or lookup per write (`initialize_xfer` with
+  fresh lists costs that on every call). Coalescing: NIXL's makeXferReq merges
+  indices whose descriptors are adjacent in memory on both sides into one
+  descriptor, so a run of consecutive blocks on both sides (tp_slicing.run_arrays)
+  moves as one UCX put per K/V (layer-major) or one put (paged, whose page halves
+  are adjacent).
+  `coalesce=False` passes `skip_desc_merge` (one put per descriptor, for comparison).
   Building our own run descriptors instead (`initialize_xfer`, one descriptor
   per run) measured 5-10x the per-write cost (300-500 us vs 30-60 us for 1024
   blocks): NIXL validates fresh lists against the registration on every call.
@@ -31,10 +34,11 @@ Shaped by what DESIGN section 5 measured on these machines:
   one remote agent, i.e. one incarnation: `add_peer` with new metadata releases
   them with the old agent, so a restarted peer is never written through stale
   handles.
-  Mismatched TP uses one descriptor per token row (see tp_slicing.py) through
-  `initialize_xfer`. The payload-carrying completion notification is a
-  standalone NIXL notification sent once all of the request's writes are DONE
-  (a DONE WRITE is remotely complete: UCX flushes before reporting it).
+  Mismatched TP uses one descriptor per token row (layer-major) or per block
+  (paged; see tp_slicing.slice_descriptors) through `initialize_xfer`. The
+  payload-carrying completion notification is a standalone NIXL notification
+  sent once all of the request's writes are DONE (a DONE WRITE is remotely
+  complete: UCX flushes before reporting it).
 - Progress on loopback: UCX picks `cma` (process_vm_writev) for DRAM puts,
   which is one-sided and copies inside `transfer()` on the sender's core. The
   receiver must still progress for endpoint wire-up (the first transfer from
@@ -59,7 +63,7 @@ import torch
 from splitserve.kvtransfer.connector import AgentMetadata, Connector, Reservation, TransferHandle
 from splitserve.kvtransfer import auth
 from splitserve.kvtransfer.errors import PeerAuthError, PeerLostError, TransferError
-from splitserve.kvtransfer.tp_slicing import HeadSlice, row_descriptors
+from splitserve.kvtransfer.tp_slicing import HeadSlice, block_rows, slice_descriptors
 from splitserve.kvtransfer.frames import Notification
 
 logger = logging.getLogger(__name__)
@@ -170,11 +174,12 @@ class NixlConnector(Connector):
             return sorted(self._agent_peers[agent] for agent, lists in self._remote_dlists.items() if lists)
 
     # -- sender side -----------------------------------------------------------------------
-    def _block_table(self, base_k: int, num_blocks: int, block_bytes: int, device_id: int) -> np.ndarray:
-        """[2 * num_blocks, 3] (addr, len, device) rows: every K block of a layer, then every V block."""
+    def _block_table(self, base: int, num_blocks: int, block_bytes: int, device_id: int) -> np.ndarray:
+        """[2 * num_blocks, 3] (addr, len, device) rows of `block_bytes` from a layer's base: its whole
+        region, whichever layout (tp_slicing.block_rows says which rows hold a block)."""
         index = np.arange(2 * num_blocks, dtype=np.uint64)
         table = np.empty((2 * num_blocks, 3), dtype=np.uint64)
-        table[:, 0] = np.uint64(base_k) + index * np.uint64(block_bytes)
+        table[:, 0] = np.uint64(base) + index * np.uint64(block_bytes)
         table[:, 1] = block_bytes
         table[:, 2] = device_id
         return table
@@ -216,18 +221,15 @@ class NixlConnector(Connector):
                    hs: HeadSlice):
         """The transfer request for one write (NIXL lock held)."""
         if hs.whole_rows:
-            local_index = np.concatenate((src, src + self.num_blocks)).astype(np.int32)
-            remote_index = np.concatenate((dst, dst + peer.num_blocks)).astype(np.int32)
+            local_index = block_rows(self.layout, src, self.num_blocks).astype(np.int32)
+            remote_index = block_rows(peer.layout, dst, peer.num_blocks).astype(np.int32)
             return self._agent.make_prepped_xfer("WRITE", self._local_dlist(layer), local_index,
                                                  self._remote_dlist(peer, remote, layer), remote_index,
                                                  skip_desc_merge=not self.coalesce)
-        lay, plays = self.layout, peer.layout
-        src_k = self._require_pool()[layer].data_ptr()
-        dst_k = peer.layer_base_addrs[layer]
-        src_rows = row_descriptors(src_k, src_k + self.num_blocks * lay.block_bytes, src, lay, hs.src_offset,
-                                   hs.num_heads)
-        dst_rows = row_descriptors(dst_k, dst_k + peer.num_blocks * plays.block_bytes, dst, plays,
-                                   hs.dst_offset, hs.num_heads)
+        src_rows = slice_descriptors(self._require_pool()[layer].data_ptr(), self.num_blocks, src, self.layout,
+                                     hs.src_offset, hs.num_heads)
+        dst_rows = slice_descriptors(peer.layer_base_addrs[layer], peer.num_blocks, dst, peer.layout,
+                                     hs.dst_offset, hs.num_heads)
         peer_mem = "VRAM" if peer.device.startswith("cuda") else "DRAM"
         return self._agent.initialize_xfer("WRITE", self._xfer_list(src_rows, self._device_id, self._mem_type),
                                            self._xfer_list(dst_rows, _device_index(peer.device), peer_mem),

@@ -44,13 +44,16 @@ from __future__ import annotations
 import asyncio
 
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from splitserve.kvtransfer import AgentMetadata, Connector, Reservation, TransferHandle
 from splitserve.kvtransfer.errors import ReservationExpiredError, TransferError, TransferTimeoutError
+from splitserve.kvtransfer import transfer_digest
 from splitserve.kvtransfer.tp_slicing import head_slice
 from splitserve.kvtransfer.sender_receiver import LayerReady
 
@@ -60,6 +63,11 @@ log = logging.getLogger(__name__)
 
 POLL_INTERVAL_S = 5e-4
 FENCE_MEMORY_S = 600.0        # longer than any grant: a Prefill arriving after its fence is refused
+# Fault injection (tests only; off unless set): while the file this names exists, every send of this
+# process drops ("drop") or misdirects ("corrupt") the writes of its middle layer. Only sends the
+# receiver verifies (transfer_digest.py) are touched, so the fault is caught, never decoded.
+FAULT_FILE_ENV = "SPLITSERVE_KV_FAULT_FILE"
+FAULTS = ("drop", "corrupt")
 
 Done = Callable[[bytes | None, TransferError | None], None]   # (payload, None) or (None, error)
 
@@ -81,6 +89,13 @@ class _Send:
     notifies: list[TransferHandle] | None = None
     on_done: Done | None = None          # told once the send ended (driver thread)
     closed: bool = False                 # nothing more will be posted: the driver finishes it
+    digesting: bool = False              # the receiver verifies this send (transfer_digest.py)
+    to_digest: list[tuple[int, list[int], list[int]]] = field(default_factory=list)  # (layer, src, dst) posted
+    digest: int = 0
+    digest_pairs: int = 0
+    fault: str = ""                      # FAULTS: injected into the middle layer (tests)
+    first_posted_at: float = 0.0         # time.monotonic() of the first layer report, and of the last
+    all_posted_at: float = 0.0
 
     def all_posted(self) -> bool:
         return all(n == len(self.dst_block_ids) for n in self.next_block)
@@ -142,10 +157,14 @@ class _Driver(threading.Thread):
                                                          "the prefill finished")
                     send.closed = send.on_done is not None
             sends = [(rid, s) for rid, s in self.sends.items() if s.closed]
+            open_sends = [s for s in self.sends.values() if not s.closed]
             expected = [(rid, w) for rid, w in self.expected.items() if w is not None]
             draining = list(self.draining)
         for drain in draining:
             self._drive_drain(drain)
+        for send in open_sends:
+            self._digest(send)
+            self._poll_writes(send)              # each write's completion time, while the prompt computes
         for rid, send in sends:
             self._drive_send(rid, send)
         for rid, done in expected:
@@ -157,20 +176,41 @@ class _Driver(threading.Thread):
             if payload is not None:
                 self._resolve_expected(rid, done, payload, None)
 
+    def _digest(self, send: _Send) -> None:
+        """Hash the source blocks of the writes posted so far (they do not change until the send ends)."""
+        with self.lock:
+            items, send.to_digest = send.to_digest, []
+        pool, layout = self.connector.pool, self.connector.layout
+        for layer, src, dst in items:
+            send.digest = transfer_digest.add(send.digest, transfer_digest.digest(pool, layout, layer, src, dst))
+            send.digest_pairs += len(dst)
+
+    def _poll_writes(self, send: _Send) -> None:
+        for handle in list(send.writes):
+            if not handle.counted:              # a write may be done when posted: counted at its first poll
+                try:
+                    self.connector.poll(handle)
+                except TransferError:
+                    pass                        # the send fails when it is driven to its end
+
     def _drive_send(self, rid: str, send: _Send) -> None:
         c = self.connector
         try:
             if send.error is not None:
                 raise send.error
             for handle in send.writes:
-                if not handle.done:
-                    c.poll(handle)              # raises the write's error
+                if not handle.done or not handle.counted:
+                    c.poll(handle)              # raises the write's error; counts (and times) a done one
             if not all(h.done for h in send.writes) or send.pending_ranks:
                 return                          # writes in flight here or on another rank
             if send.notifies is None:
-                send.notifies = [c.notify(grant, send.payload) for grant in send.notify_grants]
+                payload = send.payload
+                if send.digesting:
+                    self._digest(send)
+                    payload = transfer_digest.seal(payload, send.digest, send.digest_pairs)
+                send.notifies = [c.notify(grant, payload) for grant in send.notify_grants]
             for handle in send.notifies:
-                if not handle.done:
+                if not handle.done or not handle.counted:
                     c.poll(handle)
             if not all(h.done for h in send.notifies):
                 return
@@ -205,8 +245,22 @@ class _Driver(threading.Thread):
             del self.sends[rid]
         if error is not None or not send.notify_grants:
             self.connector.forget_request(rid)   # nothing will notify: drop the written-block records
+        if error is None and send.notifies:
+            self._observe_timing(send)
         if send.on_done is not None:
             send.on_done(None, error)
+
+    def _observe_timing(self, send: _Send) -> None:
+        """The send's layer-wise overlap, from this rank's own timestamps (transfer metrics)."""
+        first_layer = [h.done_at for h in send.writes if h.layer == 0 and h.done_at]
+        notified = max((h.done_at for h in send.notifies), default=0.0)
+        if not (first_layer and notified and send.all_posted_at):
+            return
+        c = self.connector
+        c.metric("layer_lead").observe(max(send.all_posted_at - min(first_layer), 0.0))
+        c.metric("exposed").observe(max(notified - send.all_posted_at, 0.0))
+        if c.layout.num_layers > 1:
+            c.metric("layer_compute").observe((send.all_posted_at - send.first_posted_at) / (c.layout.num_layers - 1))
 
     def _resolve_expected(self, rid: str, done: Done, payload: bytes | None, error: TransferError | None) -> None:
         with self.lock:
@@ -234,6 +288,9 @@ class RankTransfer:
         self._driver = _Driver(connector)
         self._driver.start()
         self._fenced: dict[str, float] = {}     # request id -> until when a late Prefill for it is refused
+        self._fault_file = os.environ.get(FAULT_FILE_ENV, "")
+        self._granted: dict[str, list[int]] = {}          # receiver: each expected request's blocks
+        self._verifier: ThreadPoolExecutor | None = None  # receiver: digests off the driver thread
         self._close_lock = threading.Lock()
         self._closed = False
 
@@ -272,6 +329,8 @@ class RankTransfer:
         send = _Send(write_grants, notify_grants, list(target.block_ids), num_prompt_tokens,
                      [skipped] * self.connector.layout.num_layers, grant.deadline_unix,
                      set(pending_ranks or ()), on_done=on_done)
+        send.digesting = notify and on_done is None and self._verifiable(target)
+        send.fault = self._injected_fault(request_id) if send.digesting else ""
         with self._driver.lock:
             if self._fenced.get(request_id, 0.0) > time.monotonic():
                 raise TransferError(f"request {request_id}: its receiver fenced it (cancelled); "
@@ -280,6 +339,27 @@ class RankTransfer:
                 raise TransferError(f"request {request_id} is already being sent")
             self._driver.sends[request_id] = send
         self._driver.wake()
+
+    def _verifiable(self, target: TransferTarget) -> bool:
+        """Whether the receiver can check this send's digest: one rank each side, CPU pools."""
+        if target.endpoint.other_ranks or self.connector.layout.tp_size != 1:
+            return False
+        peer = self.connector.peer(target.endpoint.agent_name)
+        pool = self.connector.pool
+        return (peer is not None and peer.layout.tp_size == 1 and peer.device == "cpu"
+                and pool is not None and pool.device.type == "cpu")
+
+    def _injected_fault(self, request_id: str) -> str:
+        if not self._fault_file or not os.path.exists(self._fault_file):
+            return ""
+        with open(self._fault_file) as f:
+            fault = f.read().strip()
+        if fault not in FAULTS:
+            log.warning("KV transfer: %s names no fault (%s); none injected", self._fault_file, ", ".join(FAULTS))
+            return ""
+        log.warning("KV transfer: request %s: injecting a %r fault into its middle layer (%s)", request_id, fault,
+                    FAULT_FILE_ENV)
+        return fault
 
     def on_layer_ready(self, ready: LayerReady) -> None:
         """Post this rank's writes of the blocks `ready` completed; never raises."""
@@ -308,8 +388,10 @@ class RankTransfer:
             if offset < 0 or len(src) != end - start:
                 raise TransferError(f"request {ready.request_id}: layer {ready.layer} reported blocks "
                                     f"{ready.first_block}.. but blocks {start}..{end} are due")
-            for grant in send.write_grants:
-                send.writes.append(self.connector.write_layer(grant, ready.layer, src, dst))
+            posted = self._faulty(send, ready.layer, src)
+            if posted:
+                for grant in send.write_grants:
+                    send.writes.append(self.connector.write_layer(grant, ready.layer, posted, dst))
         except TransferError as error:
             send.error = error
             return
@@ -317,6 +399,20 @@ class RankTransfer:
             send.error = TransferError(f"request {ready.request_id}: {error}")
             return
         send.next_block[ready.layer] = end
+        if send.digesting:
+            send.to_digest.append((ready.layer, list(src), list(dst)))
+        now = time.monotonic()
+        send.first_posted_at = send.first_posted_at or now
+        if send.all_posted():
+            send.all_posted_at = now
+
+    def _faulty(self, send: _Send, layer: int, src: list[int]) -> list[int]:
+        """The source blocks to post: `src`, or the injected fault's (none, or others) for the middle layer."""
+        if not send.fault or layer != self.connector.layout.num_layers // 2:
+            return src
+        if send.fault == "drop":
+            return []
+        return [(b + 1) % self.connector.num_blocks for b in src]
 
     def close_send(self, request_id: str, payload: bytes, on_done: Done) -> None:
         """Rank 0: the prefill is done. Notify once every rank's writes are done; then `on_done`."""
@@ -372,20 +468,45 @@ class RankTransfer:
             raise TransferError(f"request {request_id}: cannot reserve its blocks for a transfer: {error}") from None
         with self._driver.lock:
             self._driver.expected[request_id] = None
+            self._granted[request_id] = list(block_ids)
         self._driver.wake()
         return grant
 
     def watch(self, request_id: str, done: Done) -> None:
-        """Call `done` (driver thread) with the notification's payload or the failure."""
+        """Call `done` (driver thread, or the digest thread) with the notification's payload, once the
+        blocks match the sender's digest where it sent one, or with the failure."""
         with self._driver.lock:
             if request_id not in self._driver.expected:
                 raise TransferError(f"request {request_id}: no transfer is expected for it")
-            self._driver.expected[request_id] = done
+            self._driver.expected[request_id] = lambda payload, error: self._verify(request_id, payload, error, done)
         self._driver.wake()
+
+    def _verify(self, request_id: str, payload: bytes | None, error: TransferError | None, done: Done) -> None:
+        sent, inner = transfer_digest.unseal(payload) if payload is not None else (None, payload)
+        if error is not None or sent is None:
+            done(payload, error)
+            return
+        with self._driver.lock:
+            blocks = self._granted.get(request_id, [])
+            if self._verifier is None:
+                self._verifier = ThreadPoolExecutor(1, thread_name_prefix=f"kv-digest-{self.connector.name}")
+        self._verifier.submit(self._compare, request_id, sent, inner, blocks, done)
+
+    def _compare(self, request_id: str, sent: tuple[int, int], inner: bytes, blocks: list[int], done: Done) -> None:
+        c = self.connector
+        held = transfer_digest.granted_digest(c.pool, c.layout, blocks)
+        if held == sent:
+            done(inner, None)
+            return
+        c.metric("digest_mismatches").inc()
+        done(None, TransferError(f"request {request_id}: the KV received differs from what the prefill worker wrote "
+                                 f"(digest {held[0]:016x} over {held[1]} blocks, sent {sent[0]:016x} over {sent[1]}); "
+                                 "it is recomputed"))
 
     def release(self, request_id: str) -> None:
         with self._driver.lock:
             self._driver.expected.pop(request_id, None)
+            self._granted.pop(request_id, None)
         self.connector.release(request_id)
 
     def num_open(self) -> int:
@@ -398,6 +519,8 @@ class RankTransfer:
                 return
             self._closed = True
             self._driver.stop()
+            if self._verifier is not None:
+                self._verifier.shutdown(wait=True)
             self.connector.close()
 
 

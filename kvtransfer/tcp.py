@@ -5,8 +5,10 @@ accepts senders, a reader per outgoing connection (replies) and a server task
 per incoming one. Completion is a `concurrent.futures.Future` the handle holds.
 
 Wire: a frame header (wire.FrameHeader: request id, receiver incarnation,
-layer, head range, destination block ids, payload length), then the payload,
-K rows then V rows, for the destination blocks in order. The receiver checks
+layer, head range, destination block ids, payload length), then the payload:
+the head range of the destination blocks in order, laid out like one layer of
+those blocks (`KVLayout.layer_shape`: K rows then V rows in the layer-major
+layout, one page per block in the paged one). The receiver checks
 the header against its reservation table *before* reading the payload; a
 refused frame's payload is drained into a scratch buffer and an error reply
 names the reason, so nothing is written. One reply per frame, matched by seq.
@@ -22,7 +24,8 @@ not at the mercy of the I/O thread getting the GIL and the (shared) core.
 Speed: payload bytes go straight between the pools and the sockets. The
 sender gathers a request's runs of consecutive blocks (numpy, no per-block
 Python) into one `sendmsg` of memoryviews (writev); the receiver scatters with
-`recvmsg_into` (readv) straight into the destination runs. Each side coalesces its
+`recvmsg_into` (readv) straight into the destination runs (tp_slicing.run_spans:
+two spans per run layer-major, one paged). Each side coalesces its
 own ids (runs need not line up across the two sides); `coalesce=False` sends and
 receives one view per block (for comparison). Socket buffers are
 8 MiB (as far as net.core.{w,r}mem_max allow) and a receiver waiting for a
@@ -51,7 +54,7 @@ from splitserve.kvtransfer.connector import AgentMetadata, Connector, Reservatio
 from splitserve.kvtransfer import auth
 from splitserve.kvtransfer.errors import (CODE_BY_ERROR, ERRORS_BY_CODE, LayoutMismatchError, PeerAuthError, PeerLostError, StalePeerError,
                      TransferError)
-from splitserve.kvtransfer.tp_slicing import HeadSlice, gather_slice, layer_spans, scatter_slice, side_runs
+from splitserve.kvtransfer.tp_slicing import HeadSlice, gather_slice, run_spans, scatter_slice, side_runs
 from splitserve.kvtransfer.frames import (CHALLENGE, CHALLENGE_MAGIC, FRAME_HEADER, HELLO, HELLO_MAGIC, KIND_NOTIFY, KIND_WRITE, REPLY_HEADER,
                    FrameHeader, encode_reply)
 
@@ -194,15 +197,15 @@ class TcpConnector(Connector):
         pool = self._require_pool()
         if hs.whole_rows and self._pool_view is not None:
             return self._run_views(layer, src_block_ids)
-        staged = gather_slice(pool, layer, src_block_ids, hs).cpu()
+        staged = gather_slice(pool, layer, src_block_ids, hs, self.layout.paged).cpu()
         return [memoryview(staged.view(torch.uint8).reshape(-1).numpy())]
 
     def _run_views(self, layer: int, block_ids: np.ndarray) -> list[memoryview]:
-        """Views of the pool over `block_ids`' K rows then V rows, one per run of consecutive ids
-        (one per block when coalescing is off)."""
-        bb, view = self.layout.block_bytes, self._pool_view
+        """Views of the pool over `block_ids`' bytes in wire order, per run of consecutive ids
+        (per block when coalescing is off): K then V runs (layer-major) or one per run (paged)."""
+        lay, view = self.layout, self._pool_view
         starts, counts = side_runs(block_ids, self.coalesce)
-        offsets, lengths = layer_spans(starts, counts, layer * 2 * self.num_blocks * bb, self.num_blocks, bb)
+        offsets, lengths = run_spans(lay, starts, counts, layer * lay.layer_bytes(self.num_blocks), self.num_blocks)
         return [view[a:a + n] for a, n in zip(offsets.tolist(), lengths.tolist())]
 
     def _header(self, kind: int, reservation: Reservation, layer: int, hs: HeadSlice | None,
@@ -496,10 +499,10 @@ class TcpConnector(Connector):
             await _recv_views(sock, self._run_views(header.layer, dst))   # readv straight into the runs
             return
         num_heads = header.head_hi - header.head_lo
-        staged = torch.empty(2, len(dst), lay.block_size, num_heads, lay.head_dim, dtype=lay.torch_dtype)
+        staged = torch.empty(lay.layer_shape(len(dst), num_heads), dtype=lay.torch_dtype)
         await _recv_views(sock, [memoryview(staged.view(torch.uint8).reshape(-1).numpy())])
         hs = HeadSlice(header.head_lo, header.head_hi, 0, header.head_lo - lay.head_start, False)
-        scatter_slice(pool, header.layer, dst, hs, staged)
+        scatter_slice(pool, header.layer, dst, hs, staged, lay.paged)
 
     async def _shutdown(self) -> None:
         with self._lock:

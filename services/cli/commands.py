@@ -78,12 +78,14 @@ def _group_engine_config(args: argparse.Namespace):
 
 
 def _vllm_launcher(args: argparse.Namespace):
-    """`worker --engine vllm`: vLLM in this process, aggregated only (issue 39 brings its KV connector)."""
+    """`worker --engine vllm`: vLLM in this process; a prefill or decode worker loads splitserve's KV
+    connector into it."""
     from splitserve.services.engine_vllm.launcher import VllmEngineLauncher, WorkerEngineFlags
 
-    if args.role != "both":
-        raise SplitserveError(f"--role {args.role} with --engine vllm: disaggregated prefill/decode with vLLM comes "
-                              "with vLLM's KV connector (issue 39); run vLLM workers aggregated (--role both)")
+    if args.role != "both" and args.tp > 1:
+        raise SplitserveError(f"--role {args.role} with --engine vllm needs --tp 1 for now: vLLM runs its other "
+                              "tensor-parallel ranks in processes of their own, which splitserve's KV connector "
+                              "does not reach yet")
     if args.kv_store:
         raise SplitserveError("--kv-store is not available with --engine vllm (vLLM keeps its own KV cache)")
     flags = WorkerEngineFlags(model=args.model, device=args.device, dtype=args.dtype, tp=args.tp,
@@ -91,7 +93,7 @@ def _vllm_launcher(args: argparse.Namespace):
                               max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
                               max_logprobs=args.max_logprobs, cpu_cores=vllm_rank_cores(args.cpu_cores, args.tp),
                               pinned_cores=vllm_pinned_cores(args.cpu_cores))
-    return VllmEngineLauncher(flags, list(args.engine_args))
+    return VllmEngineLauncher(flags, list(args.engine_args), kv_connector=args.role != "both")
 
 
 def vllm_pinned_cores(cpu_cores: str | None) -> tuple[int, ...]:
@@ -236,25 +238,29 @@ def _check_kv_store(wanted: bool | None, tp: int) -> None:
 
 
 def _check_vllm_serve(args: argparse.Namespace) -> None:
-    """`serve --engine vllm`: aggregated workers (implied), and refusals for what vLLM workers lack yet."""
+    """`serve --engine vllm`: aggregated workers unless a prefill or decode pool is asked for, and
+    refusals for what vLLM workers lack yet."""
     if args.engine != "vllm":
         if args.engine_args:
             raise SplitserveError(f"engine flags after -- ({' '.join(args.engine_args)}) are for --engine vllm")
         return
-    if args.prefill_workers is not None or args.decode_workers is not None:
-        raise SplitserveError("--engine vllm serves aggregated workers (--workers N): disaggregated prefill/decode "
-                              "with vLLM comes with vLLM's KV connector (issue 39)")
+    disaggregated = args.prefill_workers is not None or args.decode_workers is not None
+    if disaggregated and args.tp > 1:
+        raise SplitserveError("disaggregated serving with --engine vllm needs --tp 1 for now: vLLM runs its other "
+                              "tensor-parallel ranks in processes of their own, which splitserve's KV connector "
+                              "does not reach yet")
     if args.kv_store_gib > 0:
         raise SplitserveError("--kv-store-gib is not available with --engine vllm yet")
     if args.autoscale:
         # The planner may switch to disaggregated serving only where workers can take a prefill or
         # decode role; a vLLM worker serves aggregated only, so its autoscaler sizes one pool.
         if getattr(args, "autoscale_mode", None) == "auto":
-            raise SplitserveError("--autoscale-mode auto with --engine vllm: the planner would switch to "
-                                  "disaggregated serving, which vLLM workers cannot do yet (issue 39); "
+            raise SplitserveError("--autoscale-mode auto with --engine vllm: the planner's switch between "
+                                  "aggregated and disaggregated serving is not available with vLLM workers yet; "
                                   "use --autoscale-mode fixed (the default with --engine vllm)")
         args.autoscale_mode = "fixed"
-    args.aggregated = True
+    if not disaggregated:
+        args.aggregated = True
 
 
 def cmd_serve(args: argparse.Namespace) -> int:

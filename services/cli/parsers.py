@@ -167,14 +167,16 @@ the vLLM engine (--engine vllm; docs/engines.md):
   --device, --tp, --block-size, --max-num-seqs, --max-num-batched-tokens, --max-logprobs,
   --kv-cache-gib), e.g.
     splitserve worker --engine vllm --model smollm2 -- --max-model-len 4096
-  Aggregated only (--role both): prefill/decode roles come with vLLM's KV connector.
+  With --role prefill / --role decode, splitserve's KV connector runs inside vLLM and pushes
+  each layer's KV from the prefill worker into the blocks the decode worker's vLLM reserved
+  (--tp 1; docs/engines.md).
 """
 
 
 def _add_engine_choice(p: argparse.ArgumentParser, worker: bool) -> None:
     p.add_argument("--engine", choices=["builtin", "vllm"], default="builtin",
-                   help="the engine: splitserve's built-in torch engine, or vLLM (in its own environment, "
-                        "aggregated serving only; docs/engines.md) (default: %(default)s)")
+                   help="the engine: splitserve's built-in torch engine, or vLLM (in its own environment; "
+                        "docs/engines.md) (default: %(default)s)")
     if not worker:
         p.add_argument("--engine-python", default=None, metavar="PATH",
                        help="with --engine vllm: the python the vLLM workers run with (default: the vLLM engine "
@@ -389,7 +391,8 @@ def _add_serve_parser(sub) -> None:
     _add_engine_args(p)
     _add_engine_choice(p, worker=False)
     p.add_argument("--aggregated", action="store_true",
-                   help="no separate prefill pool: every worker prefills and decodes (implied by --engine vllm)")
+                   help="no separate prefill pool: every worker prefills and decodes (the default with "
+                        "--engine vllm unless --prefill-workers or --decode-workers is given)")
     p.add_argument("--workers", type=int, default=None, metavar="N",
                    help="with --aggregated: number of workers (default: 1)")
     p.add_argument("--kv-store-gib", type=float, default=0.0, metavar="GIB",

@@ -126,7 +126,8 @@ class BuiltinEngine:
 
     # -- wiring ------------------------------------------------------------------
     def build_kv_transfer(self, settings: TransferSettings) -> KVTransfer:
-        from splitserve.services.engine.rank_connectors import RankKVPools, build_connector_transfer, resolve_backend
+        from splitserve.kvtransfer.backends import resolve_backend
+        from splitserve.services.engine.rank_connectors import RankKVPools, build_connector_transfer
 
         core = self.core
         pools = RankKVPools(kv_layout(core), core.runner.kv.tensor, core.config.tensor_parallel_size,
@@ -136,7 +137,7 @@ class BuiltinEngine:
 
     def attach_kv_store(self, store: KVStoreSettings, transfer: TransferSettings) -> None:
         from splitserve.services.engine.kv_tiers.store_client import StoreClient
-        from splitserve.services.engine.rank_connectors import resolve_backend
+        from splitserve.kvtransfer.backends import resolve_backend
 
         client = StoreClient(store.address, kv_layout(self.core), resolve_backend(transfer.backend), transfer.name,
                              transfer.host, transfer.token, transfer.advertise_host, etcd=list(store.etcd),

@@ -27,7 +27,6 @@ request; `release` and `abandon` end it on every rank.
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import itertools
 import logging
 import threading
@@ -45,20 +44,7 @@ from splitserve.services.engine.parallel.rank_control import RankControl, RankCo
 
 log = logging.getLogger(__name__)
 
-BACKENDS = ("nixl", "tcp")
 SETUP_TIMEOUT_S = 300.0     # a rank's connector setup imports its backend: start-up time, not request time
-
-
-def resolve_backend(name: str) -> str:
-    """`auto` → nixl when its wheel is importable, else tcp."""
-    if name != "auto":
-        if name not in BACKENDS:
-            raise ValueError(f"unknown KV transfer backend {name!r}; expected auto, nixl or tcp")
-        return name
-    for module in ("nixl_cu13", "nixl_cu12", "nixl"):
-        if importlib.util.find_spec(module) is not None:
-            return "nixl"
-    return "tcp"
 
 
 @dataclass(frozen=True, slots=True)

@@ -14,8 +14,14 @@ the null block vLLM keeps), its running and waiting queues, and the cached-token
 outputs report. KV events: vLLM's ZMQ event stream translated to splitserve's block hashes
 (kv_events.py) when one is attached; the hooks are those of the contract.
 
-Only the aggregated role is served: a prefill or decode worker needs vLLM's KV connector
-(issue 39), so the disaggregated methods refuse clearly.
+Disaggregated prefill/decode (issue 39) goes through splitserve's KV connector inside vLLM
+(kv_connector.py, loaded when the worker's role is prefill or decode): the decode side's
+reservation is a request vLLM holds blocks for while it waits for remote KV, the prefill side's
+prefill-only request hands each layer to the sender as vLLM computes it, and the transfer
+itself is splitserve's (kvtransfer over vLLM's KV buffer, `build_kv_transfer`). The two meet in
+the process's `TransferBook` (transfer_book.py). vLLM's own NixlConnector
+(`--kv-connector nixl-vllm`) is not driven through these methods: it needs vLLM's proxy
+protocol, and a worker with it refuses splitserve's Prefill calls.
 """
 
 from __future__ import annotations
@@ -32,13 +38,15 @@ from splitserve.services.engine_api.contract import (EngineCounters, EngineDescr
                                                      TransferSettings)
 from splitserve.services.engine_api.kv_events import KVEvent
 from splitserve.services.engine_vllm.sampling import vllm_sampling_kwargs
+from splitserve.services.engine_vllm.transfer_book import RECEIVE, SEND, TransferBook, transfer_params
 from splitserve.services.worker_protocol.outputs import FinishReason, RequestOutput, SampledToken
 from splitserve.services.worker_protocol.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
 
-DISAGGREGATION_REFUSED = ("disaggregated prefill/decode with the vLLM engine comes with vLLM's KV connector "
-                          "(issue 39); serve it aggregated (role both)")
+DISAGGREGATION_REFUSED = ("this vLLM worker runs without splitserve's KV connector (it serves --role both, or "
+                          "--kv-connector nixl-vllm); run prefill and decode workers with --role prefill / "
+                          "--role decode for disaggregated serving")
 _FINISH = {"stop": FinishReason.STOP, "length": FinishReason.LENGTH, "abort": FinishReason.ABORT}
 
 
@@ -51,6 +59,12 @@ class _Request:
     num_output_tokens: int = 0
     num_cached_tokens: int = 0
     prompt_logprobs_sent: bool = False
+    prefill_only: bool = False                           # a prefill worker's: ends PREFILL_DONE
+    remote: bool = False                                 # a decode worker's: the prompt's KV came from a prefill worker
+    awaiting_kv: bool = False                            # ... and has not arrived yet
+    forks: Sequence[Fork] = ()                           # a reservation's other samples, added once it has
+    fork_prompt: list[int] | None = None                 # ... and their prompt
+    remote_prompt_logprobs: list[SampledToken] | None = None   # the prefill worker's, sent with the first output
 
 
 def client_errors() -> tuple[type[Exception], ...]:
@@ -83,8 +97,10 @@ def to_vllm_params(params: SamplingParams) -> Any:
 class VllmEngine:
     """An `Engine` over one in-process vLLM `LLMEngine` (`llm`)."""
 
-    def __init__(self, llm: Any, model_name: str, kv_events: Any = None, step_counts: Any = None):
+    def __init__(self, llm: Any, model_name: str, kv_events: Any = None, step_counts: Any = None,
+                 transfers: TransferBook | None = None):
         self.llm = llm
+        self._book = transfers                            # None: no splitserve KV connector in this vLLM
         self._step_counts = step_counts                   # stat_counts.StepCounts: preemptions
         self._core = llm.engine_core.engine_core          # vLLM's EngineCore (InprocClient's)
         self._requests: dict[str, _Request] = {}
@@ -117,11 +133,15 @@ class VllmEngine:
         free = pool.free_block_queue.get_all_free_blocks()
         num_running, num_waiting = sched.get_request_counts()
         total = pool.num_gpu_blocks - 1                   # the null block is never free nor used
+        t = self._book.counts() if self._book is not None else None
         return EngineLoad(
             num_kv_blocks=total, num_used_kv_blocks=total - len(free),
             num_cached_kv_blocks=sum(1 for b in free if b.block_hash is not None),
-            num_running=num_running, num_waiting=num_waiting, num_remote_prefill=0,
-            num_remote_prefill_kv_blocks=0, num_held_prefills=0, num_fenced_kv_blocks=0,
+            num_running=num_running, num_waiting=num_waiting - (t.num_waiting_receives if t else 0),
+            num_remote_prefill=t.num_waiting_receives if t else 0,
+            num_remote_prefill_kv_blocks=t.num_waiting_receive_blocks if t else 0,
+            num_held_prefills=t.num_held_sends if t else 0,
+            num_fenced_kv_blocks=t.num_held_receive_blocks if t else 0,
             counters=replace(self._stats, num_preemptions=self._step_counts.preemptions if self._step_counts
                              else 0))
 
@@ -137,7 +157,8 @@ class VllmEngine:
                     forks: Sequence[Fork] = (), prefill_only: bool = False,
                     on_layer_done: LayerCallback | None = None) -> None:
         if prefill_only:
-            raise InvalidRequestError(DISAGGREGATION_REFUSED)
+            self._add_prefill_only(request_id, prompt_token_ids, params, on_layer_done)
+            return
         # Every fork is a request of its own: vLLM's prefix cache shares the prompt's full blocks.
         batch = [(request_id, params), *forks]
         vllm_params = [(rid, p, self._checked(rid, prompt_token_ids, p)) for rid, p in batch]
@@ -155,6 +176,37 @@ class VllmEngine:
                 raise InvalidRequestError(str(exc)) from None
             self._requests[rid] = _Request(len(prompt_token_ids), p)
         self._stats.num_forks += len(forks)
+
+    def _add_prefill_only(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                          on_layer_done: LayerCallback | None) -> None:
+        """A prefill worker's request: the prompt and one sampled token, each layer's KV handed to
+        the sender as vLLM computes it, the blocks held until `release_transfer`."""
+        book = self._require_transfers()
+        if on_layer_done is None:
+            raise InvalidRequestError("a prefill-only request needs the sender's layer callback")
+        vp = self._checked(request_id, prompt_token_ids, replace(params, max_tokens=1, min_tokens=0))
+        vp.extra_args = {**(vp.extra_args or {}), "kv_transfer_params": transfer_params(SEND, request_id)}
+        book.expect_send(request_id, on_layer_done)
+        try:
+            self._add_to_vllm(request_id, prompt_token_ids, params, vp)
+        except BaseException:
+            book.forget(SEND, request_id)
+            raise
+        self._requests[request_id] = _Request(len(prompt_token_ids), params, prefill_only=True)
+
+    def _add_to_vllm(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, vp: Any) -> None:
+        prompt: dict[str, Any] = {"prompt_token_ids": list(prompt_token_ids)}
+        if params.cache_salt:
+            prompt["cache_salt"] = params.cache_salt
+        try:
+            self.llm.add_request(request_id, prompt, vp)
+        except client_errors() as exc:
+            raise InvalidRequestError(str(exc)) from None
+
+    def _require_transfers(self) -> TransferBook:
+        if self._book is None:
+            raise InvalidRequestError(DISAGGREGATION_REFUSED)
+        return self._book
 
     def _checked(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> Any:
         if request_id in self._requests:
@@ -177,29 +229,42 @@ class VllmEngine:
         state = self._requests.pop(request_id, None)
         if state is None:
             return False
-        self.llm.abort_request([request_id])
+        self.llm.abort_request([request_id])      # a transfer's blocks stay held (kv_connector.py)
         self._stats.num_aborted += 1
         self._pending.append(RequestOutput(request_id, [], True, FinishReason.ABORT, state.num_prompt_tokens,
                                            state.num_cached_tokens, state.num_output_tokens))
         return True
 
     def has_unfinished(self) -> bool:
-        return bool(self._pending) or self.llm.has_unfinished_requests()
+        if self._pending or (self._book is not None and self._book.has_finished()):
+            return True
+        if not self.llm.has_unfinished_requests():
+            return False
+        # Requests waiting for a prefill worker's KV are vLLM's too, but no step advances them:
+        # stepping for them alone would spin a core the prefill worker may need.
+        awaiting = sum(1 for state in self._requests.values() if state.awaiting_kv)
+        return not awaiting or sum(self._core.scheduler.get_request_counts()) > awaiting
 
     def step(self) -> list[RequestOutput]:
         outputs, self._pending = self._pending, []
-        if self.llm.has_unfinished_requests():
-            outputs.extend(self._convert(out) for out in self.llm.step() if out.request_id in self._requests)
-            self._stats.num_steps += 1
+        outputs.extend(self._run_step())
         self._publish_events()
         return outputs
+
+    def _run_step(self) -> list[RequestOutput]:
+        if not (self.llm.has_unfinished_requests() or (self._book is not None and self._book.has_finished())):
+            return []
+        self._stats.num_steps += 1
+        return [self._convert(out) for out in self.llm.step() if out.request_id in self._requests]
 
     def _convert(self, out: Any) -> RequestOutput:
         state = self._requests[out.request_id]
         completion = out.outputs[0]
         new_ids = list(completion.token_ids)
         first = state.num_output_tokens == 0 and new_ids
-        if first:
+        if first and state.remote:
+            self._stats.num_prefix_hit_tokens += state.num_cached_tokens    # vLLM counts the received KV too
+        elif first:
             state.num_cached_tokens = out.num_cached_tokens or 0
             s = self._stats
             s.num_prefix_hit_tokens += state.num_cached_tokens
@@ -212,9 +277,11 @@ class VllmEngine:
         if out.finished:
             self._requests.pop(out.request_id, None)
             self._stats.num_finished += 1
-            reason = reason or FinishReason.STOP
+            reason = FinishReason.PREFILL_DONE if state.prefill_only else reason or FinishReason.STOP
         result = RequestOutput(out.request_id, new_ids, out.finished, reason, state.num_prompt_tokens,
                                state.num_cached_tokens, state.num_output_tokens)
+        if first and state.remote_prompt_logprobs is not None:
+            result.prompt_logprobs, state.prompt_logprobs_sent = state.remote_prompt_logprobs, True
         if state.params.logprobs is not None and completion.logprobs:
             result.logprobs = [sampled_token(t, lps, state.params) for t, lps in zip(new_ids, completion.logprobs)]
         if state.params.prompt_logprobs is not None and not state.prompt_logprobs_sent and out.prompt_logprobs:
@@ -223,23 +290,67 @@ class VllmEngine:
                                                    state.params.prompt_logprobs)
         return result
 
-    # -- disaggregated prefill: refused until vLLM's KV connector (issue 39) ---------------
+    # -- disaggregated prefill: the decode side (kv_connector.py) ------------------------
     def num_cached_prompt_tokens(self, token_ids: list[int], cache_salt: str = "") -> int:
-        return 0
+        return 0        # counted by vLLM at the reservation: the Prefill call then skips those blocks
 
     def reserve_remote_prefill(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *,
                                fence_writes: bool = False, forks: Sequence[Fork] = ()) -> Reservation | None:
-        raise InvalidRequestError(DISAGGREGATION_REFUSED)
+        """vLLM allocates a remote prompt's blocks when it first schedules the request, so the
+        request is added and one step run now (other requests' outputs of that step wait for the
+        next `step()`); None, with the request withdrawn, when vLLM could not admit it."""
+        book = self._require_transfers()
+        for rid, p in [(request_id, params), *forks]:
+            vp = self._checked(rid, prompt_token_ids, p)
+            if rid == request_id:
+                primary = vp
+        block_size = self._description.block_size
+        if -(-len(prompt_token_ids) // block_size) > len(self._pool.free_block_queue.get_all_free_blocks()):
+            return None
+        primary.prompt_logprobs = None      # the prefill worker's come with the first output
+        primary.extra_args = {**(primary.extra_args or {}), "kv_transfer_params": transfer_params(RECEIVE, request_id)}
+        transfer = book.expect_receive(request_id)
+        try:
+            self._add_to_vllm(request_id, prompt_token_ids, params, primary)
+        except BaseException:
+            book.forget(RECEIVE, request_id)
+            raise
+        state = self._requests[request_id] = _Request(len(prompt_token_ids), params, remote=True, awaiting_kv=True,
+                                                      forks=tuple(forks),
+                                                      fork_prompt=list(prompt_token_ids) if forks else None)
+        self._pending.extend(self._run_step())
+        if transfer.block_ids is None:
+            self._requests.pop(request_id, None)
+            self.llm.abort_request([request_id])
+            book.forget(RECEIVE, request_id)
+            return None
+        state.num_cached_tokens = transfer.num_local_tokens
+        return Reservation(list(transfer.block_ids), transfer.num_local_tokens)
 
     def complete_remote_prefill(self, request_id: str, first_token: int | SampledToken,
                                 prompt_logprobs: list[SampledToken] | None = None) -> RequestOutput | None:
-        return None
+        """The KV is in place: vLLM's next step recomputes the prompt's last token and samples
+        the first token (vLLM's rule for remote KV; `first_token`, the prefill worker's draw, is
+        not used). The output returned carries no token."""
+        state = self._requests.get(request_id)
+        if state is None or not state.awaiting_kv or not self._require_transfers().mark_received(request_id):
+            return None
+        state.awaiting_kv, state.remote_prompt_logprobs = False, prompt_logprobs
+        for rid, p in state.forks:       # each fork takes the received prompt from vLLM's prefix cache
+            self.add_request(rid, state.fork_prompt, p)
+        state.forks, state.fork_prompt = (), None
+        return RequestOutput(request_id, [], False, None, state.num_prompt_tokens, state.num_cached_tokens, 0)
 
     def cancel_remote_prefill(self, request_id: str) -> bool:
-        return False
+        state = self._requests.get(request_id)
+        if state is None or not state.awaiting_kv:
+            return False
+        del self._requests[request_id]
+        self.llm.abort_request([request_id])     # its blocks stay held until release_transfer
+        return True
 
     def release_transfer(self, request_id: str) -> bool:
-        return False
+        return self._book is not None and self._book.release(request_id)
 
     # -- KV events ---------------------------------------------------------------
     def attach_kv_events(self, events: Any) -> None:
@@ -266,7 +377,33 @@ class VllmEngine:
 
     # -- wiring ------------------------------------------------------------------
     def build_kv_transfer(self, settings: TransferSettings) -> KVTransfer:
-        raise SplitserveError(DISAGGREGATION_REFUSED)
+        """kvtransfer's connector over vLLM's KV buffer (registered by kv_connector.py), vLLM's
+        paged layout."""
+        from splitserve.kvtransfer.backends import make_connector, resolve_backend
+        from splitserve.kvtransfer.layout import PAGED_LAYOUT, KVLayout, dtype_name
+        from splitserve.kvtransfer.rank_transfer import SingleRankTransfer
+        from splitserve.services.engine_vllm.kv_connector import registered_pool
+
+        self._require_transfers()
+        pool = registered_pool()
+        if pool is None:
+            raise SplitserveError("vLLM registered no KV cache with splitserve's KV connector")
+        d = self._description
+        num_layers, _, num_kv_heads, _, block_size, head_dim = pool.tensor.shape
+        layout = KVLayout(model=d.block_hash_extra_key.decode(), dtype=dtype_name(pool.tensor.dtype),
+                          num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim,
+                          block_size=block_size, layout=PAGED_LAYOUT)
+        backend = resolve_backend(settings.backend)
+        kwargs = {"token": settings.token}
+        if backend == "tcp":
+            kwargs.update(host=settings.host, advertise_host=settings.advertise_host)
+        connector = make_connector(backend, settings.name, layout, **kwargs)
+        try:
+            connector.register(pool.tensor)
+        except BaseException:
+            connector.close()
+            raise
+        return SingleRankTransfer(connector, block_size)
 
     def attach_kv_store(self, store: KVStoreSettings, transfer: TransferSettings) -> None:
         raise SplitserveError("the shared KV store (--kv-store) is not available with the vLLM engine")

@@ -112,6 +112,7 @@ class VllmEngineLauncher:
     flags: WorkerEngineFlags
     vllm_argv: list[str] = field(default_factory=list)
     kv_events: bool = True       # republish vLLM's KV events to routers (kv_events.py)
+    kv_connector: bool = False   # a prefill or decode worker: splitserve's KV connector inside vLLM
 
     @property
     def model(self) -> str:
@@ -137,13 +138,27 @@ class VllmEngineLauncher:
                             "itself and republishes them to routers")
             endpoint = new_ipc_endpoint()
             engine_args.kv_events_config = KVEventsConfig(**events_config(endpoint))
+        transfers = None
+        if self.kv_connector:
+            from vllm.config import KVTransferConfig
+
+            from splitserve.services.engine_vllm import kv_connector as splitserve_connector
+
+            if engine_args.kv_transfer_config is not None:
+                log.warning("--kv-transfer-config after -- is replaced: a prefill or decode worker runs splitserve's "
+                            "KV connector")
+            engine_args.kv_transfer_config = KVTransferConfig(
+                kv_connector=splitserve_connector.CLASS_NAME, kv_connector_module_path=splitserve_connector.MODULE_PATH,
+                kv_role="kv_both")
+            transfers = splitserve_connector.book()
         from splitserve.services.engine_vllm.stat_counts import StepCounts
 
         log.info("starting vLLM for %s: %s", self.flags.model, engine_args)
         counts = StepCounts()
         llm = LLMEngine.from_engine_args(engine_args, stat_loggers=[counts.logger_factory()])
         name = engine_args.served_model_name
-        engine = VllmEngine(llm, name[0] if isinstance(name, list) else (name or self.flags.model), step_counts=counts)
+        engine = VllmEngine(llm, name[0] if isinstance(name, list) else (name or self.flags.model), step_counts=counts,
+                            transfers=transfers)
         if endpoint is not None:
             from splitserve.services.engine_vllm.kv_events import VllmKVEvents
 

@@ -64,7 +64,7 @@ class PoolRouter:
         decoders = {w.worker_id: w for w in self.pool.ready("decode") if w.worker_id not in exclude}
         prefillers = {w.worker_id: w for w in self.pool.ready("prefill") if w.worker_id not in exclude}
         decision = self.core.route(request.request_id, request.token_ids, list(decoders), list(prefillers),
-                                   request.cache_salt)
+                                   request.cache_salt, lambda d, p: same_kv_layout(decoders[d], prefillers[p]))
         if decision is None:
             return None
         prefill = prefillers[decision.prefill.winner.worker_id] if decision.prefill else None
@@ -82,6 +82,14 @@ class PoolRouter:
 
     async def close(self) -> None:
         await self.feeds.close()
+
+
+def same_kv_layout(decode: WorkerHandle, prefill: WorkerHandle) -> bool:
+    """Whether `prefill` can fill `decode`'s blocks: the same KV transfer layout (a worker from before
+    Describe said it, or not yet described, is taken as compatible: its handshake still refuses)."""
+    d = decode.info.kv_transfer_layout if decode.info is not None else ""
+    p = prefill.info.kv_transfer_layout if prefill.info is not None else ""
+    return not d or not p or d == p
 
 
 def build_router(pool: WorkerPool, policy: str = "kv", prefill_policy: str | None = None, seed: int | None = None,

@@ -395,7 +395,13 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
             tensor_parallel_size=d.tensor_parallel_size,
             transfer_backend=self.sender.backend if self.sender is not None else "",
             block_hash_extra_key=d.block_hash_extra_key, session_port=self.session_port,
-            max_logprobs=d.max_logprobs)
+            max_logprobs=d.max_logprobs, kv_transfer_layout=self._transfer_layout())
+
+    def _transfer_layout(self) -> str:
+        """The layout hash this worker's KV transfer handshakes with; "" without one (role both)."""
+        if self.receiver is None or not self.receiver.backend:
+            return ""
+        return self.receiver.endpoint().layout_hash.decode()
 
     async def start_draining(self) -> None:
         """Refuse new work (UNAVAILABLE) and report NOT_SERVING; running calls go on."""

@@ -51,18 +51,20 @@ class Idle:
     took_s: float
 
 
-def wait_idle(workers: Mapping[str, str] | Iterable, limit_s: float, since: float | None = None) -> Idle:
+def wait_idle(workers: Mapping[str, str] | Iterable, limit_s: float, since: float | None = None,
+              stats_timeout_s: float = 5.0) -> Idle:
     """Poll until every worker is idle; AssertionError naming what each still holds when
     `limit_s` has passed since `since` (time.monotonic(); default: now).
 
     `workers` maps names to addresses, or is a list of objects with `name` and `address`
-    (splitserve.testing.cluster.Worker)."""
+    (splitserve.testing.cluster.Worker). `stats_timeout_s`: each Stats call's (a worker answers
+    Stats between engine steps, and a long prefill step delays it)."""
     addresses = dict(workers) if isinstance(workers, Mapping) else {w.name: w.address for w in workers}
     start = time.monotonic() if since is None else since
     problems: dict[str, list[str]] = {}
 
     def idle() -> Idle | None:
-        stats = {name: worker_stats(address) for name, address in addresses.items()}
+        stats = {name: worker_stats(address, stats_timeout_s) for name, address in addresses.items()}
         problems.clear()
         problems.update({name: p for name, s in stats.items() if (p := idle_problems(s))})
         return None if problems else Idle(stats, time.monotonic() - start)

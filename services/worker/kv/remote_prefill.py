@@ -231,7 +231,7 @@ class RemotePrefill:
             if out is None:
                 engine.release_transfer(request_id)    # aborted meanwhile; every write has landed
                 raise TransferError(f"request {request_id!r} lost its reservation (aborted?)")
-            return [out]
+            return [out] if out.new_token_ids or out.finished else []   # vLLM samples the first token itself
         return start
 
 

@@ -69,21 +69,25 @@ class VllmServer:
         return f"{self.base_url}/v1"
 
 
-def start_vllm_serve(vllm_python: str, *extra: str, num_workers: int = 1, vllm_args: tuple[str, ...] = ()
-                     ) -> VllmServer:
+def start_vllm_serve(vllm_python: str, *extra: str, num_workers: int = 1, vllm_args: tuple[str, ...] = (),
+                     disaggregated: tuple[int, int] | None = None, env: dict[str, str] | None = None) -> VllmServer:
     """`splitserve serve --engine vllm --model smollm2` on free ports, `num_workers` aggregated
-    vLLM workers with `vllm_args` after `--`."""
+    vLLM workers with `vllm_args` after `--`; `disaggregated`: (prefill, decode) workers instead;
+    `env`: more environment for serve and its workers."""
     port, grpc_port = free_port(), free_port()
+    pools = (["--workers", str(num_workers)] if disaggregated is None else
+             ["--prefill-workers", str(disaggregated[0]), "--decode-workers", str(disaggregated[1])])
+    num_workers = num_workers if disaggregated is None else sum(disaggregated)
     argv = ["splitserve", "serve", "--engine", "vllm", "--engine-python", vllm_python, "--model", "smollm2",
-            "--workers", str(num_workers), "--port", str(port), "--grpc-port", str(grpc_port),
+            *pools, "--port", str(port), "--grpc-port", str(grpc_port),
             "--kv-cache-gib", "1", "--ready-timeout", str(READY_TIMEOUT_S), *extra,
             "--", "--max-model-len", str(MAX_MODEL_LEN), *vllm_args]
-    proc = Proc.start(argv)
+    proc = Proc.start(argv, env)
     base = f"http://127.0.0.1:{port}"
     try:
         proc.wait_for_line(rf"splitserve is ready: {re.escape(base)}/v1 ", READY_TIMEOUT_S + 30)
         workers = {m.group(1): m.group(2) for line in proc.lines
-                   if (m := re.search(r"(worker-\d+) ready .* at (\S+)$", line))}
+                   if (m := re.search(r"((?:worker|prefill|decode)-\d+) ready .* at (\S+)$", line))}
         assert len(workers) == num_workers, proc.output
         return VllmServer(proc, base, f"127.0.0.1:{grpc_port}", workers, proc.children())
     except BaseException:

@@ -63,7 +63,7 @@ def test_builtin_workers_get_no_engine_flags(tmp_path):
 
 
 @pytest.mark.parametrize("argv, refused", [
-    (["--prefill-workers", "1"], "issue 39"),
+    (["--prefill-workers", "1", "--tp", "2"], "needs --tp 1 for now"),
     (["--kv-store-gib", "1"], "--kv-store-gib"),
     (["--autoscale", "--autoscale-mode", "auto"], "--autoscale-mode auto with --engine vllm"),
 ])
@@ -85,11 +85,22 @@ def test_vllm_flags_without_the_vllm_engine_are_refused():
         _check_vllm_serve(args)
 
 
+def test_serve_runs_vllm_prefill_and_decode_pools_when_asked():
+    args = build_parser().parse_args(["serve", "--engine", "vllm", "--prefill-workers", "1", "--decode-workers", "2"])
+    _check_vllm_serve(args)
+    assert not args.aggregated
+    args = build_parser().parse_args(["serve", "--engine", "vllm"])
+    _check_vllm_serve(args)
+    assert args.aggregated
+
+
 @pytest.mark.parametrize("role", ["prefill", "decode"])
-def test_a_disaggregated_vllm_worker_is_refused(role):
-    args = build_parser().parse_args(["worker", "--engine", "vllm", "--role", role])
-    with pytest.raises(SplitserveError, match="issue 39"):
-        _vllm_launcher(args)
+def test_a_disaggregated_vllm_worker_loads_splitserves_kv_connector(role):
+    launcher = _vllm_launcher(build_parser().parse_args(["worker", "--engine", "vllm", "--role", role]))
+    assert launcher.kv_connector
+    assert not _vllm_launcher(build_parser().parse_args(["worker", "--engine", "vllm"])).kv_connector
+    with pytest.raises(SplitserveError, match="needs --tp 1 for now"):
+        _vllm_launcher(build_parser().parse_args(["worker", "--engine", "vllm", "--role", role, "--tp", "2"]))
 
 
 def test_a_missing_engine_python_names_the_install_command(tmp_path):

@@ -99,6 +99,20 @@ def test_core_prefers_the_worker_holding_the_prefix_and_disaggregates_conditiona
     assert 'splitserve_router_last_decision{leg="decode"' in text and "runner_up=" in text
 
 
+def test_a_decode_worker_is_paired_only_with_prefill_workers_of_its_kv_layout():
+    """A vLLM decode worker's paged buffer cannot take a built-in prefill worker's blocks."""
+    core = _core()
+    layout = {"d0": "paged", "d1": "paged", "p0": "layer-major", "p1": "paged"}
+    same = lambda d, p: layout[d] == layout[p]        # noqa: E731
+    for i in range(4):
+        d = core.route(f"r{i}", list(range(1000 * i, 1000 * i + 160)), ["d0", "d1"], ["p0", "p1"], pairs=same)
+        assert d.prefill.winner.worker_id == "p1"
+        core.on_finished(f"r{i}")
+    layout["p1"] = "layer-major"
+    d = core.route("none", list(range(9000, 9160)), ["d0", "d1"], ["p0", "p1"], pairs=same)
+    assert d.prefill is None and d.reason == "local prefill (no prefill worker of its KV layout)"
+
+
 def test_core_spreads_load_when_nothing_is_cached():
     core = _core()
     chosen = [core.route(f"r{i}", list(range(i * 1000, i * 1000 + 64)), ["d0", "d1"], []).decode.winner.worker_id

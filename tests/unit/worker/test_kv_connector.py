@@ -13,7 +13,7 @@ from splitserve.services.engine.sampler import SampledToken
 from splitserve.kvtransfer.sender_receiver import LayerReady
 from splitserve.services.worker.output_messages import decode_first_token, encode_first_token
 from splitserve.kvtransfer.rank_transfer import SingleRankTransfer
-from splitserve.services.engine.rank_connectors import resolve_backend
+from splitserve.kvtransfer.backends import resolve_backend
 from splitserve.kvtransfer.sender_receiver import TransferEndpoint, TransferGrant, TransferTarget
 
 LAYOUT = KVLayout(model="m", dtype="float32", num_layers=2, num_kv_heads=2, head_dim=4, block_size=16)
@@ -23,6 +23,9 @@ class _Handle:
     done = True
     error = None
     finished = True
+    layer = 0
+    counted = True
+    done_at = 0.0            # no completion time: no timing is observed
 
 
 class FakeConnector:
@@ -30,6 +33,7 @@ class FakeConnector:
 
     backend = "tcp"
     name = "fake"
+    pool = None              # no KV memory: its sends carry no digest (transfer_digest.py)
 
     def __init__(self):
         self.layout = LAYOUT

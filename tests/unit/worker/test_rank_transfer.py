@@ -221,3 +221,51 @@ def test_a_receiver_on_every_interface_is_written_at_the_address_it_advertises()
         plain.close()
         decode.close()
         prefill.close()
+
+
+def _single_ranks(layout_name: str):
+    layout = KVLayout(model="m", dtype="float32", num_layers=3, num_kv_heads=2, head_dim=4, block_size=4,
+                      layout=layout_name)
+    pair = []
+    for name, seed in (("decode-d", 0), ("prefill-d", 1)):
+        connector = make_connector("tcp", name, layout)
+        connector.register(torch.randn(layout.pool_shape(NUM_BLOCKS), generator=torch.Generator().manual_seed(seed)))
+        pair.append(RankTransfer(connector, layout.block_size))
+    return pair
+
+
+def _send_and_receive(decode: RankTransfer, prefill: RankTransfer, request_id: str, dst: list[int]) -> tuple:
+    grant = decode.expect(request_id, dst, ttl_s=10)
+    prefill.begin(request_id, _target(decode, dst, grant.deadline_unix), 8, notify=True)
+    for layer in range(prefill.connector.layout.num_layers):
+        prefill.on_layer_ready(LayerReady(request_id, layer, 0, [5, 6], 8))
+    sent = Outcome()
+    prefill.close_send(request_id, b"first-token", sent)
+    assert sent.wait() == (None, None)
+    received = Outcome()
+    decode.watch(request_id, received)
+    outcome = received.wait()
+    decode.release(request_id)
+    return outcome
+
+
+@pytest.mark.parametrize("layout_name", ["layer-major-v1", "paged-heads-kv-v1"])
+def test_the_receiver_takes_the_kv_only_when_it_matches_the_senders_digest(layout_name, tmp_path, monkeypatch):
+    """transfer_digest.py: a transfer whose middle layer was dropped or sent from the wrong blocks
+    (the fault-injection file) is refused with a TransferError, never handed on as done."""
+    fault_file = tmp_path / "kv-fault"
+    monkeypatch.setenv("SPLITSERVE_KV_FAULT_FILE", str(fault_file))
+    decode, prefill = _single_ranks(layout_name)
+    try:
+        assert _send_and_receive(decode, prefill, "clean", [3, 4]) == (b"first-token", None)
+        for fault, dst in (("drop", [0, 1]), ("corrupt", [2, 7])):       # blocks no earlier write filled
+            fault_file.write_text(fault)
+            payload, error = _send_and_receive(decode, prefill, f"faulty-{fault}", dst)
+            assert payload is None and isinstance(error, TransferError) and "differs" in str(error), error
+        fault_file.unlink()
+        assert _send_and_receive(decode, prefill, "clean-again", [0, 1]) == (b"first-token", None)
+        assert decode.connector.metric("digest_mismatches")._value.get() >= 2
+        assert decode.num_open() == 0
+    finally:
+        decode.close()
+        prefill.close()
