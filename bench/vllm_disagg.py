@@ -7,7 +7,9 @@ process on a core of its own:
 
 - `splitserve-connector`: `splitserve serve --engine vllm --prefill-workers 1 --decode-workers 1
   --transfer nixl` (services/engine_vllm/kv_connector.py: each layer's KV pushed into the blocks
-  the decode worker reserved as the prefill computes it), `--reserved-cores 0` pins each worker.
+  the decode worker reserved as the prefill computes it), `--reserved-cores 0` pins each worker,
+  `--prefill-timeout 600` (the default 30 s gives up on a prompt queued behind four 12-s prefills
+  and prefills it on the decode worker, stalling its decodes: measured in a first run).
 - `nixl-connector`: one prefill and one decode `vllm serve` with vLLM's NixlConnector behind
   vLLM's own P/D proxy protocol (bench/nixl_pd.py: the decode pulls the prompt's KV once the
   prefill has finished), each server pinned to its core, NIXL's progress thread at a 1 ms poll.
@@ -65,6 +67,7 @@ from splitserve.testing.metrics import sample_sum
 SERVED = "smollm2"
 SERVERS = ("splitserve-connector", "nixl-connector", "aggregated")
 VLLM_ARGS = ["--max-model-len", "4096", "--enforce-eager"]
+PREFILL_TIMEOUT_S = 600
 TARGETS = {"exposed_transfer_vs_layer_compute": 1.0, "ttft_p50_vs_nixl_connector": 0.9, "itl_p99_vs_aggregated": 0.5}
 
 
@@ -87,8 +90,11 @@ class SplitserveServer:
 
     def __init__(self, disaggregated: bool, log: Path, ready_timeout_s: float):
         self.port = free_port()
-        pools = (["--prefill-workers", "1", "--decode-workers", "1", "--transfer", "nixl"] if disaggregated
-                 else ["--workers", "2"])
+        # --prefill-timeout: a 2,048-token prefill takes ~12 s on one core here, so four queued behind one
+        # another pass the default 30 s, and the decode worker would prefill them itself, stalling its
+        # decodes for seconds; vLLM's proxy flow waits for the prefill however long its queue is.
+        pools = (["--prefill-workers", "1", "--decode-workers", "1", "--transfer", "nixl",
+                  "--prefill-timeout", str(PREFILL_TIMEOUT_S)] if disaggregated else ["--workers", "2"])
         cmd = [sys.executable, "-m", "splitserve", "serve", "--engine", "vllm", "--engine-python", vllm_python(),
                "--model", "smollm2", "--served-model-name", SERVED, "--port", str(self.port), "--grpc-port", "0",
                "--kv-cache-gib", "1", "--reserved-cores", "0", "--worker-metrics", *pools, "--", *VLLM_ARGS]

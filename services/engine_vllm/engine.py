@@ -27,6 +27,7 @@ protocol, and a worker with it refuses splitserve's Prefill calls.
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
@@ -67,6 +68,12 @@ class _Request:
     remote_prompt_logprobs: list[SampledToken] | None = None   # the prefill worker's, sent with the first output
 
 
+def _torch() -> Any:
+    import torch
+
+    return torch
+
+
 def client_errors() -> tuple[type[Exception], ...]:
     """What vLLM raises for a request it refuses: its VLLMClientError family (validation) and the
     plain ValueError some of its checks still raise."""
@@ -101,6 +108,8 @@ class VllmEngine:
                  transfers: TransferBook | None = None):
         self.llm = llm
         self._book = transfers                            # None: no splitserve KV connector in this vLLM
+        self._num_threads = _torch().get_num_threads()    # what vLLM (and a pinned worker) set at load
+        self._stepping_thread: int | None = None
         self._step_counts = step_counts                   # stat_counts.StepCounts: preemptions
         self._core = llm.engine_core.engine_core          # vLLM's EngineCore (InprocClient's)
         self._requests: dict[str, _Request] = {}
@@ -254,8 +263,19 @@ class VllmEngine:
     def _run_step(self) -> list[RequestOutput]:
         if not (self.llm.has_unfinished_requests() or (self._book is not None and self._book.has_finished())):
             return []
+        self._align_threads()
         self._stats.num_steps += 1
         return [self._convert(out) for out in self.llm.step() if out.request_id in self._requests]
+
+    def _align_threads(self) -> None:
+        """torch's thread count is the process's, OpenMP's is per thread, and vLLM was loaded on
+        another thread than the one that steps it (the worker's engine thread): without this, vLLM's
+        CPU attention plans a long prefill for the stepping thread's OpenMP count and runs it with
+        torch's, and its check fails the step ("thread_num == thread_num (2 vs. 1)")."""
+        me = threading.get_ident()
+        if me != self._stepping_thread:
+            _torch()._C.set_num_threads(self._num_threads)    # vLLM's CPU worker makes torch.set_num_threads a no-op
+            self._stepping_thread = me
 
     def _convert(self, out: Any) -> RequestOutput:
         state = self._requests[out.request_id]

@@ -70,3 +70,20 @@ def test_the_load_hooks_reach_the_core():
     assert router.core.load.decode_blocks(route.decode.worker_id) == 4
     router.on_finished("r1")
     assert router.core.load.num_requests() == 0 and router.core.load.decode_blocks(route.decode.worker_id) == 0
+
+
+def test_a_decode_worker_gets_only_prefill_workers_of_its_kv_layout():
+    """Describe's kv_transfer_layout: a vLLM decode worker's paged buffer cannot take a built-in
+    prefill worker's blocks (the handshake would refuse), so the router does not pair them."""
+    pool, h = _pool()
+    for name, layout in (("d0", "paged"), ("d1", "paged"), ("p0", "layer-major"), ("p1", "paged")):
+        h[name].info.kv_transfer_layout = layout
+    router = build_router(pool, "kv", remote_prefill_threshold=16)
+    router.core.index.stored("p0", block_hashes(PROMPT, 16))         # p0 holds the prompt: kv would pick it
+    route = router.route(RouteRequest("r", PROMPT + [5] * 40))
+    assert route.prefill is h["p1"]
+    h["p1"].info.kv_transfer_layout = "layer-major"
+    route = router.route(RouteRequest("r2", PROMPT + [6] * 40))
+    assert route.prefill is None and "no prefill worker of its KV layout" in str(route.reason)
+    h["p0"].info.kv_transfer_layout = ""                               # a worker from before the field
+    assert router.route(RouteRequest("r3", PROMPT + [4] * 40)).prefill is h["p0"]
