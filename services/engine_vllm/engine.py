@@ -172,17 +172,14 @@ class VllmEngine:
         batch = [(request_id, params), *forks]
         vllm_params = [(rid, p, self._checked(rid, prompt_token_ids, p)) for rid, p in batch]
         for rid, p, vp in vllm_params:
-            prompt: dict[str, Any] = {"prompt_token_ids": list(prompt_token_ids)}
-            if p.cache_salt:
-                prompt["cache_salt"] = p.cache_salt
             try:
-                self.llm.add_request(rid, prompt, vp)
-            except client_errors() as exc:     # vLLM's validation (prompt length, logprobs limits...)
+                self._add_to_vllm(rid, prompt_token_ids, p, vp)
+            except InvalidRequestError:        # vLLM's validation (prompt length, logprobs limits...)
                 for added, _, _ in vllm_params:
                     if added == rid:
                         break
                     self.abort(added)
-                raise InvalidRequestError(str(exc)) from None
+                raise
             self._requests[rid] = _Request(len(prompt_token_ids), p)
         self._stats.num_forks += len(forks)
 

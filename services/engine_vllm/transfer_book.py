@@ -99,10 +99,6 @@ class TransferBook:
         self._by_id[key] = transfer
         return transfer
 
-    def get(self, role: str, request_id: str) -> Transfer | None:
-        with self._lock:
-            return self._by_id.get((role, request_id))
-
     def mark_received(self, request_id: str) -> bool:
         """The remote prompt's KV is in place: vLLM's next step takes the request up (its
         `get_finished` reports the receive). False when no such transfer waits."""
