@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import socket
 import statistics
 import subprocess
 import sys
@@ -28,6 +27,7 @@ from pathlib import Path
 import httpx
 
 from splitserve.hardware import write_report
+from splitserve.net import free_port
 
 PROBE = """
 import json, sys, time
@@ -47,17 +47,11 @@ def _probe(imports: str) -> dict:
     return json.loads(out.stdout)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _time_to_health(model: Path) -> tuple[float, float]:
-    port = _free_port()
+    port = free_port()
     t0 = time.perf_counter()
     proc = subprocess.Popen([sys.executable, "-m", "splitserve", "frontend", "--model", str(model), "--port",
-                             str(port), "--worker", f"decode=127.0.0.1:{_free_port()}"],
+                             str(port), "--worker", f"decode=127.0.0.1:{free_port()}"],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         while True:

@@ -63,20 +63,13 @@ from splitserve.services.engine_vllm.environment import BASE_ENV, default_engine
 log = logging.getLogger(__name__)
 ROLES = {"prefill": "kv_producer", "decode": "kv_consumer"}
 POLL_ENV = "SPLITSERVE_NIXL_PTHR_DELAY_US"
-# Loaded by every Python process of a server (PYTHONPATH); a no-op unless POLL_ENV is set.
+# Loaded by every Python process of a server (PYTHONPATH); a no-op unless POLL_ENV is set. The vLLM
+# engine environment has splitserve installed (its workers run there).
 SITECUSTOMIZE = f'''"""Written by splitserve's bench/nixl_pd.py: give NIXL's UCX progress thread a poll timeout."""
-import importlib, os
+import os
 if os.environ.get("{POLL_ENV}"):
-    for _name in ("nixl_cu13._bindings", "nixl_cu12._bindings", "nixl_rocm._bindings"):
-        try:
-            _b = importlib.import_module(_name)
-        except Exception:  # not installed, or not loadable here
-            continue
-        def _agent(name, cfg, *rest, _make=_b.nixlAgent, _us=int(os.environ["{POLL_ENV}"])):
-            if cfg.useProgThread and cfg.pthrDelay == 0:
-                cfg.pthrDelay = _us
-            return _make(name, cfg, *rest)
-        _b.nixlAgent = _agent
+    from splitserve.services.engine_vllm.nixl_progress import give_progress_thread_a_poll_timeout
+    give_progress_thread_a_poll_timeout(int(os.environ["{POLL_ENV}"]))
 '''
 
 

@@ -60,6 +60,7 @@ from rich.table import Table
 from bench_support import machine_jiffies, quietest, stop_group, wait_ready
 from peer_clients import CLIENTS, Client, Workload, make_client
 from splitserve.hardware import write_report
+from splitserve.net import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 SERVERS = ("splitserve-agg", "splitserve-agg-yield", "splitserve-agg-reserve", "splitserve-agg-float",
@@ -132,13 +133,6 @@ class CpuMeter:
 
 
 # -- servers -----------------------------------------------------------------------------
-def _free_port() -> int:
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _server_command(name: str, model_dir: str, port: int, vllm_script: str | None) -> list[str]:
     if name == "vllm":
         return ["bash", str(vllm_script), "serve", str(port)]
@@ -172,7 +166,7 @@ def run_one(server: str, client: Client, work: Workload, meter: CpuMeter, round_
 def bench_server(server: str, model_dir: str, clients: list[Client], shapes: list[tuple[int, int]],
                  concurrencies: list[int], round_: int, args, scratch: Path,
                  console: Console) -> tuple[float, list[RunResult]]:
-    port = _free_port()
+    port = free_port()
     url = f"http://127.0.0.1:{port}"
     log = open(scratch / f"{server}-r{round_}.log", "w")
     env = dict(os.environ)

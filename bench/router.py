@@ -57,7 +57,6 @@ import json
 import os
 import random
 import re
-import socket
 import statistics
 import subprocess
 import tempfile
@@ -67,6 +66,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from bench_support import stop_group
+from splitserve.net import free_port
 from splitserve.proto.v1 import worker_pb2
 from splitserve.router.core import RouterCore, WorkerSpec
 from splitserve.block_hashes import block_hashes
@@ -148,12 +148,6 @@ CHILD_ENV = {"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
 DEFAULT_KV_CACHE_GIB = 0.1
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _worker_counters(addresses: list[str]) -> dict[str, int]:
     import grpc
 
@@ -185,7 +179,7 @@ def kv_cache_gib(model: Path, num_blocks: int) -> float:
 
 def _serve(model: Path, policy: str, num_workers: int, timeout_s: float,
            prefill_weight: float, kv_gib: float) -> tuple[subprocess.Popen, str, list[str]]:
-    port = _free_port()
+    port = free_port()
     proc = subprocess.Popen(["splitserve", "serve", "--aggregated", "--workers", str(num_workers), "--router", policy,
                              "--prefill-weight", str(prefill_weight), "--model", str(model), "--port", str(port),
                              "--grpc-port", "0", "--threads", "1", "--kv-cache-gib", f"{kv_gib:.9f}"],

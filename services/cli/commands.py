@@ -93,7 +93,16 @@ def _vllm_launcher(args: argparse.Namespace):
                               max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
                               max_logprobs=args.max_logprobs, cpu_cores=vllm_rank_cores(args.cpu_cores, args.tp),
                               pinned_cores=vllm_pinned_cores(args.cpu_cores))
-    return VllmEngineLauncher(flags, list(args.engine_args), kv_connector=args.role != "both")
+    return VllmEngineLauncher(flags, list(args.engine_args),
+                              kv_connector=args.kv_connector if args.role != "both" else "",
+                              side_channel_host=_reachable_host(args))
+
+
+def _reachable_host(args: argparse.Namespace) -> str:
+    """Where other workers reach this one: --advertise-host, else --host unless it is a wildcard."""
+    if args.advertise_host:
+        return args.advertise_host
+    return "127.0.0.1" if args.host in ("", "0.0.0.0", "::") else args.host
 
 
 def vllm_pinned_cores(cpu_cores: str | None) -> tuple[int, ...]:
@@ -118,6 +127,7 @@ def _builtin_launcher(args: argparse.Namespace):
     """The built-in engine's launcher, and this process's place in a group of ranks started one by one."""
     if args.engine_args:
         raise SplitserveError(f"engine flags after -- ({' '.join(args.engine_args)}) are for --engine vllm")
+    _check_kv_connector(args)
     from splitserve.services.engine.builtin import BuiltinEngineLauncher
 
     engine, member = _group_engine_config(args)
@@ -237,12 +247,19 @@ def _check_kv_store(wanted: bool | None, tp: int) -> None:
                               "rank's share of the KV heads")
 
 
+def _check_kv_connector(args: argparse.Namespace) -> None:
+    if getattr(args, "kv_connector", "splitserve") != "splitserve":
+        raise SplitserveError(f"--kv-connector {args.kv_connector} is vLLM's connector: it needs --engine vllm "
+                              "(the built-in engine moves KV with splitserve's connector only)")
+
+
 def _check_vllm_serve(args: argparse.Namespace) -> None:
     """`serve --engine vllm`: aggregated workers unless a prefill or decode pool is asked for, and
     refusals for what vLLM workers lack yet."""
     if args.engine != "vllm":
         if args.engine_args:
             raise SplitserveError(f"engine flags after -- ({' '.join(args.engine_args)}) are for --engine vllm")
+        _check_kv_connector(args)
         return
     disaggregated = args.prefill_workers is not None or args.decode_workers is not None
     if disaggregated and args.tp > 1:

@@ -169,7 +169,7 @@ the vLLM engine (--engine vllm; docs/engines.md):
     splitserve worker --engine vllm --model smollm2 -- --max-model-len 4096
   With --role prefill / --role decode, splitserve's KV connector runs inside vLLM and pushes
   each layer's KV from the prefill worker into the blocks the decode worker's vLLM reserved
-  (--tp 1; docs/engines.md).
+  (--tp 1; docs/engines.md); --kv-connector nixl-vllm runs vLLM's own NixlConnector instead.
 """
 
 
@@ -279,6 +279,11 @@ def _add_disaggregation_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--transfer", choices=["auto", "nixl", "tcp"], default="auto",
                    help="KV transfer between prefill and decode workers (default: nixl when "
                         "importable, else tcp)")
+    g.add_argument("--kv-connector", choices=["splitserve", "nixl-vllm"], default="splitserve",
+                   help="with --engine vllm: what moves a prompt's KV from the prefill to the decode worker: "
+                        "splitserve's connector inside vLLM (each layer pushed as it is computed, over "
+                        "--transfer), or vLLM's own NixlConnector (the decode worker reads the whole prompt "
+                        "over NIXL after the prefill; both pools must use the same) (default: %(default)s)")
     g.add_argument("--remote-prefill-threshold", type=int, default=64, metavar="TOKENS",
                    help="decode role: prompts with fewer uncached tokens are prefilled locally "
                         "(default: %(default)s)")

@@ -49,6 +49,9 @@ class EngineDescription:
     tensor_parallel_size: int
     block_hash_extra_key: bytes     # splitserve/block_hashes.py's extra key: model, dtype, engine options
     max_logprobs: int = 20          # vLLM's --max-logprobs: most logprobs per token a request may ask; -1: all
+    # The engine's own KV connector moves prompts' KV between prefill and decode workers (a
+    # `KVHandoffEngine`; "nixl-vllm": vLLM's NixlConnector); "": splitserve's kvtransfer does.
+    kv_handoff: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -217,6 +220,25 @@ class Engine(Protocol):
         """Fetch prefixes from, and publish computed blocks to, the shared KV block store."""
 
     def close(self) -> None: ...
+
+
+@runtime_checkable
+class KVHandoffEngine(Protocol):
+    """An engine whose own KV connector moves a prompt's KV between a prefill and a decode worker
+    (`EngineDescription.kv_handoff`): the prefill side's final output carries the connector's
+    handoff (`RequestOutput.kv_handoff`, opaque to splitserve, JSON-serializable), which the
+    decode side's engine is given to fetch the KV (vLLM's `kv_transfer_params`). Blocks, leases,
+    failures and recompute are the connector's (services/worker/kv/handoff.py)."""
+
+    def add_handoff_prefill(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Prefill side: the prompt and one token; the last output (PREFILL_DONE) has `kv_handoff`."""
+
+    def add_handed_off(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                       kv_handoff: dict, *, forks: Sequence[Fork] = (),
+                       prompt_logprobs: list[SampledToken] | None = None) -> None:
+        """Decode side: a request whose prompt KV the connector fetches as `kv_handoff` says
+        (recomputed where it cannot); `prompt_logprobs`, the prefill side's, come with the first
+        output."""
 
 
 class EngineLauncher(Protocol):

@@ -19,15 +19,17 @@ Disaggregated prefill/decode (issue 39) goes through splitserve's KV connector i
 reservation is a request vLLM holds blocks for while it waits for remote KV, the prefill side's
 prefill-only request hands each layer to the sender as vLLM computes it, and the transfer
 itself is splitserve's (kvtransfer over vLLM's KV buffer, `build_kv_transfer`). The two meet in
-the process's `TransferBook` (transfer_book.py). vLLM's own NixlConnector
-(`--kv-connector nixl-vllm`) is not driven through these methods: it needs vLLM's proxy
-protocol, and a worker with it refuses splitserve's Prefill calls.
+the process's `TransferBook` (transfer_book.py). With vLLM's own NixlConnector instead
+(`--kv-connector nixl-vllm`, `kv_handoff`), the engine is a `KVHandoffEngine`: the prefill
+side's request ends with vLLM's `kv_transfer_params`, which the decode side's request is given
+(services/worker/kv/handoff.py); vLLM moves the KV.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
@@ -48,6 +50,9 @@ log = logging.getLogger(__name__)
 DISAGGREGATION_REFUSED = ("this vLLM worker runs without splitserve's KV connector (it serves --role both, or "
                           "--kv-connector nixl-vllm); run prefill and decode workers with --role prefill / "
                           "--role decode for disaggregated serving")
+HANDOFF_POLL_S = 0.002      # between steps that only advance vLLM's NixlConnector (nothing to compute)
+HANDOFF_REFUSED = ("this vLLM worker runs without vLLM's NixlConnector; run prefill and decode workers with "
+                   "--kv-connector nixl-vllm on both sides")
 _FINISH = {"stop": FinishReason.STOP, "length": FinishReason.LENGTH, "abort": FinishReason.ABORT}
 
 
@@ -105,9 +110,10 @@ class VllmEngine:
     """An `Engine` over one in-process vLLM `LLMEngine` (`llm`)."""
 
     def __init__(self, llm: Any, model_name: str, kv_events: Any = None, step_counts: Any = None,
-                 transfers: TransferBook | None = None):
+                 transfers: TransferBook | None = None, kv_handoff: str = ""):
         self.llm = llm
         self._book = transfers                            # None: no splitserve KV connector in this vLLM
+        self._handoff = kv_handoff                        # "nixl-vllm": vLLM's NixlConnector moves the KV
         self._num_threads = _torch().get_num_threads()    # what vLLM (and a pinned worker) set at load
         self._stepping_thread: int | None = None
         self._step_counts = step_counts                   # stat_counts.StepCounts: preemptions
@@ -128,7 +134,7 @@ class VllmEngine:
             block_size=cc.block_size, num_kv_blocks=self._pool.num_gpu_blocks - 1, dtype=dtype,
             device=str(cfg.device_config.device_type), tensor_parallel_size=cfg.parallel_config.tensor_parallel_size,
             block_hash_extra_key=f"{model_name}|torch.{dtype}|engine=vllm".encode(),
-            max_logprobs=mc.max_logprobs)
+            max_logprobs=mc.max_logprobs, kv_handoff=self._handoff)
 
     @property
     def _pool(self) -> Any:
@@ -151,8 +157,18 @@ class VllmEngine:
             num_remote_prefill_kv_blocks=t.num_waiting_receive_blocks if t else 0,
             num_held_prefills=t.num_held_sends if t else 0,
             num_fenced_kv_blocks=t.num_held_receive_blocks if t else 0,
-            counters=replace(self._stats, num_preemptions=self._step_counts.preemptions if self._step_counts
-                             else 0))
+            counters=self._counters())
+
+    def _counters(self) -> EngineCounters:
+        counters = replace(self._stats, num_preemptions=self._step_counts.preemptions if self._step_counts else 0)
+        if self._handoff and self._step_counts is not None:
+            # A handed-off request's output reports the prefill worker's cache hits (vLLM's usage
+            # rule), not what this vLLM computed: its step stats say that.
+            sources = self._step_counts.prompt_sources
+            counters = replace(counters, num_prompt_tokens_computed=sources.computed,
+                               num_prefix_hit_tokens=sources.local_cache_hit + sources.external_kv_transfer,
+                               num_computed_tokens=sources.computed + counters.num_generated_tokens)
+        return counters
 
     @property
     def ranks(self) -> RankGroup | None:
@@ -242,7 +258,7 @@ class VllmEngine:
         return True
 
     def has_unfinished(self) -> bool:
-        if self._pending or (self._book is not None and self._book.has_finished()):
+        if self._pending or (self._book is not None and self._book.has_finished()) or self._handoff_pending():
             return True
         if not self.llm.has_unfinished_requests():
             return False
@@ -259,10 +275,18 @@ class VllmEngine:
 
     def _run_step(self) -> list[RequestOutput]:
         if not (self.llm.has_unfinished_requests() or (self._book is not None and self._book.has_finished())):
-            return []
+            if not self._handoff_pending():
+                return []
+            time.sleep(HANDOFF_POLL_S)     # only the connector's bookkeeping to advance: no busy core
         self._align_threads()
         self._stats.num_steps += 1
         return [self._convert(out) for out in self.llm.step() if out.request_id in self._requests]
+
+    def _handoff_pending(self) -> bool:
+        """vLLM's NixlConnector keeps a finished prefill's blocks until the decode worker has read
+        them (or the lease ran out), and a read the decode side started completes: only steps
+        (its get_finished) see either."""
+        return bool(self._handoff) and self._core.scheduler.has_requests()
 
     def _align_threads(self) -> None:
         """torch's thread count is the process's, OpenMP's is per thread, and vLLM was loaded on
@@ -287,6 +311,10 @@ class VllmEngine:
             s.num_prefix_hit_tokens += state.num_cached_tokens
             s.num_prompt_tokens_computed += state.num_prompt_tokens - state.num_cached_tokens
             s.num_computed_tokens += state.num_prompt_tokens - state.num_cached_tokens
+        if first and state.forks:       # a handed-off prompt's other samples: its KV is in the cache now
+            for rid, p in state.forks:
+                self.add_request(rid, state.fork_prompt, p)
+            state.forks, state.fork_prompt = (), None
         state.num_output_tokens += len(new_ids)
         self._stats.num_generated_tokens += len(new_ids)
         self._stats.num_computed_tokens += len(new_ids)
@@ -297,6 +325,8 @@ class VllmEngine:
             reason = FinishReason.PREFILL_DONE if state.prefill_only else reason or FinishReason.STOP
         result = RequestOutput(out.request_id, new_ids, out.finished, reason, state.num_prompt_tokens,
                                state.num_cached_tokens, state.num_output_tokens)
+        if out.finished and state.prefill_only and self._handoff:
+            result.kv_handoff = dict(out.kv_transfer_params or {}) or None
         if first and state.remote_prompt_logprobs is not None:
             result.prompt_logprobs, state.prompt_logprobs_sent = state.remote_prompt_logprobs, True
         if state.params.logprobs is not None and completion.logprobs:
@@ -306,6 +336,36 @@ class VllmEngine:
             result.prompt_logprobs = prompt_tokens(out.prompt_token_ids, out.prompt_logprobs,
                                                    state.params.prompt_logprobs)
         return result
+
+    # -- disaggregated prefill through vLLM's NixlConnector (KVHandoffEngine) -----------
+    def add_handoff_prefill(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Prefill side: the prompt and one token; vLLM's connector keeps the blocks for the decode
+        worker to read (on its lease) and the PREFILL_DONE output carries its kv_transfer_params."""
+        self._require_handoff()
+        vp = self._checked(request_id, prompt_token_ids, replace(params, max_tokens=1, min_tokens=0))
+        vp.extra_args = {**(vp.extra_args or {}), "kv_transfer_params": {"do_remote_decode": True}}
+        self._add_to_vllm(request_id, prompt_token_ids, params, vp)
+        self._requests[request_id] = _Request(len(prompt_token_ids), params, prefill_only=True)
+
+    def add_handed_off(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                       kv_handoff: dict, *, forks: Sequence[Fork] = (),
+                       prompt_logprobs: list[SampledToken] | None = None) -> None:
+        """Decode side: vLLM reads the prompt's KV as `kv_handoff` says, recomputes the last prompt
+        token and samples the first; forks are added once it has (they share its cached prompt)."""
+        self._require_handoff()
+        for rid, p in forks:
+            self._checked(rid, prompt_token_ids, p)
+        vp = self._checked(request_id, prompt_token_ids, params)
+        vp.prompt_logprobs = None       # the prefill worker's come with the first output
+        vp.extra_args = {**(vp.extra_args or {}), "kv_transfer_params": dict(kv_handoff)}
+        self._add_to_vllm(request_id, prompt_token_ids, params, vp)
+        self._requests[request_id] = _Request(len(prompt_token_ids), params, forks=tuple(forks),
+                                              fork_prompt=list(prompt_token_ids) if forks else None,
+                                              remote_prompt_logprobs=prompt_logprobs)
+
+    def _require_handoff(self) -> None:
+        if not self._handoff:
+            raise InvalidRequestError(HANDOFF_REFUSED)
 
     # -- disaggregated prefill: the decode side (kv_connector.py) ------------------------
     def num_cached_prompt_tokens(self, token_ids: list[int], cache_salt: str = "") -> int:

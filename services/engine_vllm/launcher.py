@@ -112,7 +112,10 @@ class VllmEngineLauncher:
     flags: WorkerEngineFlags
     vllm_argv: list[str] = field(default_factory=list)
     kv_events: bool = True       # republish vLLM's KV events to routers (kv_events.py)
-    kv_connector: bool = False   # a prefill or decode worker: splitserve's KV connector inside vLLM
+    # A prefill or decode worker's KV connector inside vLLM: "splitserve" (kv_connector.py) or
+    # "nixl-vllm" (vLLM's NixlConnector, KV handed off: services/worker/kv/handoff.py); "": none.
+    kv_connector: str = ""
+    side_channel_host: str = "127.0.0.1"   # nixl-vllm: where decode workers reach this one's NIXL handshake
 
     @property
     def model(self) -> str:
@@ -140,17 +143,10 @@ class VllmEngineLauncher:
             engine_args.kv_events_config = KVEventsConfig(**events_config(endpoint))
         transfers = None
         if self.kv_connector:
-            from vllm.config import KVTransferConfig
-
-            from splitserve.services.engine_vllm import kv_connector as splitserve_connector
-
             if engine_args.kv_transfer_config is not None:
-                log.warning("--kv-transfer-config after -- is replaced: a prefill or decode worker runs splitserve's "
-                            "KV connector")
-            engine_args.kv_transfer_config = KVTransferConfig(
-                kv_connector=splitserve_connector.CLASS_NAME, kv_connector_module_path=splitserve_connector.MODULE_PATH,
-                kv_role="kv_both")
-            transfers = splitserve_connector.book()
+                log.warning("--kv-transfer-config after -- is replaced: a prefill or decode worker runs the KV "
+                            "connector --kv-connector names (%s)", self.kv_connector)
+            engine_args.kv_transfer_config, transfers = self._kv_transfer_config()
         from splitserve.services.engine_vllm.stat_counts import StepCounts
 
         log.info("starting vLLM for %s: %s", self.flags.model, engine_args)
@@ -158,7 +154,11 @@ class VllmEngineLauncher:
         llm = LLMEngine.from_engine_args(engine_args, stat_loggers=[counts.logger_factory()])
         name = engine_args.served_model_name
         engine = VllmEngine(llm, name[0] if isinstance(name, list) else (name or self.flags.model), step_counts=counts,
-                            transfers=transfers)
+                            transfers=transfers, kv_handoff="nixl-vllm" if self.kv_connector == "nixl-vllm" else "")
+        if self.kv_connector == "nixl-vllm" and self.flags.pinned_cores and self.flags.device.startswith("cpu"):
+            # vLLM's NIXL worker pinned the thread that built it to the last core of the NUMA node
+            # (nixl/base_worker.py); back onto this worker's cores.
+            pin_process(self.flags.pinned_cores)
         if endpoint is not None:
             from splitserve.services.engine_vllm.kv_events import VllmKVEvents
 
@@ -166,3 +166,27 @@ class VllmEngineLauncher:
             d = engine.describe()
             engine.attach_kv_events(VllmKVEvents(endpoint, d.block_size, d.block_hash_extra_key))
         return engine
+
+    def _kv_transfer_config(self) -> tuple[Any, Any]:
+        """(vLLM's KVTransferConfig, the TransferBook of splitserve's connector or None)."""
+        from vllm.config import KVTransferConfig
+
+        if self.kv_connector == "nixl-vllm":
+            from splitserve.net import free_port
+            from splitserve.services.engine_vllm.nixl_progress import give_progress_thread_a_poll_timeout
+
+            give_progress_thread_a_poll_timeout()
+            os.environ.setdefault("VLLM_NIXL_SIDE_CHANNEL_HOST", self.side_channel_host)
+            os.environ.setdefault("VLLM_NIXL_SIDE_CHANNEL_PORT", str(free_port(self.side_channel_host)))
+            # On CPU the KV is read straight from vLLM's buffer (the only device NIXL allows there);
+            # recompute: a read that fails is computed here, never decoded from what did not arrive.
+            buffer = {"kv_buffer_device": "cpu"} if self.flags.device.startswith("cpu") else {}
+            return KVTransferConfig(kv_connector="NixlConnector", kv_role="kv_both", kv_load_failure_policy="recompute",
+                                    **buffer), None
+        if self.kv_connector != "splitserve":
+            raise SplitserveError(f"unknown KV connector {self.kv_connector!r} (splitserve, nixl-vllm)")
+        from splitserve.services.engine_vllm import kv_connector as splitserve_connector
+
+        return KVTransferConfig(kv_connector=splitserve_connector.CLASS_NAME,
+                                kv_connector_module_path=splitserve_connector.MODULE_PATH,
+                                kv_role="kv_both"), splitserve_connector.book()

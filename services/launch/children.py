@@ -63,6 +63,8 @@ def worker_argv(args: argparse.Namespace, name: str, role: str, port: int, model
                  "--prefill-timeout", str(args.prefill_timeout)]
     argv += serve_child_argv(args, "worker")
     if getattr(args, "engine", "builtin") == "vllm":       # vLLM's own flags last, after --
+        if role != "both":
+            argv += ["--kv-connector", getattr(args, "kv_connector", "splitserve")]
         argv += ["--engine", "vllm", "--", *args.engine_args]
     return argv
 

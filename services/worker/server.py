@@ -37,6 +37,7 @@ from splitserve.services.worker.service import Role, WorkerOptions, WorkerServic
 from splitserve.services.worker.session_stream import SessionStreamServer
 from splitserve.services.worker.shutdown import drain
 from splitserve.kvtransfer.sender_receiver import KVReceiver, KVSender, UnwiredTransfer
+from splitserve.services.worker.kv.handoff import HandoffTransfer
 
 if TYPE_CHECKING:
     from splitserve.metrics_http import MetricsServer
@@ -81,12 +82,17 @@ def build_transfer(role: Role, engine: Engine, settings: TransferSettings = Tran
     """(sender, receiver) for this role, built once the engine's KV memory exists (the engine
     registers it with its connectors before any peer can fetch their metadata).
 
-    Prefill and decode workers get the engine's KV transfer (both halves); an aggregated
-    worker (role both) gets `UnwiredTransfer`, which refuses transfers clearly.
+    Prefill and decode workers get the engine's KV transfer (both halves), or `HandoffTransfer`
+    when the engine's own connector moves the KV; an aggregated worker (role both) gets
+    `UnwiredTransfer`, which refuses transfers clearly.
     """
     if role is Role.BOTH:
         unwired = UnwiredTransfer()
         return unwired, unwired
+    described = engine.describe()
+    if described.kv_handoff:            # the engine's own connector moves the KV (kv/handoff.py)
+        handoff = HandoffTransfer(described.kv_handoff, described.block_hash_extra_key)
+        return handoff, handoff
     transfer = engine.build_kv_transfer(settings)
     return transfer, transfer
 

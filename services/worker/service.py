@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import enum
+import json
 import logging
 import uuid
 from dataclasses import dataclass, replace
@@ -29,6 +30,7 @@ from splitserve.services.worker_protocol.proto_conversion import params_from_pro
 from splitserve.services.worker_protocol.sampling_params import SamplingParams
 from splitserve.services.worker.output_messages import event_to_proto, logprob_to_proto, output_to_proto
 from splitserve.services.worker.engine_loop import EngineLoop, EngineStoppedError
+from splitserve.services.worker.kv.handoff import HandoffPrefill, serve_handoff_prefill
 from splitserve.services.worker.kv.prefill_server import serve_prefill
 from splitserve.services.worker.kv.remote_prefill import PeerChannels, RemotePrefill
 from splitserve.kvtransfer.sender_receiver import (KVReceiver, KVSender, TransferEndpoint, TransferError,
@@ -110,6 +112,13 @@ async def compile_grammar(loop: EngineLoop, params: SamplingParams) -> None:
         await asyncio.to_thread(loop.engine.prepare, params)
 
 
+def _transfer_target(t: worker_pb2.TransferTarget) -> TransferTarget:
+    other_ranks = tuple(TransferEndpoint(r.agent_name, r.agent_metadata, t.layout_hash, r.incarnation)
+                        for r in t.other_ranks)      # a TP decode worker's ranks 1..M-1
+    return TransferTarget(TransferEndpoint(t.agent_name, t.agent_metadata, t.layout_hash, t.incarnation, other_ranks),
+                          list(t.block_ids), t.num_cached_blocks, TransferGrant(t.incarnation, t.deadline_unix))
+
+
 class WorkerService(worker_pb2_grpc.WorkerServicer):
     def __init__(self, options: WorkerOptions, health: HealthServicer, tracer: Tracer | None = None):
         self.options = options
@@ -124,6 +133,7 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         self.loop: EngineLoop | None = None
         self.hub = KvEventHub(options.kv_event_buffer)
         self.remote: RemotePrefill | None = None
+        self.handoff: HandoffPrefill | None = None     # the engine's own connector moves the KV
         self.fences: WriteFences | None = None
         self.sessions: set[GenerateSession] = set()   # gRPC calls and session streams
         self.session_port = 0                  # the session stream's, once it listens (server.py)
@@ -140,6 +150,8 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         self.remote = RemotePrefill(self.loop, self.receiver, self.peers,
                                     self.options.remote_prefill_threshold, self.options.prefill_timeout_s,
                                     self.fences, self.tracer)
+        if engine.describe().kv_handoff:
+            self.handoff = HandoffPrefill(self.peers, self.options.prefill_timeout_s)
         await self._set_health(health_pb2.HealthCheckResponse.SERVING)
 
     async def close(self) -> None:
@@ -243,17 +255,21 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         choice = {rid: i for i, rid in enumerate(ids)}
         remote = self.remote
         if peers and self._disaggregates() and await remote.worth_it(token_ids, params.cache_salt):
-            outcome = await remote.run(ids[0], token_ids, params, peers, self._count_retry, forks,
-                                       trace.span if trace is not None else None)
-            if outcome.first_token is not None:
+            span = trace.span if trace is not None else None
+            if self.handoff is not None:
+                outcome = await self.handoff.run(ids[0], token_ids, params, peers, self._count_retry)
+                start = None if outcome.kv_handoff is None else lambda e: e.add_handed_off(  # noqa: E731
+                    ids[0], token_ids, params, outcome.kv_handoff, forks=forks, prompt_logprobs=outcome.prompt_logprobs)
+            else:
+                outcome = await remote.run(ids[0], token_ids, params, peers, self._count_retry, forks, span)
+                start = None if outcome.first_token is None else \
+                    remote.complete(ids[0], outcome.first_token, outcome.prompt_logprobs)
+            if start is not None:
                 self.counters.num_remote_prefills += 1
                 if trace is not None:
                     trace.prefilled_remotely()
-                start = remote.complete(ids[0], outcome.first_token, outcome.prompt_logprobs)
-                async for out in loop.stream(ids[0], start, ids[1:]):
-                    if trace is not None:
-                        trace.observe(out)
-                    yield output_to_proto(out, prefilled_remotely=True, choice=choice[out.request_id])
+                async for response in self._stream(loop, ids, start, choice, trace, prefilled_remotely=True):
+                    yield response
                 return
             if outcome.num_failures:
                 self.counters.num_prefill_fallbacks += 1
@@ -261,10 +277,16 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         if trace is not None:
             trace.prefilling_locally()
         add = lambda e: e.add_request(ids[0], token_ids, params, forks=forks)  # noqa: E731
-        async for out in loop.stream(ids[0], add, ids[1:]):
+        async for response in self._stream(loop, ids, add, choice, trace):
+            yield response
+
+    @staticmethod
+    async def _stream(loop: EngineLoop, ids: list[str], start, choice: dict[str, int],
+                      trace: GenerateTrace | None, prefilled_remotely: bool = False):
+        async for out in loop.stream(ids[0], start, ids[1:]):
             if trace is not None:
                 trace.observe(out)
-            yield output_to_proto(out, choice=choice[out.request_id])
+            yield output_to_proto(out, prefilled_remotely=prefilled_remotely, choice=choice[out.request_id])
 
     def abort_choice(self, request_id: str, running: set[str] | dict) -> bool:
         """A session's abort of one sample "<request_id>/<i>" of a running request of `running`;
@@ -288,22 +310,23 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
                 raise InvalidRequestError("Prefill needs a request_id")
             params = params_from_proto(request.params, request.cache_salt)
             await compile_grammar(loop, params)
-            t = request.target
-            other_ranks = tuple(TransferEndpoint(r.agent_name, r.agent_metadata, t.layout_hash, r.incarnation)
-                                for r in t.other_ranks)      # a TP decode worker's ranks 1..M-1
-            target = TransferTarget(TransferEndpoint(t.agent_name, t.agent_metadata, t.layout_hash, t.incarnation,
-                                                     other_ranks),
-                                    list(t.block_ids), t.num_cached_blocks,
-                                    TransferGrant(t.incarnation, t.deadline_unix))
             if self.tracer is not None:
                 span = prefill_span(self.tracer, self.options.worker_id, request, params)
-            out = await serve_prefill(loop, self.sender, request.request_id, list(request.token_ids),
-                                      params, target, self.tracer, span)
+            if request.kv_handoff:
+                if not loop.engine.describe().kv_handoff:
+                    raise InvalidRequestError(f"worker {self.options.worker_id}'s engine does not hand KV off "
+                                              "(it pushes it through splitserve's KV transfer): the decode worker "
+                                              "and this prefill worker must run the same --kv-connector")
+                out = await serve_handoff_prefill(loop, request.request_id, list(request.token_ids), params)
+            else:
+                out = await serve_prefill(loop, self.sender, request.request_id, list(request.token_ids),
+                                          params, _transfer_target(request.target), self.tracer, span)
             self.counters.num_prefills_served += 1
             response = worker_pb2.PrefillResponse(
                 first_token_id=out.new_token_ids[0], num_prompt_tokens=out.num_prompt_tokens,
                 num_cached_tokens=out.num_cached_tokens,
-                prompt_logprobs=[logprob_to_proto(t) for t in out.prompt_logprobs or []])
+                prompt_logprobs=[logprob_to_proto(t) for t in out.prompt_logprobs or []],
+                kv_transfer_params_json=json.dumps(out.kv_handoff) if out.kv_handoff else "")
             if out.logprobs:
                 response.first_logprob.CopyFrom(logprob_to_proto(out.logprobs[0]))
             return response

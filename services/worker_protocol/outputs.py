@@ -45,3 +45,6 @@ class RequestOutput:
     # With the first token only, when params.prompt_logprobs was set: one entry per prompt token
     # from the second on (the first has no logprob), the token's logprob and the top-n.
     prompt_logprobs: list[SampledToken] | None = None
+    # A prefill-only request of a KV-handoff engine (engine_api/contract.py KVHandoffEngine), with
+    # its PREFILL_DONE output: where the decode side's engine fetches the prompt's KV.
+    kv_handoff: dict | None = None

@@ -149,7 +149,7 @@ class RemotePrefill:
                 except (grpc.aio.AioRpcError, TransferError, asyncio.TimeoutError) as exc:
                     failures += 1
                     log.warning("request %s: remote prefill on %s failed (%s); %s", request_id, address,
-                                _describe(exc), "trying the next prefill worker"
+                                describe_failure(exc), "trying the next prefill worker"
                                 if attempt + 1 < len(addresses) else "prefilling locally")
         except BaseException:
             self._give_up(request_id, fences, grants_end)
@@ -215,7 +215,7 @@ class RemotePrefill:
         except BaseException as exc:    # failed or cancelled: the worker may still be writing
             fences.append(self.fences.ask(address, request_id))
             if call is not None:
-                self.tracer.fail(call, _describe(exc))
+                self.tracer.fail(call, describe_failure(exc))
             raise
         finally:
             self.receiver.release(request_id)
@@ -235,7 +235,7 @@ class RemotePrefill:
         return start
 
 
-def _describe(exc: BaseException) -> str:
+def describe_failure(exc: BaseException) -> str:
     if isinstance(exc, grpc.aio.AioRpcError):
         return f"{exc.code().name}: {exc.details()}"
     if isinstance(exc, asyncio.TimeoutError):

@@ -36,6 +36,7 @@ import yaml
 
 from splitserve.net import free_port
 from splitserve.testing.metrics import scrape
+from splitserve.testing.ray_netns import start_ray
 from splitserve.testing.otlp_collector import OtlpCollector
 from splitserve.testing.waiting import wait_until
 
@@ -197,7 +198,7 @@ def ray_app(llama_dir, reference_server, collector):
     scratch = Path(os.environ.get("SPLITSERVE_RAY_SCRATCH") or "/tmp")
     started = time.monotonic()
     # OTEL_BSP_SCHEDULE_DELAY: spans leave each replica within 0.1 s of ending.
-    ray.init(num_cpus=8, include_dashboard=False, _temp_dir=os.environ.get("RAY_TMPDIR"),
+    start_ray(num_cpus=8, include_dashboard=False, _temp_dir=os.environ.get("RAY_TMPDIR"),
              runtime_env={"env_vars": {"OMP_NUM_THREADS": "1", "OTEL_BSP_SCHEDULE_DELAY": "100"}})
     print(f"ray.init: {time.monotonic() - started:.1f} s", file=sys.stderr)
     try:

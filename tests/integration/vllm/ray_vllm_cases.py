@@ -24,6 +24,7 @@ import yaml
 from splitserve.net import free_port
 from splitserve.services.launch.probes import worker_serving
 from splitserve.testing.metrics import scrape
+from splitserve.testing.ray_netns import start_ray
 from splitserve.testing.waiting import wait_until
 
 READY_TIMEOUT_S = 600.0        # vLLM loads in ~30 s alone; several times that beside the reference on 2 cores
@@ -97,7 +98,7 @@ def ray_app(vllm_python, reference_generate, prompts):
     config = config_from_spec(read_spec(path), EngineSettings("smollm2", kv_cache_gib=1, engine_python=vllm_python),
                               migration_wait_s=READY_TIMEOUT_S)
     started = time.monotonic()
-    ray.init(num_cpus=4, include_dashboard=False, _temp_dir=os.environ.get("RAY_TMPDIR"))
+    start_ray(num_cpus=4, include_dashboard=False, _temp_dir=os.environ.get("RAY_TMPDIR"))
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         deploy(config, READY_TIMEOUT_S)

@@ -6,9 +6,15 @@ decode workers) and over TCP (1 + 1).
   tokens, every one of them prefilled by the prefill worker (its KV pushed, none recomputed).
 - The KV moved layer by layer: the prefill worker's connector saw the first layer's writes
   complete before it computed the prompt's last layer (its own timestamps, /metrics).
-- Faults: a client gone during the transfer, the prefill worker SIGKILLed during the transfer,
-  a decode worker SIGKILLed under load: every request completes token for token or fails
-  cleanly, and the workers left return to idle (no block used, held or fenced).
+- Faults: a layer dropped or corrupted on purpose (refused by the digest check, recomputed), a
+  client gone during the transfer, the prefill worker SIGKILLed during the transfer, a decode
+  worker SIGKILLed under load: every request completes token for token or fails cleanly, and the
+  workers left return to idle (no block used, held or fenced).
+
+Over TCP only what the transport changes runs again (outputs, layer-wise arrival, a corrupted
+layer refused); the cancellation and kill paths are the connector's and the engine's, the same
+over either transport, and run over NIXL (two decode workers). Each 2,000-token prefill costs
+seconds here, so the module stays within a few minutes of CI.
 """
 
 from __future__ import annotations
@@ -61,7 +67,8 @@ def disagg_server(request, vllm_python, tmp_path_factory):
         stop_vllm_serve(server)
 
 
-FAULTS = ("drop", "corrupt")
+# Parametrizing the module's server with one of its own params reuses the running server.
+over_nixl_only = pytest.mark.parametrize("disagg_server", [("nixl", (1, 2))], ids=["nixl-1p2d"], indirect=True)
 # Each test that needs the KV to move while it watches gets a prompt no other test sends: a worker
 # that cached it would leave little or nothing to compute and move. (name, offset, length)
 PROMPTS = [(f"sized-{n}", i, n) for i, n in enumerate(PROMPT_LENGTHS)] + [
@@ -139,11 +146,20 @@ def test_the_kv_moved_layer_by_layer(disagg_server, prompts, expected):
     assert scrape(url, f"{name}_bucket", le="0.0") == not_ahead, "layer 0 landed only after the last layer"
 
 
-@pytest.mark.parametrize("fault", FAULTS)
-def test_a_transfer_dropped_or_corrupted_on_purpose_is_recomputed_not_decoded(disagg_server, prompts, expected,
-                                                                              fault):
-    """The prefill worker's connector drops (or writes from the wrong blocks) its middle layer: the
-    decode worker's digest check refuses the KV and prefills locally; the output is unchanged."""
+def test_a_layer_corrupted_on_purpose_is_refused_and_recomputed_not_decoded(disagg_server, prompts, expected):
+    """The prefill worker's connector writes its middle layer from the wrong blocks: the decode
+    worker's digest check refuses the KV and prefills locally; the output is unchanged."""
+    _fault_is_recomputed(disagg_server, prompts, expected, "corrupt")
+
+
+@over_nixl_only
+def test_a_layer_dropped_on_purpose_is_refused_and_recomputed_not_decoded(disagg_server, prompts, expected):
+    """The prefill worker's connector never writes its middle layer (the decode worker's blocks keep
+    what they held): refused by the digest check, prefilled locally, the output unchanged."""
+    _fault_is_recomputed(disagg_server, prompts, expected, "drop")
+
+
+def _fault_is_recomputed(disagg_server, prompts, expected, fault: str) -> None:
     decoders = _decoders(disagg_server)
     before = sum(worker_stats(a, STATS_TIMEOUT_S).num_prefill_fallbacks for a in decoders.values())
     disagg_server.fault_file.write_text(fault)
@@ -158,6 +174,7 @@ def test_a_transfer_dropped_or_corrupted_on_purpose_is_recomputed_not_decoded(di
     wait_idle(disagg_server.workers, IDLE_LIMIT_S, stats_timeout_s=STATS_TIMEOUT_S)
 
 
+@over_nixl_only
 def test_a_client_gone_during_the_transfer_leaves_both_sides_idle(disagg_server, prompts, expected):
     decoders = _decoders(disagg_server)
 
@@ -179,6 +196,7 @@ def test_a_client_gone_during_the_transfer_leaves_both_sides_idle(disagg_server,
     wait_idle(disagg_server.workers, IDLE_LIMIT_S, stats_timeout_s=STATS_TIMEOUT_S)
 
 
+@over_nixl_only
 def test_the_prefill_worker_killed_during_the_transfer_costs_a_local_prefill_not_a_token(
         disagg_server, prompts, expected):
     decoders = _decoders(disagg_server)
@@ -204,7 +222,7 @@ def _prefill_answers(server) -> bool:
         return False
 
 
-@pytest.mark.parametrize("disagg_server", [("nixl", (1, 2))], ids=["nixl-1p2d"], indirect=True)
+@over_nixl_only
 def test_a_decode_worker_killed_under_load_loses_no_token(disagg_server, prompts, expected):
     """Six streams over both decode workers; decode-0 is SIGKILLed once tokens flow: each stream
     completes token for token (the frontend migrates decode-0's to decode-1)."""

@@ -97,7 +97,7 @@ def test_serve_runs_vllm_prefill_and_decode_pools_when_asked():
 @pytest.mark.parametrize("role", ["prefill", "decode"])
 def test_a_disaggregated_vllm_worker_loads_splitserves_kv_connector(role):
     launcher = _vllm_launcher(build_parser().parse_args(["worker", "--engine", "vllm", "--role", role]))
-    assert launcher.kv_connector
+    assert launcher.kv_connector == "splitserve"
     assert not _vllm_launcher(build_parser().parse_args(["worker", "--engine", "vllm"])).kv_connector
     with pytest.raises(SplitserveError, match="needs --tp 1 for now"):
         _vllm_launcher(build_parser().parse_args(["worker", "--engine", "vllm", "--role", role, "--tp", "2"]))
@@ -127,3 +127,32 @@ def test_a_tensor_parallel_workers_cores_are_one_list_per_rank_for_vllm():
     from splitserve.services.cli.commands import vllm_pinned_cores
 
     assert vllm_pinned_cores("2-4,7") == (2, 3, 4, 7) and vllm_pinned_cores(None) == ()
+
+
+@pytest.mark.parametrize("role", ["prefill", "decode"])
+def test_kv_connector_nixl_vllm_loads_vllms_own_connector_reachable_where_the_worker_is(role):
+    args = build_parser().parse_args(["worker", "--engine", "vllm", "--role", role, "--kv-connector", "nixl-vllm",
+                                      "--host", "0.0.0.0", "--advertise-host", "10.1.2.3"])
+    launcher = _vllm_launcher(args)
+    assert launcher.kv_connector == "nixl-vllm" and launcher.side_channel_host == "10.1.2.3"
+    local = _vllm_launcher(build_parser().parse_args(["worker", "--engine", "vllm", "--role", role, "--kv-connector",
+                                                      "nixl-vllm", "--host", "0.0.0.0"]))
+    assert local.side_channel_host == "127.0.0.1"
+    aggregated = build_parser().parse_args(["worker", "--engine", "vllm", "--kv-connector", "nixl-vllm"])
+    assert _vllm_launcher(aggregated).kv_connector == ""           # role both: no connector at all
+
+
+def test_kv_connector_nixl_vllm_needs_the_vllm_engine():
+    with pytest.raises(SplitserveError, match="--kv-connector nixl-vllm is vLLM's connector: it needs --engine vllm"):
+        _check_vllm_serve(build_parser().parse_args(["serve", "--kv-connector", "nixl-vllm"]))
+
+
+def test_serve_passes_the_kv_connector_to_vllm_prefill_and_decode_workers_only():
+    from splitserve.services.launch.children import worker_argv
+
+    args = build_parser().parse_args(["serve", "--engine", "vllm", "--prefill-workers", "1", "--decode-workers", "1",
+                                      "--kv-connector", "nixl-vllm"])
+    decode = worker_argv(args, "decode-0", "decode", 1234, "smollm2")
+    assert decode[decode.index("--kv-connector") + 1] == "nixl-vllm"
+    assert decode.index("--kv-connector") < decode.index("--")          # a splitserve flag, not vLLM's
+    assert "--kv-connector" not in worker_argv(args, "worker-0", "both", 1234, "smollm2")

@@ -4,7 +4,8 @@ An aggregated worker (role both, the transfer server.py builds for it) over a re
 engine, called through the generated stub: UNAVAILABLE until the engine is attached
 and after close; Describe and Stats report the engine; bad input is INVALID_ARGUMENT
 with the engine's message and the worker serves on; Abort and a cancelled call end
-a running request; Drain refuses new work while running calls go on. Every test
+a running request; Drain refuses new work while running calls go on; a KV-handoff Prefill
+(`--kv-connector nixl-vllm`) to an engine without one is refused with what to fix. Every test
 ends with the engine idle. The process-level behaviour (signals, etcd, the session
 stream) is in tests/integration/serving/test_worker.py.
 """
@@ -219,3 +220,31 @@ def test_after_close_every_call_is_unavailable(engine):
     assert [e.code() for e in errors] == [grpc.StatusCode.UNAVAILABLE] * 2, errors
     assert health == health_pb2.HealthCheckResponse.NOT_SERVING
     assert_engine_idle(engine)
+
+
+def test_a_handoff_prefill_to_a_worker_whose_engine_does_not_hand_off_is_refused_clearly(engine):
+    """`--kv-connector nixl-vllm` on one pool only: the prefill worker says what to fix, and serves on."""
+    async def main():
+        async with serving(engine) as w:
+            error = await _refused(w.stub.Prefill(worker_pb2.PrefillRequest(
+                request_id="handoff-1", token_ids=PROMPT, params=common_pb2.SamplingParams(max_tokens=1),
+                kv_handoff=True)))
+            return error, await _generate(w.stub, "after")
+
+    error, replies = asyncio.run(main())
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "does not hand KV off" in error.details() and "same --kv-connector" in error.details()
+    assert replies[-1].finished
+    assert_engine_idle(engine)
+
+
+def test_handoff_transfer_names_the_connector_and_refuses_splitserves_transfer():
+    from splitserve.kvtransfer.sender_receiver import TransferNotWiredError
+    from splitserve.services.worker.kv.handoff import HandoffTransfer
+
+    handoff = HandoffTransfer("nixl-vllm", b"smollm2|torch.float32|engine=vllm")
+    assert handoff.backend == "nixl-vllm"
+    assert handoff.endpoint().layout_hash == b"handoff:nixl-vllm:smollm2|torch.float32|engine=vllm"
+    assert handoff.num_open() == 0 and asyncio.run(handoff.fence("r", 1.0))
+    with pytest.raises(TransferNotWiredError, match="moves KV itself \\(nixl-vllm\\)"):
+        handoff.expect("r", [1, 2], 5.0)
