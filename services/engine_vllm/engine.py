@@ -277,7 +277,8 @@ class VllmEngine:
         if not (self.llm.has_unfinished_requests() or (self._book is not None and self._book.has_finished())):
             if not self._handoff_pending():
                 return []
-            time.sleep(HANDOFF_POLL_S)     # only the connector's bookkeeping to advance: no busy core
+        if self._handoff and self._only_connector_work():
+            time.sleep(HANDOFF_POLL_S)     # nothing to compute, only NIXL to hear from: no busy core
         self._align_threads()
         self._stats.num_steps += 1
         return [self._convert(out) for out in self.llm.step() if out.request_id in self._requests]
@@ -287,6 +288,17 @@ class VllmEngine:
         them (or the lease ran out), and a read the decode side started completes: only steps
         (its get_finished) see either."""
         return bool(self._handoff) and self._core.scheduler.has_requests()
+
+    def _only_connector_work(self) -> bool:
+        """No request to compute: every one waits for a NIXL read (decode side) or holds its blocks
+        for one (prefill side, finished)."""
+        from vllm.v1.request import RequestStatus
+
+        sched = self._core.scheduler
+        if sched.running:
+            return False
+        waiting = [*sched.waiting, *getattr(sched, "kv_holding_waiting", ())]
+        return all(r.status == RequestStatus.WAITING_FOR_REMOTE_KVS for r in waiting)
 
     def _align_threads(self) -> None:
         """torch's thread count is the process's, OpenMP's is per thread, and vLLM was loaded on

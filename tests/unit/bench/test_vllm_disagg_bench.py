@@ -21,11 +21,13 @@ def _run(server: str, round_: int, ttft: float, itl_p99: float, workload: str = 
 def test_ratios_pair_the_same_round_of_the_long_workload():
     runs = [_run("splitserve-connector", 1, 4.0, 0.1, exposed=2.0, layer=40.0),
             _run("nixl-connector", 1, 5.0, 0.1), _run("aggregated", 1, 3.0, 1.0),
+            _run("splitserve-nixl-vllm", 1, 8.0, 0.1),
             _run("splitserve-connector", 1, 9.0, 9.0, workload="shared-prefix"),     # not a target's workload
             _run("splitserve-connector", 2, 6.0, 0.3, exposed=50.0, layer=40.0),
             _run("aggregated", 2, 3.0, 0.5)]                                        # round 2: no NIXL run
     r = vllm_disagg.ratios(runs, 2)
     assert r["ttft_p50_vs_nixl_connector"] == [0.8, None]
+    assert r["ttft_p50_vs_splitserve_nixl_vllm"] == [0.5, None]
     assert r["itl_p99_vs_aggregated"] == [0.1, 0.6]
     assert r["exposed_transfer_vs_layer_compute"] == [0.05, 1.25]
     assert vllm_disagg.spread(r["itl_p99_vs_aggregated"]) == {"min": 0.1, "median": 0.35, "max": 0.6}
