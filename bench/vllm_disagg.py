@@ -39,6 +39,8 @@ quiet machine: the JSON records the CPU and the machine's load beside every run.
 
     python bench/vllm_disagg.py --rounds 3 --out bench/results/vllm-disagg.json
     python bench/vllm_disagg.py --quick                    # one round, fewer requests: a smoke run
+    # ITL under heavier mixed load: more arrivals while others decode
+    python bench/vllm_disagg.py --servers splitserve-connector,aggregated --workloads long --concurrency 8 --requests 16
 
 JSON (`--out`): the commit and CPU, every run (`runs`), and per round and as min/median/max:
 `exposed_transfer_ms`, `layer_compute_ms`, `ttft_p50_vs_nixl_connector` (null when the
@@ -182,6 +184,8 @@ def bench_server(server: str, round_: int, args, scratch: Path, console: Console
         run_load(url, ["--workload", "synthetic", "--input-len", "64", "--output-len", "8", "--concurrency", "1",
                        "--num-requests", "2"], scratch / f"{server}-warm-r{round_}", args.seed + 1000)
         for name, flags in workloads(args).items():
+            if name not in args.workloads.split(","):
+                continue
             before = prefill_timing(prefill_metrics)
             nixl_before = handle.transfer_stats() if server == "nixl-connector" else None
             r = run_load(url, flags, scratch / f"{server}-{name}-r{round_}", args.seed)
@@ -271,6 +275,7 @@ def main() -> int:
     p.add_argument("--requests", type=int, default=8, help="requests per workload run (default: %(default)s)")
     p.add_argument("--concurrency", type=int, default=4)
     p.add_argument("--servers", default=",".join(SERVERS), help="comma-separated subset of " + ", ".join(SERVERS))
+    p.add_argument("--workloads", default="long,shared-prefix", help="comma-separated subset of long, shared-prefix")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--ready-timeout", type=float, default=600.0)
     p.add_argument("--quick", action="store_true", help="one round of 4 requests per workload: a smoke run")
@@ -278,6 +283,9 @@ def main() -> int:
     args = p.parse_args()
     if args.quick:
         args.rounds, args.requests = 1, 4
+    unknown_workloads = set(args.workloads.split(",")) - {"long", "shared-prefix"}
+    if unknown_workloads:
+        p.error(f"unknown workloads: {', '.join(sorted(unknown_workloads))}")
     servers = [s for s in args.servers.split(",") if s]
     unknown = set(servers) - set(SERVERS)
     if unknown:
@@ -300,6 +308,7 @@ def main() -> int:
     if args.out:
         write_report(args.out, {
             "issue": 39, "rounds": args.rounds, "requests": args.requests, "concurrency": args.concurrency,
+            "servers": servers, "workloads": args.workloads.split(","),
             "runs": runs, "failures": failures, "per_round": per_round,
             **{key: spread(values) for key, values in per_round.items()},
             "targets": {key: {"at_most": t, "held_every_round": all(v is not None and v <= t for v in per_round[key])}
