@@ -52,8 +52,12 @@ TEXT = ("The history of the printing press begins with movable type in East Asia
 def disagg_server(request, vllm_python, tmp_path_factory):
     backend, pools = request.param
     fault_file = tmp_path_factory.mktemp("kv-fault") / "fault"      # absent: no fault (rank_transfer.py)
+    # --prefill-timeout bounds a remote prefill including its wait in the prefill worker's queue: the
+    # first test queues six prompts (5,020 tokens) there at once, which a 2-core CI machine busy with
+    # the other xdist worker took longer than the default 30 s to clear (the decode worker then
+    # prefilled two itself).
     server = start_vllm_serve(vllm_python, "--transfer", backend, "--remote-prefill-threshold", "1",
-                              "--worker-metrics", disaggregated=pools,
+                              "--prefill-timeout", "300", "--worker-metrics", disaggregated=pools,
                               vllm_args=("--max-num-batched-tokens", CHUNK_TOKENS),
                               env={"SPLITSERVE_KV_FAULT_FILE": str(fault_file)})
     server.fault_file = fault_file
