@@ -100,9 +100,11 @@ def _vllm_launcher(args: argparse.Namespace):
 
 def _reachable_host(args: argparse.Namespace) -> str:
     """Where other workers reach this one: --advertise-host, else --host unless it is a wildcard."""
+    from splitserve.services.worker.server import WILDCARD_HOSTS
+
     if args.advertise_host:
         return args.advertise_host
-    return "127.0.0.1" if args.host in ("", "0.0.0.0", "::") else args.host
+    return "127.0.0.1" if args.host in WILDCARD_HOSTS else args.host
 
 
 def vllm_pinned_cores(cpu_cores: str | None) -> tuple[int, ...]:
