@@ -149,11 +149,12 @@ class VllmEngine:
         num_running, num_waiting = sched.get_request_counts()
         total = pool.num_gpu_blocks - 1                   # the null block is never free nor used
         t = self._book.counts() if self._book is not None else None
+        receiving = t.num_waiting_receives if t else self._num_handoff_reads()
         return EngineLoad(
             num_kv_blocks=total, num_used_kv_blocks=total - len(free),
             num_cached_kv_blocks=sum(1 for b in free if b.block_hash is not None),
-            num_running=num_running, num_waiting=num_waiting - (t.num_waiting_receives if t else 0),
-            num_remote_prefill=t.num_waiting_receives if t else 0,
+            num_running=num_running, num_waiting=num_waiting - receiving,
+            num_remote_prefill=receiving,
             num_remote_prefill_kv_blocks=t.num_waiting_receive_blocks if t else 0,
             num_held_prefills=t.num_held_sends if t else 0,
             num_fenced_kv_blocks=t.num_held_receive_blocks if t else 0,
@@ -288,6 +289,16 @@ class VllmEngine:
         them (or the lease ran out), and a read the decode side started completes: only steps
         (its get_finished) see either."""
         return bool(self._handoff) and self._core.scheduler.has_requests()
+
+    def _num_handoff_reads(self) -> int:
+        """Requests whose KV vLLM's NixlConnector is reading (decode side of a handoff)."""
+        if not self._handoff:
+            return 0
+        from vllm.v1.request import RequestStatus
+
+        sched = self._core.scheduler
+        return sum(r.status == RequestStatus.WAITING_FOR_REMOTE_KVS
+                   for r in (*sched.waiting, *getattr(sched, "kv_holding_waiting", ())))
 
     def _only_connector_work(self) -> bool:
         """No request to compute: every one waits for a NIXL read (decode side) or holds its blocks

@@ -151,7 +151,7 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
                                     self.options.remote_prefill_threshold, self.options.prefill_timeout_s,
                                     self.fences, self.tracer)
         if engine.describe().kv_handoff:
-            self.handoff = HandoffPrefill(self.peers, self.options.prefill_timeout_s)
+            self.handoff = HandoffPrefill(self.peers, self.options.prefill_timeout_s, self.tracer)
         await self._set_health(health_pb2.HealthCheckResponse.SERVING)
 
     async def close(self) -> None:
@@ -257,7 +257,7 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         if peers and self._disaggregates() and await remote.worth_it(token_ids, params.cache_salt):
             span = trace.span if trace is not None else None
             if self.handoff is not None:
-                outcome = await self.handoff.run(ids[0], token_ids, params, peers, self._count_retry)
+                outcome = await self.handoff.run(ids[0], token_ids, params, peers, self._count_retry, span)
                 start = None if outcome.kv_handoff is None else lambda e: e.add_handed_off(  # noqa: E731
                     ids[0], token_ids, params, outcome.kv_handoff, forks=forks, prompt_logprobs=outcome.prompt_logprobs)
             else:

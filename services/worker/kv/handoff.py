@@ -37,11 +37,12 @@ from splitserve.kvtransfer.sender_receiver import (LayerReady, TransferEndpoint,
                                                    TransferNotWiredError, TransferTarget)
 from splitserve.proto.v1 import worker_pb2
 from splitserve.services.worker.engine_loop import EngineLoop
-from splitserve.services.worker.kv.remote_prefill import PeerChannels, describe_failure
+from splitserve.services.worker.kv.remote_prefill import PeerChannels, describe_failure, try_prefill_workers
 from splitserve.services.worker.output_messages import logprob_from_proto
 from splitserve.services.worker_protocol.outputs import FinishReason, RequestOutput, SampledToken
 from splitserve.services.worker_protocol.proto_conversion import params_to_proto
 from splitserve.services.worker_protocol.sampling_params import SamplingParams
+from splitserve.tracing import Tracer
 
 log = logging.getLogger(__name__)
 
@@ -117,33 +118,50 @@ class HandoffPrefill:
 
     peers: PeerChannels
     timeout_s: float               # every attempt together
+    tracer: Tracer | None = None   # None: tracing is off; else a `remote_prefill` span per attempt
 
     async def run(self, request_id: str, token_ids: list[int], params: SamplingParams, addresses: list[str],
-                  on_retry: Callable[[], None]) -> HandoffOutcome:
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + self.timeout_s
-        failures = 0
-        for attempt, address in enumerate(addresses):
-            left = deadline - loop.time()
-            if left <= 0:
-                break
-            if attempt:
-                on_retry()
-            request = worker_pb2.PrefillRequest(request_id=request_id, token_ids=token_ids,
-                                                params=params_to_proto(params), cache_salt=params.cache_salt,
-                                                kv_handoff=True)
-            try:
-                response = await self.peers.stub(address).Prefill(request, timeout=left)
-                handoff = json.loads(response.kv_transfer_params_json)
-                if not isinstance(handoff, dict):
-                    raise TransferError(f"{address} answered a handoff that is not a JSON object")
-            except (grpc.aio.AioRpcError, TransferError, ValueError) as exc:
-                failures += 1
-                log.warning("request %s: prefill on %s failed (%s); %s", request_id, address, describe_failure(exc),
-                            "trying the next prefill worker" if attempt + 1 < len(addresses) else "prefilling locally")
-                continue
-            prompt_logprobs = None
-            if params.prompt_logprobs is not None:
-                prompt_logprobs = [logprob_from_proto(t) for t in response.prompt_logprobs]
-            return HandoffOutcome(handoff, failures, prompt_logprobs)
-        return HandoffOutcome(None, failures)
+                  on_retry: Callable[[], None], span=None) -> HandoffOutcome:
+        """`span`: the request's span (request_tracing.py), parent of each attempt's."""
+        clock = asyncio.get_running_loop().time
+
+        async def attempt(address: str, left: float, index: int) -> HandoffOutcome:
+            return await self._attempt(request_id, token_ids, params, address, left, index, span)
+        outcome, failures = await try_prefill_workers(request_id, addresses, clock() + self.timeout_s, clock,
+                                                      on_retry, attempt,
+                                                      (grpc.aio.AioRpcError, TransferError, ValueError))
+        if outcome is None:
+            return HandoffOutcome(None, failures)
+        outcome.num_failures = failures
+        return outcome
+
+    async def _attempt(self, request_id: str, token_ids: list[int], params: SamplingParams, address: str,
+                       timeout_s: float, index: int, span) -> HandoffOutcome:
+        call = None if self.tracer is None else self.tracer.start_span("remote_prefill", span, "client", {
+            "splitserve.prefill_worker.address": address, "splitserve.prefill.attempt": index,
+            "splitserve.kv_transfer.connector": "handoff"})
+        request = worker_pb2.PrefillRequest(request_id=request_id, token_ids=token_ids,
+                                            params=params_to_proto(params), cache_salt=params.cache_salt,
+                                            kv_handoff=True)
+        try:
+            if call is not None:
+                context = self.tracer.context_of(call)
+                request.trace_context.traceparent, request.trace_context.tracestate = \
+                    context.traceparent, context.tracestate
+            response = await self.peers.stub(address).Prefill(request, timeout=timeout_s)
+            handoff = json.loads(response.kv_transfer_params_json)
+            if not isinstance(handoff, dict):
+                raise TransferError(f"{address} answered a handoff that is not a JSON object")
+            if call is not None:
+                call.set_attribute("splitserve.prefill_worker.num_cached_tokens", response.num_cached_tokens)
+        except BaseException as exc:
+            if call is not None:
+                self.tracer.fail(call, describe_failure(exc))
+            raise
+        finally:
+            if call is not None:
+                call.end()
+        prompt_logprobs = None
+        if params.prompt_logprobs is not None:
+            prompt_logprobs = [logprob_from_proto(t) for t in response.prompt_logprobs]
+        return HandoffOutcome(handoff, 0, prompt_logprobs)

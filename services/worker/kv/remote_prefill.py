@@ -30,8 +30,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 import grpc
 
@@ -49,6 +50,8 @@ from splitserve.services.worker.kv.write_fences import WriteFences
 from splitserve.services.worker_protocol.outputs import RequestOutput, SampledToken
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 RESERVE_RETRY_S = (0.02, 0.25)      # first and longest pause between reservation attempts
 GRPC_OPTIONS = [("grpc.max_receive_message_length", 64 * 2**20),
@@ -134,26 +137,18 @@ class RemotePrefill:
             return PrefillOutcome(None, 0)
         grants_end = deadline + GRANT_GRACE_S       # no sender writes past a grant of this request
         fences: list[asyncio.Task] = []             # FenceTransfer asked of each prefill worker given up
-        failures = 0
+
+        async def attempt(address: str, left: float, index: int):
+            return await self._attempt(request_id, token_ids, params, reservation, address, left, fences, span, index)
         try:
-            for attempt, address in enumerate(addresses):
-                left = deadline - clock()
-                if left <= 0:
-                    break
-                if attempt:
-                    on_retry()
-                try:
-                    token, prompt_logprobs = await self._attempt(request_id, token_ids, params, reservation,
-                                                                 address, left, fences, span, attempt)
-                    return PrefillOutcome(token, failures, prompt_logprobs)
-                except (grpc.aio.AioRpcError, TransferError, asyncio.TimeoutError) as exc:
-                    failures += 1
-                    log.warning("request %s: remote prefill on %s failed (%s); %s", request_id, address,
-                                describe_failure(exc), "trying the next prefill worker"
-                                if attempt + 1 < len(addresses) else "prefilling locally")
+            result, failures = await try_prefill_workers(request_id, addresses, deadline, clock, on_retry, attempt,
+                                                         (grpc.aio.AioRpcError, TransferError, asyncio.TimeoutError))
         except BaseException:
             self._give_up(request_id, fences, grants_end)
             raise
+        if result is not None:
+            token, prompt_logprobs = result
+            return PrefillOutcome(token, failures, prompt_logprobs)
         self._give_up(request_id, fences, grants_end)
         return PrefillOutcome(None, failures)
 
@@ -233,6 +228,30 @@ class RemotePrefill:
                 raise TransferError(f"request {request_id!r} lost its reservation (aborted?)")
             return [out] if out.new_token_ids or out.finished else []   # vLLM samples the first token itself
         return start
+
+
+async def try_prefill_workers(request_id: str, addresses: list[str], deadline: float, clock: Callable[[], float],
+                              on_retry: Callable[[], None], attempt: Callable[[str, float, int], Awaitable[T]],
+                              errors: tuple[type[BaseException], ...]) -> tuple[T | None, int]:
+    """Each prefill worker of `addresses` in turn, all within one deadline (on `clock`):
+    `attempt(address, seconds_left, index)`'s result from the first that succeeds, or None once
+    every one failed with one of `errors` or the deadline passed; with the number of failures.
+    Used by splitserve's own flow (RemotePrefill) and by the engines' handoff (handoff.py)."""
+    failures = 0
+    for index, address in enumerate(addresses):
+        left = deadline - clock()
+        if left <= 0:
+            break
+        if index:
+            on_retry()
+        try:
+            return await attempt(address, left, index), failures
+        except errors as exc:
+            failures += 1
+            log.warning("request %s: remote prefill on %s failed (%s); %s", request_id, address,
+                        describe_failure(exc), "trying the next prefill worker"
+                        if index + 1 < len(addresses) else "prefilling locally")
+    return None, failures
 
 
 def describe_failure(exc: BaseException) -> str:

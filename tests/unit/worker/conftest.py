@@ -17,6 +17,7 @@ test moves the clock, never by waiting).
 from __future__ import annotations
 
 import asyncio
+import json
 from dataclasses import dataclass
 
 import grpc
@@ -81,7 +82,9 @@ class FakePrefillWorker:
 
     `prefill`: "ok" fills the blocks (completes the receiver with `first_token`),
     "refuse" fails the call (UNAVAILABLE), "transfer_error" answers but fails the
-    transfer, "hang" never answers. `fence_answers` are FenceTransfer's answers in turn
+    transfer, "hang" never answers (or DEADLINE_EXCEEDED at the call's timeout, as gRPC does).
+    A `kv_handoff` Prefill (handoff.py) answers `handoff` as its kv_transfer_params JSON instead
+    of filling blocks. `fence_answers` are FenceTransfer's answers in turn
     (True / False: drained or not; an AioRpcError is raised); the last one repeats. With
     `fence_gate`, FenceTransfer answers once the gate opens. `on_prefill` runs at each
     Prefill call (e.g. to move the clock)."""
@@ -94,6 +97,7 @@ class FakePrefillWorker:
         self.fence_answers: list[bool | grpc.aio.AioRpcError] = [True]
         self.fence_gate: asyncio.Event | None = None     # set: FenceTransfer answers once it opens
         self.on_prefill = None
+        self.handoff: object = {"remote_engine_id": address, "remote_block_ids": [0, 1]}
         self.prefill_requests: list[worker_pb2.PrefillRequest] = []
         self.fenced: list[str] = []
         self.entered = asyncio.Event()
@@ -106,7 +110,13 @@ class FakePrefillWorker:
         if self.prefill == "refuse":
             raise rpc_error(grpc.StatusCode.UNAVAILABLE, f"{self.address} is draining")
         if self.prefill == "hang":
-            await asyncio.Event().wait()
+            try:
+                await asyncio.wait_for(asyncio.Event().wait(), timeout)
+            except asyncio.TimeoutError:
+                raise rpc_error(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded") from None
+        if request.kv_handoff:
+            return worker_pb2.PrefillResponse(first_token_id=self.first_token,
+                                              kv_transfer_params_json=json.dumps(self.handoff))
         if self.prefill == "transfer_error":
             self.receiver.fail(request.request_id, TransferError("the sender lost its connection"))
         else:
