@@ -1,0 +1,42 @@
+"""Flow control (issue 40): priority bands, fairness between flows, bounded queues, TTFT
+deadlines and shedding with 429, as a pure asyncio library (no HTTP, no gRPC).
+
+One implementation for splitserve's frontend and for an EPP (`splitserve epp`), which are to call
+`FlowController.admit` before routing a request; neither does yet. One job per module:
+
+- `config.py`          `FlowControlConfig` and its `BandConfig`s (validated on construction);
+- `requests.py`        `FlowRequest`: flow, priority (vLLM's direction: lower goes first), deadline;
+- `capacity.py`        `Capacity`, what a dispatched request holds; `ConcurrencyLimit`;
+- `queues.py`          one band's queues: per flow EDF then FCFS, round-robin between flows;
+- `dispatch_order.py`  which band goes next: strict priority, except a band owed its `min_share`;
+- `wait_estimate.py`   a newcomer's expected wait: position × the band's dispatch-interval EWMA;
+- `shedding.py`        `Shed` (429) and its `x-llm-d-request-dropped-reason`;
+- `controller.py`      `FlowController` (`admit` → `Ticket`, `wake`), the timers that shed;
+- `metrics.py`         `FlowControlMetrics` on a registry the caller passes.
+
+Use, per request:
+
+    controller = FlowController(FlowControlConfig(bands=(BandConfig(0, 256, 30.0),
+                                                         BandConfig(10, 1024, 120.0, min_share=0.1))),
+                                ConcurrencyLimit(64), metrics=FlowControlMetrics(registry))
+    try:
+        ticket = await controller.admit(FlowRequest(flow_id, priority, ttft_deadline_s))
+    except Shed as shed:
+        ...   # 429, shed.reason in DROPPED_REASON_HEADER, Retry-After: shed.retry_after_s
+    with ticket:
+        ...   # route and serve the request
+"""
+
+from splitserve.services.flow_control.capacity import Capacity, ConcurrencyLimit
+from splitserve.services.flow_control.config import BandConfig, FlowControlConfig
+from splitserve.services.flow_control.controller import FlowController, Ticket
+from splitserve.services.flow_control.metrics import FlowControlMetrics
+from splitserve.services.flow_control.requests import (FAIRNESS_ID_HEADER, OBJECTIVE_HEADER, TTFT_SLO_HEADER,
+                                                       FlowRequest)
+from splitserve.services.flow_control.shedding import DROPPED_REASON_HEADER, Shed, ShedCause
+
+__all__ = [
+    "DROPPED_REASON_HEADER", "FAIRNESS_ID_HEADER", "OBJECTIVE_HEADER", "TTFT_SLO_HEADER",
+    "BandConfig", "Capacity", "ConcurrencyLimit", "FlowControlConfig", "FlowControlMetrics", "FlowController",
+    "FlowRequest", "Shed", "ShedCause", "Ticket",
+]
