@@ -27,7 +27,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         for folder, group in ((TESTS / "k8s", "k8s"), (TESTS / "integration" / "vllm", "vllm")):
             if folder in item.path.parents:
                 item.add_marker(pytest.mark.xdist_group(group))
-    if config.getoption("dist", "no") == "loadgroup":
+    # xdist's workers collect with dist "no" and loadgroup set (xdist/remote.py); the scheduler
+    # hands out units in the workers' collection order, so the sort must happen there.
+    if config.getoption("dist", "no") == "loadgroup" or getattr(config.option, "loadgroup", False):
         items[:] = sorted(items, key=lambda item: item.get_closest_marker("xdist_group") is None)
 
 
