@@ -64,7 +64,9 @@ def pool_spec_hash(spec: ServingDeploymentSpec, pool: str) -> str:
     return content_hash({"image": spec.worker_image(pool), "model": spec.model.to_dict(),
                          "threshold": spec.disaggregation_threshold,
                          "pool": {**p.to_dict(), "replicas": None, "autoscaling": None},
-                         **({"tracing": tracing} if tracing else {})})[:10]
+                         **({"tracing": tracing} if tracing else {}),
+                         # only when not the default: a deployment that never set it keeps its hash
+                         **({"kvConnector": spec.kv_connector} if spec.kv_connector != "splitserve" else {})})[:10]
 
 
 # --- settings of the operator that every workload gets -------------------------------------
@@ -115,14 +117,13 @@ def _tracing_env(spec: ServingDeploymentSpec, pod_name: bool = False) -> list[di
 def worker_args(spec: ServingDeploymentSpec, pool: str) -> list[str]:
     """The operator's own `splitserve worker` flags (builders' OPERATOR_WORKER_FLAGS)."""
     p = spec.pool(pool)
-    # A vLLM worker serves aggregated (role both: it prefills its own prompts) until issue 39;
-    # the spec allows it only in the decode pool, with no prefill groups.
-    role = "both" if p.engine == "vllm" else pool
-    args = ["worker", "--role", role, "--model", spec.model.source, "--dtype", spec.model.dtype,
+    # Decode workers take the pool's role whichever the engine, also while the prefill pool is at
+    # 0 (they prefill their own prompts then): scaling the prefill pool never rolls them.
+    args = ["worker", "--role", pool, "--model", spec.model.source, "--dtype", spec.model.dtype,
             "--device", "cuda" if p.gpus_per_rank > 0 else "cpu"]
     if p.engine == "vllm":
         # vLLM spawns its own ranks inside the pod: its parallel sizes go after `--` (vllm_args).
-        args[1:1] = ["--engine", "vllm"]
+        args[1:1] = ["--engine", "vllm", "--kv-connector", spec.kv_connector]
     else:
         args += ["--tp", str(p.tensor_parallel)]
     return args + [

@@ -25,6 +25,8 @@ DEFAULT_IMAGE = "ghcr.io/splitserve/splitserve:0.1.0"
 # The image's vLLM flavour (deploy/image/Dockerfile, ENGINE=vllm): the workers of `engine: vllm` pools.
 DEFAULT_VLLM_IMAGE = "ghcr.io/splitserve/splitserve:0.1.0-vllm"
 ENGINES = ("builtin", "vllm")
+# What moves a prompt's KV between vLLM prefill and decode workers (`splitserve worker --kv-connector`).
+KV_CONNECTORS = ("splitserve", "nixl-vllm")
 DTYPES = ("float32", "bfloat16", "float16")
 ROUTER_POLICIES = ("kv", "round-robin", "random", "least-loaded", "power-of-two")
 SERVICE_TYPES = ("ClusterIP", "NodePort", "LoadBalancer")
@@ -531,9 +533,11 @@ class ServingDeploymentSpec:
     engine: str = "builtin"              # the pools' engine unless a pool names its own
     vllm_image: str = DEFAULT_VLLM_IMAGE  # the workers of engine: vllm pools (the frontends run `image`)
     tracing: TracingSpec = field(default_factory=TracingSpec)
+    kv_connector: str = "splitserve"    # engine: vllm pools: splitserve's connector or vLLM's NixlConnector
 
     _FIELDS = ("image", "vllmImage", "model", "engine", "frontend", "router", "prefill", "decode",
-               "disaggregationThreshold", "migrationLimit", "drainTimeoutSeconds", "autoscaling", "tracing")
+               "disaggregationThreshold", "migrationLimit", "drainTimeoutSeconds", "autoscaling", "tracing",
+               "kvConnector")
 
     def worker_image(self, pool: str) -> str:
         return self.vllm_image if self.pool(pool).engine == "vllm" else self.image
@@ -562,22 +566,25 @@ class ServingDeploymentSpec:
                    drain_timeout_seconds=_int(d, "drainTimeoutSeconds", 300, path, minimum=0),
                    autoscaling=SloAutoscalingSpec.from_dict(d.get("autoscaling"), f"{path}.autoscaling"),
                    engine=engine, vllm_image=_str(d, "vllmImage", DEFAULT_VLLM_IMAGE, path),
-                   tracing=TracingSpec.from_dict(d.get("tracing"), f"{path}.tracing"))
-        spec._check_vllm_is_aggregated(path)
+                   tracing=TracingSpec.from_dict(d.get("tracing"), f"{path}.tracing"),
+                   kv_connector=_str(d, "kvConnector", "splitserve", path, KV_CONNECTORS))
+        spec._check_engines_pair(path)
         return spec
 
-    def _check_vllm_is_aggregated(self, path: str) -> None:
-        """vLLM workers serve aggregated only (the decode pool prefills its own prompts): their
-        KV transfer to another worker is issue 39's."""
-        if "vllm" not in (self.prefill.engine, self.decode.engine):
-            return
-        if self.prefill.replicas > 0:
-            raise ValueError(f"{path}.prefill.replicas: engine vllm serves aggregated only until disaggregated "
-                             f"prefill/decode with vLLM lands (issue 39): set prefill.replicas to 0 (the decode "
-                             f"pool prefills its own prompts), got {self.prefill.replicas}")
-        if self.autoscaling.enabled:
-            raise ValueError(f"{path}.autoscaling.enabled: the SLO planner sizes a prefill and a decode pool, "
-                             f"which engine vllm cannot run until issue 39: leave autoscaling off")
+    def has_prefill_pool(self) -> bool:
+        """Prefill groups now, or possibly later (a planner may scale the prefill pool up from 0)."""
+        return self.prefill.replicas > 0 or self.autoscaling.enabled or self.prefill.autoscaling is not None
+
+    def _check_engines_pair(self, path: str) -> None:
+        """A prefill pool's KV goes only to decode workers of the same engine and connector (the
+        router pairs only equal transfer layouts): a mixed deployment would leave its prefill pool idle."""
+        if self.has_prefill_pool() and self.prefill.engine != self.decode.engine:
+            raise ValueError(f"{path}.prefill.engine: the prefill pool runs {self.prefill.engine} and the decode "
+                             f"pool {self.decode.engine}; their KV layouts differ, so no prompt could be sent from "
+                             f"one to the other: give both pools the same engine, or set prefill.replicas to 0")
+        if self.kv_connector != "splitserve" and self.decode.engine != "vllm":
+            raise ValueError(f"{path}.kvConnector: {self.kv_connector} is vLLM's own connector and needs "
+                             f"engine vllm in both pools (the built-in engine moves KV with splitserve's)")
 
     @classmethod
     def from_resource(cls, body: Mapping[str, Any]) -> ServingDeploymentSpec:
@@ -593,7 +600,8 @@ class ServingDeploymentSpec:
                 "prefill": self.prefill.to_dict(self.engine), "decode": self.decode.to_dict(self.engine),
                 "disaggregationThreshold": self.disaggregation_threshold,
                 "migrationLimit": self.migration_limit, "drainTimeoutSeconds": self.drain_timeout_seconds,
-                "autoscaling": self.autoscaling.to_dict(), "tracing": self.tracing.to_dict()}
+                "autoscaling": self.autoscaling.to_dict(), "tracing": self.tracing.to_dict(),
+                "kvConnector": self.kv_connector}
 
 
 # --- status --------------------------------------------------------------------------------

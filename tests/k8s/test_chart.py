@@ -172,8 +172,8 @@ VLLM_SAMPLE = {"model": {"source": "/models/qwen", "dtype": "float32"}, "engine"
 def test_an_engine_vllm_sample_renders_and_its_worker_pods_are_valid(k8s_bin_dir: Path, tmp_path: Path,
                                                                        kube_cluster: KubeCluster, k8s_namespace: str):
     """`engine: vllm` through the chart: the sample gets the image's vLLM flavour, the apiserver
-    takes it against the CRD (and refuses it with a prefill pool), and the worker pod the
-    operator builds from it is valid Kubernetes."""
+    takes it against the CRD (with a vLLM prefill pool too, not with a built-in one), and the
+    worker pods the operator builds from it are valid Kubernetes."""
     values = {"image": {"repository": "registry.example/splitserve", "tag": "0.1.0-test"},
               "sample": {"enabled": True, "name": "vllm", "spec": VLLM_SAMPLE}}
     docs = _documents(_helm_template(k8s_bin_dir, tmp_path, values).stdout)
@@ -197,10 +197,20 @@ def test_an_engine_vllm_sample_renders_and_its_worker_pods_are_valid(k8s_bin_dir
     assert container["image"] == "registry.example/splitserve:0.1.0-test-vllm"
     assert container["args"][container["args"].index("--"):] == [
         "--", "--quantization", "fp8", "--max-model-len", "8192", "--tensor-parallel-size", "2"]
-    disaggregated = {**sample, "spec": {**sample["spec"], "prefill": {"replicas": 1}}}
+    # With a vLLM prefill pool (and vLLM's own connector) it is taken; a built-in prefill pool,
+    # which could never send this decode pool a prompt's KV, is refused.
+    disaggregated = {**sample, "spec": {**sample["spec"], "prefill": {"replicas": 1}, "kvConnector": "nixl-vllm"}}
+    created = kube_cluster.kubectl("create", "--dry-run=server", "-o", "json", "-f", "-",
+                                   input=yaml.safe_dump(disaggregated))
+    spec = ServingDeploymentSpec.from_resource(json.loads(created.stdout))
+    [prefill_pod] = builders.build_group_pods(owner, spec, "prefill", "vllm-prefill-abc12")
+    kubernetes_validate.validate(prefill_pod, K8S_SCHEMA_VERSION, strict=True)
+    args = prefill_pod["spec"]["containers"][0]["args"]
+    assert args[:7] == ["worker", "--engine", "vllm", "--kv-connector", "nixl-vllm", "--role", "prefill"]
+    mixed = {**sample, "spec": {**sample["spec"], "prefill": {"replicas": 1, "engine": "builtin"}}}
     refused = kube_cluster.kubectl("create", "--dry-run=server", "-o", "name", "-f", "-",
-                                   input=yaml.safe_dump(disaggregated), check=False)
-    assert refused.returncode != 0 and "engine vllm serves aggregated only until issue 39" in refused.stderr
+                                   input=yaml.safe_dump(mixed), check=False)
+    assert refused.returncode != 0 and "the prefill and decode pools run different engines" in refused.stderr
 
 
 def test_kv_store_is_a_statefulset_workers_reach_and_that_reaches_them(k8s_bin_dir: Path, tmp_path: Path):

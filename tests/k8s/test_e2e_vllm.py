@@ -1,6 +1,9 @@
-"""`engine: vllm` end to end on the test control plane: the chart's operator (in a pod) runs an
-aggregated ServingDeployment whose decode group is one `splitserve worker --engine vllm` pod,
-and that pod answers completions through the frontend Service with vLLM's own greedy tokens.
+"""`engine: vllm` end to end on the test control plane: the chart's operator (in a pod) runs a
+ServingDeployment with a vLLM prefill pool and a vLLM decode pool (one `splitserve worker
+--engine vllm` pod each), and the frontend Service answers with vLLM's own greedy tokens: a
+prompt above the deployment's disaggregation threshold prefilled by the prefill pod (its KV
+pushed to the decode pod through splitserve's connector inside vLLM), one below it prefilled
+by the decode pod itself.
 
 The node agent has no images: the vLLM pool's image (`vllmImage`) runs with the vLLM engine
 environment's bin first on PATH (NodeAgent.image_env), the stand-in for the image's vLLM
@@ -36,6 +39,7 @@ REPO = Path(__file__).resolve().parents[2]
 VLLM_IMAGE = "splitserve:vllm-test"
 MAX_MODEL_LEN = 1024
 PROMPTS = [[1, 504, 3458, 282, 4649, 314], [1, 1073, 253, 675, 1463, 282, 260, 2342, 28, 905]]
+THRESHOLD = 8           # the 6-token prompt is prefilled on the decode pod, the 10-token one sent away
 NUM_TOKENS = 16
 
 
@@ -78,30 +82,38 @@ def vllm_reference(vllm_python: str) -> list[list[int]]:
     return json.loads(lines[-1].removeprefix("REFERENCE "))
 
 
-def test_an_engine_vllm_pod_serves_vllms_greedy_tokens_through_the_frontend(e2e: E2EDeployment, vllm_python: str):
+def test_vllm_prefill_and_decode_pods_serve_vllms_greedy_tokens_through_the_frontend(e2e: E2EDeployment,
+                                                                                     vllm_python: str):
     topology = {"mode": "same-label", "labelKey": E2E_LABEL}
+    pool = {"replicas": 1, "gpusPerRank": 0, "resources": {"cpu": "1", "memory": "4Gi"}, "topology": topology,
+            "workerArgs": ["--kv-cache-gib", "1"], "engineArgs": ["--max-model-len", str(MAX_MODEL_LEN)]}
     spec = {"model": {"source": "smollm2", "dtype": "float32"}, "engine": "vllm", "vllmImage": VLLM_IMAGE,
-            "prefill": {"replicas": 0},
-            "decode": {"replicas": 1, "gpusPerRank": 0, "resources": {"cpu": "1", "memory": "4Gi"},
-                       "topology": topology, "workerArgs": ["--kv-cache-gib", "1"],
-                       "engineArgs": ["--max-model-len", str(MAX_MODEL_LEN)]},
+            "prefill": pool, "decode": pool, "disaggregationThreshold": THRESHOLD,
             "router": {"policy": "round-robin"}}
     t0 = time.monotonic()
     e2e.api.apply(sd_doc(SD_NAME, spec))
-    e2e.wait_ready(decode=1, prefill=0, timeout=900)
-    print(f"[e2e-vllm] ServingDeployment Ready (one vLLM decode group) in {elapsed(t0)}")
-    [pod] = e2e.rank0_pods("decode")
-    container = pod["spec"]["containers"][0]
-    assert container["image"] == VLLM_IMAGE and container["args"][:3] == ["worker", "--engine", "vllm"]
-    assert container["args"][container["args"].index("--"):] == [
-        "--", "--max-model-len", str(MAX_MODEL_LEN), "--tensor-parallel-size", "1"]
+    e2e.wait_ready(decode=1, prefill=1, timeout=900)
+    print(f"[e2e-vllm] ServingDeployment Ready (one vLLM prefill and one decode group) in {elapsed(t0)}")
+    [decode] = e2e.rank0_pods("decode")
+    [prefill] = e2e.rank0_pods("prefill")
+    for pod, role in ((decode, "decode"), (prefill, "prefill")):
+        container = pod["spec"]["containers"][0]
+        args = container["args"]
+        assert container["image"] == VLLM_IMAGE and args[:3] == ["worker", "--engine", "vllm"]
+        assert args[args.index("--role") + 1] == role and args[args.index("--kv-connector") + 1] == "splitserve"
+        assert args[args.index("--"):] == ["--", "--max-model-len", str(MAX_MODEL_LEN), "--tensor-parallel-size", "1"]
     registered = {r.get("address") for r in e2e.etcd_records()}
-    assert f"{pod['status']['podIP']}:{names.WORKER_PORT}" in registered, registered
+    assert {f"{p['status']['podIP']}:{names.WORKER_PORT}" for p in (decode, prefill)} <= registered, registered
 
     base = e2e.open_frontend()
     model = served_model(base)
-    before = e2e.stats()[pod["metadata"]["name"]]
+    names_ = {"decode": decode["metadata"]["name"], "prefill": prefill["metadata"]["name"]}
+    before = e2e.stats()
     ours = [stream(base, model, prompt, NUM_TOKENS) for prompt in PROMPTS]
-    after = e2e.stats()[pod["metadata"]["name"]]
-    assert after.num_requests - before.num_requests >= len(PROMPTS)    # (plus the readiness canaries)
+    after = e2e.stats()
+    d0, d1 = before[names_["decode"]], after[names_["decode"]]
+    assert d1.num_requests - d0.num_requests >= len(PROMPTS)      # (plus the readiness canaries)
+    assert d1.num_remote_prefills - d0.num_remote_prefills == 1 and d1.num_prefill_fallbacks == d0.num_prefill_fallbacks
+    served = after[names_["prefill"]].num_prefills_served - before[names_["prefill"]].num_prefills_served
+    assert served == 1
     assert ours == vllm_reference(vllm_python)

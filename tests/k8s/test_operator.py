@@ -102,7 +102,8 @@ def env(kube_cluster, tmp_path_factory):
     ({"decode": {"topology": {"mode": "same-label"}}}, "topology.labelKey is required with mode same-label"),
     ({"model": None}, "spec.model: Required value"),
     ({"engine": "sglang"}, 'spec.engine: Unsupported value: "sglang"'),
-    ({"decode": {"engine": "vllm"}}, "engine vllm serves aggregated only until issue 39: set prefill.replicas to 0"),
+    ({"decode": {"engine": "vllm"}}, "the prefill and decode pools run different engines"),
+    ({"kvConnector": "nixl-vllm"}, "kvConnector nixl-vllm is vLLM's own connector and needs engine vllm"),
 ])
 def test_bad_specs_are_rejected_by_the_schema(env, patch, message):
     spec = {"model": {"source": "smollm2"}, **patch}
@@ -349,10 +350,11 @@ def test_an_engine_vllm_deployment_runs_one_pod_per_group_with_vllms_flags(env):
     printed = env.cluster.kubectl("-n", env.namespace, "get", "sd", name).stdout.split("\n")
     assert printed[0].split()[:3] == ["NAME", "MODEL", "ENGINE"] and printed[1].split()[:3] == [name, "/models/qwen",
                                                                                                 "vllm"]
-    # Scaling its prefill pool up would make it disaggregated: the apiserver refuses the patch.
-    refused = env.cluster.kubectl("-n", env.namespace, "patch", "sd", name, "--type=merge",
-                                  "-p", json.dumps({"spec": {"prefill": {"replicas": 1}}}), check=False)
-    assert refused.returncode != 0 and "engine vllm serves aggregated only" in refused.stderr
+    # A prefill pool of another engine could never send this decode pool a prompt's KV: the
+    # apiserver refuses the patch (a vLLM prefill pool is taken: test_chart.py).
+    refused = env.cluster.kubectl("-n", env.namespace, "patch", "sd", name, "--type=merge", "-p",
+                                  json.dumps({"spec": {"prefill": {"replicas": 1, "engine": "builtin"}}}), check=False)
+    assert refused.returncode != 0 and "the prefill and decode pools run different engines" in refused.stderr
     env.cluster.kubectl("-n", env.namespace, "delete", "sd", name, "--wait=false")
     env.wait(lambda: not api.pods(name), "the vLLM deployment's pod to go", timeout=60)
 

@@ -214,9 +214,31 @@ def test_vllm_pod_args_parse_with_the_worker_cli():
 
     args = builders.build_worker_pod(OWNER, VLLM, "decode", "g0", 0)["spec"]["containers"][0]["args"]
     parsed = build_parser().parse_args(args)
-    assert (parsed.command, parsed.engine, parsed.role) == ("worker", "vllm", "both")    # aggregated
+    # A decode worker even with no prefill groups (it prefills its own prompts): scaling the
+    # prefill pool up from 0 then rolls nothing.
+    assert (parsed.command, parsed.engine, parsed.role, parsed.kv_connector) == ("worker", "vllm", "decode",
+                                                                                "splitserve")
     assert (parsed.model, parsed.kv_cache_gib, parsed.port) == ("/models/qwen", 8.0, names.WORKER_PORT)
     assert parsed.engine_args == ["--quantization", "fp8", "--max-model-len=8192", "--tensor-parallel-size", "4"]
+
+
+def test_vllm_prefill_and_decode_pools_take_their_roles_and_the_deployments_kv_connector():
+    from splitserve.services.cli.parsers import build_parser
+
+    pd = ServingDeploymentSpec.from_dict({**VLLM.to_dict(), "prefill": {"replicas": 1, "tensorParallel": 2,
+                                                                        "gpusPerRank": 1}})
+    for connector in ("splitserve", "nixl-vllm"):
+        spec = ServingDeploymentSpec.from_dict({**pd.to_dict(), "kvConnector": connector})
+        for pool in ("prefill", "decode"):
+            args = builders.build_worker_pod(OWNER, spec, pool, "g0", 0)["spec"]["containers"][0]["args"]
+            parsed = build_parser().parse_args(args)
+            assert (parsed.engine, parsed.role, parsed.kv_connector) == ("vllm", pool, connector)
+    # The connector is part of what a pod is built from: changing it rolls both pools. A
+    # deployment that never set it keeps the hash it had before the field existed.
+    nixl = ServingDeploymentSpec.from_dict({**pd.to_dict(), "kvConnector": "nixl-vllm"})
+    for pool in ("prefill", "decode"):
+        assert builders.pool_spec_hash(nixl, pool) != builders.pool_spec_hash(pd, pool)
+    assert builders.pool_spec_hash(pd, "decode") == builders.pool_spec_hash(VLLM, "decode")
 
 
 def test_the_engine_and_the_vllm_image_roll_the_pool_and_builtin_hashes_stay():

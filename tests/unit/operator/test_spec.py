@@ -81,13 +81,12 @@ def test_full_spec_round_trips():
                                 (["--port=9"], "--port", "the pod"), (["--host", "x"], "--host", "the pod")]],
     ({"engine": "vllm", "prefill": {"replicas": 0}, "decode": {"engineArgs": ["--dtype", "half", "--", "-tp"]}},
      "spec.decode.engineArgs: a bare -- is not allowed"),
-    # engine vllm is aggregated only (issue 39): whichever pool names it
-    ({"engine": "vllm"}, "spec.prefill.replicas: engine vllm serves aggregated only until disaggregated "
-                         "prefill/decode with vLLM lands (issue 39): set prefill.replicas to 0"),
-    ({"decode": {"engine": "vllm"}}, "spec.prefill.replicas: engine vllm serves aggregated only"),
-    ({"engine": "vllm", "prefill": {"replicas": 0},
-      "autoscaling": {"enabled": True, "ttftP90Ms": 500, "itlP90Ms": 50}},
-     "spec.autoscaling.enabled: the SLO planner sizes a prefill and a decode pool, which engine vllm cannot run"),
+    # a prefill pool sends KV only to decode workers of its own engine
+    ({"decode": {"engine": "vllm"}}, "spec.prefill.engine: the prefill pool runs builtin and the decode pool vllm"),
+    ({"prefill": {"replicas": 0, "autoscaling": {"minReplicas": 0, "maxReplicas": 2}}, "decode": {"engine": "vllm"}},
+     "their KV layouts differ, so no prompt could be sent from one to the other"),
+    ({"kvConnector": "nixl-vllm"}, "spec.kvConnector: nixl-vllm is vLLM's own connector and needs engine vllm"),
+    ({"engine": "vllm", "kvConnector": "lmcache"}, "spec.kvConnector: 'lmcache' is not one of splitserve, nixl-vllm"),
 ])
 def test_bad_specs_name_the_field(patch, message):
     doc = {"model": {"source": "smollm2"}, **patch}
