@@ -13,6 +13,14 @@ from pathlib import Path
 FIRST_PORT = 15000
 _lock = threading.Lock()
 _candidates: itertools.cycle | None = None
+_claimed: set[int] = set()          # ports this process was given (claim_port): never handed out
+
+
+def claim_port(port: int) -> None:
+    """Keep `port` from `free_port` in this process: it was given to something here (a flag's
+    value) and may not be bound yet, so free_port could not see it is taken."""
+    with _lock:
+        _claimed.add(port)
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -22,8 +30,9 @@ def free_port(host: str = "127.0.0.1") -> int:
     `bind(port 0)` can be picked again for any outgoing connection (or another process's bind)
     before the server binds it, which a busy test machine did. Ports below the range are only
     taken on purpose. Each process walks the range from a random place, in its own slice under
-    pytest-xdist, and skips a port something already holds. Where the range leaves no room below
-    it, the OS picks (the old way).
+    pytest-xdist, and skips a port something already holds and one `claim_port` was told of (a
+    port given on the command line, not bound yet). Where the range leaves no room below it, the
+    OS picks (the old way).
     """
     global _candidates
     with _lock:
@@ -33,7 +42,7 @@ def free_port(host: str = "127.0.0.1") -> int:
             port = next(_candidates)
             if port is None:
                 return _os_picked_port(host)
-            if _bindable(host, port):
+            if port not in _claimed and _bindable(host, port):
                 return port
     return _os_picked_port(host)
 

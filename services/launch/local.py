@@ -37,7 +37,7 @@ import time
 import grpc
 
 from splitserve.errors import SplitserveError
-from splitserve.net import free_port
+from splitserve.net import claim_port, free_port
 from splitserve.services.engine_vllm.environment import (check_engine_python, default_engine_python,
                                                         resolve_vllm_model)
 from splitserve.services.launch.children import export_serve_secrets, frontend_argv, kvstore_argv, worker_argv
@@ -180,8 +180,13 @@ def run_serve(args: argparse.Namespace) -> int:
     scheme = "https" if args.tls_cert else "http"
     model = resolve_model(args.model, say) if args.engine != "vllm" else resolve_vllm_model(args.model)
     host = args.host
+    for given in (args.port, args.grpc_port):
+        if given:
+            claim_port(given)       # not bound until the frontend starts: free_port must not hand it out
     port = args.port or free_port(host)
     grpc_port = args.grpc_port if args.grpc_port is not None else port + 1
+    if grpc_port:
+        claim_port(grpc_port)
     grpc_port = grpc_port or free_port(host)
     python = [sys.executable, "-m", "splitserve", "--log-level", args.log_level]
     # vLLM workers run with the vLLM engine environment's python (docs/engines.md); the rest with ours.

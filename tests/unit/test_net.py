@@ -52,3 +52,15 @@ def test_without_room_below_the_range_the_os_picks(fresh_walk):
     assert kernel_low <= port <= kernel_high          # bind(port 0): the kernel's own range
     with socket.socket() as s:
         s.bind(("127.0.0.1", port))           # it was free
+
+
+def test_a_claimed_port_is_never_handed_out(fresh_walk):
+    """`serve --port P` claims P before it picks its other ports: P is not bound until the
+    frontend starts, so only the claim keeps free_port from handing P to a worker."""
+    fresh_walk.delenv("PYTEST_XDIST_WORKER", raising=False)
+    first = net.free_port()
+    fresh_walk.setattr(net, "_candidates", None)
+    fresh_walk.setattr(net, "_port_slice", lambda: [first, first + 1])
+    fresh_walk.setattr(net, "_claimed", set())
+    net.claim_port(first)
+    assert [net.free_port() for _ in range(3)] == [first + 1] * 3
