@@ -296,20 +296,21 @@ class VllmEngine:
             return 0
         from vllm.v1.request import RequestStatus
 
+        return sum(r.status == RequestStatus.WAITING_FOR_REMOTE_KVS for r in self._waiting_requests())
+
+    def _waiting_requests(self) -> tuple:
+        """vLLM's waiting requests, those waiting for remote KV included."""
         sched = self._core.scheduler
-        return sum(r.status == RequestStatus.WAITING_FOR_REMOTE_KVS
-                   for r in (*sched.waiting, *getattr(sched, "kv_holding_waiting", ())))
+        return (*sched.waiting, *getattr(sched, "kv_holding_waiting", ()))
 
     def _only_connector_work(self) -> bool:
         """No request to compute: every one waits for a NIXL read (decode side) or holds its blocks
         for one (prefill side, finished)."""
         from vllm.v1.request import RequestStatus
 
-        sched = self._core.scheduler
-        if sched.running:
+        if self._core.scheduler.running:
             return False
-        waiting = [*sched.waiting, *getattr(sched, "kv_holding_waiting", ())]
-        return all(r.status == RequestStatus.WAITING_FOR_REMOTE_KVS for r in waiting)
+        return all(r.status == RequestStatus.WAITING_FOR_REMOTE_KVS for r in self._waiting_requests())
 
     def _align_threads(self) -> None:
         """torch's thread count is the process's, OpenMP's is per thread, and vLLM was loaded on

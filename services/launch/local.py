@@ -185,7 +185,7 @@ def run_serve(args: argparse.Namespace) -> int:
             claim_port(given)       # not bound until the frontend starts: free_port must not hand it out
     port = args.port or free_port(host)
     grpc_port = args.grpc_port if args.grpc_port is not None else port + 1
-    if grpc_port:
+    if args.grpc_port is None:
         claim_port(grpc_port)
     grpc_port = grpc_port or free_port(host)
     python = [sys.executable, "-m", "splitserve", "--log-level", args.log_level]

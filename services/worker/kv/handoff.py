@@ -37,8 +37,8 @@ from splitserve.kvtransfer.sender_receiver import (LayerReady, TransferEndpoint,
                                                    TransferNotWiredError, TransferTarget)
 from splitserve.proto.v1 import worker_pb2
 from splitserve.services.worker.engine_loop import EngineLoop
-from splitserve.services.worker.kv.remote_prefill import PeerChannels, describe_failure, try_prefill_workers
-from splitserve.services.worker.output_messages import logprob_from_proto
+from splitserve.services.worker.kv.remote_prefill import (PeerChannels, describe_failure, prompt_logprobs_of,
+                                                          send_trace_context, try_prefill_workers)
 from splitserve.services.worker_protocol.outputs import FinishReason, RequestOutput, SampledToken
 from splitserve.services.worker_protocol.proto_conversion import params_to_proto
 from splitserve.services.worker_protocol.sampling_params import SamplingParams
@@ -144,10 +144,7 @@ class HandoffPrefill:
                                             params=params_to_proto(params), cache_salt=params.cache_salt,
                                             kv_handoff=True)
         try:
-            if call is not None:
-                context = self.tracer.context_of(call)
-                request.trace_context.traceparent, request.trace_context.tracestate = \
-                    context.traceparent, context.tracestate
+            send_trace_context(self.tracer, call, request)
             response = await self.peers.stub(address).Prefill(request, timeout=timeout_s)
             handoff = json.loads(response.kv_transfer_params_json)
             if not isinstance(handoff, dict):
@@ -161,7 +158,4 @@ class HandoffPrefill:
         finally:
             if call is not None:
                 call.end()
-        prompt_logprobs = None
-        if params.prompt_logprobs is not None:
-            prompt_logprobs = [logprob_from_proto(t) for t in response.prompt_logprobs]
-        return HandoffOutcome(handoff, 0, prompt_logprobs)
+        return HandoffOutcome(handoff, 0, prompt_logprobs_of(params, response))

@@ -194,19 +194,13 @@ class RemotePrefill:
             request = worker_pb2.PrefillRequest(request_id=request_id, token_ids=token_ids,
                                                 params=params_to_proto(params), target=target,
                                                 cache_salt=params.cache_salt)
-            if call is not None:
-                context = self.tracer.context_of(call)
-                request.trace_context.traceparent, request.trace_context.tracestate = \
-                    context.traceparent, context.tracestate
+            send_trace_context(self.tracer, call, request)
             async with asyncio.timeout(timeout_s):
                 response = await self.peers.stub(address).Prefill(request)
                 payload = await self.receiver.wait_complete(request_id)
-            prompt_logprobs = None
-            if params.prompt_logprobs is not None:
-                prompt_logprobs = [logprob_from_proto(t) for t in response.prompt_logprobs]
             if call is not None:
                 call.set_attribute("splitserve.prefill_worker.num_cached_tokens", response.num_cached_tokens)
-            return decode_first_token(payload), prompt_logprobs
+            return decode_first_token(payload), prompt_logprobs_of(params, response)
         except BaseException as exc:    # failed or cancelled: the worker may still be writing
             fences.append(self.fences.ask(address, request_id))
             if call is not None:
@@ -252,6 +246,21 @@ async def try_prefill_workers(request_id: str, addresses: list[str], deadline: f
                         describe_failure(exc), "trying the next prefill worker"
                         if index + 1 < len(addresses) else "prefilling locally")
     return None, failures
+
+
+def send_trace_context(tracer: Tracer | None, call, request: worker_pb2.PrefillRequest) -> None:
+    """Put the `remote_prefill` span `call`'s context in the Prefill request (the prefill worker's
+    spans continue it); nothing when tracing is off."""
+    if call is not None:
+        context = tracer.context_of(call)
+        request.trace_context.traceparent, request.trace_context.tracestate = context.traceparent, context.tracestate
+
+
+def prompt_logprobs_of(params: SamplingParams, response: worker_pb2.PrefillResponse) -> list[SampledToken] | None:
+    """The prompt logprobs a prefill worker answered, when the request asked for them."""
+    if params.prompt_logprobs is None:
+        return None
+    return [logprob_from_proto(t) for t in response.prompt_logprobs]
 
 
 def describe_failure(exc: BaseException) -> str:
