@@ -2,7 +2,10 @@
 
 `GET /metrics` answers with a collector (the process's default registry: the kvtransfer
 collectors, kvtransfer/metrics.py, and prometheus-client's process metrics) followed by
-families read at scrape time (a worker's `splitserve_worker_*`, services/worker/stats_metrics.py).
+families read at scrape time (a worker's `splitserve_worker_*` and `vllm:*` gauges,
+services/worker/stats_metrics.py). A family read at scrape time replaces the registry's family
+of the same name (an in-process vLLM engine registers its own `vllm:` gauges there): a name
+twice in one exposition would make Prometheus' text parsers refuse the whole scrape.
 Every other path is 404.
 
 The app is a bare ASGI callable served by uvicorn inside the process's own event
@@ -40,12 +43,23 @@ class _Snapshot(Collector):
         return iter(self._families)
 
 
+class _Without(Collector):
+    """`collector`'s families but those named in `names`."""
+
+    def __init__(self, collector: Collector, names: set[str]) -> None:
+        self._collector, self._names = collector, names
+
+    def collect(self) -> Iterator[Metric]:
+        return (family for family in self._collector.collect() if family.name not in self._names)
+
+
 # The families a scrape adds after the registry's, read at scrape time (a worker's Stats).
 ReadFamilies = Callable[[], Awaitable[list[Metric]]]
 
 
 class MetricsApp:
-    """ASGI: `GET /metrics` → `registry`, then the families `read_families()` returns."""
+    """ASGI: `GET /metrics` → `registry`, then the families `read_families()` returns, each in
+    place of the registry's family of its name."""
 
     def __init__(self, read_families: ReadFamilies | None = None, registry: Collector = REGISTRY) -> None:
         self.read_families = read_families
@@ -63,10 +77,10 @@ class MetricsApp:
 
     async def exposition(self) -> bytes:
         families = await self.read_families() if self.read_families is not None else []
-        body = generate_latest(self.registry)
-        if families:
-            body += generate_latest(_Snapshot(families))
-        return body
+        if not families:
+            return generate_latest(self.registry)
+        return (generate_latest(_Without(self.registry, {f.name for f in families}))
+                + generate_latest(_Snapshot(families)))
 
 
 async def _respond(send, status: int, body: bytes, content_type: bytes = b"text/plain; charset=utf-8",

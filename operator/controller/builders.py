@@ -66,7 +66,16 @@ def pool_spec_hash(spec: ServingDeploymentSpec, pool: str) -> str:
                          "pool": {**p.to_dict(), "replicas": None, "autoscaling": None},
                          **({"tracing": tracing} if tracing else {}),
                          # only when not the default: a deployment that never set it keeps its hash
-                         **({"kvConnector": spec.kv_connector} if spec.kv_connector != "splitserve" else {})})[:10]
+                         **({"kvConnector": spec.kv_connector} if spec.kv_connector != "splitserve" else {}),
+                         # the gateway frontend runs `image`, which a vLLM pool's hash does not hold
+                         **({"gateway": {**spec.gateway.to_dict(), "image": spec.image}}
+                            if has_gateway_frontend(spec, pool) else {})})[:10]
+
+
+def has_gateway_frontend(spec: ServingDeploymentSpec, pool: str) -> bool:
+    """spec.gateway: the pool's rank-0 pods also serve the OpenAI API (the decode pool's only:
+    a prefill worker answers no client)."""
+    return spec.gateway.enabled and pool == "decode"
 
 
 # --- settings of the operator that every workload gets -------------------------------------
@@ -187,6 +196,9 @@ def build_worker_pod(owner: Owner, spec: ServingDeploymentSpec, pool: str, group
     name = names.pod_name(group, rank)
     labels = {names.LABEL_POOL: pool, names.LABEL_ROLE: pool, names.LABEL_GROUP: group,
               names.LABEL_RANK: str(rank), names.LABEL_SPEC_HASH: pool_spec_hash(spec, pool)}
+    if rank == 0:
+        # Endpoint pickers take every pod with it for an endpoint; ranks 1.. serve no API.
+        labels[names.LABEL_LLMD_ROLE] = names.LLMD_ROLES[pool]
     topology = p.topology.mode + (f"={p.topology.label_key}" if p.topology.label_key else "")
     annotations = {names.ANN_GROUP_SIZE: str(p.group_size), names.ANN_TOPOLOGY: topology,
                    **scrape_annotations(names.WORKER_METRICS_PORT)}
@@ -225,6 +237,9 @@ def build_worker_pod(owner: Owner, spec: ServingDeploymentSpec, pool: str, group
         container["readinessProbe"] = {"exec": {"command": probe_command()}, "periodSeconds": 10,
                                        "timeoutSeconds": 8, "failureThreshold": 3}
         container["startupProbe"] = startup_probe(p)
+    containers = [container]
+    if rank == 0 and has_gateway_frontend(spec, pool):
+        containers.append(build_gateway_frontend_container(spec))
     return {
         "apiVersion": "v1", "kind": "Pod",
         "metadata": owner.metadata(name, labels, annotations),
@@ -236,7 +251,7 @@ def build_worker_pod(owner: Owner, spec: ServingDeploymentSpec, pool: str, group
             "hostname": name, "subdomain": names.workers_service_name(owner.name),
             "terminationGracePeriodSeconds": 30,
             "tolerations": [{"key": names.GPU_RESOURCE, "operator": "Exists", "effect": "NoSchedule"}],
-            "containers": [container],
+            "containers": containers,
             **({"volumes": volumes} if volumes else {}),
         },
     }
@@ -269,6 +284,35 @@ def frontend_args(spec: ServingDeploymentSpec) -> list[str]:
             "--grpc-port", str(spec.frontend.port + names.FRONTEND_GRPC_PORT_OFFSET), *_tracing_flags(spec)]
 
 
+def frontend_resources() -> dict[str, Any]:
+    return {"requests": {"cpu": "1", "memory": "2Gi"}}
+
+
+def frontend_readiness(port: int) -> dict[str, Any]:
+    """Ready once the frontend has a ready decode worker (its `/ready`)."""
+    return {"httpGet": {"path": "/ready", "port": port}, "periodSeconds": 5}
+
+
+def gateway_frontend_args(spec: ServingDeploymentSpec) -> list[str]:
+    """spec.gateway's `splitserve frontend --gateway`: its one worker is the pod's own decode
+    worker, on loopback (no etcd, no router: the gateway's endpoint picker chose the pod)."""
+    return ["frontend", "--gateway", "--model", spec.model.source,
+            "--worker", f"decode=127.0.0.1:{names.WORKER_PORT}",
+            "--remote-prefill-threshold", str(spec.disaggregation_threshold),
+            "--host", "0.0.0.0", "--port", str(spec.gateway.port), *_tracing_flags(spec)]
+
+
+def build_gateway_frontend_container(spec: ServingDeploymentSpec) -> dict[str, Any]:
+    """The second container of a decode group's rank-0 pod with spec.gateway: the pod serves
+    the OpenAI API on the container port `http` (the InferencePool's target port)."""
+    port = spec.gateway.port
+    env = _tracing_env(spec, pod_name=True)
+    return {"name": names.GATEWAY_CONTAINER, "image": spec.image, "command": ["splitserve"],
+            "args": gateway_frontend_args(spec), **({"env": env} if env else {}),
+            "ports": [{"name": "http", "containerPort": port}],
+            "readinessProbe": frontend_readiness(port), "resources": frontend_resources()}
+
+
 def build_frontend_deployment(owner: Owner, spec: ServingDeploymentSpec,
                               workload: WorkloadOptions = WorkloadOptions()) -> dict[str, Any]:
     name = names.frontend_name(owner.name)
@@ -282,8 +326,8 @@ def build_frontend_deployment(owner: Owner, spec: ServingDeploymentSpec,
                 *_tracing_env(spec, pod_name=True)],
         "ports": [{"name": "http", "containerPort": port},
                   {"name": "grpc", "containerPort": port + names.FRONTEND_GRPC_PORT_OFFSET}],
-        "readinessProbe": {"httpGet": {"path": "/ready", "port": port}, "periodSeconds": 5},
-        "resources": {"requests": {"cpu": "1", "memory": "2Gi"}},
+        "readinessProbe": frontend_readiness(port),
+        "resources": frontend_resources(),
         **({"volumeMounts": mounts} if mounts else {}),
     }
     pod_spec: dict[str, Any] = {"containers": [container], **({"volumes": volumes} if volumes else {})}

@@ -1,7 +1,8 @@
 """Labels, annotations and object names the operator writes (one place, no copies).
 
 Every object it owns carries `splitserve.io/deployment`; worker pods also carry
-pool, group, role and rank. Names are DNS-1123 labels of at most 63 characters.
+pool, group, role and rank, and rank-0 pods llm-d's role label. Names are DNS-1123 labels
+of at most 63 characters.
 """
 
 from __future__ import annotations
@@ -18,6 +19,10 @@ LABEL_SPEC_HASH = "splitserve.io/spec-hash"  # rolling updates replace groups wh
 LABEL_DRAINING = "splitserve.io/draining"    # "true" once a group is chosen to go (routers skip it)
 LABEL_MANAGED_BY = "app.kubernetes.io/managed-by"
 MANAGED_BY = "splitserve-operator"
+# llm-d's endpoint pickers filter by it (llm-d-router's bylabel: prefill | decode | prefill-decode).
+# A decode worker never serves another's prefill, even while it prefills its own (prefill pool at 0).
+LABEL_LLMD_ROLE = "llm-d.ai/role"
+LLMD_ROLES = {"prefill": "prefill", "decode": "decode"}     # pool → llm-d role
 
 ANN_WORKER_ADDRESS = "splitserve.io/worker-address"   # host:port overriding podIP:WORKER_PORT
 ANN_DRAIN_STATE = "splitserve.io/drain-state"         # draining | drained
@@ -36,6 +41,7 @@ WORKER_METRICS_PORT = 8090  # the worker's Prometheus /metrics (HTTP; `splitserv
 WORKER_SESSION_PORT = 50052 # the worker's session stream, frontends' requests (`splitserve worker --session-port`)
 METRICS_PORT_NAME = "metrics"   # the container port the chart's PodMonitor scrapes
 FRONTEND_GRPC_PORT_OFFSET = 1
+GATEWAY_CONTAINER = "frontend"  # spec.gateway: the decode rank-0 pods' `splitserve frontend --gateway`
 
 MAX_NAME = 63
 

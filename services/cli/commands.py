@@ -11,6 +11,7 @@ import logging
 
 from splitserve.errors import SplitserveError
 from splitserve.services.cli import security as _security_args
+from splitserve.services.cli.flow_control_args import flow_control_settings
 
 
 def _engine_config(args: argparse.Namespace):
@@ -205,10 +206,45 @@ def cmd_frontend(args: argparse.Namespace) -> int:
     config.generation_config = args.generation_config
     config.tool_call_parser = check_tool_args(args)
     config.otlp_traces_endpoint = _tracing_endpoint(args)
+    config.flow_control = flow_control_settings(args)
+    config.gateway = args.gateway
+    if args.gateway and any(w.partition("=")[0] == "prefill" for w in args.worker or []):
+        raise SplitserveError("--gateway: the endpoint picker names the prefill worker (header x-prefiller-host-port); "
+                              "give only this pod's decode worker with --worker")
     _apply_frontend_security(config, args)
     # uvloop: about a quarter of a millisecond less added latency per request, and less CPU
     # (bench/serving.py, frontend overhead).
     return _run_fast(run_frontend(config))
+
+
+def cmd_epp(args: argparse.Namespace) -> int:
+    from splitserve.services.cli import security as sec
+    from splitserve.services.epp.server import EppConfig, run_epp
+    from splitserve.services.frontend.limits import LimitsConfig
+    from splitserve.services.frontend.server import FrontendConfig
+
+    sources = [bool(args.pool_name), bool(args.worker), bool(etcd_endpoints(args.etcd))]
+    if sum(sources) != 1:
+        raise SplitserveError("give the workers one way: --pool-name (an InferencePool's pods), --worker ROLE=HOST:PORT, "
+                              "or --etcd")
+    if args.fallbacks < 0 or args.max_body_bytes < 1:
+        raise SplitserveError("--fallbacks must be >= 0 and --max-body-bytes >= 1")
+    frontend = FrontendConfig(model=args.model, workers=args.worker or [], host=args.host,
+                              served_model_name=args.served_model_name, router=args.router,
+                              prefill_router=args.prefill_router, prefill_weight=args.prefill_weight,
+                              router_temperature=args.router_temperature, kv_tier_credit=args.kv_tier_credit,
+                              remote_prefill_threshold=args.remote_prefill_threshold, etcd=etcd_endpoints(args.etcd),
+                              etcd_prefix=args.etcd_prefix)
+    frontend.tool_call_parser = check_tool_args(args)
+    frontend.limits = LimitsConfig(max_prompt_tokens=args.max_prompt_tokens)
+    frontend.worker_tls, frontend.etcd_tls = sec.frontend_worker_tls(args), sec.etcd_tls(args)
+    frontend.flow_control = flow_control_settings(args)
+    config = EppConfig(frontend, port=args.port, health_port=args.health_port,
+                       metrics_port=None if args.metrics_port < 0 else args.metrics_port,
+                       pool_name=args.pool_name, pool_namespace=args.pool_namespace, target_port=args.target_port,
+                       endpoints=args.endpoint, fallbacks=args.fallbacks, max_body_bytes=args.max_body_bytes,
+                       tls=sec.public_tls(args), drain_timeout_s=args.drain_timeout)
+    return _run_fast(run_epp(config))
 
 
 def _run_fast(main):
@@ -287,6 +323,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     _check_vllm_serve(args)
     if args.kv_store_gib and args.on_ray:
         raise SplitserveError("--kv-store-gib is not available on Ray yet; run `splitserve kvstore` yourself")
+    if flow_control_settings(args) is not None and args.on_ray:
+        raise SplitserveError("--flow-control is not available on Ray yet: the Ray Serve ingress takes no "
+                              "flow-control settings")
     if args.autoscale and args.on_ray:
         raise SplitserveError("--autoscale starts and drains local worker processes; it does not apply with "
                               "--on-ray (scale Ray Serve's deployments with Ray's own autoscaling)")

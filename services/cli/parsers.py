@@ -11,6 +11,7 @@ import argparse
 from splitserve import __version__
 from splitserve.router.policies.kv import DEFAULT_PREFILL_WEIGHT
 from splitserve.services.cli import commands
+from splitserve.services.cli import flow_control_args as _flow_control_args
 from splitserve.services.cli import security as _security_args
 
 
@@ -343,14 +344,78 @@ def _add_frontend_parser(sub) -> None:
     p.add_argument("--port", type=int, default=8000, help="HTTP port (default: %(default)s)")
     p.add_argument("--grpc-port", type=int, default=None,
                    help="public gRPC port (default: none)")
+    p.add_argument("--gateway", action="store_true",
+                   help="gateway mode: this frontend serves one pod's decode worker behind a Gateway API "
+                        "Inference Extension gateway; the endpoint picker (splitserve epp, or llm-d's) chose the "
+                        "pod and names the prefill worker in the header x-prefiller-host-port (its gRPC host:port); "
+                        "without the header the worker prefills locally")
     _add_migration_arg(p)
     _add_drain_arg(p, "requests")
     _add_tracing_arg(p, "each request (its routing, worker calls and migrations)")
     _security_args.add_api_key_args(p)
     _security_args.add_limit_args(p)
+    _flow_control_args.add_flow_control_args(p, serve=False)
     _security_args.add_public_tls_args(p)
     _security_args.add_frontend_worker_tls_args(p)
     p.set_defaults(func=commands.cmd_frontend)
+
+
+def _add_epp_parser(sub) -> None:
+    p = sub.add_parser("epp", help="run the endpoint picker a Gateway API Inference Extension gateway calls",
+                       description="Serve Envoy's ext_proc protocol as a Gateway API Inference Extension "
+                                   "endpoint picker: each request through the gateway is parsed and tokenized as "
+                                   "the model servers do, scored by the KV-aware router against the workers' "
+                                   "cached prefixes and load, and sent to the chosen pod "
+                                   "(x-gateway-destination-endpoint; for a disaggregated pool the prefill worker "
+                                   "in x-prefiller-host-port). The pods run `splitserve frontend --gateway`.")
+    p.add_argument("--model", default="smollm2", help="the workers' model (for its tokenizer and chat template)")
+    p.add_argument("--served-model-name", default=None,
+                   help="model name clients use (default: the workers' model name); others get the model "
+                        "servers' 404 from the picker")
+    _add_tool_args(p)
+    g = p.add_argument_group("where the workers are (one of)")
+    g.add_argument("--pool-name", default=None, metavar="NAME",
+                   help="an InferencePool (inference.networking.k8s.io/v1): its selected pods with the "
+                        "llm-d.ai/role label are the workers (gRPC on their container port named grpc), reached "
+                        "on its targetPorts[0]; needs get/list/watch on pods and inferencepools")
+    g.add_argument("--pool-namespace", default="default", metavar="NS",
+                   help="the InferencePool's namespace (default: %(default)s)")
+    g.add_argument("--worker", action="append", default=None, metavar="ROLE=HOST:PORT",
+                   help="a worker's gRPC address, e.g. decode=10.0.0.7:50051 (repeatable; roles: both, decode, "
+                        "prefill)")
+    _add_etcd_args(p)
+    p.add_argument("--target-port", type=int, default=8000, metavar="PORT",
+                   help="the port of a worker pod's OpenAI API (splitserve frontend --gateway) on the worker's host, "
+                        "for --worker and --etcd workers (default: %(default)s; an InferencePool's own wins)")
+    p.add_argument("--endpoint", action="append", default=[], metavar="GRPC_HOST:PORT=HTTP_HOST:PORT",
+                   help="the OpenAI endpoint of one worker when it is not HOST:--target-port (several workers on "
+                        "one host); repeatable")
+    p.add_argument("--fallbacks", type=int, default=0, metavar="N",
+                   help="list N more endpoints after the pick, for a proxy that tries them in turn (default: 0; "
+                        "Envoy's ORIGINAL_DST cluster takes exactly one)")
+    _add_router_args(p)
+    p.add_argument("--prefill-router", default=None, choices=_ROUTERS,
+                   help="the prefill leg's policy (default: the same as --router)")
+    p.add_argument("--remote-prefill-threshold", type=int, default=64, metavar="TOKENS",
+                   help="prompts with fewer uncached tokens on the chosen decode worker get no prefill pick "
+                        "(default: %(default)s)")
+    p.add_argument("--host", default="0.0.0.0", help="listen address (default: %(default)s)")
+    p.add_argument("--port", type=int, default=9002, help="ext_proc gRPC port, with grpc.health.v1 (default: %(default)s)")
+    p.add_argument("--health-port", type=int, default=9003,
+                   help="gRPC health port for probes: liveness, readiness (default: %(default)s)")
+    p.add_argument("--metrics-port", type=int, default=9090,
+                   help="Prometheus /metrics port (default: %(default)s; -1: off)")
+    p.add_argument("--max-body-bytes", type=int, default=32 * 1024 * 1024, metavar="N",
+                   help="a request body past N bytes gets 413 (default: %(default)s)")
+    p.add_argument("--max-prompt-tokens", type=int, default=0, metavar="N",
+                   help="refuse prompts past N tokens, as the model servers' frontends do (default: the context)")
+    _add_drain_arg(p, "ext_proc streams")
+    _flow_control_args.add_flow_control_args(p, serve=False)
+    g = p.add_argument_group("TLS of the ext_proc port (the gateway connects with TLS)")
+    g.add_argument("--tls-cert", default=None, metavar="PEM", help="the picker's certificate chain")
+    g.add_argument("--tls-key", default=None, metavar="PEM", help="its private key")
+    _security_args.add_frontend_worker_tls_args(p)
+    p.set_defaults(func=commands.cmd_epp)
 
 
 def _add_autoscale_args(p: argparse.ArgumentParser) -> None:
@@ -452,6 +517,7 @@ def _add_serve_parser(sub) -> None:
                      help="without --config: CPUs each worker replica reserves (default: %(default)s)")
     _security_args.add_api_key_args(p)
     _security_args.add_limit_args(p)
+    _flow_control_args.add_flow_control_args(p, serve=True)
     _security_args.add_serve_tls_args(p)
     _security_args.add_transfer_token_arg(p)
     p.set_defaults(func=commands.cmd_serve)
@@ -514,6 +580,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     _add_worker_parser(sub)
     _add_frontend_parser(sub)
+    _add_epp_parser(sub)
     _add_serve_parser(sub)
     _add_bench_parser(sub)
     _add_operator_parser(sub)

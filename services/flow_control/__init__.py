@@ -1,8 +1,9 @@
 """Flow control (issue 40): priority bands, fairness between flows, bounded queues, TTFT
 deadlines and shedding with 429, as a pure asyncio library (no HTTP, no gRPC).
 
-One implementation for splitserve's frontend and for an EPP (`splitserve epp`), which are to call
-`FlowController.admit` before routing a request; neither does yet. One job per module:
+One implementation for splitserve's frontend and for the endpoint picker (`splitserve epp`), which
+call `FlowController.admit` before routing a request (services/frontend/flow_admission.py, under
+--flow-control; the picker through the same class). One job per module:
 
 - `config.py`          `FlowControlConfig` and its `BandConfig`s (validated on construction);
 - `requests.py`        `FlowRequest`: flow, priority (vLLM's direction: lower goes first), deadline;

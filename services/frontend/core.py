@@ -36,6 +36,7 @@ from splitserve.services.frontend import metrics as m
 from splitserve.services.frontend.errors import APIError, from_grpc, invalid
 from splitserve.services.frontend.forks import ENDED, ForkedCall, forkable
 from splitserve.services.frontend.generation_request import GenerationRequest
+from splitserve.services.frontend.flow_admission import FrontendFlowControl
 from splitserve.services.frontend.fault_metrics import OUTCOME_MIGRATED, OUTCOME_RETRIED, PHASE_BEFORE_FIRST_TOKEN, PHASE_STREAMING
 from splitserve.services.frontend.metrics import FrontendMetrics
 from splitserve.services.frontend.request_tracing import RequestTrace
@@ -127,6 +128,9 @@ class Frontend:
         self.tracer = tracer           # None: tracing is off (--otlp-traces-endpoint)
         self.tool_parser: str | None = None   # --tool-call-parser with --enable-auto-tool-choice
         self.draining = False          # shutting down: refuse new requests, finish running ones
+        self.flow_control: FrontendFlowControl | None = None   # --flow-control: admission before routing
+        # Gateway mode (--gateway): an endpoint picker routes; its prefill pick comes in a header.
+        self.gateway = False
         self.num_in_flight = 0
 
     # -- what the workers serve ----------------------------------------------------
@@ -164,9 +168,13 @@ class Frontend:
         for the running ones to end; returns how many are still running."""
         self.draining = True
         deadline = time.monotonic() + timeout_s
-        while self.num_in_flight and time.monotonic() < deadline:
+        while self._num_accepted() and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
-        return self.num_in_flight
+        return self._num_accepted()
+
+    def _num_accepted(self) -> int:
+        """Requests running, and those waiting in flow control's queues (they were accepted too)."""
+        return self.num_in_flight + (self.flow_control.num_queued() if self.flow_control is not None else 0)
 
     # -- prepare -------------------------------------------------------------------
     def unavailable(self) -> APIError | None:
@@ -400,7 +408,7 @@ class Frontend:
         """One worker call. Ends with run.finished, or run.broken set (migrate), or raises the
         worker's refusal of the request as an APIError."""
         message = progress.worker_request()
-        self.add_prefill_peers(message, route)
+        self.add_prefill_peers(message, route, req.prefill_address)
         call_span = trace.start_call(message, route) if trace is not None else None
         log.info("request %s: %d prompt tokens -> %s (%s)", message.request_id, len(message.token_ids),
                  route.decode.worker_id, route.reason)
@@ -421,7 +429,13 @@ class Frontend:
             if call_span is not None:
                 trace.end_call(call_span, run.broken or run.failure)
 
-    def add_prefill_peers(self, message: worker_pb2.TokenGenerateRequest, route: Route) -> None:
+    def add_prefill_peers(self, message: worker_pb2.TokenGenerateRequest, route: Route,
+                          gateway_prefill: str = "") -> None:
+        """The prefill worker the decode worker is to ask: the router's pick, or in gateway mode the
+        endpoint picker's (`gateway_prefill`, which no pool of this frontend knows)."""
+        if gateway_prefill:
+            message.prefill_peer.CopyFrom(worker_pb2.PrefillPeer(worker_id=gateway_prefill, address=gateway_prefill))
+            return
         if route.prefill is not None:
             message.prefill_peer.CopyFrom(worker_pb2.PrefillPeer(worker_id=route.prefill.worker_id,
                                                                  address=route.prefill.address))

@@ -19,18 +19,26 @@ log = logging.getLogger(__name__)
 
 
 class APIError(Exception):
+    """`headers`: response headers the refusal carries besides its body (a shed request's
+    Retry-After and x-llm-d-request-dropped-reason); lower-case names."""
+
     def __init__(self, status: int, message: str, *, param: str | None = None,
-                 code: str | None = None, type: str | None = None):
+                 code: str | None = None, type: str | None = None, headers: dict[str, str] | None = None):
         super().__init__(message)
         self.status = status
         self.message = message
         self.param = param
         self.code = code
         self.type = type or ("invalid_request_error" if status < 500 else "server_error")
+        self.headers = dict(headers or {})
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param,
                           "code": self.code}}
+
+    def header_pairs(self) -> list[tuple[bytes, bytes]]:
+        """`headers` as ASGI header pairs."""
+        return [(name.encode("latin-1"), value.encode("latin-1")) for name, value in self.headers.items()]
 
 
 def invalid(message: str, param: str | None = None, code: str | None = None) -> APIError:
@@ -83,7 +91,7 @@ def from_grpc(exc) -> APIError:
 def install_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError):
-        return JSONResponse(exc.body(), status_code=exc.status)
+        return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers or None)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException):

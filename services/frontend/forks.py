@@ -93,7 +93,7 @@ class ForkedCall:
                 first = self.reqs[0]
                 message = Progress(first.request_id, first.prompt_ids, first.params).worker_request()
                 message.n = len(self.reqs)
-                frontend.add_prefill_peers(message, self.route)
+                frontend.add_prefill_peers(message, self.route, first.prefill_address)
                 if trace is not None:
                     trace.carry(message)
                 log.info("request %s: %d samples of %d prompt tokens -> %s (%s)", message.request_id,

@@ -21,3 +21,6 @@ class GenerationRequest:
     # params.max_tokens is a cap the client set (or its API's default), not the rest of the context.
     max_tokens_from_client: bool = False
     trace_context: TraceContext | None = None   # the client's, read only when the frontend traces
+    # Gateway mode: the prefill worker the endpoint picker chose (`x-prefiller-host-port`, its gRPC
+    # host:port); "" lets the decode worker prefill locally.
+    prefill_address: str = ""

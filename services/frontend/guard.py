@@ -13,8 +13,10 @@ request before the app does and every response status after. In order:
 4. The rest of the request runs under request_timeout_s (limits.py says what a
    timeout answers).
 
-Every refusal, whether made here or a 4xx from the app (counted as "invalid"),
-increments `splitserve_rejected_requests{protocol="http", reason}`.
+Every refusal, whether made here or a 4xx from the app (counted as "invalid", or "shed" for
+flow control's 429, which carries x-llm-d-request-dropped-reason), increments
+`splitserve_rejected_requests{protocol="http", reason}`. With keys on, the app finds the
+request's key id in the scope under KEY_ID_SCOPE (flow control's flow, flow_headers.py).
 """
 
 from __future__ import annotations
@@ -25,6 +27,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from splitserve.services.flow_control import DROPPED_REASON_HEADER
+
 from splitserve.services.frontend.asgi import DONE, Receive, Scope, Send, event, send_json
 from splitserve.services.frontend.auth import ApiKeys
 from splitserve.services.frontend.errors import APIError
@@ -34,6 +38,8 @@ log = logging.getLogger(__name__)
 
 DRAIN_FACTOR = 16          # an over-limit body this many times the limit is still read (and dropped)
 OPEN_PATHS = frozenset({"/health", "/ready", "/metrics", "/openapi.json"})
+KEY_ID_SCOPE = "splitserve.key_id"      # the scope entry that names an admitted request's API key id
+SHED_HEADER = DROPPED_REASON_HEADER.encode()
 LIMITED_ROOT_PATHS = frozenset({"/tokenize", "/detokenize", "/invocations"})   # limited like POST /v1/...
 
 
@@ -76,6 +82,7 @@ class GuardMiddleware:
                     code="invalid_api_key"), {"www-authenticate": "Bearer"})
                 return
             client = key
+            scope[KEY_ID_SCOPE] = key
         if scope["method"] != "POST" or not (scope["path"].startswith("/v1/")
                                              or scope["path"] in LIMITED_ROOT_PATHS):
             await self._run(scope, receive, send)
@@ -101,7 +108,7 @@ class GuardMiddleware:
                 state.started = True
                 state.streaming = _header(message, b"content-type").startswith(b"text/event-stream")
                 if 400 <= message["status"] < 500:
-                    self.guard.count("http", Rejection.INVALID)
+                    self.guard.count("http", Rejection.SHED if _header(message, SHED_HEADER) else Rejection.INVALID)
             await send(message)
 
         async def body_then_app() -> None:

@@ -42,6 +42,7 @@ class Rejection(enum.Enum):
     BODY_TOO_LARGE = "body_too_large"
     INVALID = "invalid"
     TIMEOUT = "timeout"
+    SHED = "shed"             # flow control had no room for it (flow_admission.py)
 
 
 @dataclass(slots=True, frozen=True)

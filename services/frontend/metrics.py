@@ -57,7 +57,7 @@ class FrontendMetrics:
         self.faults = FaultMetrics(r)     # migrations, cancellations, failures (fault_metrics.py)
         self.rejected = Counter("splitserve_rejected_requests",
                                 "Requests refused, by protocol (http, grpc) and reason (auth, rate_limit, "
-                                "concurrency, body_too_large, invalid, timeout)", ["protocol", "reason"], registry=r)
+                                "concurrency, body_too_large, invalid, timeout, shed)", ["protocol", "reason"], registry=r)
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)

@@ -34,6 +34,7 @@ from splitserve.services.frontend.grpc.inference import InferenceService
 from splitserve.services.frontend.grpc.guard import GuardInterceptor
 from splitserve.services.frontend.guard import Guard
 from splitserve.services.frontend.core import Frontend
+from splitserve.services.frontend.flow_admission import FlowControlSettings, FrontendFlowControl
 from splitserve.services.frontend.migration import DEFAULT_LIMIT as DEFAULT_MIGRATION_LIMIT, MigrationPolicy
 from splitserve.services.frontend.migration import DEFAULT_WAIT_S as DEFAULT_MIGRATION_WAIT_S
 from splitserve.services.frontend.fault_metrics import WorkerRestarts
@@ -77,6 +78,8 @@ class FrontendConfig:
     generation_config: str = MODE_AUTO
     tool_call_parser: str | None = None     # tool_choice="auto" reads calls with it (None: refused)
     otlp_traces_endpoint: str | None = None  # export traces there (splitserve/tracing.py); None: off
+    flow_control: FlowControlSettings | None = None   # --flow-control (flow_admission.py); None: off
+    gateway: bool = False     # an endpoint picker routes; its prefill pick arrives in a header (gateway.py)
 
 
 def build_frontend(config: FrontendConfig, pool: WorkerPool) -> tuple[Frontend, Guard]:
@@ -102,6 +105,10 @@ def build_frontend(config: FrontendConfig, pool: WorkerPool) -> tuple[Frontend, 
     frontend = Frontend(tokenizer, pool, router, metrics, config.served_model_name,
                         MigrationPolicy(config.migration_limit, config.migration_wait_s), defaults, tracer)
     frontend.tool_parser = config.tool_call_parser
+    if config.flow_control is not None:
+        frontend.flow_control = FrontendFlowControl(config.flow_control, pool, metrics.registry)
+        print(f"frontend: {config.flow_control.describe()}", flush=True)
+    frontend.gateway = config.gateway
     router.feeds.stats_listeners.append(metrics.faults.workers.update)
     metrics.registry.register(WorkerRestarts(lambda: pool.workers))
     return frontend, Guard(config.api_keys, config.limits, metrics.rejected)
@@ -129,7 +136,7 @@ async def run_frontend(config: FrontendConfig) -> int:
     if config.grpc_port is not None:
         grpc_server = grpc.aio.server(interceptors=[GuardInterceptor(guard)])
         inference_pb2_grpc.add_InferenceServicer_to_server(
-            InferenceService(frontend, config.limits.max_prompt_tokens), grpc_server)
+            InferenceService(frontend, config.limits.max_prompt_tokens, guard.keys), grpc_server)
         bound = config.tls.add_port(grpc_server, f"{config.host}:{config.grpc_port}")
         if bound == 0:
             raise SplitserveError(f"cannot listen for gRPC on {config.host}:{config.grpc_port}")

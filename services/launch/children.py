@@ -106,6 +106,7 @@ def serve_child_argv(args: argparse.Namespace, child: str) -> list[str]:
     argv = ["--max-body-bytes", str(args.max_body_bytes), "--max-prompt-tokens", str(args.max_prompt_tokens),
             "--max-concurrent-per-key", str(args.max_concurrent_per_key), "--rate-limit", str(args.rate_limit),
             "--rate-limit-burst", str(args.rate_limit_burst), "--request-timeout", str(args.request_timeout)]
+    argv += flow_control_argv(args)
     if args.api_keys_file:
         argv += ["--api-keys-file", args.api_keys_file]
     if args.tls_cert:
@@ -113,6 +114,22 @@ def serve_child_argv(args: argparse.Namespace, child: str) -> list[str]:
     if args.tls_internal_cert:
         internal += ["--tls-client-cert", args.tls_internal_cert, "--tls-client-key", args.tls_internal_key]
     return argv + internal
+
+
+def flow_control_argv(args: argparse.Namespace) -> list[str]:
+    """serve's --flow-control group for one frontend (checked by the cli before anything starts);
+    without --max-concurrency each frontend gets its share of a worker's running batch."""
+    if not getattr(args, "flow_control", False):
+        return []
+    share = args.max_concurrency or max(1, args.max_num_seqs // max(args.frontends, 1))
+    argv = ["--flow-control", "--max-concurrency", str(share)]
+    for spec in args.priority_band or []:
+        argv += ["--priority-band", spec]
+    if args.max_queue is not None:
+        argv += ["--max-queue", str(args.max_queue)]
+    if args.max_queue_wait is not None:
+        argv += ["--max-queue-wait", str(args.max_queue_wait)]
+    return argv
 
 
 def export_serve_secrets(args: argparse.Namespace, environ) -> None:

@@ -37,6 +37,9 @@ POOL_NAMES = ("prefill", "decode")
 OPERATOR_WORKER_FLAGS = ("--role", "--model", "--dtype", "--device", "--tp", "--host", "--advertise-host",
                          "--port", "--worker-id", "--metrics-port", "--session-port",
                          "--remote-prefill-threshold", "--etcd", "--etcd-ca", "--etcd-cert", "--etcd-key")
+# The worker container's ports (operator/controller/names.py: WORKER_PORT, WORKER_SESSION_PORT,
+# DIST_PORT, WORKER_METRICS_PORT): a gateway-mode frontend in the same pod cannot listen on one.
+WORKER_POD_PORTS = (50051, 50052, 29500, 8090)
 # vLLM engine flags that the operator sets after `--` (tensor and pipeline parallel sizes from the
 # pool) or that name what `splitserve worker` owns (the model, its own address): the engineArgs of
 # an `engine: vllm` pool may not give them.
@@ -146,6 +149,32 @@ class FrontendSpec:
 
     def to_dict(self) -> dict[str, Any]:
         return {"replicas": self.replicas, "serviceType": self.service_type, "port": self.port}
+
+
+@dataclass(frozen=True, slots=True)
+class GatewaySpec:
+    """`spec.gateway`: a Gateway API Inference Extension gateway in front. Enabled, the rank-0 pod
+    of every decode group also runs `splitserve frontend --gateway` on `port`, serving the OpenAI
+    API for its own worker: the gateway's endpoint picker chose the pod, and names the prefill
+    worker in a request header. The ordinary frontends stay."""
+
+    enabled: bool = False
+    port: int = 8000
+
+    @classmethod
+    def from_dict(cls, d: Any, path: str = "spec.gateway") -> GatewaySpec:
+        d = _mapping(d, path)
+        _reject_unknown(d, ("enabled", "port"), path)
+        port = _int(d, "port", 8000, path, minimum=1)
+        if port > 65535:
+            raise ValueError(f"{path}.port: must be <= 65535, got {port}")
+        if port in WORKER_POD_PORTS:
+            raise ValueError(f"{path}.port: {port} is a port of the worker container in the same pod "
+                             f"({', '.join(map(str, WORKER_POD_PORTS))}); choose another")
+        return cls(enabled=_bool(d, "enabled", False, path), port=port)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"enabled": self.enabled, "port": self.port}
 
 
 @dataclass(frozen=True, slots=True)
@@ -534,10 +563,11 @@ class ServingDeploymentSpec:
     vllm_image: str = DEFAULT_VLLM_IMAGE  # the workers of engine: vllm pools (the frontends run `image`)
     tracing: TracingSpec = field(default_factory=TracingSpec)
     kv_connector: str = "splitserve"    # engine: vllm pools: splitserve's connector or vLLM's NixlConnector
+    gateway: GatewaySpec = field(default_factory=GatewaySpec)
 
     _FIELDS = ("image", "vllmImage", "model", "engine", "frontend", "router", "prefill", "decode",
                "disaggregationThreshold", "migrationLimit", "drainTimeoutSeconds", "autoscaling", "tracing",
-               "kvConnector")
+               "kvConnector", "gateway")
 
     def worker_image(self, pool: str) -> str:
         return self.vllm_image if self.pool(pool).engine == "vllm" else self.image
@@ -567,7 +597,8 @@ class ServingDeploymentSpec:
                    autoscaling=SloAutoscalingSpec.from_dict(d.get("autoscaling"), f"{path}.autoscaling"),
                    engine=engine, vllm_image=_str(d, "vllmImage", DEFAULT_VLLM_IMAGE, path),
                    tracing=TracingSpec.from_dict(d.get("tracing"), f"{path}.tracing"),
-                   kv_connector=_str(d, "kvConnector", "splitserve", path, KV_CONNECTORS))
+                   kv_connector=_str(d, "kvConnector", "splitserve", path, KV_CONNECTORS),
+                   gateway=GatewaySpec.from_dict(d.get("gateway"), f"{path}.gateway"))
         spec._check_engines_pair(path)
         return spec
 
@@ -601,7 +632,7 @@ class ServingDeploymentSpec:
                 "disaggregationThreshold": self.disaggregation_threshold,
                 "migrationLimit": self.migration_limit, "drainTimeoutSeconds": self.drain_timeout_seconds,
                 "autoscaling": self.autoscaling.to_dict(), "tracing": self.tracing.to_dict(),
-                "kvConnector": self.kv_connector}
+                "kvConnector": self.kv_connector, "gateway": self.gateway.to_dict()}
 
 
 # --- status --------------------------------------------------------------------------------

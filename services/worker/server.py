@@ -235,10 +235,17 @@ async def _serve_metrics(config: WorkerServerConfig, service: WorkerService) -> 
     if config.metrics_port is None:
         return None
     from splitserve.metrics_http import MetricsApp, MetricsServer
-    from splitserve.services.worker.stats_metrics import stats_reader
+    from splitserve.services.worker.stats_metrics import ServedModel, stats_reader
 
-    metrics = await MetricsServer.start(MetricsApp(stats_reader(lambda: service.read_stats(STATS_TIMEOUT_S))), config.host,
-                                        config.metrics_port)
+    def served_model() -> ServedModel | None:
+        """What Describe says of the loaded model; None while loading."""
+        if service.loop is None:
+            return None
+        d = service.loop.engine.describe()
+        return ServedModel(d.model_name, d.block_size)
+
+    read = stats_reader(lambda: service.read_stats(STATS_TIMEOUT_S), served_model)
+    metrics = await MetricsServer.start(MetricsApp(read), config.host, config.metrics_port)
     log.info("worker %s: metrics on http://%s:%d/metrics", config.options.worker_id, config.host, metrics.port)
     print(f"worker {config.options.worker_id} metrics on http://{config.host}:{metrics.port}/metrics", flush=True)
     return metrics

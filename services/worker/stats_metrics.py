@@ -4,11 +4,19 @@ They are read at scrape time from the same `StatsResponse` the Stats RPC returns
 two never disagree and nothing is kept in step on the engine thread's hot path. While the
 engine loads (or once it has stopped) there are no Stats: the scrape still answers 200,
 without these families (splitserve/metrics_http.py serves them).
+
+The same snapshot also gives the gauges a Gateway API Inference Extension endpoint picker
+scrapes, under vLLM's names and labels (`vllm:num_requests_waiting`, `..._running`,
+`vllm:kv_cache_usage_perc`, `vllm:cache_config_info`; `model_name`, `engine`), so that a stock
+llm-d picker can schedule splitserve workers of either engine. A vLLM engine in the worker's
+process registers its own `vllm:` collectors in the default registry; metrics_http serves a
+scrape family in their place (one series per name), so both engines export the same numbers.
 """
 
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.metrics_core import Metric
@@ -83,6 +91,27 @@ _ROLE_NAMES = {worker_pb2.WORKER_ROLE_PREFILL: "prefill", worker_pb2.WORKER_ROLE
 
 ReadStats = Callable[[], Awaitable[worker_pb2.StatsResponse | None]]
 
+# vLLM's names (vllm/v1/metrics/loggers.py, PrometheusStatLogger), which llm-d's metrics extractor
+# reads by default; vLLM's `engine` label is the engine core's index, one engine per worker here.
+VLLM_WAITING = "vllm:num_requests_waiting"
+VLLM_RUNNING = "vllm:num_requests_running"
+VLLM_KV_USAGE = "vllm:kv_cache_usage_perc"
+VLLM_CACHE_CONFIG = "vllm:cache_config_info"
+VLLM_LABELS = ["model_name", "engine"]
+VLLM_ENGINE_INDEX = "0"
+
+
+@dataclass(frozen=True, slots=True)
+class ServedModel:
+    """What the `vllm:` families name besides the load: the model clients ask for (Describe's
+    `model_name`) and the tokens per KV block."""
+
+    model_name: str
+    block_size: int
+
+
+ReadServedModel = Callable[[], ServedModel | None]
+
 
 def stats_families(stats: worker_pb2.StatsResponse) -> list[Metric]:
     """The `splitserve_worker_*` families of one Stats snapshot."""
@@ -112,9 +141,35 @@ def stats_families(stats: worker_pb2.StatsResponse) -> list[Metric]:
     return families
 
 
-def stats_reader(read_stats: ReadStats) -> Callable[[], Awaitable[list[Metric]]]:
-    """The families to add to each scrape (splitserve/metrics_http.py's `read_families`)."""
+def vllm_families(stats: worker_pb2.StatsResponse, model: ServedModel) -> list[Metric]:
+    """vLLM's scheduler and cache gauges of one Stats snapshot, as an endpoint picker reads them.
+
+    vLLM counts a request waiting for its prompt's KV from a prefill worker as waiting; Stats
+    keeps those apart (`num_remote_prefill`), so they are added back. `num_gpu_blocks` is the
+    blocks requests can hold (vLLM's own count also has its null block)."""
+    labels = [model.model_name, VLLM_ENGINE_INDEX]
+    families: list[Metric] = []
+    for name, doc, value in (
+            (VLLM_WAITING, "Number of requests waiting to be processed.", stats.num_waiting + stats.num_remote_prefill),
+            (VLLM_RUNNING, "Number of requests in model execution batches.", stats.num_running),
+            (VLLM_KV_USAGE, "KV-cache usage. 1 means 100 percent usage.", stats.kv_usage)):
+        gauge = GaugeMetricFamily(name, doc, labels=VLLM_LABELS)
+        gauge.add_metric(labels, float(value))
+        families.append(gauge)
+    info = GaugeMetricFamily(VLLM_CACHE_CONFIG, "Information of the LLMEngine CacheConfig",
+                             labels=[*VLLM_LABELS, "block_size", "num_gpu_blocks"])
+    info.add_metric([*labels, str(model.block_size), str(stats.num_kv_blocks)], 1.0)
+    families.append(info)
+    return families
+
+
+def stats_reader(read_stats: ReadStats, read_model: ReadServedModel) -> Callable[[], Awaitable[list[Metric]]]:
+    """The families to add to each scrape (splitserve/metrics_http.py's `read_families`): the
+    `splitserve_worker_*` ones, and vLLM's once the model is known."""
     async def read() -> list[Metric]:
         stats = await read_stats()
-        return stats_families(stats) if stats is not None else []
+        if stats is None:
+            return []
+        model = read_model()
+        return stats_families(stats) + (vllm_families(stats, model) if model is not None else [])
     return read

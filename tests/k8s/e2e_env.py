@@ -83,8 +83,10 @@ class E2EDeployment:
 
     @classmethod
     def up(cls, cluster: KubeCluster, namespace: str, model_dir: Path, workdir: Path,
-           image_env: dict[str, dict[str, str]] | None = None) -> E2EDeployment:
-        """`image_env`: the node agent's environment per image (NodeAgent.image_env)."""
+           image_env: dict[str, dict[str, str]] | None = None,
+           chart_values: dict[str, Any] | None = None) -> E2EDeployment:
+        """`image_env`: the node agent's environment per image (NodeAgent.image_env);
+        `chart_values`: more values for `helm install`, merged over the test's own (e.g. `gateway`)."""
         token = secrets.token_hex(3)
         agent = NodeAgent(cluster.api_client(), f"e2e-{token}", workdir / "agent", gpus=8, cpu="64",
                           memory="256Gi", pod_cidr=next_pod_cidr(), taint=None,
@@ -103,7 +105,7 @@ class E2EDeployment:
                       Api(cluster, namespace), token, model_dir)
             env.collector = OtlpCollector.start()
             env.traces_endpoint = f"http://{agent.expose_host_port(env.collector.port)}"
-            env._install_chart(agent.expose_host_port(etcd.client_port), client, ca.ca_path, workdir)
+            env._install_chart(agent.expose_host_port(etcd.client_port), client, ca.ca_path, workdir, chart_values)
             return env
         except BaseException:
             agent.stop()
@@ -114,7 +116,8 @@ class E2EDeployment:
                 env.collector.stop()
             raise
 
-    def _install_chart(self, etcd_address: str, client, ca_path: Path, workdir: Path) -> None:
+    def _install_chart(self, etcd_address: str, client, ca_path: Path, workdir: Path,
+                       extra_values: dict[str, Any] | None = None) -> None:
         core = self.cluster.core()
         core.create_namespaced_secret(self.namespace, {
             "metadata": {"name": "etcd-client"}, "type": "kubernetes.io/tls",
@@ -123,6 +126,7 @@ class E2EDeployment:
         values = {"operator": {"extraArgs": ["--interval", "1"], "logLevel": "info"},
                   "etcd": {"external": {"endpoints": [f"https://{etcd_address}"]},
                            "tls": {"enabled": True, "clientSecretName": "etcd-client"}}}
+        values = _merged(values, extra_values or {})
         (workdir / "values.yaml").write_text(yaml.safe_dump(values))
         self.cluster.helm("install", RELEASE, str(CHART), "-n", self.namespace, "-f", str(workdir / "values.yaml"),
                           timeout=180)
@@ -231,12 +235,13 @@ class E2EDeployment:
 
 @contextmanager
 def e2e_deployment(cluster: KubeCluster, prefix: str, model_dir: Path, workdir: Path,
-                   image_env: dict[str, dict[str, str]] | None = None) -> Iterator[E2EDeployment]:
+                   image_env: dict[str, dict[str, str]] | None = None,
+                   chart_values: dict[str, Any] | None = None) -> Iterator[E2EDeployment]:
     """`E2EDeployment.up()` in a namespace of its own (`prefix`-...), torn down and deleted after."""
     namespace = cluster.create_namespace(prefix)
     try:
         t0 = time.monotonic()
-        env = E2EDeployment.up(cluster, namespace, model_dir, workdir, image_env)
+        env = E2EDeployment.up(cluster, namespace, model_dir, workdir, image_env, chart_values)
         print(f"\n[{prefix}] node, TLS etcd and chart (operator pod Ready) in {elapsed(t0)}")
         try:
             yield env
@@ -244,6 +249,14 @@ def e2e_deployment(cluster: KubeCluster, prefix: str, model_dir: Path, workdir: 
             env.down()
     finally:
         cluster.delete_namespace(namespace)
+
+
+def _merged(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
+    """`extra` over `base`, maps merged key by key (as helm merges values files)."""
+    out = dict(base)
+    for key, value in extra.items():
+        out[key] = _merged(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+    return out
 
 
 def _ready(pod: dict[str, Any]) -> bool:

@@ -11,11 +11,17 @@
 - values.schema.json rejects bad values, and helm says which field;
 - `helm install` into the real control plane creates every rendered object,
   the operator's ServiceAccount has exactly the RBAC it needs, and
-  `helm uninstall` removes them again.
+  `helm uninstall` removes them again;
+- the gateway switch (`gateway.enabled`, issue 40): off, nothing of it renders; on, the
+  InferencePool, the endpoint picker's Deployment, Service and RBAC, the HTTPRoute, and GIE's
+  vendored InferencePool CRD (`gateway.installCRDs`, checked byte for byte against v1.6.0's);
+  installed with the CRD, the apiserver takes the InferencePool (defaults filled in by the
+  CRD) and refuses invalid ones, and the EPP's ServiceAccount may read pods and pools only.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 import subprocess
@@ -36,7 +42,13 @@ CHART = Path(__file__).resolve().parents[2] / "deploy" / "helm" / "splitserve"
 CRD_FILE = CHART / "crds" / "servingdeployments.splitserve.io.yaml"
 K8S_SCHEMA_VERSION = "1.37.0"      # kubernetes-validate's schemas for the cluster's minor
 KUBE_VERSION = "v1.37.2"           # what build-control-plane.sh builds
-CUSTOM_KINDS = {"ServingDeployment", "ServiceMonitor", "PodMonitor"}
+CUSTOM_KINDS = {"ServingDeployment", "ServiceMonitor", "PodMonitor", "InferencePool", "HTTPRoute"}
+# GIE v1.6.0's config/crd/bases/inference.networking.k8s.io_inferencepools.yaml, vendored unchanged
+# (charts/gie-crds/README.md): its git blob id at tag v1.6.0 (commit 992e5c29...).
+GIE_CRD_FILE = CHART / "charts" / "gie-crds" / "crds" / "inference.networking.k8s.io_inferencepools.yaml"
+GIE_CRD_BLOB = "99b47edc6726e4ad5a8ec6b91287a1c2acb54246"
+GIE_CRD_NAME = "inferencepools.inference.networking.k8s.io"
+GIE_VERSION = "v1.6.0"
 MONITOR_APIS = ("--api-versions", "monitoring.coreos.com/v1/ServiceMonitor",
                 "--api-versions", "monitoring.coreos.com/v1/PodMonitor")
 
@@ -59,7 +71,15 @@ ALL_OPTIONS = {
     "tls": {"enabled": True, "secretName": "splitserve-tls"},
     "sample": {"enabled": True, "name": "demo"},
     "kvStore": {"enabled": True, "capacityGiB": 2, "transfer": "tcp", "nodeSelector": {"memory": "large"}},
+    "gateway": {"enabled": True, "deployment": "demo", "poolName": "demo-pool", "targetPort": 8080,
+                "failureMode": "FailOpen", "model": "smollm2", "installCRDs": True,
+                "epp": {"replicas": 2, "extraArgs": ["--log-level", "debug"], "nodeSelector": {"node-role": "system"},
+                        "tolerations": [{"key": "system", "operator": "Exists", "effect": "NoSchedule"}]},
+                "httpRoute": {"enabled": True, "parentRefs": [{"name": "inference-gateway", "namespace": "gw",
+                                                               "sectionName": "http"}],
+                              "hostnames": ["llm.example.com"], "pathPrefix": "/v1", "requestTimeout": "10m"}},
 }
+ALL_OPTIONS["networkPolicy"]["gatewayFrom"] = [{"namespaceSelector": {"matchLabels": {"gateway": "true"}}}]
 
 
 def _helm_template(bin_dir: Path, tmp_path: Path, values: dict | None = None, *extra: str,
@@ -142,11 +162,12 @@ def test_all_options_render_is_valid_kubernetes(k8s_bin_dir: Path, tmp_path: Pat
     docs = _documents(proc.stdout)
     routed = _validate_all(docs)
     print("\n".join(_summary(docs)))
-    assert sorted(d["kind"] for d in routed) == ["PodMonitor", "ServiceMonitor", "ServingDeployment"]
+    assert sorted(d["kind"] for d in routed) == ["HTTPRoute", "InferencePool", "PodMonitor", "ServiceMonitor",
+                                                 "ServingDeployment"]
     # Roles per watched namespace instead of a cluster-wide workload ClusterRole.
     roles = {(d["metadata"].get("namespace"), d["metadata"]["name"]) for d in docs if d["kind"] == "Role"}
     assert {ns for ns, _ in roles} == {"team-a", "team-b", "splitserve"}
-    operator = next(d for d in docs if d["kind"] == "Deployment")
+    operator = next(d for d in docs if d["kind"] == "Deployment" and d["metadata"]["name"].endswith("-operator"))
     pod = operator["spec"]["template"]["spec"]
     assert pod["volumes"][-1] == {"name": "tls", "secret": {"secretName": "splitserve-tls"}}
     monitor = next(d for d in routed if d["kind"] == "ServiceMonitor")
@@ -343,6 +364,10 @@ def test_dashboard_queries_only_exported_worker_metrics(k8s_bin_dir: Path, tmp_p
     ("operatr.replicas=1", "additional properties 'operatr' not allowed"),
     ("tls.enabled=true", "at '/tls/secretName': minLength"),
     ("sample.name=Not_A_Name", "at '/sample/name'"),
+    ("gateway.enabled=true", "at '/gateway/deployment': minLength: got 0, want 1"),
+    ("gateway.failureMode=Sometimes", "at '/gateway/failureMode'"),
+    ("gateway.targetPort=0", "at '/gateway/targetPort': minimum"),
+    ("gateway.httpRoute.enabled=true", "at '/gateway/httpRoute/parentRefs': minItems: got 0, want 1"),
 ])
 def test_schema_rejects_bad_values(k8s_bin_dir: Path, tmp_path: Path, flag: str, message: str):
     proc = _helm_template(k8s_bin_dir, tmp_path, None, "--set", flag, check=False)
@@ -404,3 +429,264 @@ def test_install_creates_objects_and_uninstall_removes_them(kube_cluster: KubeCl
     for doc in manifest:
         wait_until(lambda: not _exists(kube_cluster, doc), timeout=30,
                    what=f"{doc['kind']}/{doc['metadata']['name']} to be deleted")
+
+
+# ---- the gateway switch (issue 40) -------------------------------------------------------------
+
+GATEWAY = {"gateway": {"enabled": True, "deployment": "llm", "installCRDs": True,
+                       "httpRoute": {"enabled": True, "parentRefs": [{"name": "inference-gateway"}]}}}
+GATEWAY_KINDS = {"InferencePool", "HTTPRoute"}
+
+
+def _by_kind_name(docs: list[dict]) -> dict[tuple[str, str], dict]:
+    return {(d["kind"], d["metadata"]["name"]): d for d in docs}
+
+
+def test_vendored_inference_pool_crd_is_gie_v1_6_0_unchanged():
+    data = GIE_CRD_FILE.read_bytes()
+    assert hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest() == GIE_CRD_BLOB
+    crd = yaml.safe_load(data)
+    assert crd["metadata"]["annotations"]["inference.networking.k8s.io/bundle-version"] == GIE_VERSION
+    subchart = yaml.safe_load((GIE_CRD_FILE.parents[1] / "Chart.yaml").read_text())
+    [dependency] = yaml.safe_load((CHART / "Chart.yaml").read_text())["dependencies"]
+    assert subchart["appVersion"] == GIE_VERSION and dependency["version"] == subchart["version"] == "1.6.0"
+    assert dependency["condition"] == "gateway.installCRDs"
+    assert GIE_VERSION in (CHART / "values.yaml").read_text()
+
+
+def test_gateway_off_renders_none_of_it(k8s_bin_dir: Path, tmp_path: Path):
+    for values in (None, {"gateway": {**GATEWAY["gateway"], "enabled": False, "installCRDs": False}}):
+        docs = _documents(_helm_template(k8s_bin_dir, tmp_path, values).stdout)
+        assert not GATEWAY_KINDS & {d["kind"] for d in docs}
+        rendered = {d["metadata"]["name"] for d in docs}
+        assert GIE_CRD_NAME not in rendered and not [n for n in rendered if n.endswith("-epp")]
+    # The CRD has its own switch: the pool without it (the gateway's install brought the CRD).
+    docs = _documents(_helm_template(k8s_bin_dir, tmp_path, {"gateway": {**GATEWAY["gateway"],
+                                                                          "installCRDs": False}}).stdout)
+    assert "InferencePool" in {d["kind"] for d in docs} and GIE_CRD_NAME not in {d["metadata"]["name"] for d in docs}
+
+
+def test_gateway_renders_the_pool_its_endpoint_picker_and_route(k8s_bin_dir: Path, tmp_path: Path):
+    docs = _documents(_helm_template(k8s_bin_dir, tmp_path, GATEWAY).stdout)
+    routed = _validate_all(docs)          # the EPP's Deployment, Service, RBAC and the GIE CRD: strict
+    print("\n".join(_summary(docs)))
+    objects = _by_kind_name(docs)
+    assert yaml.safe_load(GIE_CRD_FILE.read_text()) == objects["CustomResourceDefinition", GIE_CRD_NAME]
+    pool = next(d for d in routed if d["kind"] == "InferencePool")
+    service = objects["Service", "rel-splitserve-epp"]
+    assert pool["apiVersion"] == "inference.networking.k8s.io/v1" and pool["metadata"]["name"] == "llm"
+    assert pool["spec"] == {"selector": {"matchLabels": {"splitserve.io/deployment": "llm", "splitserve.io/rank": "0"}},
+                            "targetPorts": [{"number": 8000}],
+                            "endpointPickerRef": {"kind": "Service", "name": service["metadata"]["name"],
+                                                  "port": {"number": 9002}, "failureMode": "FailClose"}}
+    # The pool takes the pods the operator builds for that ServingDeployment in gateway mode, not
+    # another's; its workers (with the llm-d.ai/role label the EPP keeps) serve on the target port.
+    owner = builders.Owner("llm", "splitserve", "uid")
+    spec = ServingDeploymentSpec.from_dict({"model": {"source": "smollm2"}, "gateway": {"enabled": True}})
+    worker = builders.build_worker_pod(owner, spec, "decode", "llm-decode-1", 0)
+    assert _selects(pool["spec"]["selector"], worker["metadata"]["labels"])
+    assert names.LABEL_LLMD_ROLE in worker["metadata"]["labels"]
+    ports = {p["containerPort"] for c in worker["spec"]["containers"] for p in c.get("ports", [])}
+    assert pool["spec"]["targetPorts"][0]["number"] in ports
+    frontend = builders.build_frontend_deployment(owner, spec)["spec"]["template"]["metadata"]["labels"]
+    assert not _selects(pool["spec"]["selector"], frontend)     # a stock EPP would take it as a decode pod
+    assert not _selects(pool["spec"]["selector"], builders.build_worker_pod(owner, spec, "decode", "llm-decode-1",
+                                                                            1)["metadata"]["labels"])
+    other = builders.build_worker_pod(builders.Owner("other", "splitserve", "uid"), spec, "decode", "o-1", 0)
+    assert not _selects(pool["spec"]["selector"], other["metadata"]["labels"])
+    # endpointPickerRef -> the Service's h2c port 9002 -> the EPP pods' container port `grpc`.
+    epp = objects["Deployment", "rel-splitserve-epp"]
+    template = epp["spec"]["template"]
+    assert _selects({"matchLabels": service["spec"]["selector"]}, template["metadata"]["labels"])
+    assert service["spec"]["ports"] == [
+        {"name": "grpc", "protocol": "TCP", "port": 9002, "targetPort": "grpc", "appProtocol": "kubernetes.io/h2c"},
+        {"name": "metrics", "protocol": "TCP", "port": 9090, "targetPort": "metrics"}]
+    [container] = template["spec"]["containers"]
+    assert container["command"] == ["splitserve", "epp"]
+    assert container["args"] == ["--pool-name", "llm", "--pool-namespace", "splitserve", "--model", "smollm2",
+                                 "--host", "0.0.0.0", "--port", "9002", "--health-port", "9003",
+                                 "--metrics-port", "9090"]
+    assert {p["name"]: p["containerPort"] for p in container["ports"]} == {"grpc": 9002, "grpc-health": 9003,
+                                                                           "metrics": 9090}
+    assert container["livenessProbe"]["grpc"] == {"port": 9003, "service": "liveness"}
+    assert container["readinessProbe"]["grpc"] == {"port": 9003, "service": "readiness"}
+    assert epp["spec"]["replicas"] == 1 and template["metadata"]["annotations"]["prometheus.io/port"] == "9090"
+    # Its identity and what it may read, in the release namespace only.
+    assert template["spec"]["serviceAccountName"] == "rel-splitserve-epp"
+    assert ("ServiceAccount", "rel-splitserve-epp") in objects
+    role, binding = objects["Role", "rel-splitserve-epp"], objects["RoleBinding", "rel-splitserve-epp"]
+    assert role["metadata"]["namespace"] == binding["metadata"]["namespace"] == "splitserve"
+    assert role["rules"] == [{"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]},
+                             {"apiGroups": ["inference.networking.k8s.io"], "resources": ["inferencepools"],
+                              "verbs": ["get", "list", "watch"]}]
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "rel-splitserve-epp",
+                                    "namespace": "splitserve"}]
+    assert not [d for d in docs if d["kind"].startswith("Cluster") and "epp" in d["metadata"]["name"]]
+    route = next(d for d in routed if d["kind"] == "HTTPRoute")
+    assert route["apiVersion"] == "gateway.networking.k8s.io/v1"
+    assert route["spec"] == {"parentRefs": [{"name": "inference-gateway"}], "rules": [{
+        "matches": [{"path": {"type": "PathPrefix", "value": "/"}}],
+        "backendRefs": [{"group": "inference.networking.k8s.io", "kind": "InferencePool", "name": "llm"}],
+        "timeouts": {"request": "300s"}}]}
+    # The workers admit the gateway on the pool's target port and the EPP; the EPP admits the gateway.
+    workers_policy = objects["NetworkPolicy", "rel-splitserve-workers"]["spec"]
+    assert _selects(workers_policy["podSelector"], worker["metadata"]["labels"])
+    workers = workers_policy["ingress"]
+    assert {"ports": [{"port": 8000, "protocol": "TCP"}]} in workers
+    assert {"from": [{"podSelector": {"matchLabels": {"splitserve.io/role": "epp"}}}],
+            "ports": [{"protocol": "TCP", "port": 50051}, {"protocol": "TCP", "port": "metrics"}]} in workers
+    assert _selects({"matchLabels": {"splitserve.io/role": "epp"}}, template["metadata"]["labels"])
+    epp_policy = objects["NetworkPolicy", "rel-splitserve-epp"]["spec"]
+    assert _selects(epp_policy["podSelector"], template["metadata"]["labels"])
+    assert epp_policy["ingress"][0] == {"ports": [{"port": 9002, "protocol": "TCP"}]}
+
+
+def test_gateway_values_reach_the_objects(k8s_bin_dir: Path, tmp_path: Path):
+    docs = _documents(_helm_template(k8s_bin_dir, tmp_path, ALL_OPTIONS, *MONITOR_APIS).stdout)
+    objects = _by_kind_name(docs)
+    pool = objects["InferencePool", "demo-pool"]["spec"]
+    assert pool["selector"]["matchLabels"] == {"splitserve.io/deployment": "demo", "splitserve.io/rank": "0"}
+    assert pool["targetPorts"] == [{"number": 8080}] and pool["endpointPickerRef"]["failureMode"] == "FailOpen"
+    epp = objects["Deployment", "rel-splitserve-epp"]
+    pod = epp["spec"]["template"]["spec"]
+    assert epp["spec"]["replicas"] == 2 and pod["nodeSelector"] == {"node-role": "system"}
+    assert pod["tolerations"] == ALL_OPTIONS["gateway"]["epp"]["tolerations"]
+    assert pod["imagePullSecrets"] == [{"name": "regcred"}]
+    assert pod["containers"][0]["image"] == "registry.example/splitserve:0.1.0-test"
+    assert pod["containers"][0]["args"][1] == "demo-pool" and pod["containers"][0]["args"][-2:] == ["--log-level",
+                                                                                                    "debug"]
+    route = objects["HTTPRoute", "demo-pool"]["spec"]
+    assert route["parentRefs"] == ALL_OPTIONS["gateway"]["httpRoute"]["parentRefs"]
+    assert route["hostnames"] == ["llm.example.com"]
+    assert route["rules"][0]["matches"] == [{"path": {"type": "PathPrefix", "value": "/v1"}}]
+    assert route["rules"][0]["timeouts"] == {"request": "10m"}
+    gateway_from = ALL_OPTIONS["networkPolicy"]["gatewayFrom"]
+    workers = objects["NetworkPolicy", "rel-splitserve-workers"]["spec"]["ingress"]
+    assert {"from": gateway_from, "ports": [{"port": 8080, "protocol": "TCP"}]} in workers
+    epp_policy = objects["NetworkPolicy", "rel-splitserve-epp"]["spec"]
+    assert epp_policy["ingress"][0] == {"from": gateway_from, "ports": [{"port": 9002, "protocol": "TCP"}]}
+
+
+@pytest.mark.parametrize("values, message", [
+    ({"enabled": True}, "gateway.deployment must be set when gateway.enabled is true"),
+    ({"enabled": True, "deployment": "llm", "httpRoute": {"enabled": True}},
+     "gateway.httpRoute.parentRefs must be set when gateway.httpRoute.enabled is true"),
+])
+def test_gateway_templates_fail_fast_without_the_schema(k8s_bin_dir: Path, tmp_path: Path, values: dict,
+                                                        message: str):
+    """The schema refuses these first (test_schema_rejects_bad_values); the templates too."""
+    proc = _helm_template(k8s_bin_dir, tmp_path, {"gateway": values}, "--skip-schema-validation", check=False)
+    assert proc.returncode != 0 and message in proc.stderr, proc.stderr
+
+
+# (verb, resource, namespace or None for the release's, expected) as the EPP's ServiceAccount.
+EPP_RBAC_EXPECTATIONS = [
+    ("get", "pods", None, True), ("list", "pods", None, True), ("watch", "pods", None, True),
+    ("get", "inferencepools.inference.networking.k8s.io", None, True),
+    ("list", "inferencepools.inference.networking.k8s.io", None, True),
+    ("watch", "inferencepools.inference.networking.k8s.io", None, True),
+    ("create", "pods", None, False), ("delete", "pods", None, False), ("patch", "pods", None, False),
+    ("update", "inferencepools.inference.networking.k8s.io", None, False),
+    ("get", "secrets", None, False), ("list", "services", None, False),
+    ("list", "pods", "default", False), ("watch", "inferencepools.inference.networking.k8s.io", "default", False),
+]
+
+
+def test_gateway_install_creates_the_crd_a_valid_pool_and_the_epp(kube_cluster: KubeCluster, k8s_namespace: str,
+                                                                   tmp_path: Path):
+    ns, release = k8s_namespace, "gw"
+    # Helm must create the CRD itself here: none left over from another test of this session.
+    kube_cluster.kubectl("delete", "crd", GIE_CRD_NAME, "--ignore-not-found", "--wait", "--timeout=60s")
+    values = {"gateway": {"enabled": True, "deployment": "llm", "failureMode": "FailOpen", "installCRDs": True}}
+    (tmp_path / "v.yaml").write_text(yaml.safe_dump(values))
+    try:
+        kube_cluster.helm("install", release, str(CHART), "-n", ns, "-f", str(tmp_path / "v.yaml"), timeout=180)
+        crd = json.loads(kube_cluster.kubectl("get", "crd", GIE_CRD_NAME, "-o", "json").stdout)
+        assert crd["metadata"]["annotations"]["inference.networking.k8s.io/bundle-version"] == GIE_VERSION
+        assert {"type": "Established", "status": "True"}.items() <= next(
+            c for c in crd["status"]["conditions"] if c["type"] == "Established").items()
+        manifest = _documents(kube_cluster.helm("get", "manifest", release, "-n", ns).stdout)
+        print("\n".join(_summary(manifest)))
+        assert {"InferencePool", "Deployment", "Service", "ServiceAccount", "Role", "RoleBinding"} <= {
+            d["kind"] for d in manifest}
+        for doc in manifest:
+            assert _exists(kube_cluster, doc), f"{doc['kind']}/{doc['metadata']['name']} not created"
+
+        # Read back: what the chart set, and what the CRD's schema defaulted.
+        pool = json.loads(kube_cluster.kubectl("get", "inferencepool", "llm", "-n", ns, "-o", "json").stdout)
+        assert pool["spec"]["selector"] == {"matchLabels": {"splitserve.io/deployment": "llm",
+                                                            "splitserve.io/rank": "0"}}
+        assert pool["spec"]["targetPorts"] == [{"number": 8000}]
+        assert pool["spec"]["endpointPickerRef"] == {"group": "", "kind": "Service",
+                                                     "name": f"{release}-splitserve-epp",
+                                                     "port": {"number": 9002}, "failureMode": "FailOpen"}
+        assert pool["spec"]["appProtocol"] == "http"
+        # The apiserver refuses what GIE's CRD does not allow: an unknown failureMode (enum), a Service
+        # reference without a port (its CEL rule).
+        rendered = next(d for d in manifest if d["kind"] == "InferencePool")
+        bad_mode = json.loads(json.dumps(rendered))
+        bad_mode["spec"]["endpointPickerRef"]["failureMode"] = "Sometimes"
+        no_port = json.loads(json.dumps(rendered))
+        del no_port["spec"]["endpointPickerRef"]["port"]
+        for bad, error in ((bad_mode, 'Unsupported value: "Sometimes"'),
+                           (no_port, "port is required when kind is 'Service'")):
+            bad["metadata"]["name"] = "bad"
+            refused = kube_cluster.kubectl("create", "--dry-run=server", "-n", ns, "-o", "name", "-f", "-",
+                                           input=yaml.safe_dump(bad), check=False)
+            assert refused.returncode != 0 and error in refused.stderr, refused.stderr
+
+        sa = f"system:serviceaccount:{ns}:{release}-splitserve-epp"
+        for verb, resource, where, expected in EPP_RBAC_EXPECTATIONS:
+            answer = kube_cluster.kubectl("auth", "can-i", verb, resource, f"--as={sa}", "-n", where or ns,
+                                          check=False).stdout.strip()
+            assert answer == ("yes" if expected else "no"), (verb, resource, where, answer)
+        notes = kube_cluster.helm("get", "notes", release, "-n", ns).stdout
+        assert "InferencePool llm" in notes and f"{release}-splitserve-epp.{ns}.svc:9002" in notes
+
+        kube_cluster.helm("uninstall", release, "-n", ns, "--wait", "--timeout", "60s", timeout=120)
+        for doc in manifest:
+            wait_until(lambda: not _exists(kube_cluster, doc), timeout=30,
+                       what=f"{doc['kind']}/{doc['metadata']['name']} to be deleted")
+        # helm never deletes a CRD it installed from crds/.
+        assert _exists(kube_cluster, {"kind": "crd", "metadata": {"name": GIE_CRD_NAME}})
+    finally:
+        kube_cluster.kubectl("delete", "crd", GIE_CRD_NAME, "--ignore-not-found", "--wait", "--timeout=60s")
+
+
+def test_gateway_mode_pods_are_valid_and_the_crd_refuses_a_worker_port(kube_cluster: KubeCluster,
+                                                                       k8s_namespace: str):
+    """spec.gateway through the real CRD: the apiserver fills its defaults and takes gateway mode;
+    the decode group the operator builds from it (rank 0: the worker and its `frontend`, with
+    llm-d's role label; rank 1) passes the apiserver's own pod validation; a gateway port that the
+    worker container already uses is refused by the CRD's rule."""
+    from splitserve.services.spec.serving_deployment import GatewaySpec
+
+    kube_cluster.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(CRD_FILE))
+    kube_cluster.kubectl("wait", "--for=condition=Established", "--timeout=30s",
+                         "crd/servingdeployments.splitserve.io")
+
+    def dry_run(doc: dict, check: bool = True) -> subprocess.CompletedProcess:
+        return kube_cluster.kubectl("create", "--dry-run=server", "-o", "json", "-f", "-",
+                                    input=yaml.safe_dump(doc), check=check)
+
+    def sd(spec: dict) -> dict:
+        return {"apiVersion": "splitserve.io/v1alpha1", "kind": "ServingDeployment",
+                "metadata": {"name": "gw", "namespace": k8s_namespace}, "spec": spec}
+
+    plain = ServingDeploymentSpec.from_resource(json.loads(dry_run(sd({"model": {"source": "smollm2"}})).stdout))
+    assert plain.gateway == GatewaySpec()
+    created = dry_run(sd({"model": {"source": "smollm2"}, "decode": {"tensorParallel": 2},
+                          "gateway": {"enabled": True, "port": 8080}}))
+    spec = ServingDeploymentSpec.from_resource(json.loads(created.stdout))
+    assert spec.gateway == GatewaySpec(enabled=True, port=8080)
+    owner = builders.Owner("gw", k8s_namespace, "uid-1")
+    rank0, rank1 = builders.build_group_pods(owner, spec, "decode", "gw-decode-abc12")
+    for pod in (rank0, rank1):
+        kubernetes_validate.validate(pod, K8S_SCHEMA_VERSION, strict=True)
+        served = json.loads(dry_run({**pod, "metadata": {**pod["metadata"], "ownerReferences": []}}).stdout)
+        assert served["metadata"]["labels"].get(names.LABEL_LLMD_ROLE) == ("decode" if pod is rank0 else None)
+    assert [c["name"] for c in rank0["spec"]["containers"]] == ["worker", "frontend"]
+    refused = dry_run(sd({"model": {"source": "smollm2"},
+                          "gateway": {"enabled": True, "port": names.WORKER_METRICS_PORT}}), check=False)
+    assert refused.returncode != 0
+    assert "gateway.port must not be a port of the worker container" in " ".join(refused.stderr.split())

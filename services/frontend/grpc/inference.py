@@ -3,15 +3,22 @@
 Same lifecycle as HTTP (Frontend.prepare + generate); a refusal becomes a gRPC
 status (INVALID_ARGUMENT for what HTTP answers with 400, NOT_FOUND for an
 unknown model, UNAVAILABLE when no worker is ready). Cancelling the call
-cancels the worker call, as a disconnect does for HTTP. `beam_width` runs the
+cancels the worker call, as a disconnect does for HTTP. With --flow-control the
+call is admitted as an HTTP request is (`priority` field; fairness id and TTFT
+deadline from the call's metadata, the API key's id when keys are on); a shed call
+ends with RESOURCE_EXHAUSTED and the reason in the trailing metadata
+x-llm-d-request-dropped-reason (and retry-after). `beam_width` runs the
 HTTP API's beam search (beam_search.py) and answers one finished message per beam.
 """
 
 from __future__ import annotations
 
+import contextlib
+
 import grpc
 
 from splitserve.proto.v1 import inference_pb2, inference_pb2_grpc
+from splitserve.services.flow_control import DROPPED_REASON_HEADER
 from splitserve.services.worker_protocol.proto_conversion import finish_reason_to_proto
 from splitserve.services.worker_protocol.outputs import FinishReason
 from splitserve.services.worker_protocol.sampling_params import StructuredOutput
@@ -20,9 +27,11 @@ from splitserve.tracing import TraceContext
 from splitserve.services.frontend.beam_search import BeamSearchParams, beam_width_problem, beam_deltas, eos_token_id, \
     search_prompts
 from splitserve.services.frontend.core import Delta, Frontend, SamplingRequest, new_request_id
+from splitserve.services.frontend.auth import ApiKeys
 from splitserve.services.frontend.errors import APIError, invalid
+from splitserve.services.frontend.flow_headers import check_priority, flow_request
 from splitserve.services.frontend.generation_request import GenerationRequest
-from splitserve.services.frontend.limits import check_prompt_tokens
+from splitserve.services.frontend.limits import Rejection, check_prompt_tokens
 
 _HTTP_TO_GRPC = {400: grpc.StatusCode.INVALID_ARGUMENT, 404: grpc.StatusCode.NOT_FOUND,
                  429: grpc.StatusCode.RESOURCE_EXHAUSTED, 501: grpc.StatusCode.UNIMPLEMENTED,
@@ -36,9 +45,10 @@ _UNUSED_BY_BEAMS = {"stop": None, "stop_token_ids": None, "top_p": 1.0, "top_k":
 
 
 class InferenceService(inference_pb2_grpc.InferenceServicer):
-    def __init__(self, frontend: Frontend, max_prompt_tokens: int = 0):
+    def __init__(self, frontend: Frontend, max_prompt_tokens: int = 0, keys: ApiKeys | None = None):
         self.frontend = frontend
         self.max_prompt_tokens = max_prompt_tokens      # --max-prompt-tokens (0: the context length)
+        self.keys = keys or ApiKeys()                   # a caller's key id is its flow (flow_headers.py)
 
     async def Generate(self, request, context):
         failure = None
@@ -46,22 +56,40 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
             gen = self._prepare(request)
             if self.frontend.tracer is not None:      # W3C traceparent in the call's metadata
                 gen.trace_context = TraceContext.from_pairs(context.invocation_metadata() or ())
-            if not request.beam_width:
-                async for delta in self.frontend.generate(gen):
-                    yield _response(gen, delta, request.include_usage and delta.finish_reason is not None)
-            else:
-                beams = await self._beams(request, gen)
-                for index, delta in enumerate(beams):
-                    last = index == len(beams) - 1
-                    response = _response(gen, delta, False, index)
-                    if last and request.include_usage:
-                        completion = sum(d.num_output_tokens for d in beams)
-                        response.usage.CopyFrom(_usage(delta.num_prompt_tokens, completion, delta.num_cached_tokens))
-                    yield response
+            with await self._admitted(request, gen, context):
+                if not request.beam_width:
+                    async for delta in self.frontend.generate(gen):
+                        yield _response(gen, delta, request.include_usage and delta.finish_reason is not None)
+                else:
+                    beams = await self._beams(request, gen)
+                    for index, delta in enumerate(beams):
+                        last = index == len(beams) - 1
+                        response = _response(gen, delta, False, index)
+                        if last and request.include_usage:
+                            completion = sum(d.num_output_tokens for d in beams)
+                            response.usage.CopyFrom(_usage(delta.num_prompt_tokens, completion,
+                                                           delta.num_cached_tokens))
+                        yield response
         except APIError as exc:
             failure = exc
         if failure is not None:
+            if failure.headers:            # a shed call's reason and Retry-After
+                context.set_trailing_metadata(tuple(failure.headers.items()))
+            if DROPPED_REASON_HEADER in failure.headers:
+                self.frontend.metrics.rejected.labels("grpc", Rejection.SHED.value).inc()
             await context.abort(_HTTP_TO_GRPC.get(failure.status, grpc.StatusCode.INTERNAL), failure.message)
+
+    async def _admitted(self, request: inference_pb2.GenerateRequest, gen: GenerationRequest, context):
+        """Flow control's Ticket for the call (held until it ends), or a no-op when flow control is
+        off; raises the 429 APIError when it is shed, the 400 for bad metadata."""
+        flow_control = self.frontend.flow_control
+        if flow_control is None:
+            return contextlib.nullcontext()
+        metadata = context.invocation_metadata() or ()
+        key_id = None
+        if self.keys.enabled:          # the guard admitted the key already; its id names the flow
+            key_id = self.keys.check_header(next((v for k, v in metadata if k == "authorization"), None))
+        return await flow_control.admit(flow_request(metadata, request.priority, key_id, gen.request_id))
 
     async def _beams(self, request: inference_pb2.GenerateRequest, gen: GenerationRequest) -> list[Delta]:
         """The request's beam search: its beams, best first (the HTTP API's use_beam_search)."""
@@ -88,6 +116,7 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
 
     def _prepare(self, request: inference_pb2.GenerateRequest) -> GenerationRequest:
         fe = self.frontend
+        check_priority(request.priority, fe.flow_control is not None)
         fe.check_model(request.model or fe.model_name or "")
         kind = request.WhichOneof("prompt")
         if kind == "chat":

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import orjson
 from pydantic import BaseModel, ValidationError
 
+from splitserve.services.flow_control import FlowRequest
 from splitserve.tracing import TraceContext
 
 from splitserve.services.frontend import metrics as m
@@ -35,7 +36,10 @@ from splitserve.services.frontend.asgi import DONE, Receive, Scope, Send, event,
 from splitserve.services.frontend.errors import APIError, from_validation_error, invalid
 from splitserve.services.frontend.beam_search import BeamSearchParams, beam_deltas, eos_token_id, search_prompts
 from splitserve.services.frontend.core import Delta, Frontend, SamplingRequest, new_request_id
+from splitserve.services.frontend.flow_headers import check_priority, flow_request
+from splitserve.services.frontend.gateway import gateway_prefill_address
 from splitserve.services.frontend.generation_request import GenerationRequest
+from splitserve.services.frontend.guard import KEY_ID_SCOPE
 from splitserve.services.frontend.limits import PromptBound, check_prompt_tokens
 from splitserve.services.frontend.http.beam_search_api import beam_search_params
 from splitserve.services.frontend.http.protocol import ALL_LOGPROBS, ChatCompletionRequest, CompletionRequest
@@ -69,6 +73,7 @@ class Prepared:
     stream: bool
     keep_best: int = 0    # best_of > n: of each prompt's samples, return the n (this) most likely
     beam: BeamSearchParams | None = None     # use_beam_search: each prompt's first choice is the search
+    priority: int = 0     # vLLM's request priority (lower first): flow control's band (flow_admission.py)
 
     @property
     def gen(self) -> GenerationRequest:
@@ -129,7 +134,7 @@ class GenerationEndpoints:
         beam = beam_search_params(body, choices[0].gen.params.max_tokens, body.logprobs or 0,
                                   self.frontend.max_logprobs) \
             if body.use_beam_search else None
-        return Prepared(choices, body.stream, body.num_choices if ranked else 0, beam)
+        return Prepared(choices, body.stream, body.num_choices if ranked else 0, beam, body.priority)
 
     def prepare_chat(self, raw: bytes) -> Prepared:
         body = self._parse(raw, ChatCompletionRequest, "chat")
@@ -164,7 +169,7 @@ class GenerationEndpoints:
         beam = beam_search_params(body, choices[0].gen.params.max_tokens, body.num_logprobs() or 0,
                                   self.frontend.max_logprobs) \
             if body.use_beam_search else None
-        return Prepared(choices, body.stream, beam=beam)
+        return Prepared(choices, body.stream, beam=beam, priority=body.priority)
 
     def prepare_invocation(self, raw: bytes) -> Prepared:
         """vLLM's SageMaker route, POST /invocations: the body's shape picks the endpoint, chat
@@ -184,6 +189,7 @@ class GenerationEndpoints:
     def _parse(self, raw: bytes, model: type[BaseModel], api: str):
         def parse():
             body = parse_body(raw, model)
+            check_priority(getattr(body, "priority", 0), self.frontend.flow_control is not None)
             self.frontend.check_model(body.model)
             return body
         return self._refusing(api, parse)
@@ -219,6 +225,7 @@ class GenerationEndpoints:
             return                      # the client left before the body was complete
         try:
             req = prepare(raw)
+            flow = self._flow_request(scope, req)
         except APIError as error:
             await send_json(send, error.status, error.body())
             return
@@ -226,10 +233,20 @@ class GenerationEndpoints:
             context = TraceContext.from_pairs(scope["headers"])
             for choice in req.choices:
                 choice.gen.trace_context = context
+        if self.frontend.gateway:
+            try:
+                prefill_address = gateway_prefill_address(scope["headers"])
+            except APIError as error:
+                await send_json(send, error.status, error.body())
+                return
+            for choice in req.choices:
+                choice.gen.prefill_address = prefill_address
         watcher = DisconnectWatcher(receive)
         response = Response(send, req.gen.request_id)
         try:
-            await self._generate(req, response)
+            async with self._admitted(flow, response) as admitted:
+                if admitted:
+                    await self._generate(req, response)
         except asyncio.CancelledError:
             if not watcher.disconnected:
                 raise                   # the request timeout or shutdown: the guard answers
@@ -239,6 +256,28 @@ class GenerationEndpoints:
             await response.fail(APIError(500, "internal error while generating", type="server_error"))
         finally:
             watcher.stop()
+
+    def _flow_request(self, scope: Scope, req: Prepared) -> FlowRequest | None:
+        """What flow control needs of the request (None when it is off); a bad header is a 400."""
+        if self.frontend.flow_control is None:
+            return None
+        return flow_request(scope["headers"], req.priority, scope.get(KEY_ID_SCOPE), req.gen.request_id)
+
+    @contextlib.asynccontextmanager
+    async def _admitted(self, flow: FlowRequest | None, response: "Response") -> AsyncIterator[bool]:
+        """Flow control's admission before any routing (True: go on), its ticket held until the
+        request ends however it ends; False after answering a shed request's 429."""
+        if flow is None:
+            yield True
+            return
+        try:
+            ticket = await self.frontend.flow_control.admit(flow)
+        except APIError as shed:
+            await response.fail(shed)
+            yield False
+            return
+        with ticket:
+            yield True
 
     async def _generate(self, req: Prepared, response: "Response") -> None:
         if req.beam is not None:
@@ -378,7 +417,8 @@ class Response:
     async def fail(self, error: APIError) -> None:
         """The error as a JSON response, or in-band when the stream has begun (as OpenAI does)."""
         if not self.started:
-            await send_json(self._send, error.status, error.body(), [(b"x-request-id", self._request_id)])
+            await send_json(self._send, error.status, error.body(),
+                            [(b"x-request-id", self._request_id), *error.header_pairs()])
         else:
             await self.body(event(error.body()) + DONE, last=True)
 

@@ -46,7 +46,8 @@ _REFUSALS = {
     "401": "missing or unknown API key (only when keys are configured)",
     "404": "unknown model or route",
     "413": "request body larger than --max-body-bytes",
-    "429": "per-client concurrency or rate limit (Retry-After says when to retry)",
+    "429": "per-client concurrency or rate limit, or shed by flow control (--flow-control: the reason in "
+           "x-llm-d-request-dropped-reason); Retry-After says when to retry",
     "503": "no worker is ready",
     "504": "the request timed out (--request-timeout)",
 }

@@ -135,7 +135,7 @@ class _VllmExtensions(_Strict):
     """vLLM's extensions beyond OpenAI's schema, common to chat and completions."""
 
     request_id: Annotated[str, Field(min_length=1, max_length=256)] | None = None
-    priority: int = 0
+    priority: int = 0      # vLLM's (lower first); non-zero needs --flow-control (flow_headers.check_priority)
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
@@ -176,8 +176,6 @@ class _VllmExtensions(_Strict):
             problems.append(("prompt_logprobs", "`prompt_logprobs` are not available when `stream=True`."))
         if self.allowed_token_ids == []:
             problems.append(("allowed_token_ids", "allowed_token_ids must not be empty: no token could be sampled"))
-        if self.priority != 0:
-            problems.append(("priority", "priority scheduling is not enabled: every request has priority 0"))
         problems += beam_search_problems(self)
         if not self.spaces_between_special_tokens:
             problems.append(("spaces_between_special_tokens", "the served tokenizers (fast, tokenizers-library) "

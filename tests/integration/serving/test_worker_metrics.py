@@ -3,7 +3,8 @@
 Real `splitserve worker` processes (one prefill, one decode, TCP transfer) and one
 disaggregated Generate over the worker gRPC API; everything asserted is read from
 the real /metrics text: the per-worker `splitserve_worker_*` families (taken from
-the Stats data), the kvtransfer counters on both sides (send on the prefill worker,
+the Stats data), vLLM's gauges that an endpoint picker reads (`vllm:*`, from the same
+Stats and Describe), the kvtransfer counters on both sides (send on the prefill worker,
 recv on the decode worker, the write latency histogram), the token counters, the
 layer-by-layer push (writes reach the decode worker before the prefill ends), 404
 for other paths. The metrics server's contract without Stats (a worker still
@@ -19,13 +20,15 @@ import subprocess
 import urllib.error
 import urllib.request
 
+import grpc
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from splitserve.net import free_port
-from splitserve.proto.v1 import worker_pb2
+from splitserve.proto.v1 import worker_pb2, worker_pb2_grpc
 from splitserve.metrics_http import MetricsApp, MetricsServer
-from splitserve.services.worker.stats_metrics import COUNTERS, GAUGES, stats_reader
+from splitserve.services.worker.stats_metrics import (COUNTERS, GAUGES, VLLM_CACHE_CONFIG, VLLM_KV_USAGE,
+                                                      VLLM_RUNNING, VLLM_WAITING, ServedModel, stats_reader)
 from splitserve.testing.cluster import Cluster
 from splitserve.testing.workers import generate, worker_stats
 
@@ -51,6 +54,15 @@ def _scrape(url: str) -> Samples:
     assert status == 200, text
     return {(s.name, frozenset(s.labels.items())): s.value
             for family in text_string_to_metric_families(text) for s in family.samples}
+
+
+def _series(samples: Samples, name: str) -> list[tuple[dict[str, str], float]]:
+    return [(dict(ls), v) for (n, ls), v in samples.items() if n == name]
+
+
+def _describe(address: str) -> worker_pb2.DescribeResponse:
+    with grpc.insecure_channel(address) as channel:
+        return worker_pb2_grpc.WorkerStub(channel).Describe(worker_pb2.DescribeRequest(), timeout=10)
 
 
 def _value(samples: Samples, name: str, **labels: str) -> float:
@@ -118,6 +130,23 @@ def test_disaggregated_request_shows_in_both_workers_metrics(workers):
     assert grew("d0", "splitserve_worker_requests_finished_total") == 1
 
 
+def test_vllm_named_gauges_describe_each_worker_for_an_endpoint_picker(workers):
+    """What llm-d's metrics extractor reads, one series per name, labelled with the model that
+    Describe names: the queue, the running batch, the KV usage as a fraction, and the block size
+    and count as labels of `vllm:cache_config_info`."""
+    for name in ("d0", "p0"):
+        address, base = workers[name]
+        samples, stats, info = _scrape(f"{base}/metrics"), worker_stats(address), _describe(address)
+        labels = {"model_name": info.model_name, "engine": "0"}
+        assert info.model_name
+        assert _series(samples, VLLM_WAITING) == [(labels, stats.num_waiting + stats.num_remote_prefill)]
+        assert _series(samples, VLLM_RUNNING) == [(labels, stats.num_running)]
+        assert _series(samples, VLLM_KV_USAGE) == [(labels, stats.kv_usage)]
+        assert _series(samples, VLLM_CACHE_CONFIG) == [
+            ({**labels, "block_size": str(info.block_size), "num_gpu_blocks": str(stats.num_kv_blocks)}, 1.0)]
+        assert stats.num_kv_blocks > 0 and 0 <= stats.kv_usage <= 1
+
+
 def test_layers_reach_the_decode_worker_while_the_prefill_still_computes(workers, llama_dir):
     """The push is layer by layer: the decode worker receives one write per layer per chunk,
     and receives the first ones before the prefill worker has computed the whole prompt."""
@@ -158,14 +187,15 @@ def test_other_paths_and_methods_are_refused(workers):
 
 
 def test_without_stats_the_scrape_answers_the_registry_alone():
-    """A worker still loading (or stopped) has no Stats: 200, no splitserve_worker_* family."""
+    """A worker still loading (or stopped) has no Stats: 200, no splitserve_worker_* or vllm: family."""
     stats: list[worker_pb2.StatsResponse | None] = [None]
 
     async def read_stats():
         return stats[0]
 
     async def main():
-        server = await MetricsServer.start(MetricsApp(stats_reader(read_stats)), "127.0.0.1", 0)
+        read = stats_reader(read_stats, lambda: ServedModel("m", 16))
+        server = await MetricsServer.start(MetricsApp(read), "127.0.0.1", 0)
         url = f"http://127.0.0.1:{server.port}/metrics"
         try:
             loading = await asyncio.to_thread(_scrape, url)
@@ -177,9 +207,10 @@ def test_without_stats_the_scrape_answers_the_registry_alone():
         return loading, loaded
 
     loading, loaded = asyncio.run(main())
-    assert not [n for n, _ in loading if n.startswith("splitserve_worker_")]
+    assert not [n for n, _ in loading if n.startswith(("splitserve_worker_", "vllm:"))]
     assert any(n.startswith("process_") for n, _ in loading)       # the default registry is served
     assert _value(loaded, "splitserve_worker_kv_usage", worker="w", role="both") == 0.25
+    assert _series(loaded, VLLM_KV_USAGE) == [({"model_name": "m", "engine": "0"}, 0.25)]
     assert _value(loaded, "splitserve_worker_kv_blocks_used", worker="w") == 2
     assert _value(loaded, "splitserve_worker_generated_tokens_total", worker="w") == 5
 

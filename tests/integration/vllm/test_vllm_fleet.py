@@ -13,7 +13,8 @@ file order and each leaves both workers idle:
 - a vLLM worker drained by SIGTERM under streaming load: its streams finish there or migrate (no
   error, token-exact), it exits 0, the supervisor restarts it, and no KV block is held anywhere;
 - a vLLM worker's own Prometheus /metrics (`serve --worker-metrics`: `worker --metrics-port`, as the
-  operator's pods run it), scraped over HTTP: load, KV usage, prefix-hit tokens.
+  operator's pods run it), scraped over HTTP: load, KV usage, prefix-hit tokens, and the `vllm:`
+  gauges an endpoint picker reads, once each although vLLM registers its own.
 """
 
 from __future__ import annotations
@@ -308,3 +309,17 @@ def test_a_vllm_workers_stats_are_its_prometheus_metrics(fleet):
     assert samples["splitserve_worker_prefix_hit_tokens_total"] >= len(PREFIX) - fleet.describe(name).block_size
     assert samples["splitserve_worker_generated_tokens_total"] > 0
     assert samples["splitserve_worker_engine_steps_total"] > 0
+    # vLLM's own collectors are in the worker's registry (its other families are served) but the
+    # gauges an endpoint picker reads come once each, from the same Stats, named as Describe names
+    # the model: a name twice would make the picker's text parser refuse the whole scrape.
+    families = {family.name: family for family in text_string_to_metric_families(reply.text)}
+    assert "vllm:time_to_first_token_seconds" in families
+    info = fleet.describe(name)
+    labels = {"model_name": info.model_name, "engine": "0"}
+    for metric, value in (("vllm:num_requests_waiting", 0), ("vllm:num_requests_running", 0),
+                          ("vllm:kv_cache_usage_perc", stats.kv_usage)):
+        assert reply.text.count(f"# TYPE {metric} gauge") == 1, metric
+        assert [(s.labels, s.value) for s in families[metric].samples] == [(labels, value)], metric
+    [cache] = families["vllm:cache_config_info"].samples
+    assert reply.text.count("# TYPE vllm:cache_config_info gauge") == 1
+    assert cache.labels == {**labels, "block_size": str(info.block_size), "num_gpu_blocks": str(stats.num_kv_blocks)}

@@ -283,3 +283,81 @@ def test_spec_tracing_reaches_every_frontend_and_worker_pod_and_rolls_only_then(
         assert "OTEL_RESOURCE_ATTRIBUTES" not in env(pod)
     assert builders.pool_spec_hash(SPEC, "decode") == "10f0b39012"
     assert builders.pool_spec_hash(traced, "decode") != builders.pool_spec_hash(SPEC, "decode")
+
+
+def test_rank0_pods_carry_llm_ds_role_label_without_rolling():
+    """llm-d's endpoint pickers filter by `llm-d.ai/role` (prefill | decode | prefill-decode) and
+    take a labelled pod for an endpoint: rank 0 serves the worker API, ranks 1.. serve none. A
+    decode worker never serves another worker's prefill, so it is `decode` also while the prefill
+    pool is at 0. Labels are not what the spec hash is built from: pods built before keep their hash."""
+    aggregated = ServingDeploymentSpec.from_dict({**SPEC.to_dict(), "prefill": {"replicas": 0},
+                                                  "decode": {"tensorParallel": 2}})
+    later_ranks = []
+    for spec in (SPEC, aggregated):
+        for pool in ("prefill", "decode"):
+            rank0, *others = builders.build_group_pods(OWNER, spec, pool, f"llm-{pool}-abc12")
+            assert rank0["metadata"]["labels"][names.LABEL_LLMD_ROLE] == pool
+            later_ranks += others
+    assert len(later_ranks) == 3 + 1          # SPEC's prefill ranks 1-3, aggregated's decode rank 1
+    assert not [p for p in later_ranks if names.LABEL_LLMD_ROLE in p["metadata"]["labels"]]
+    assert (builders.pool_spec_hash(SPEC, "decode"), builders.pool_spec_hash(SPEC, "prefill")) == ("10f0b39012",
+                                                                                                 "d4986a4c14")
+
+
+GATEWAY = ServingDeploymentSpec.from_dict({**SPEC.to_dict(), "decode": {"tensorParallel": 2},
+                                           "disaggregationThreshold": 32, "gateway": {"enabled": True, "port": 8080}})
+
+
+def test_gateway_mode_adds_a_frontend_for_its_own_worker_to_each_decode_rank0_pod():
+    from splitserve.services.cli.parsers import build_parser
+
+    rank0, rank1 = builders.build_group_pods(OWNER, GATEWAY, "decode", "llm-decode-abc12")
+    assert [c["name"] for c in rank0["spec"]["containers"]] == ["worker", "frontend"]
+    assert [c["name"] for c in rank1["spec"]["containers"]] == ["worker"]    # ranks 1.. serve no API
+    for pod in builders.build_group_pods(OWNER, GATEWAY, "prefill", "llm-prefill-abc12"):
+        assert [c["name"] for c in pod["spec"]["containers"]] == ["worker"]
+    worker, frontend = rank0["spec"]["containers"]
+    without = ServingDeploymentSpec.from_dict({**GATEWAY.to_dict(), "gateway": {"enabled": False}})
+    assert worker == builders.build_worker_pod(OWNER, without, "decode", "llm-decode-abc12", 0)["spec"]["containers"][0]
+    assert frontend["image"] == GATEWAY.image and frontend["command"] == ["splitserve"]
+    parsed = build_parser().parse_args(frontend["args"])
+    assert (parsed.command, parsed.gateway, parsed.worker) == ("frontend", True, [f"decode=127.0.0.1:{names.WORKER_PORT}"])
+    assert (parsed.model, parsed.host, parsed.port) == ("smollm2", "0.0.0.0", 8080)
+    assert parsed.remote_prefill_threshold == 32 and parsed.served_model_name is None
+    assert not parsed.etcd and parsed.grpc_port is None          # it talks only to its own worker
+    assert frontend["ports"] == [{"name": "http", "containerPort": 8080}]
+    assert frontend["readinessProbe"] == {"httpGet": {"path": "/ready", "port": 8080}, "periodSeconds": 5}
+    assert "env" not in frontend and "volumeMounts" not in frontend
+    ports = [(p["name"], p["containerPort"]) for c in rank0["spec"]["containers"] for p in c["ports"]]
+    assert len({n for n, _ in ports}) == len({p for _, p in ports}) == len(ports) == 5
+    # The ordinary frontend Deployment stays as it was.
+    assert builders.build_frontend_deployment(OWNER, GATEWAY) == builders.build_frontend_deployment(OWNER, without)
+
+
+def test_gateway_mode_rolls_only_the_decode_pool_and_only_when_on():
+    off = ServingDeploymentSpec.from_dict({**SPEC.to_dict(), "gateway": {"enabled": False, "port": 9000}})
+    assert builders.pool_spec_hash(off, "decode") == builders.pool_spec_hash(SPEC, "decode") == "10f0b39012"
+    on = ServingDeploymentSpec.from_dict({**SPEC.to_dict(), "gateway": {"enabled": True}})
+    assert builders.pool_spec_hash(on, "decode") != builders.pool_spec_hash(SPEC, "decode")
+    assert builders.pool_spec_hash(on, "prefill") == builders.pool_spec_hash(SPEC, "prefill")
+    moved = ServingDeploymentSpec.from_dict({**on.to_dict(), "gateway": {"enabled": True, "port": 9000}})
+    assert builders.pool_spec_hash(moved, "decode") != builders.pool_spec_hash(on, "decode")
+    # A vLLM pool's workers run vllmImage, its gateway frontend `image`: changing `image` rolls it then.
+    vllm_on = ServingDeploymentSpec.from_dict({**VLLM.to_dict(), "gateway": {"enabled": True}})
+    vllm_moved = ServingDeploymentSpec.from_dict({**vllm_on.to_dict(), "image": "x:2"})
+    assert builders.pool_spec_hash(vllm_moved, "decode") != builders.pool_spec_hash(vllm_on, "decode")
+    [pod] = builders.build_group_pods(OWNER, vllm_on, "decode", "g0")
+    worker, frontend = pod["spec"]["containers"]
+    assert (worker["image"], frontend["image"]) == (VLLM.vllm_image, VLLM.image)
+    assert frontend["resources"] == {"requests": {"cpu": "1", "memory": "2Gi"}}
+    assert names.GPU_RESOURCE in worker["resources"]["requests"]
+
+
+def test_gateway_frontend_is_traced_with_the_pods_identity():
+    from splitserve.services.cli.parsers import build_parser
+
+    traced = ServingDeploymentSpec.from_dict({**GATEWAY.to_dict(), "tracing": {"otlpTracesEndpoint": "http://o:4317"}})
+    [_, frontend] = builders.build_worker_pod(OWNER, traced, "decode", "g0", 0)["spec"]["containers"]
+    assert build_parser().parse_args(frontend["args"]).otlp_traces_endpoint == "http://o:4317"
+    env_names = [e["name"] for e in frontend["env"]]
+    assert env_names.index("POD_NAME") < env_names.index("OTEL_RESOURCE_ATTRIBUTES")

@@ -7,8 +7,10 @@ from pathlib import Path
 import pytest
 import yaml
 
+from splitserve.operator import names
 from splitserve.services.spec.serving_deployment import (DEFAULT_VLLM_IMAGE, DTYPES, ENGINES, ROUTER_POLICIES,
-                                                         PoolSpec, ServingDeploymentSpec)
+                                                         WORKER_POD_PORTS, GatewaySpec, PoolSpec,
+                                                         ServingDeploymentSpec)
 
 CRD = Path(__file__).resolve().parents[3] / "deploy/helm/splitserve/crds/servingdeployments.splitserve.io.yaml"
 
@@ -23,6 +25,7 @@ FULL = {
                 "autoscaling": {"minReplicas": 1, "maxReplicas": 4, "targetOngoingRequests": 16.0}},
     "decode": {"replicas": 0, "topology": {"mode": "none"}},
     "disaggregationThreshold": 128, "migrationLimit": 1, "drainTimeoutSeconds": 30,
+    "gateway": {"enabled": True, "port": 8080},
 }
 
 
@@ -87,6 +90,11 @@ def test_full_spec_round_trips():
      "their KV layouts differ, so no prompt could be sent from one to the other"),
     ({"kvConnector": "nixl-vllm"}, "spec.kvConnector: nixl-vllm is vLLM's own connector and needs engine vllm"),
     ({"engine": "vllm", "kvConnector": "lmcache"}, "spec.kvConnector: 'lmcache' is not one of splitserve, nixl-vllm"),
+    ({"gateway": {"enabled": True, "port": 50051}}, "spec.gateway.port: 50051 is a port of the worker container"),
+    ({"gateway": {"port": 8090}}, "spec.gateway.port: 8090 is a port of the worker container"),
+    ({"gateway": {"port": 70000}}, "spec.gateway.port: must be <= 65535, got 70000"),
+    ({"gateway": {"enabled": "yes"}}, "spec.gateway.enabled: expected a boolean"),
+    ({"gateway": {"targetPort": 8000}}, "spec.gateway: unknown field(s) targetPort; known: enabled, port"),
 ])
 def test_bad_specs_name_the_field(patch, message):
     doc = {"model": {"source": "smollm2"}, **patch}
@@ -142,6 +150,20 @@ def test_tracing_is_off_unless_an_endpoint_is_given_and_round_trips():
     assert ServingDeploymentSpec.from_dict(plain.to_dict()) == plain
 
 
+def test_gateway_is_off_by_default_and_round_trips():
+    plain = ServingDeploymentSpec.from_dict({"model": {"source": "smollm2"}})
+    assert plain.gateway == GatewaySpec(enabled=False, port=8000)
+    assert plain.to_dict()["gateway"] == {"enabled": False, "port": 8000}
+    full = ServingDeploymentSpec.from_dict(FULL)
+    assert full.gateway == GatewaySpec(enabled=True, port=8080)
+    assert ServingDeploymentSpec.from_dict(full.to_dict()) == full
+
+
+def test_the_ports_a_gateway_frontend_may_not_take_are_the_worker_containers():
+    assert sorted(WORKER_POD_PORTS) == sorted((names.WORKER_PORT, names.WORKER_SESSION_PORT, names.DIST_PORT,
+                                               names.WORKER_METRICS_PORT))
+
+
 def test_crd_schema_agrees_with_the_dataclasses():
     crd = yaml.safe_load(CRD.read_text())
     schema = crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]
@@ -164,3 +186,8 @@ def test_crd_schema_agrees_with_the_dataclasses():
         assert pool[key]["default"] == defaults["prefill"][key]
     assert props["drainTimeoutSeconds"]["default"] == defaults["drainTimeoutSeconds"]
     assert set(props["tracing"]["properties"]) == {"otlpTracesEndpoint"}
+    gateway = props["gateway"]
+    assert {k: v["default"] for k, v in gateway["properties"].items()} == GatewaySpec().to_dict()
+    assert (gateway["properties"]["port"]["minimum"], gateway["properties"]["port"]["maximum"]) == (1, 65535)
+    [rule] = gateway["x-kubernetes-validations"]
+    assert f"self.port in {list(WORKER_POD_PORTS)}".replace(" ", "") in rule["rule"].replace(" ", "")

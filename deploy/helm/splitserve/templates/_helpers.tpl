@@ -141,3 +141,30 @@ prometheus.io/path: /metrics
   resources: [servingpools/scale]
   verbs: [get, patch]
 {{- end -}}
+
+{{/*
+The gateway switch (gateway.enabled, issue 40): the InferencePool and its endpoint picker.
+The EPP's ports are fixed: they are `splitserve epp`'s flags, the Service's ports and the
+InferencePool's endpointPickerRef at once.
+*/}}
+{{- define "splitserve.gateway.deployment" -}}
+{{- required "gateway.deployment must be set when gateway.enabled is true: the name of the ServingDeployment whose pods form the InferencePool" .Values.gateway.deployment -}}
+{{- end -}}
+
+{{- define "splitserve.gateway.poolName" -}}
+{{- default (include "splitserve.gateway.deployment" .) .Values.gateway.poolName -}}
+{{- end -}}
+
+{{- define "splitserve.epp.name" -}}
+{{- include "splitserve.componentName" (dict "root" . "component" "epp") -}}
+{{- end -}}
+
+{{- define "splitserve.epp.grpcPort" -}}9002{{- end -}}
+{{- define "splitserve.epp.healthPort" -}}9003{{- end -}}
+{{- define "splitserve.epp.metricsPort" -}}9090{{- end -}}
+
+{{/* The EPP's pods, as NetworkPolicies select them. */}}
+{{- define "splitserve.eppSelector" -}}
+matchLabels:
+  splitserve.io/role: epp
+{{- end -}}
