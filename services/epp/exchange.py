@@ -21,7 +21,8 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 import orjson
-from envoy.service.ext_proc.v3 import external_processor_pb2 as ext_proc_pb2
+
+from splitserve.proto.v1 import ext_proc_pb2
 
 from splitserve.services.frontend.errors import APIError
 from splitserve.services.flow_control import DROPPED_REASON_HEADER, Shed, Ticket

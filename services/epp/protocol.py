@@ -7,16 +7,19 @@ namespace `envoy.lb.subset_hint`; no ready endpoint is a 503 and a shed request 
 `ImmediateResponse`. llm-d's names: the prefill pick in `x-prefiller-host-port`, a shed request's
 reason in `x-llm-d-request-dropped-reason`. In FULL_DUPLEX_STREAMED mode every body chunk is sent
 back (at most 62,000 bytes a message, as GIE's EPP chunks), the last with `end_of_stream`.
+
+The messages are splitserve's wire-compatible copy of Envoy's (proto/splitserve/v1/ext_proc.proto),
+served and called under Envoy's method path by `add_ext_proc_handler` and `process_call`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
 
-from envoy.config.core.v3 import base_pb2
-from envoy.service.ext_proc.v3 import external_processor_pb2 as ext_proc_pb2
-from envoy.type.v3 import http_status_pb2
+import grpc
 from google.protobuf import struct_pb2
+
+from splitserve.proto.v1 import ext_proc_pb2
 
 DESTINATION_HEADER = "x-gateway-destination-endpoint"
 DESTINATION_NAMESPACE = "envoy.lb"
@@ -26,6 +29,7 @@ SERVED_KEY = "x-gateway-destination-endpoint-served"
 PREFILLER_HEADER = "x-prefiller-host-port"
 DROPPED_REASON_HEADER = "x-llm-d-request-dropped-reason"
 EXT_PROC_SERVICE = "envoy.service.ext_proc.v3.ExternalProcessor"
+PROCESS_METHOD = f"/{EXT_PROC_SERVICE}/Process"
 BODY_CHUNK_BYTES = 62_000
 # Never echoed to the model server: what the picker owns, and Content-Length (the body is
 # re-sent in chunks, so Envoy forwards it chunked whatever it said).
@@ -33,11 +37,27 @@ SYSTEM_HEADERS = frozenset({DESTINATION_HEADER, f"{DESTINATION_HEADER}-served", 
                             "content-length"})
 
 
-def header(key: str, value: str) -> base_pb2.HeaderValueOption:
-    return base_pb2.HeaderValueOption(header=base_pb2.HeaderValue(key=key, raw_value=value.encode()))
+def add_ext_proc_handler(server: grpc.aio.Server, process) -> None:
+    """Serve `process(request_iterator, context)` (an async generator of ProcessingResponse) as
+    Envoy's `ExternalProcessor.Process` bidirectional stream."""
+    handler = grpc.stream_stream_rpc_method_handler(
+        process, request_deserializer=ext_proc_pb2.ProcessingRequest.FromString,
+        response_serializer=ext_proc_pb2.ProcessingResponse.SerializeToString)
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(EXT_PROC_SERVICE, {"Process": handler}),))
 
 
-def header_map(headers: base_pb2.HeaderMap) -> dict[str, str]:
+def process_call(channel: grpc.aio.Channel):
+    """The client side of `ExternalProcessor.Process` on `channel` (tests, benchmarks): call it
+    with an async iterator of ProcessingRequest, iterate the ProcessingResponses."""
+    return channel.stream_stream(PROCESS_METHOD, request_serializer=ext_proc_pb2.ProcessingRequest.SerializeToString,
+                                 response_deserializer=ext_proc_pb2.ProcessingResponse.FromString)
+
+
+def header(key: str, value: str) -> ext_proc_pb2.HeaderValueOption:
+    return ext_proc_pb2.HeaderValueOption(header=ext_proc_pb2.HeaderValue(key=key, raw_value=value.encode()))
+
+
+def header_map(headers: ext_proc_pb2.HeaderMap) -> dict[str, str]:
     """Envoy's headers (lower-case keys; the value in raw_value, or value from older proxies)."""
     return {h.key.lower(): (h.raw_value.decode("latin-1") if h.raw_value else h.value) for h in headers.headers}
 
@@ -82,7 +102,7 @@ def continue_trailers(phase: str) -> ext_proc_pb2.ProcessingResponse:
 def immediate(status: int, body: bytes, headers: Iterable[tuple[str, str]] = ()) -> ext_proc_pb2.ProcessingResponse:
     """Answer the client now (the request never reaches a model server)."""
     return ext_proc_pb2.ProcessingResponse(immediate_response=ext_proc_pb2.ImmediateResponse(
-        status=http_status_pb2.HttpStatus(code=status), body=body,
+        status=ext_proc_pb2.HttpStatus(code=status), body=body,
         headers=ext_proc_pb2.HeaderMutation(set_headers=[header(k, v) for k, v in headers])))
 
 

@@ -18,7 +18,6 @@ import logging
 from dataclasses import dataclass, field
 
 import grpc
-from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ext_proc_grpc
 from grpc_health.v1 import health_pb2_grpc
 
 from splitserve.errors import SplitserveError
@@ -36,6 +35,7 @@ from splitserve.services.epp.exchange import Admission, Exchange
 from splitserve.services.epp.health import ExtProcHealth, ProbeHealth
 from splitserve.services.epp.metrics import EppMetrics
 from splitserve.services.epp.picker import EndpointPicker
+from splitserve.services.epp.protocol import add_ext_proc_handler
 
 log = logging.getLogger(__name__)
 READY_POLL_S = 0.25
@@ -58,7 +58,9 @@ class EppConfig:
     drain_timeout_s: float = 10.0
 
 
-class ExternalProcessor(ext_proc_grpc.ExternalProcessorServicer):
+class ExternalProcessor:
+    """Envoy's `ExternalProcessor.Process`: one `Exchange` per stream (one request)."""
+
     def __init__(self, picker: EndpointPicker, metrics: EppMetrics, max_body_bytes: int,
                  admission: Admission | None = None):
         self.picker = picker
@@ -66,7 +68,7 @@ class ExternalProcessor(ext_proc_grpc.ExternalProcessorServicer):
         self.max_body_bytes = max_body_bytes
         self.admission = admission
 
-    async def Process(self, request_iterator, context):  # noqa: N802 - the gRPC method's name
+    async def process(self, request_iterator, context):
         exchange = Exchange(self.picker, self.metrics, self.max_body_bytes, self.admission)
         self.metrics.streams.inc()
         try:
@@ -124,8 +126,7 @@ async def run_epp(config: EppConfig) -> int:
         return not draining and (getattr(registry, "synced", True) if registry is not None else True)
 
     server = grpc.aio.server()
-    ext_proc_grpc.add_ExternalProcessorServicer_to_server(
-        ExternalProcessor(picker, metrics, config.max_body_bytes, admission), server)
+    add_ext_proc_handler(server, ExternalProcessor(picker, metrics, config.max_body_bytes, admission).process)
     health_pb2_grpc.add_HealthServicer_to_server(ext_health.servicer, server)
     host = config.frontend.host
     if config.tls.add_port(server, f"{host}:{config.port}") == 0:

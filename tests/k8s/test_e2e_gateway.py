@@ -33,9 +33,6 @@ from typing import Any
 import grpc
 import httpx
 import pytest
-from envoy.config.core.v3 import base_pb2
-from envoy.service.ext_proc.v3 import external_processor_pb2 as ext_proc_pb2
-from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ext_proc_grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from cluster import wait_until
@@ -46,6 +43,8 @@ from node_agent import AGENT_LABEL
 from operator_env import sd_doc
 
 from splitserve.operator import names
+from splitserve.proto.v1 import ext_proc_pb2
+from splitserve.services.epp.protocol import process_call
 from splitserve.testing.models import random_prompt
 from splitserve.testing.oracle import assert_greedy_match, hf_greedy
 from splitserve.testing.workers import wait_idle
@@ -133,12 +132,12 @@ class Gateway:
         pairs = [(":method", "POST"), (":path", "/v1/completions"), (":authority", "gateway"),
                  ("content-type", "application/json")]
         messages = [
-            ext_proc_pb2.ProcessingRequest(request_headers=ext_proc_pb2.HttpHeaders(headers=base_pb2.HeaderMap(
-                headers=[base_pb2.HeaderValue(key=k, raw_value=v.encode()) for k, v in pairs]))),
+            ext_proc_pb2.ProcessingRequest(request_headers=ext_proc_pb2.HttpHeaders(headers=ext_proc_pb2.HeaderMap(
+                headers=[ext_proc_pb2.HeaderValue(key=k, raw_value=v.encode()) for k, v in pairs]))),
             ext_proc_pb2.ProcessingRequest(request_body=ext_proc_pb2.HttpBody(body=json.dumps(body).encode(),
                                                                               end_of_stream=True))]
         with grpc.insecure_channel(self.epp) as channel:
-            responses = list(ext_proc_grpc.ExternalProcessorStub(channel).Process(iter(messages), timeout=30))
+            responses = list(process_call(channel)(iter(messages), timeout=30))
         first = responses[0]
         if first.WhichOneof("response") == "immediate_response":
             return Picked(first.immediate_response.status.code)

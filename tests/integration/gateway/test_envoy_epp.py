@@ -19,12 +19,11 @@ import grpc
 import httpx
 import openai
 import pytest
-from envoy.config.core.v3 import base_pb2
-from envoy.service.ext_proc.v3 import external_processor_pb2 as ext_proc_pb2
-from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ext_proc_grpc
 from google.protobuf import struct_pb2
 
 from splitserve.net import free_port
+from splitserve.proto.v1 import ext_proc_pb2
+from splitserve.services.epp.protocol import process_call
 from splitserve.testing.cluster import Cluster
 from splitserve.testing.envoy import EnvoyGateway, GatewayListener
 from splitserve.testing.metrics import sample_sum
@@ -194,7 +193,7 @@ def test_refusals_pass_through_with_their_bodies(deployment):
 def _headers(path: str = "/v1/completions", method: str = "POST", eos: bool = False) -> ext_proc_pb2.ProcessingRequest:
     pairs = [(":method", method), (":path", path), (":authority", "gateway"), ("content-type", "application/json")]
     return ext_proc_pb2.ProcessingRequest(request_headers=ext_proc_pb2.HttpHeaders(
-        headers=base_pb2.HeaderMap(headers=[base_pb2.HeaderValue(key=k, raw_value=v.encode()) for k, v in pairs]),
+        headers=ext_proc_pb2.HeaderMap(headers=[ext_proc_pb2.HeaderValue(key=k, raw_value=v.encode()) for k, v in pairs]),
         end_of_stream=eos))
 
 
@@ -204,7 +203,7 @@ def _body(data: bytes, eos: bool) -> ext_proc_pb2.ProcessingRequest:
 
 async def _exchange(deployment, messages: list[ext_proc_pb2.ProcessingRequest]) -> list[ext_proc_pb2.ProcessingResponse]:
     async with grpc.aio.insecure_channel(f"127.0.0.1:{deployment.epp_port}") as channel:
-        call = ext_proc_grpc.ExternalProcessorStub(channel).Process(iter(messages))
+        call = process_call(channel)(iter(messages))
         return [r async for r in call]
 
 
@@ -256,7 +255,7 @@ def test_a_client_gone_mid_stream_ends_the_exchange(deployment):
     async def leave_mid_response():
         async with grpc.aio.insecure_channel(f"127.0.0.1:{deployment.epp_port}") as channel:
             outbox: asyncio.Queue = asyncio.Queue()
-            call = ext_proc_grpc.ExternalProcessorStub(channel).Process(_drain(outbox))
+            call = process_call(channel)(_drain(outbox))
             await outbox.put(_headers())
             await outbox.put(_body(json.dumps({"model": MODEL, "prompt": SHORT}).encode(), True))
             assert (await call.read()).WhichOneof("response") == "request_headers"
@@ -291,7 +290,7 @@ def test_the_picker_serves_ext_proc_over_tls(deployment, tmp_path):
 
         async def one(credentials) -> list[ext_proc_pb2.ProcessingResponse]:
             async with grpc.aio.secure_channel(f"127.0.0.1:{port}", credentials) as channel:
-                call = ext_proc_grpc.ExternalProcessorStub(channel).Process(iter([
+                call = process_call(channel)(iter([
                     _headers(), _body(json.dumps({"model": MODEL, "prompt": SHORT}).encode(), True)]))
                 return [r async for r in call]
 
@@ -328,13 +327,13 @@ def test_flow_control_queues_then_sheds_with_429_through_envoy(deployment):
 
     async def scenario():
         async with grpc.aio.insecure_channel(f"127.0.0.1:{deployment.epp_port}") as channel:
-            stub = ext_proc_grpc.ExternalProcessorStub(channel)
+            process = process_call(channel)
             held = []
             for _ in range(4):          # a stream stays open (as Envoy's does) until its response ends
                 outbox: asyncio.Queue = asyncio.Queue()
                 for message in (_headers(), _body(body, True)):
                     outbox.put_nowait(message)
-                call = stub.Process(_drain(outbox))
+                call = process(_drain(outbox))
                 assert (await call.read()).WhichOneof("response") == "request_headers"
                 held.append(call)
             before = deployment.requests()

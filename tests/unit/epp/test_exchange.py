@@ -6,10 +6,10 @@ from __future__ import annotations
 import asyncio
 import json
 
-from envoy.config.core.v3 import base_pb2
-from envoy.service.ext_proc.v3 import external_processor_pb2 as ext_proc_pb2
 from grpc_health.v1 import health_pb2
 from prometheus_client import CollectorRegistry
+
+from splitserve.proto.v1 import ext_proc_pb2
 
 from splitserve.services.epp.exchange import Exchange
 from splitserve.services.epp.health import ProbeHealth
@@ -49,8 +49,8 @@ def _exchange(picker, admission=None, max_body_bytes=1000) -> tuple[Exchange, Ep
 
 def _headers(eos=False):
     return ext_proc_pb2.ProcessingRequest(request_headers=ext_proc_pb2.HttpHeaders(
-        headers=base_pb2.HeaderMap(headers=[base_pb2.HeaderValue(key=":path", raw_value=b"/v1/completions"),
-                                            base_pb2.HeaderValue(key="x-llm-d-inference-fairness-id",
+        headers=ext_proc_pb2.HeaderMap(headers=[ext_proc_pb2.HeaderValue(key=":path", raw_value=b"/v1/completions"),
+                                            ext_proc_pb2.HeaderValue(key="x-llm-d-inference-fairness-id",
                                                                  raw_value=b"tenant-a")]),
         end_of_stream=eos))
 

@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-from envoy.config.core.v3 import base_pb2
-from envoy.service.ext_proc.v3 import external_processor_pb2 as ext_proc_pb2
 from google.protobuf import struct_pb2
 
+from splitserve.proto.v1 import ext_proc_pb2
 from splitserve.services.epp import protocol
 
 
@@ -60,6 +59,6 @@ def test_immediate_response_and_header_map():
     r = protocol.immediate(429, b'{"error": {}}', [("x-llm-d-request-dropped-reason", "rejected-saturated")])
     assert r.immediate_response.status.code == 429 and r.immediate_response.body == b'{"error": {}}'
     assert r.immediate_response.headers.set_headers[0].header.key == "x-llm-d-request-dropped-reason"
-    headers = base_pb2.HeaderMap(headers=[base_pb2.HeaderValue(key=":path", raw_value=b"/v1/completions"),
-                                          base_pb2.HeaderValue(key="X-Old", value="plain")])
+    headers = ext_proc_pb2.HeaderMap(headers=[ext_proc_pb2.HeaderValue(key=":path", raw_value=b"/v1/completions"),
+                                          ext_proc_pb2.HeaderValue(key="X-Old", value="plain")])
     assert protocol.header_map(headers) == {":path": "/v1/completions", "x-old": "plain"}
