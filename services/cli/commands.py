@@ -219,6 +219,7 @@ def cmd_frontend(args: argparse.Namespace) -> int:
 
 def cmd_epp(args: argparse.Namespace) -> int:
     from splitserve.services.cli import security as sec
+    from splitserve.services.epp.objectives import parse_objective_flag
     from splitserve.services.epp.server import EppConfig, run_epp
     from splitserve.services.frontend.limits import LimitsConfig
     from splitserve.services.frontend.server import FrontendConfig
@@ -239,7 +240,10 @@ def cmd_epp(args: argparse.Namespace) -> int:
     frontend.limits = LimitsConfig(max_prompt_tokens=args.max_prompt_tokens)
     frontend.worker_tls, frontend.etcd_tls = sec.frontend_worker_tls(args), sec.etcd_tls(args)
     frontend.flow_control = flow_control_settings(args)
-    config = EppConfig(frontend, port=args.port, health_port=args.health_port,
+    objectives = [parse_objective_flag(text) for text in args.objective]
+    if objectives and frontend.flow_control is None:
+        raise SplitserveError("--objective sets a priority for flow control: add --flow-control")
+    config = EppConfig(frontend, port=args.port, objectives=objectives, health_port=args.health_port,
                        metrics_port=None if args.metrics_port < 0 else args.metrics_port,
                        pool_name=args.pool_name, pool_namespace=args.pool_namespace, target_port=args.target_port,
                        endpoints=args.endpoint, fallbacks=args.fallbacks, max_body_bytes=args.max_body_bytes,

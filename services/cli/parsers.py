@@ -411,6 +411,12 @@ def _add_epp_parser(sub) -> None:
                    help="refuse prompts past N tokens, as the model servers' frontends do (default: the context)")
     _add_drain_arg(p, "ext_proc streams")
     _flow_control_args.add_flow_control_args(p, serve=False)
+    p.add_argument("--objective", action="append", default=[], metavar="NAME=PRIORITY",
+                   help="an InferenceObjective outside Kubernetes: a request whose header "
+                        "x-gateway-inference-objective (or x-llm-d-inference-objective) is NAME gets this priority "
+                        "in flow control (higher is more critical, as the objective's spec.priority); repeatable. "
+                        "With --pool-name the pool's InferenceObjectives (inference.networking.x-k8s.io/v1alpha2) "
+                        "are read too, and win")
     g = p.add_argument_group("TLS of the ext_proc port (the gateway connects with TLS)")
     g.add_argument("--tls-cert", default=None, metavar="PEM", help="the picker's certificate chain")
     g.add_argument("--tls-key", default=None, metavar="PEM", help="its private key")

@@ -34,6 +34,7 @@ from splitserve.services.epp.endpoints import EndpointBook
 from splitserve.services.epp.exchange import Admission, Exchange
 from splitserve.services.epp.health import ExtProcHealth, ProbeHealth
 from splitserve.services.epp.metrics import EppMetrics
+from splitserve.services.epp.objectives import ObjectiveBook, ObjectiveWatch
 from splitserve.services.epp.picker import EndpointPicker
 from splitserve.services.epp.protocol import add_ext_proc_handler
 
@@ -53,6 +54,7 @@ class EppConfig:
     target_port: int = 8000                   # a worker's gateway port (the pool's targetPorts win)
     endpoints: list[str] = field(default_factory=list)    # GRPC=HTTP overrides (several workers per host)
     fallbacks: int = 0                        # endpoints after the primary (a proxy that retries them)
+    objectives: list[tuple[str, int]] = field(default_factory=list)   # --objective NAME=PRIORITY
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     tls: TlsConfig = PLAINTEXT                # the ext_proc port's (the gateway's client TLS)
     drain_timeout_s: float = 10.0
@@ -82,15 +84,22 @@ class ExternalProcessor:
             self.metrics.streams.dec()
 
 
-def _admission(frontend) -> Admission | None:
+def _admission(frontend, objectives: ObjectiveBook, metrics: EppMetrics) -> Admission | None:
     """Flow control before the pick (FrontendConfig.flow_control, as a frontend's --flow-control):
-    the same bands, flows (x-llm-d-inference-fairness-id) and TTFT deadlines; room is
+    the same bands, flows (x-llm-d-inference-fairness-id) and TTFT deadlines, and the priority of
+    the request's InferenceObjective where its header names a known one (objectives.py); room is
     --max-concurrency requests per ready decode worker, each held until its response ends."""
     flow_control = frontend.flow_control
     if flow_control is None:
         return None
 
     async def admit(headers: dict[str, str], priority: int) -> Ticket:
+        name = objectives.named(headers)
+        if name:
+            resolved = objectives.priority_of(name)
+            metrics.objective(resolved is not None)
+            if resolved is not None:
+                priority = resolved
         return await flow_control.admit(flow_request(headers.items(), priority, None, ""))
 
     return admit
@@ -116,7 +125,12 @@ async def run_epp(config: EppConfig) -> int:
                             config.frontend.limits.max_prompt_tokens)
     metrics = EppMetrics(frontend.metrics.registry)
 
-    admission = _admission(frontend)
+    objectives = ObjectiveBook(dict(config.objectives))
+    objective_watch = None
+    if config.pool_name:
+        objective_watch = ObjectiveWatch(objectives, config.pool_namespace, config.pool_name)
+        await objective_watch.start()
+    admission = _admission(frontend, objectives, metrics)
     if frontend.flow_control is not None:
         print(f"epp: {frontend.flow_control.settings.describe()}", flush=True)
     ext_health = ExtProcHealth()
@@ -167,6 +181,8 @@ async def run_epp(config: EppConfig) -> int:
             await metrics_server.close()
         if registry is not None:
             await registry.close()
+        if objective_watch is not None:
+            await objective_watch.close()
         await pool.close()
         ignore_stop_signals(loop)
     return 0

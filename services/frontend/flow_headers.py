@@ -10,10 +10,10 @@
 - TTFT deadline: the header `x-llm-d-slo-ttft-ms` (or `x-slo-ttft-ms`), milliseconds > 0 from
   arrival by which the request must be dispatched, else it is shed.
 
-The header `x-llm-d-inference-objective` is not read: it names an InferenceObjective, whose
-priority (higher is more important, the opposite of vLLM's field) lives in the cluster, where the
-endpoint picker in front of the pool reads it and sheds or orders by it; the frontend only sees
-numbers a client sends. HTTP headers (byte pairs) and gRPC metadata (string pairs) are read alike.
+The objective headers (`x-gateway-inference-objective`, `x-llm-d-inference-objective`) are not
+read here: they name an InferenceObjective, whose priority (higher is more important, the opposite
+of vLLM's field) lives in the cluster, where the endpoint picker in front of the pool reads it and
+orders by it (services/epp/objectives.py); the frontend only sees numbers a client sends. HTTP headers (byte pairs) and gRPC metadata (string pairs) are read alike.
 """
 
 from __future__ import annotations

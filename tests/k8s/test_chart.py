@@ -21,6 +21,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import json
 import re
@@ -35,18 +36,24 @@ from cluster import wait_until
 from controlplane import KubeCluster
 
 from splitserve.operator import builders, names
+from splitserve.services.epp.objectives import ObjectiveBook, ObjectiveWatch
 from splitserve.services.spec.serving_deployment import ServingDeploymentSpec
 from splitserve.services.worker.stats_metrics import COUNTERS, GAUGES, TIER_COUNTERS, TIER_DROPPED, TIER_GAUGES
+from splitserve.testing.waiting import async_wait_until
 
 CHART = Path(__file__).resolve().parents[2] / "deploy" / "helm" / "splitserve"
 CRD_FILE = CHART / "crds" / "servingdeployments.splitserve.io.yaml"
 K8S_SCHEMA_VERSION = "1.37.0"      # kubernetes-validate's schemas for the cluster's minor
 KUBE_VERSION = "v1.37.2"           # what build-control-plane.sh builds
-CUSTOM_KINDS = {"ServingDeployment", "ServiceMonitor", "PodMonitor", "InferencePool", "HTTPRoute"}
+CUSTOM_KINDS = {"ServingDeployment", "ServiceMonitor", "PodMonitor", "InferencePool", "HTTPRoute", "InferenceObjective"}
 # GIE v1.6.0's config/crd/bases/inference.networking.k8s.io_inferencepools.yaml, vendored unchanged
 # (charts/gie-crds/README.md): its git blob id at tag v1.6.0 (commit 992e5c29...).
 GIE_CRD_FILE = CHART / "charts" / "gie-crds" / "crds" / "inference.networking.k8s.io_inferencepools.yaml"
 GIE_CRD_BLOB = "99b47edc6726e4ad5a8ec6b91287a1c2acb54246"
+# GIE v1.5.0's InferenceObjective CRD (v1.6.0 dropped the API; llm-d keeps it), vendored unchanged.
+OBJECTIVE_CRD_FILE = GIE_CRD_FILE.parent / "inference.networking.x-k8s.io_inferenceobjectives.yaml"
+OBJECTIVE_CRD_BLOB = "e765a9ced8053eafb429042a0a2b17c6e33e9b26"
+OBJECTIVE_CRD_NAME = "inferenceobjectives.inference.networking.x-k8s.io"
 GIE_CRD_NAME = "inferencepools.inference.networking.k8s.io"
 GIE_VERSION = "v1.6.0"
 MONITOR_APIS = ("--api-versions", "monitoring.coreos.com/v1/ServiceMonitor",
@@ -434,8 +441,9 @@ def test_install_creates_objects_and_uninstall_removes_them(kube_cluster: KubeCl
 # ---- the gateway switch (issue 40) -------------------------------------------------------------
 
 GATEWAY = {"gateway": {"enabled": True, "deployment": "llm", "installCRDs": True,
+                       "objectives": [{"name": "critical", "priority": 10}, {"name": "batch", "priority": -1}],
                        "httpRoute": {"enabled": True, "parentRefs": [{"name": "inference-gateway"}]}}}
-GATEWAY_KINDS = {"InferencePool", "HTTPRoute"}
+GATEWAY_KINDS = {"InferencePool", "HTTPRoute", "InferenceObjective"}
 
 
 def _by_kind_name(docs: list[dict]) -> dict[tuple[str, str], dict]:
@@ -452,6 +460,12 @@ def test_vendored_inference_pool_crd_is_gie_v1_6_0_unchanged():
     assert subchart["appVersion"] == GIE_VERSION and dependency["version"] == subchart["version"] == "1.6.0"
     assert dependency["condition"] == "gateway.installCRDs"
     assert GIE_VERSION in (CHART / "values.yaml").read_text()
+    data = OBJECTIVE_CRD_FILE.read_bytes()
+    assert hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest() == OBJECTIVE_CRD_BLOB
+    crd = yaml.safe_load(data)
+    assert crd["metadata"]["name"] == OBJECTIVE_CRD_NAME
+    assert crd["metadata"]["annotations"]["inference.networking.k8s.io/bundle-version"] == "v1.5.0"
+    assert [v["name"] for v in crd["spec"]["versions"]] == ["v1alpha2"]
 
 
 def test_gateway_off_renders_none_of_it(k8s_bin_dir: Path, tmp_path: Path):
@@ -472,6 +486,12 @@ def test_gateway_renders_the_pool_its_endpoint_picker_and_route(k8s_bin_dir: Pat
     print("\n".join(_summary(docs)))
     objects = _by_kind_name(docs)
     assert yaml.safe_load(GIE_CRD_FILE.read_text()) == objects["CustomResourceDefinition", GIE_CRD_NAME]
+    assert yaml.safe_load(OBJECTIVE_CRD_FILE.read_text()) == objects["CustomResourceDefinition", OBJECTIVE_CRD_NAME]
+    objectives = [d for d in routed if d["kind"] == "InferenceObjective"]
+    assert [(o["apiVersion"], o["metadata"]["name"], o["metadata"]["namespace"], o["spec"]) for o in objectives] == [
+        ("inference.networking.x-k8s.io/v1alpha2", name, "splitserve",
+         {"priority": priority, "poolRef": {"group": "inference.networking.k8s.io", "name": "llm"}})
+        for name, priority in (("critical", 10), ("batch", -1))]
     pool = next(d for d in routed if d["kind"] == "InferencePool")
     service = objects["Service", "rel-splitserve-epp"]
     assert pool["apiVersion"] == "inference.networking.k8s.io/v1" and pool["metadata"]["name"] == "llm"
@@ -518,6 +538,8 @@ def test_gateway_renders_the_pool_its_endpoint_picker_and_route(k8s_bin_dir: Pat
     assert role["metadata"]["namespace"] == binding["metadata"]["namespace"] == "splitserve"
     assert role["rules"] == [{"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]},
                              {"apiGroups": ["inference.networking.k8s.io"], "resources": ["inferencepools"],
+                              "verbs": ["get", "list", "watch"]},
+                             {"apiGroups": ["inference.networking.x-k8s.io"], "resources": ["inferenceobjectives"],
                               "verbs": ["get", "list", "watch"]}]
     assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "rel-splitserve-epp",
                                     "namespace": "splitserve"}]
@@ -585,6 +607,9 @@ EPP_RBAC_EXPECTATIONS = [
     ("get", "inferencepools.inference.networking.k8s.io", None, True),
     ("list", "inferencepools.inference.networking.k8s.io", None, True),
     ("watch", "inferencepools.inference.networking.k8s.io", None, True),
+    ("list", "inferenceobjectives.inference.networking.x-k8s.io", None, True),
+    ("watch", "inferenceobjectives.inference.networking.x-k8s.io", None, True),
+    ("create", "inferenceobjectives.inference.networking.x-k8s.io", None, False),
     ("create", "pods", None, False), ("delete", "pods", None, False), ("patch", "pods", None, False),
     ("update", "inferencepools.inference.networking.k8s.io", None, False),
     ("get", "secrets", None, False), ("list", "services", None, False),
@@ -596,8 +621,10 @@ def test_gateway_install_creates_the_crd_a_valid_pool_and_the_epp(kube_cluster: 
                                                                    tmp_path: Path):
     ns, release = k8s_namespace, "gw"
     # Helm must create the CRD itself here: none left over from another test of this session.
-    kube_cluster.kubectl("delete", "crd", GIE_CRD_NAME, "--ignore-not-found", "--wait", "--timeout=60s")
-    values = {"gateway": {"enabled": True, "deployment": "llm", "failureMode": "FailOpen", "installCRDs": True}}
+    for crd_name in (GIE_CRD_NAME, OBJECTIVE_CRD_NAME):
+        kube_cluster.kubectl("delete", "crd", crd_name, "--ignore-not-found", "--wait", "--timeout=60s")
+    values = {"gateway": {"enabled": True, "deployment": "llm", "failureMode": "FailOpen", "installCRDs": True,
+                          "objectives": [{"name": "critical", "priority": 10}]}}
     (tmp_path / "v.yaml").write_text(yaml.safe_dump(values))
     try:
         kube_cluster.helm("install", release, str(CHART), "-n", ns, "-f", str(tmp_path / "v.yaml"), timeout=180)
@@ -607,8 +634,8 @@ def test_gateway_install_creates_the_crd_a_valid_pool_and_the_epp(kube_cluster: 
             c for c in crd["status"]["conditions"] if c["type"] == "Established").items()
         manifest = _documents(kube_cluster.helm("get", "manifest", release, "-n", ns).stdout)
         print("\n".join(_summary(manifest)))
-        assert {"InferencePool", "Deployment", "Service", "ServiceAccount", "Role", "RoleBinding"} <= {
-            d["kind"] for d in manifest}
+        assert {"InferencePool", "InferenceObjective", "Deployment", "Service", "ServiceAccount", "Role",
+                "RoleBinding"} <= {d["kind"] for d in manifest}
         for doc in manifest:
             assert _exists(kube_cluster, doc), f"{doc['kind']}/{doc['metadata']['name']} not created"
 
@@ -621,6 +648,11 @@ def test_gateway_install_creates_the_crd_a_valid_pool_and_the_epp(kube_cluster: 
                                                      "name": f"{release}-splitserve-epp",
                                                      "port": {"number": 9002}, "failureMode": "FailOpen"}
         assert pool["spec"]["appProtocol"] == "http"
+        objective = json.loads(kube_cluster.kubectl("get", "inferenceobjective", "critical", "-n", ns, "-o",
+                                                    "json").stdout)
+        assert objective["spec"] == {"priority": 10, "poolRef": {"group": "inference.networking.k8s.io",
+                                                                 "kind": "InferencePool", "name": "llm"}}
+        _the_picker_follows_the_pools_objectives(kube_cluster, ns)
         # The apiserver refuses what GIE's CRD does not allow: an unknown failureMode (enum), a Service
         # reference without a port (its CEL rule).
         rendered = next(d for d in manifest if d["kind"] == "InferencePool")
@@ -650,7 +682,38 @@ def test_gateway_install_creates_the_crd_a_valid_pool_and_the_epp(kube_cluster: 
         # helm never deletes a CRD it installed from crds/.
         assert _exists(kube_cluster, {"kind": "crd", "metadata": {"name": GIE_CRD_NAME}})
     finally:
-        kube_cluster.kubectl("delete", "crd", GIE_CRD_NAME, "--ignore-not-found", "--wait", "--timeout=60s")
+        for crd_name in (GIE_CRD_NAME, OBJECTIVE_CRD_NAME):
+            kube_cluster.kubectl("delete", "crd", crd_name, "--ignore-not-found", "--wait", "--timeout=60s")
+
+
+def _the_picker_follows_the_pools_objectives(kube_cluster: KubeCluster, ns: str) -> None:
+    """The EPP's watch (services/epp/objectives.py) against the real apiserver: the chart's
+    objective, a changed priority, another pool's objective left out, a deleted one gone."""
+    book = ObjectiveBook()
+
+    async def follow() -> None:
+        watch = ObjectiveWatch(book, ns, "llm", window_s=5, api_client=kube_cluster.api_client())
+        await watch.start()
+        try:
+            await async_wait_until(lambda: book.priority_of("critical") == -10, timeout=30,
+                                   what="the chart's objective (priority 10) to be known")
+            kube_cluster.kubectl("patch", "inferenceobjective", "critical", "-n", ns, "--type=merge",
+                                 "-p", '{"spec": {"priority": 3}}')
+            for name, pool, priority in (("elsewhere", "another-pool", 7), ("later", "llm", -2)):
+                kube_cluster.kubectl("create", "-f", "-", input=yaml.safe_dump({
+                    "apiVersion": "inference.networking.x-k8s.io/v1alpha2", "kind": "InferenceObjective",
+                    "metadata": {"name": name, "namespace": ns},
+                    "spec": {"priority": priority, "poolRef": {"name": pool}}}))
+            await async_wait_until(lambda: book.priority_of("critical") == -3 and book.priority_of("later") == 2,
+                                   timeout=30, what="the changed and the new objective to be followed")
+            assert book.priority_of("elsewhere") is None          # another pool's
+            kube_cluster.kubectl("delete", "inferenceobjective", "later", "elsewhere", "-n", ns)
+            await async_wait_until(lambda: book.priority_of("later") is None, timeout=30,
+                                   what="the deleted objective to be forgotten")
+        finally:
+            await watch.close()
+
+    asyncio.run(follow())
 
 
 def test_gateway_mode_pods_are_valid_and_the_crd_refuses_a_worker_port(kube_cluster: KubeCluster,

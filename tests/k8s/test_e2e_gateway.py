@@ -52,6 +52,7 @@ from splitserve.testing.workers import wait_idle
 pytestmark = pytest.mark.slow
 
 GIE_CRD = "inferencepools.inference.networking.k8s.io"
+OBJECTIVE_CRD = "inferenceobjectives.inference.networking.x-k8s.io"     # installCRDs brings it too
 GATEWAY_PORT = 8000                 # spec.gateway.port = the chart's gateway.targetPort (both defaults)
 THRESHOLD = 32                      # disaggregationThreshold, and the EPP's --remote-prefill-threshold
 LONG, SHORT = 48, 12                # prompt tokens: past the threshold (remote prefill), under it (local)
@@ -84,7 +85,8 @@ def pod_model_dir(llama_dir: Path):
 
 @pytest.fixture(scope="module")
 def e2e(kube_cluster: KubeCluster, pod_model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
-    had_crd = kube_cluster.kubectl("get", "crd", GIE_CRD, check=False).returncode == 0
+    had = {crd for crd in (GIE_CRD, OBJECTIVE_CRD)
+           if kube_cluster.kubectl("get", "crd", crd, check=False).returncode == 0}
     values = {"gateway": {"enabled": True, "deployment": SD_NAME, "installCRDs": True, "model": str(pod_model_dir),
                           "targetPort": GATEWAY_PORT,
                           "epp": {"extraArgs": ["--remote-prefill-threshold", str(THRESHOLD)],
@@ -95,9 +97,8 @@ def e2e(kube_cluster: KubeCluster, pod_model_dir: Path, tmp_path_factory: pytest
                             chart_values=values) as env:
             yield env
     finally:
-        if not had_crd:      # helm never deletes a CRD it installed; nothing else of this session uses it
-            kube_cluster.kubectl("delete", "crd", GIE_CRD, "--ignore-not-found", "--wait", "--timeout=60s",
-                                 check=False)
+        for crd in {GIE_CRD, OBJECTIVE_CRD} - had:   # helm never deletes a CRD it installed; nothing else uses them
+            kube_cluster.kubectl("delete", "crd", crd, "--ignore-not-found", "--wait", "--timeout=60s", check=False)
 
 
 @pytest.fixture(scope="module")

@@ -59,6 +59,8 @@ class Deployment:
                 "--metrics-port", str(self.metrics_port), "--max-body-bytes", "200000",
                 # Flow control: 2 requests in flight per decode worker, one more waiting per band.
                 "--flow-control", "--max-concurrency", "2", "--max-queue", "1",
+                # InferenceObjectives outside Kubernetes: "critical" goes to band -1, before the default 0.
+                "--objective", "critical=10",
                 "--worker", f"prefill={self.prefill.address}"]
         for w in self.decoders:
             argv += ["--worker", f"decode={w.address}", "--endpoint", f"{w.address}={self.endpoints[w.name]}"]
@@ -361,6 +363,64 @@ def test_flow_control_queues_then_sheds_with_429_through_envoy(deployment):
 
     asyncio.run(scenario())
     assert deployment.epp_metric("splitserve_epp_requests_total", outcome="shed") >= 1
+    wait_until(lambda: deployment.epp_metric("splitserve_epp_streams") == 0, timeout=10,
+               what="every stream closed")
+
+
+def test_an_objectives_priority_overtakes_a_queued_request_through_envoy(deployment):
+    """With every unit held, a plain request waits in band 0; then one naming the objective
+    "critical" (priority 10: band -1) arrives; one unit comes back: the critical one is served
+    first, the plain one only after it (one unit: their ends are in dispatch order). An objective
+    nobody defined leaves the request's own priority, and is counted."""
+    body = json.dumps({"model": MODEL, "prompt": SHORT}).encode()
+    unknown_before = deployment.epp_metric("splitserve_epp_objective_requests_total", known="false")
+
+    async def scenario():
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{deployment.epp_port}") as channel:
+            process = process_call(channel)
+            held = []
+            for _ in range(4):
+                outbox: asyncio.Queue = asyncio.Queue()
+                for message in (_headers(), _body(body, True)):
+                    outbox.put_nowait(message)
+                call = process(_drain(outbox))
+                assert (await call.read()).WhichOneof("response") == "request_headers"
+                held.append(call)
+            url = f"{deployment.gateway.url('closed')}/v1/completions"
+            ended: dict[str, float] = {}
+
+            async def send(name: str, headers: dict[str, str]) -> httpx.Response:
+                answer = await client.post(url, headers=headers, json={"model": MODEL, "prompt": SHORT,
+                                                                       "max_tokens": 4})
+                ended[name] = asyncio.get_running_loop().time()
+                return answer
+
+            async with httpx.AsyncClient(timeout=60) as client:
+                plain = asyncio.ensure_future(send("plain", {"x-llm-d-inference-fairness-id": "tenant-p"}))
+                await async_wait_until(
+                    lambda: deployment.epp_metric("splitserve_flow_control_queued_requests") == 1, timeout=30,
+                    what="the plain request to wait in band 0", details=lambda: deployment.epp.tail(20))
+                critical = asyncio.ensure_future(send("critical", {"x-llm-d-inference-fairness-id": "tenant-c",
+                                                                   "x-gateway-inference-objective": "critical"}))
+                await async_wait_until(
+                    lambda: deployment.epp_metric("splitserve_flow_control_queued_requests") == 2, timeout=30,
+                    what="the critical request to wait in band -1", details=lambda: deployment.epp.tail(20))
+                held.pop().cancel()                   # one unit back
+                served = await asyncio.gather(critical, plain)
+                for call in held:
+                    call.cancel()
+            assert [a.status_code for a in served] == [200, 200], [a.text for a in served]
+            assert ended["critical"] < ended["plain"], ended
+
+            async with httpx.AsyncClient(timeout=60) as client:
+                answer = await client.post(f"{deployment.gateway.url('closed')}/v1/completions",
+                                           headers={"x-gateway-inference-objective": "nobody-defined-this"},
+                                           json={"model": MODEL, "prompt": SHORT, "max_tokens": 2})
+            assert answer.status_code == 200, answer.text
+
+    asyncio.run(scenario())
+    assert deployment.epp_metric("splitserve_epp_objective_requests_total", known="true") >= 1
+    assert deployment.epp_metric("splitserve_epp_objective_requests_total", known="false") == unknown_before + 1
     wait_until(lambda: deployment.epp_metric("splitserve_epp_streams") == 0, timeout=10,
                what="every stream closed")
 
