@@ -9,6 +9,7 @@ group needs `--flow-control`.
 from __future__ import annotations
 
 import argparse
+import math
 
 from splitserve.errors import SplitserveError
 from splitserve.services.flow_control import BandConfig
@@ -16,14 +17,16 @@ from splitserve.services.flow_control import BandConfig
 from splitserve.services.frontend import flow_admission as fa
 
 BAND_KEYS = ("max-queue", "max-wait", "min-share")
-_GROUP_FLAGS = ("max_concurrency", "priority_band", "max_queue", "max_queue_wait")
+_GROUP_FLAGS = ("max_concurrency", "priority_band", "max_queue", "max_queue_wait", "fair_share", "fair_share_burst",
+                "fair_share_active")
+_FLAG_NAMES = {"fair_share": "--no-fair-share"}
 
 
 def add_flow_control_args(p: argparse.ArgumentParser, serve: bool) -> None:
     g = p.add_argument_group(
         "flow control (issue 40; off by default)",
         "Admission before routing, when requests outnumber the room on the workers: each request waits "
-        "in the band of its `priority` (vLLM's field: lower goes first), tenants take turns within a "
+        "in the band of its `priority` (vLLM's field: lower goes first), tenants get fair shares within a "
         "band (the header x-llm-d-inference-fairness-id, else the API key, else one shared flow), "
         "the earliest x-llm-d-slo-ttft-ms deadline goes first within a tenant; a full band, a passed "
         "deadline or a wait too long is answered 429 with x-llm-d-request-dropped-reason and "
@@ -53,6 +56,20 @@ def add_flow_control_args(p: argparse.ArgumentParser, serve: bool) -> None:
     g.add_argument("--max-queue-wait", type=float, default=None, metavar="S",
                    help=f"a band's max-wait unless it gives one (default: {fa.DEFAULT_MAX_WAIT_S:g}; "
                         "inf: no limit)")
+    g.add_argument("--no-fair-share", dest="fair_share", action="store_const", const=False, default=None,
+                   help="tenants of a band take plain turns, one request each, instead of fair shares: by "
+                        "default the tenant with the most requests waiting (a flood) holds at most its fair share "
+                        "of the room (the room divided by the band's active tenants) while a lighter tenant is "
+                        "active, and a lighter tenant's request that finds the room full goes at once, up to "
+                        "--fair-share-burst requests beyond it, so a steady tenant barely feels a flooding one")
+    g.add_argument("--fair-share-burst", type=int, default=None, metavar="N",
+                   help=f"requests in all that lighter tenants may have dispatched beyond the room while a flood "
+                        f"holds units (default: {fa.DEFAULT_BURST}; never more than the room itself; 0: never). "
+                        "The worker runs them in its batch when --max-concurrency is below --max-num-seqs, else "
+                        "queues them first in line")
+    g.add_argument("--fair-share-active", type=float, default=None, metavar="S",
+                   help="seconds a tenant still counts as active (its fair share kept free for it) after its "
+                        f"last request arrived or ended (default: {fa.DEFAULT_FLOW_ACTIVE_S:g})")
 
 
 def parse_band(text: str, max_queue: int, max_wait_s: float) -> BandConfig:
@@ -77,7 +94,8 @@ def parse_band(text: str, max_queue: int, max_wait_s: float) -> BandConfig:
 def flow_control_settings(args: argparse.Namespace) -> fa.FlowControlSettings | None:
     """The settings `--flow-control` and its group ask for; None when it is off."""
     if not args.flow_control:
-        given = [f"--{name.replace('_', '-')}" for name in _GROUP_FLAGS if getattr(args, name) is not None]
+        given = [_FLAG_NAMES.get(name, f"--{name.replace('_', '-')}") for name in _GROUP_FLAGS
+                 if getattr(args, name) is not None]
         if given:
             raise SplitserveError(f"{', '.join(given)} need --flow-control")
         return None
@@ -85,9 +103,16 @@ def flow_control_settings(args: argparse.Namespace) -> fa.FlowControlSettings | 
     max_wait_s = fa.DEFAULT_MAX_WAIT_S if args.max_queue_wait is None else args.max_queue_wait
     specs = args.priority_band or [str(p) for p in fa.DEFAULT_BAND_PRIORITIES]
     bands = tuple(parse_band(spec, max_queue, max_wait_s) for spec in specs)
+    burst = fa.DEFAULT_BURST if args.fair_share_burst is None else args.fair_share_burst
+    if burst < 0:
+        raise SplitserveError(f"--fair-share-burst must be >= 0, not {burst}")
+    active_s = fa.DEFAULT_FLOW_ACTIVE_S if args.fair_share_active is None else args.fair_share_active
+    if not 0 < active_s < math.inf:
+        raise SplitserveError(f"--fair-share-active must be > 0 seconds and finite, not {active_s:g}")
     try:
         return fa.FlowControlSettings(bands, fa.DEFAULT_MAX_CONCURRENCY if args.max_concurrency is None
-                                      else args.max_concurrency)
+                                      else args.max_concurrency, fair_share=args.fair_share is not False,
+                                      flow_active_s=active_s, burst=burst)
     except ValueError as exc:
         raise SplitserveError(str(exc)) from None
 

@@ -5,12 +5,17 @@ dispatches and `give_back()`s it when the request's ticket is released. `Concurr
 most N requests in flight) is the default; a caller whose room changes by other means (a worker's
 stats: free KV blocks, queue depth) implements the protocol over those and calls
 `FlowController.wake()` when room appears.
+
+A capacity that can also tell the room's size (`units()`, a `SizedCapacity`, as
+`ConcurrencyLimit` and the frontend's `WorkerSlots`) gets fair sharing's shares and bursts
+(fair_share.py): the controller may then `take(beyond_room=True)` a unit past the room, for a
+steady flow's request while a flooding flow holds units.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 
 class Capacity(Protocol):
@@ -26,9 +31,21 @@ class Capacity(Protocol):
         """Return the unit a dispatched request took (its ticket was released)."""
 
 
+@runtime_checkable
+class SizedCapacity(Capacity, Protocol):
+    """A Capacity whose room has a known size, which fair sharing divides between flows."""
+
+    def units(self) -> int:
+        """All the room there is now, in requests (taken or not)."""
+
+    def take(self, beyond_room: bool = False) -> None:
+        """Book one unit; `beyond_room`: past the room, which `has_room()` need not have said."""
+
+
 @dataclass(slots=True)
 class ConcurrencyLimit:
-    """At most `max_in_flight` requests dispatched and not yet released."""
+    """At most `max_in_flight` requests dispatched and not yet released (more only when taken
+    `beyond_room`: fair sharing's burst)."""
 
     max_in_flight: int
     num_in_flight: int = 0
@@ -40,8 +57,11 @@ class ConcurrencyLimit:
     def has_room(self) -> bool:
         return self.num_in_flight < self.max_in_flight
 
-    def take(self) -> None:
-        if self.num_in_flight >= self.max_in_flight:
+    def units(self) -> int:
+        return self.max_in_flight
+
+    def take(self, beyond_room: bool = False) -> None:
+        if self.num_in_flight >= self.max_in_flight and not beyond_room:
             raise RuntimeError(f"take() with all {self.max_in_flight} units in flight")
         self.num_in_flight += 1
 

@@ -3,8 +3,9 @@
 `admit(request)` returns a `Ticket` once the request may run; the ticket holds one unit of
 capacity (capacity.py) until it is released, which dispatches the next queued request. With
 room and nothing queued, admit books the unit and returns without queueing. Otherwise the
-request waits in its band (queues.py) until the dispatch order (dispatch_order.py) reaches it, or
-is shed (shedding.py):
+request waits in its band (queues.py) until the dispatch order reaches it — the band by
+dispatch_order.py, the flow within it by fair_share.py (or round-robin with fair sharing off) —
+or is shed (shedding.py):
 
 - on arrival, when its TTFT deadline is shorter than its estimated wait (wait_estimate.py);
 - on arrival, when its band is full: the newest request of the flow holding the most is shed,
@@ -27,9 +28,10 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
-from splitserve.services.flow_control.capacity import Capacity
+from splitserve.services.flow_control.capacity import Capacity, SizedCapacity
 from splitserve.services.flow_control.config import BandConfig, FlowControlConfig
 from splitserve.services.flow_control.dispatch_order import ShareWindow, pick_band
+from splitserve.services.flow_control.fair_share import FlowLedger, Pick, pick_flow
 from splitserve.services.flow_control.metrics import FlowControlMetrics
 from splitserve.services.flow_control.queues import BandQueue, QueuedRequest
 from splitserve.services.flow_control.requests import FlowRequest
@@ -76,6 +78,7 @@ class _Band:
     config: BandConfig
     queue: BandQueue
     interval: DispatchInterval
+    flows: FlowLedger
 
 
 class FlowController:
@@ -85,14 +88,18 @@ class FlowController:
                  sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
                  metrics: FlowControlMetrics | None = None) -> None:
         self._capacity = capacity
+        self._sized = capacity if isinstance(capacity, SizedCapacity) else None
         self._clock = clock
         self._sleep = sleep
         self._metrics = metrics
-        self._bands = {b.priority: _Band(b, BandQueue(), DispatchInterval(config.interval_smoothing))
+        self._fair_share, self._burst = config.fair_share, config.burst
+        self._bands = {b.priority: _Band(b, BandQueue(), DispatchInterval(config.interval_smoothing),
+                                         FlowLedger(config.flow_active_s))
                        for b in config.bands}
         self._default_band = self._bands[config.default_priority]
         self._shares = ShareWindow(config.share_window)
         self._num_queued = 0
+        self._num_in_flight = 0        # tickets not yet released
         self._next_seq = 0
         if metrics is not None:
             metrics.watch(self.num_queued_by_flow)
@@ -100,8 +107,11 @@ class FlowController:
     async def admit(self, request: FlowRequest) -> Ticket:
         """A Ticket once `request` may run; raises Shed when it is refused (it took nothing)."""
         band = self._bands.get(request.priority, self._default_band)
+        band.flows.arrived(request.flow_id, self._clock())
         if self._num_queued == 0 and self._capacity.has_room():
             return self._dispatch(band, request, 0.0)
+        if (pick := self._goes_at_once(band, request.flow_id)) is not None:
+            return self._dispatch(band, request, 0.0, pick.beyond_room)
         entry = self._enqueue(band, request)
         self._dispatch_ready()
         try:
@@ -180,27 +190,64 @@ class FlowController:
     # -- dispatch --------------------------------------------------------------------------
 
     def _dispatch_ready(self) -> None:
-        while self._num_queued and self._capacity.has_room():
+        """Dispatch while the band whose turn it is has a request that may go (the room it keeps
+        for its other flows under fair sharing is not handed to lower bands)."""
+        while self._num_queued:
             backlogged = [b.config for b in self._bands.values() if b.queue]
             band = self._bands[pick_band(backlogged, self._shares).priority]
-            entry = band.queue.pop_next()
+            pick = self._pick_flow(band)
+            if pick is None:
+                return
+            entry = band.queue.pop_from(pick.flow_id)
             self._num_queued -= 1
             self._cancel_timer(entry)
             if not entry.outcome.done():      # done: its admit was cancelled and has not run yet
                 now = self._clock()
                 band.interval.dispatched(now)
-                entry.outcome.set_result(self._dispatch(band, entry.request, now - entry.arrived_at))
+                entry.outcome.set_result(self._dispatch(band, entry.request, now - entry.arrived_at,
+                                                        pick.beyond_room))
             self._after_removal(band)
 
-    def _dispatch(self, band: _Band, request: FlowRequest, waited_s: float) -> Ticket:
-        self._capacity.take()
+    def _pick_flow(self, band: _Band, newcomer: str | None = None) -> Pick | None:
+        """The flow of `band` whose next request may go now, and whether beyond the room
+        (`newcomer`: a flow with nothing waiting, counted as if its newcomer waited)."""
+        waiting = band.queue.flows_in_turn()
+        if newcomer is not None:
+            waiting.append((newcomer, 1))
+        if not self._fair_share:
+            return Pick(waiting[0][0]) if self._capacity.has_room() else None
+        room = self._sized.units() if self._sized is not None else None
+        return pick_flow(band.flows, waiting, self._clock(), self._capacity.has_room(), room, self._num_in_flight,
+                         self._burst)
+
+    def _goes_at_once(self, band: _Band, flow_id: str) -> Pick | None:
+        """Under fair sharing, a newcomer of a flow with nothing waiting that would be dispatched
+        first if it queued (its band's turn, its flow's pick) goes without queueing: no full band
+        sheds another request for it, no wait estimate sheds it."""
+        if not self._fair_share or band.queue.num_waiting(flow_id):
+            return None
+        backlogged = [b.config for b in self._bands.values() if b.queue or b is band]
+        if pick_band(backlogged, self._shares) is not band.config:
+            return None
+        pick = self._pick_flow(band, newcomer=flow_id)
+        return pick if pick is not None and pick.flow_id == flow_id else None
+
+    def _dispatch(self, band: _Band, request: FlowRequest, waited_s: float, beyond_room: bool = False) -> Ticket:
+        if beyond_room:
+            self._sized.take(beyond_room=True)
+        else:
+            self._capacity.take()
+        self._num_in_flight += 1
+        band.flows.dispatched(request.flow_id)
         self._shares.record(band.config.priority)
         if self._metrics is not None:
-            self._metrics.count_dispatch(band.config.priority, waited_s)
-        return Ticket(request, band.config.priority, waited_s, self._release)
+            self._metrics.count_dispatch(band.config.priority, waited_s, beyond_room)
+        return Ticket(request, band.config.priority, waited_s, lambda: self._release(band, request.flow_id))
 
-    def _release(self) -> None:
+    def _release(self, band: _Band, flow_id: str) -> None:
         self._capacity.give_back()
+        self._num_in_flight -= 1
+        band.flows.released(flow_id, self._clock())
         self._dispatch_ready()
 
     # -- leaving without a ticket ------------------------------------------------------------

@@ -6,6 +6,8 @@
 - `splitserve_flow_control_wait_seconds{band}`: time from arrival to dispatch (histogram; the fast
   path observes 0, so its count is the dispatch count);
 - `splitserve_flow_control_dispatched_total{band}`: requests dispatched (counter);
+- `splitserve_flow_control_burst_dispatched_total{band}`: of those, the ones dispatched beyond
+  the room, a steady flow's burst while a flooding flow holds units (fair_share.py) (counter);
 - `splitserve_flow_control_shed_total{band, reason, cause}`: requests shed, by llm-d's dropped
   reason and by flow control's own cause (shedding.py) (counter).
 
@@ -44,6 +46,9 @@ class FlowControlMetrics:
                                ["band"], buckets=WAIT_BUCKETS, registry=registry)
         self.dispatched = Counter("splitserve_flow_control_dispatched", "Requests flow control dispatched, by band",
                                   ["band"], registry=registry)
+        self.burst_dispatched = Counter("splitserve_flow_control_burst_dispatched",
+                                        "Requests flow control dispatched beyond the room (a steady flow's burst "
+                                        "while a flooding flow holds units), by band", ["band"], registry=registry)
         self.shed = Counter("splitserve_flow_control_shed",
                             "Requests flow control shed (429), by band, llm-d dropped reason and cause",
                             ["band", "reason", "cause"], registry=registry)
@@ -54,10 +59,12 @@ class FlowControlMetrics:
         """Read the queue gauges from `queue_lengths()` at each scrape."""
         self._queues.source = queue_lengths
 
-    def count_dispatch(self, band: int, waited_s: float) -> None:
+    def count_dispatch(self, band: int, waited_s: float, beyond_room: bool = False) -> None:
         label = str(band)
         self.dispatched.labels(band=label).inc()
         self.waits.labels(band=label).observe(waited_s)
+        if beyond_room:
+            self.burst_dispatched.labels(band=label).inc()
 
     def count_shed(self, band: int, cause: ShedCause) -> None:
         self.shed.labels(band=str(band), reason=cause.dropped_reason, cause=cause.value).inc()

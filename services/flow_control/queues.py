@@ -6,6 +6,9 @@ request from each flow that has any, in turn (a flow that empties leaves the rot
 at its end when it queues again), so a flow that floods the band delays another flow's request
 by at most one of its own per turn.
 
+Fair sharing (fair_share.py) may pick another flow than the one whose turn it is: the lightest;
+the flow it picks goes to the back of the turns all the same.
+
 When the band is full, the request to drop comes from the flow that holds the most queued
 requests: its newest one. A newcomer whose own flow would hold the most (ties included) is the
 one dropped, so a flooding tenant can never push out another tenant's request.
@@ -98,16 +101,27 @@ class BandQueue:
 
     def pop_next(self) -> QueuedRequest:
         """The next request to dispatch: the first of the flow whose turn it is."""
-        flow_id = self._turns[0]
+        return self.pop_from(self._turns[0])
+
+    def pop_from(self, flow_id: str) -> QueuedRequest:
+        """The first request of `flow_id` (which has one); the flow goes to the back of the turns."""
         flow = self._flows[flow_id]
         entry = flow.pop_first()
         self._num_queued -= 1
+        self._turns.remove(flow_id)
         if flow:
-            self._turns.rotate(-1)
+            self._turns.append(flow_id)
         else:
-            self._turns.popleft()
             del self._flows[flow_id]
         return entry
+
+    def num_waiting(self, flow_id: str) -> int:
+        flow = self._flows.get(flow_id)
+        return len(flow) if flow is not None else 0
+
+    def flows_in_turn(self) -> list[tuple[str, int]]:
+        """(flow, requests waiting) of every flow with any, the one whose turn it is first."""
+        return [(flow_id, len(self._flows[flow_id])) for flow_id in self._turns]
 
     def remove(self, entry: QueuedRequest) -> bool:
         """Take `entry` out wherever it is; False when it is not queued here."""

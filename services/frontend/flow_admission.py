@@ -5,10 +5,14 @@ waits in its priority band, or is shed with a 429 before any worker sees it.
 What the frontend decides around the library:
 
 - Room (`WorkerSlots`): at most `max_concurrency` requests dispatched per ready decode-capable
-  worker (role both or decode), counted over the pool as it is now. A worker that turns ready
-  (first, or again) wakes the controller; one that leaves lowers the room, and requests running
-  keep their place. One unit per API request, held from dispatch until its response has been sent
-  or the request ended otherwise (error, client gone, timeout; a migration keeps it). The worker
+  worker (role both or decode), counted over the pool as it is now; fair sharing
+  (services/flow_control/fair_share.py) may dispatch a lighter tenant's request up to `burst`
+  units beyond it while a flooding tenant holds units, which the worker runs in its batch (or
+  queues, when the room is its whole batch: first in line, since the flood waits for room). A
+  worker that turns ready (first, or again) wakes the controller; one that leaves lowers the
+  room, and requests running keep their place. One unit per API request, held from dispatch until
+  its response has been sent or the request ended otherwise (error, client gone, timeout; a
+  migration keeps it). The worker
   has a running batch of `--max-num-seqs`; dispatching more than that only moves the queue into
   the worker, where it is served in arrival order: `serve --flow-control` defaults
   `--max-concurrency` to that batch, shared among its frontends.
@@ -31,6 +35,7 @@ from prometheus_client import CollectorRegistry
 
 from splitserve.services.flow_control import (DROPPED_REASON_HEADER, BandConfig, FlowControlConfig, FlowControlMetrics,
                                               FlowController, FlowRequest, Shed, Ticket)
+from splitserve.services.flow_control.config import DEFAULT_BURST, DEFAULT_FLOW_ACTIVE_S
 
 from splitserve.services.frontend.errors import APIError
 from splitserve.services.frontend.workers.pool import WorkerHandle, WorkerPool
@@ -48,6 +53,9 @@ class FlowControlSettings:
     bands: tuple[BandConfig, ...] = tuple(BandConfig(p, DEFAULT_MAX_QUEUE, DEFAULT_MAX_WAIT_S)
                                           for p in DEFAULT_BAND_PRIORITIES)
     max_concurrency: int = DEFAULT_MAX_CONCURRENCY     # per ready decode-capable worker
+    fair_share: bool = True                            # --no-fair-share: plain round-robin
+    flow_active_s: float = DEFAULT_FLOW_ACTIVE_S       # --fair-share-active
+    burst: int = DEFAULT_BURST                         # --fair-share-burst
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "bands", tuple(sorted(self.bands, key=lambda b: b.priority)))
@@ -60,13 +68,17 @@ class FlowControlSettings:
         """The library's config; its default band (for no priority at all) is priority 0's."""
         if not self.bands:
             raise ValueError("flow control needs at least one --priority-band")
-        return FlowControlConfig(self.bands, default_priority=self.band_of(0))
+        return FlowControlConfig(self.bands, default_priority=self.band_of(0), fair_share=self.fair_share,
+                                 flow_active_s=self.flow_active_s, burst=self.burst)
 
     def describe(self) -> str:
         """One start-up line."""
         bands = "; ".join(f"{b.priority} (queue {b.max_queue}, wait {b.max_wait_s:g} s"
                           + (f", share {b.min_share:g})" if b.min_share else ")") for b in self.bands)
-        return f"flow control on: {self.max_concurrency} requests per decode-capable worker; priority bands {bands}"
+        fairness = (f"fair shares (burst {self.burst}, active {self.flow_active_s:g} s)" if self.fair_share
+                    else "round-robin")
+        return (f"flow control on: {self.max_concurrency} requests per decode-capable worker; priority bands {bands}; "
+                f"between tenants {fairness}")
 
     def band_of(self, priority: int) -> int:
         """The band serving `priority`: the greatest band value not above it, else the lowest band."""
@@ -87,10 +99,11 @@ class WorkerSlots:
         return self.num_in_flight < self.units()
 
     def units(self) -> int:
-        """All the room there is now (the controller's fair shares are of this)."""
+        """All the room there is now: what fair sharing divides between the active flows."""
         return self.per_worker * self.num_workers()
 
-    def take(self) -> None:
+    def take(self, beyond_room: bool = False) -> None:
+        """Book a unit; beyond the room only for fair sharing's burst (the controller bounds it)."""
         self.num_in_flight += 1
 
     def give_back(self) -> None:

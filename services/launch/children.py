@@ -129,6 +129,12 @@ def flow_control_argv(args: argparse.Namespace) -> list[str]:
         argv += ["--max-queue", str(args.max_queue)]
     if args.max_queue_wait is not None:
         argv += ["--max-queue-wait", str(args.max_queue_wait)]
+    if args.fair_share is False:
+        argv += ["--no-fair-share"]
+    if args.fair_share_burst is not None:
+        argv += ["--fair-share-burst", str(args.fair_share_burst)]
+    if args.fair_share_active is not None:
+        argv += ["--fair-share-active", str(args.fair_share_active)]
     return argv
 
 

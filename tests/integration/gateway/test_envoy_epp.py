@@ -396,11 +396,13 @@ def test_an_objectives_priority_overtakes_a_queued_request_through_envoy(deploym
                 return answer
 
             async with httpx.AsyncClient(timeout=60) as client:
-                plain = asyncio.ensure_future(send("plain", {"x-llm-d-inference-fairness-id": "tenant-p"}))
+                # One tenant throughout (the held streams' too): fair shares between tenants would
+                # let another tenant's request past the full room (services/flow_control/fair_share.py).
+                plain = asyncio.ensure_future(send("plain", {"x-llm-d-inference-fairness-id": "tenant-a"}))
                 await async_wait_until(
                     lambda: deployment.epp_metric("splitserve_flow_control_queued_requests") == 1, timeout=30,
                     what="the plain request to wait in band 0", details=lambda: deployment.epp.tail(20))
-                critical = asyncio.ensure_future(send("critical", {"x-llm-d-inference-fairness-id": "tenant-c",
+                critical = asyncio.ensure_future(send("critical", {"x-llm-d-inference-fairness-id": "tenant-a",
                                                                    "x-gateway-inference-objective": "critical"}))
                 await async_wait_until(
                     lambda: deployment.epp_metric("splitserve_flow_control_queued_requests") == 2, timeout=30,

@@ -8,6 +8,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from splitserve.services.flow_control import BandConfig, ConcurrencyLimit, FlowControlConfig, FlowControlMetrics
+from splitserve.services.flow_control.capacity import SizedCapacity
 
 from .conftest import band
 
@@ -28,6 +29,12 @@ from .conftest import band
     ((band(0),), {"share_window": 0}, "share_window"),
     ((band(0),), {"interval_smoothing": 0.0}, "interval_smoothing"),
     ((band(0),), {"interval_smoothing": 1.5}, "interval_smoothing"),
+    ((band(0),), {"fair_share": 1}, "fair_share"),
+    ((band(0),), {"flow_active_s": 0.0}, "flow_active_s"),
+    ((band(0),), {"flow_active_s": math.inf}, "flow_active_s"),
+    ((band(0),), {"flow_active_s": math.nan}, "flow_active_s"),
+    ((band(0),), {"burst": -1}, "burst"),
+    ((band(0),), {"burst": 1.5}, "burst"),
 ])
 def test_a_value_that_cannot_work_names_its_field(bands, overrides, field):
     with pytest.raises(ValueError, match=field):
@@ -48,15 +55,24 @@ def test_a_concurrency_limit_needs_a_positive_integer(max_in_flight):
         ConcurrencyLimit(max_in_flight)
 
 
-def test_a_concurrency_limit_refuses_to_go_past_its_bounds():
+def test_a_concurrency_limit_refuses_to_go_past_its_bounds_unless_told_beyond_the_room():
     limit = ConcurrencyLimit(1)
+    assert isinstance(limit, SizedCapacity) and limit.units() == 1
     limit.take()
     assert not limit.has_room()
     with pytest.raises(RuntimeError):
         limit.take()
+    limit.take(beyond_room=True)                     # fair sharing's burst (the controller bounds it)
+    assert limit.num_in_flight == 2 and not limit.has_room()
+    limit.give_back()
     limit.give_back()
     with pytest.raises(RuntimeError):
         limit.give_back()
+
+
+def test_fair_sharing_is_on_by_default():
+    config = FlowControlConfig(bands=[band(0)])
+    assert (config.fair_share, config.flow_active_s, config.burst) == (True, 5.0, 4)
 
 
 def test_metrics_refuse_a_negative_number_of_flow_series():

@@ -20,7 +20,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from prometheus_client import CollectorRegistry
 
 from splitserve.proto.v1 import worker_pb2, worker_pb2_grpc
-from splitserve.services.flow_control import BandConfig, FlowRequest, Shed, ShedCause
+from splitserve.services.flow_control import BandConfig, FlowRequest, Shed, ShedCause, SizedCapacity
 from splitserve.services.frontend.errors import APIError
 from splitserve.services.frontend.flow_admission import (FlowControlSettings, FrontendFlowControl, WorkerSlots,
                                                           shed_error)
@@ -210,8 +210,12 @@ def test_worker_slots_count_units_against_the_ready_workers():
     ready[0] = 2
     assert slots.has_room()
     ready[0] = 0                       # workers gone: the running ones keep their units
-    assert not slots.has_room()
-    for _ in range(3):
+    assert not slots.has_room() and slots.units() == 0
+    ready[0] = 1
+    assert isinstance(slots, SizedCapacity) and slots.units() == 3
+    slots.take(beyond_room=True)       # fair sharing's burst: past the room (the controller bounds it)
+    assert slots.num_in_flight == 4 and not slots.has_room()
+    for _ in range(4):
         slots.give_back()
     with pytest.raises(RuntimeError):
         slots.give_back()
