@@ -9,7 +9,6 @@ group needs `--flow-control`.
 from __future__ import annotations
 
 import argparse
-import math
 
 from splitserve.errors import SplitserveError
 from splitserve.services.flow_control import BandConfig
@@ -17,8 +16,7 @@ from splitserve.services.flow_control import BandConfig
 from splitserve.services.frontend import flow_admission as fa
 
 BAND_KEYS = ("max-queue", "max-wait", "min-share")
-_GROUP_FLAGS = ("max_concurrency", "priority_band", "max_queue", "max_queue_wait", "fair_share", "fair_share_burst",
-                "fair_share_active")
+_GROUP_FLAGS = ("max_concurrency", "priority_band", "max_queue", "max_queue_wait", "fair_share", "fair_share_burst")
 _FLAG_NAMES = {"fair_share": "--no-fair-share"}
 
 
@@ -58,18 +56,16 @@ def add_flow_control_args(p: argparse.ArgumentParser, serve: bool) -> None:
                         "inf: no limit)")
     g.add_argument("--no-fair-share", dest="fair_share", action="store_const", const=False, default=None,
                    help="tenants of a band take plain turns, one request each, instead of fair shares: by "
-                        "default the tenant with the most requests waiting (a flood) holds at most its fair share "
-                        "of the room (the room divided by the band's active tenants) while a lighter tenant is "
-                        "active, and a lighter tenant's request that finds the room full goes at once, up to "
-                        "--fair-share-burst requests beyond it, so a steady tenant barely feels a flooding one")
+                        "default the tenant holding the fewest requests goes first, the tenant with the most "
+                        "requests waiting (a flood) holds at most its fair share of the room (the room divided by "
+                        "the band's tenants with requests running or waiting) while a lighter tenant has requests "
+                        "running or waiting, and a lighter tenant's request that finds the room full goes at once, "
+                        "up to --fair-share-burst requests beyond it, so a steady tenant barely feels a flooding one")
     g.add_argument("--fair-share-burst", type=int, default=None, metavar="N",
                    help=f"requests in all that lighter tenants may have dispatched beyond the room while a flood "
                         f"holds units (default: {fa.DEFAULT_BURST}; never more than the room itself; 0: never). "
                         "The worker runs them in its batch when --max-concurrency is below --max-num-seqs, else "
                         "queues them first in line")
-    g.add_argument("--fair-share-active", type=float, default=None, metavar="S",
-                   help="seconds a tenant still counts as active (its fair share kept free for it) after its "
-                        f"last request arrived or ended (default: {fa.DEFAULT_FLOW_ACTIVE_S:g})")
 
 
 def parse_band(text: str, max_queue: int, max_wait_s: float) -> BandConfig:
@@ -106,13 +102,10 @@ def flow_control_settings(args: argparse.Namespace) -> fa.FlowControlSettings | 
     burst = fa.DEFAULT_BURST if args.fair_share_burst is None else args.fair_share_burst
     if burst < 0:
         raise SplitserveError(f"--fair-share-burst must be >= 0, not {burst}")
-    active_s = fa.DEFAULT_FLOW_ACTIVE_S if args.fair_share_active is None else args.fair_share_active
-    if not 0 < active_s < math.inf:
-        raise SplitserveError(f"--fair-share-active must be > 0 seconds and finite, not {active_s:g}")
     try:
         return fa.FlowControlSettings(bands, fa.DEFAULT_MAX_CONCURRENCY if args.max_concurrency is None
                                       else args.max_concurrency, fair_share=args.fair_share is not False,
-                                      flow_active_s=active_s, burst=burst)
+                                      burst=burst)
     except ValueError as exc:
         raise SplitserveError(str(exc)) from None
 

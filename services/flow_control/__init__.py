@@ -24,12 +24,12 @@ a steady tenant nearly as fast beside a flooding one as alone. A flood waiting i
 would otherwise hold every unit: the steady tenant's arrival waits for one of its requests to end
 (with C units, 1/C of a request's whole time on average) and then shares the workers' batch with
 C - 1 of them. So the flood, the flow with the most requests waiting, holds at most room / active
-flows while a lighter flow is active (a flow stays active `flow_active_s` after its last request),
-and a lighter flow's request that finds the room full goes at once, beyond it by up to `burst`
-units; the flood takes units only within the room, so the room drains back. A lone flow, or
-flows that are level, use the whole room (work-conserving); among them the flow holding the fewest
-units goes first, ties in round-robin order. Strict priority between bands is kept: a flow bursts
-only when its band is the one whose turn it is.
+flows (those with requests in flight or waiting) while a lighter flow is active, and a lighter
+flow's request that finds the room full goes at once, beyond it by up to `burst` units; the flood
+takes units only within the room, so the room drains back. A lone flow, or flows that are level,
+use the whole room (work-conserving); the flow holding the fewest units goes first, ties in
+round-robin order. Strict priority between bands is kept: a flow bursts only when its band is the
+one whose turn it is.
 
 Use, per request:
 

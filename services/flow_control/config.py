@@ -16,7 +16,6 @@ from dataclasses import dataclass
 
 DEFAULT_SHARE_WINDOW = 100        # dispatches over which each band's share is measured
 DEFAULT_INTERVAL_SMOOTHING = 0.2  # weight of the newest interval in a band's dispatch-interval EWMA
-DEFAULT_FLOW_ACTIVE_S = 5.0       # a flow counts for fair shares this long after its last request
 DEFAULT_BURST = 4                 # units a steady flow may go beyond the room while a flood holds units
 
 
@@ -59,7 +58,6 @@ class FlowControlConfig:
       most requests waiting holds at most its fair share of the room while a lighter flow is
       active, and a lighter flow's request may go beyond the room by up to `burst` units
       (fair_share.py); off: plain round-robin.
-    flow_active_s: how long after its last request arrived or ended a flow still counts as active.
     burst: how many units in all lighter flows' requests may take beyond the room (0: never).
     """
 
@@ -68,7 +66,6 @@ class FlowControlConfig:
     share_window: int = DEFAULT_SHARE_WINDOW
     interval_smoothing: float = DEFAULT_INTERVAL_SMOOTHING
     fair_share: bool = True
-    flow_active_s: float = DEFAULT_FLOW_ACTIVE_S
     burst: int = DEFAULT_BURST
 
     def __post_init__(self) -> None:
@@ -96,8 +93,6 @@ class FlowControlConfig:
             raise ValueError(f"interval_smoothing must be within (0, 1], not {self.interval_smoothing!r}")
         if not isinstance(self.fair_share, bool):
             raise ValueError(f"fair_share must be True or False, not {self.fair_share!r}")
-        if not 0.0 < self.flow_active_s < math.inf:
-            raise ValueError(f"flow_active_s must be > 0 seconds and finite, not {self.flow_active_s!r}")
         if isinstance(self.burst, bool) or not isinstance(self.burst, int) or self.burst < 0:
             raise ValueError(f"burst must be an integer >= 0 (units), not {self.burst!r}")
 

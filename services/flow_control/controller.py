@@ -93,8 +93,7 @@ class FlowController:
         self._sleep = sleep
         self._metrics = metrics
         self._fair_share, self._burst = config.fair_share, config.burst
-        self._bands = {b.priority: _Band(b, BandQueue(), DispatchInterval(config.interval_smoothing),
-                                         FlowLedger(config.flow_active_s))
+        self._bands = {b.priority: _Band(b, BandQueue(), DispatchInterval(config.interval_smoothing), FlowLedger())
                        for b in config.bands}
         self._default_band = self._bands[config.default_priority]
         self._shares = ShareWindow(config.share_window)
@@ -107,8 +106,7 @@ class FlowController:
     async def admit(self, request: FlowRequest) -> Ticket:
         """A Ticket once `request` may run; raises Shed when it is refused (it took nothing)."""
         band = self._bands.get(request.priority, self._default_band)
-        band.flows.arrived(request.flow_id, self._clock())
-        if self._num_queued == 0 and self._capacity.has_room():
+        if not self._fair_share and self._num_queued == 0 and self._capacity.has_room():
             return self._dispatch(band, request, 0.0)
         if (pick := self._goes_at_once(band, request.flow_id)) is not None:
             return self._dispatch(band, request, 0.0, pick.beyond_room)
@@ -217,8 +215,7 @@ class FlowController:
         if not self._fair_share:
             return Pick(waiting[0][0]) if self._capacity.has_room() else None
         room = self._sized.units() if self._sized is not None else None
-        return pick_flow(band.flows, waiting, self._clock(), self._capacity.has_room(), room, self._num_in_flight,
-                         self._burst)
+        return pick_flow(band.flows, waiting, self._capacity.has_room(), room, self._num_in_flight, self._burst)
 
     def _goes_at_once(self, band: _Band, flow_id: str) -> Pick | None:
         """Under fair sharing, a newcomer of a flow with nothing waiting that would be dispatched
@@ -247,7 +244,7 @@ class FlowController:
     def _release(self, band: _Band, flow_id: str) -> None:
         self._capacity.give_back()
         self._num_in_flight -= 1
-        band.flows.released(flow_id, self._clock())
+        band.flows.released(flow_id)
         self._dispatch_ready()
 
     # -- leaving without a ticket ------------------------------------------------------------

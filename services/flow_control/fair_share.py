@@ -5,33 +5,30 @@ Round-robin alone lets a flow that floods hold every unit of a small room: a ste
 arrival then waits until one of the flood's requests ends, and runs in a batch full of them.
 With `FlowControlConfig.fair_share` on, within each band:
 
-- **Active**: a flow is active while it has requests in flight or waiting, and for
-  `flow_active_s` after its last request arrived or ended.
-- **Heaviest, lighter**: the heaviest flows are those with the most requests waiting in the band
-  (the ones a full band sheds from); every other active flow is lighter, one with nothing waiting
-  included.
+- **Active**: a flow with requests in flight or waiting.
+- **Heaviest, lighter**: the heaviest flows are the active ones with the most requests waiting
+  (the ones a full band sheds from), a newcomer counted as waiting; every other active flow is
+  lighter, one with requests in flight and nothing waiting included.
 - **Order**: the next request comes from the flow holding the fewest units (max-min fairness);
   ties go round-robin, a flow just served going to the back.
-- **Share**: while a lighter flow is active, a heaviest flow with more than one request waiting
-  holds at most its fair share of the room: the room's units divided by the band's active flows,
-  rounded down, at least 1. The rest stays free for the lighter flows' arrivals, and the workers'
-  batches are not filled with the flood's requests.
+- **Share**: while a lighter flow is active, a heaviest flow holds at most its fair share of the
+  room: the room's units divided by the band's active flows, rounded down, at least 1. The rest
+  stays free for the lighter flows' next arrivals, and the workers' batches are not filled with
+  the flood's requests.
 - **Burst**: a lighter flow's request may go beyond the room, by up to `burst` units in all (and
   never by more than the room itself), while a heaviest flow holds units: a steady tenant does
   not wait for a flood's requests to end. Heaviest flows take units only within the room, so the
   room drains back below its size as their requests end.
 
-With a single active flow none of this applies and that flow uses the whole room; flows that
-are level (as many waiting) share it by the order alone. Share and burst need the room's size
-(`units()`, capacity.py); over a capacity that cannot tell, only the order applies. A flow held
-back by its share holds units, so it is looked at again when one of them is released: no timer
-is needed for a share that grows when another flow stops being active.
+A lone flow, and flows that are level (as many waiting), use the whole room, by the order alone.
+Share and burst need the room's size (`units()`, capacity.py); over a capacity that cannot tell,
+only the order applies. A flow held back by its share holds units, so it is looked at again when
+one of them is released.
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
 
@@ -44,58 +41,33 @@ class Pick:
 
 
 class FlowLedger:
-    """One band's flows as fair sharing sees them: units each holds, and when each was last seen
-    (its last request arrived or ended). Waiting requests are counted by the band's queue."""
+    """The units each flow of one band holds (waiting requests are counted by the band's queue)."""
 
-    __slots__ = ("active_s", "_in_flight", "_seen")
+    __slots__ = ("_in_flight",)
 
-    def __init__(self, active_s: float) -> None:
-        self.active_s = active_s
+    def __init__(self) -> None:
         self._in_flight: dict[str, int] = {}
-        self._seen: OrderedDict[str, float] = OrderedDict()     # least recently seen first
-
-    def arrived(self, flow_id: str, now: float) -> None:
-        self._see(flow_id, now)
-        self._forget(now)
 
     def dispatched(self, flow_id: str) -> None:
         self._in_flight[flow_id] = self._in_flight.get(flow_id, 0) + 1
 
-    def released(self, flow_id: str, now: float) -> None:
+    def released(self, flow_id: str) -> None:
         left = self._in_flight[flow_id] - 1
         if left:
             self._in_flight[flow_id] = left
         else:
             del self._in_flight[flow_id]
-        self._see(flow_id, now)
 
     def in_flight(self, flow_id: str) -> int:
         return self._in_flight.get(flow_id, 0)
 
-    def num_in_flight(self) -> int:
-        return sum(self._in_flight.values())
-
-    def idle_active(self, now: float, waiting: dict[str, int]) -> int:
-        """How many active flows have nothing waiting."""
-        self._forget(now)
-        idle = sum(1 for flow_id in self._seen if flow_id not in waiting)
-        return idle + sum(1 for flow_id in self._in_flight if flow_id not in waiting and flow_id not in self._seen)
-
-    def _see(self, flow_id: str, now: float) -> None:
-        self._seen[flow_id] = now
-        self._seen.move_to_end(flow_id)
-
-    def _forget(self, now: float) -> None:
-        """Drop the flows seen `active_s` ago or more (one holding units still counts, by its units)."""
-        while self._seen:
-            flow_id, seen_at = next(iter(self._seen.items()))
-            if now - seen_at < self.active_s:
-                return
-            del self._seen[flow_id]
+    def num_holding_only(self, waiting: Collection[str]) -> int:
+        """How many flows hold units and have nothing waiting."""
+        return sum(1 for flow_id in self._in_flight if flow_id not in waiting)
 
 
-def pick_flow(ledger: FlowLedger, waiting: Sequence[tuple[str, int]], now: float, has_room: bool,
-              room: int | None, in_flight: int, burst: int) -> Pick | None:
+def pick_flow(ledger: FlowLedger, waiting: Sequence[tuple[str, int]], has_room: bool, room: int | None,
+              in_flight: int, burst: int) -> Pick | None:
     """The flow of one band whose next request may be dispatched now, or None.
 
     waiting: (flow, requests waiting) for each flow with any, in round-robin order;
@@ -105,15 +77,15 @@ def pick_flow(ledger: FlowLedger, waiting: Sequence[tuple[str, int]], now: float
     if room is None:
         return Pick(waiting[order[0]][0]) if has_room else None
     most = max(count for _, count in waiting)
-    idle = ledger.idle_active(now, dict(waiting))
-    lighter = idle + sum(1 for _, count in waiting if count < most)
-    share = max(1, room // (len(waiting) + idle))
+    holding_only = ledger.num_holding_only(dict(waiting))
+    lighter = holding_only + sum(1 for _, count in waiting if count < most)
+    share = max(1, room // (len(waiting) + holding_only))
     heavy_units = sum(ledger.in_flight(flow_id) for flow_id, count in waiting if count == most)
     for i in order:
         flow_id, count = waiting[i]
         heaviest = count == most
-        if heaviest and count > 1 and lighter and ledger.in_flight(flow_id) >= share:
-            continue                           # a flood, at its share while a lighter flow is active
+        if heaviest and lighter and ledger.in_flight(flow_id) >= share:
+            continue                           # at its share while a lighter flow is active
         if has_room:
             return Pick(flow_id)
         if not heaviest and heavy_units and in_flight < room + min(burst, room):

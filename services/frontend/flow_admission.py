@@ -35,7 +35,7 @@ from prometheus_client import CollectorRegistry
 
 from splitserve.services.flow_control import (DROPPED_REASON_HEADER, BandConfig, FlowControlConfig, FlowControlMetrics,
                                               FlowController, FlowRequest, Shed, Ticket)
-from splitserve.services.flow_control.config import DEFAULT_BURST, DEFAULT_FLOW_ACTIVE_S
+from splitserve.services.flow_control.config import DEFAULT_BURST
 
 from splitserve.services.frontend.errors import APIError
 from splitserve.services.frontend.workers.pool import WorkerHandle, WorkerPool
@@ -54,7 +54,6 @@ class FlowControlSettings:
                                           for p in DEFAULT_BAND_PRIORITIES)
     max_concurrency: int = DEFAULT_MAX_CONCURRENCY     # per ready decode-capable worker
     fair_share: bool = True                            # --no-fair-share: plain round-robin
-    flow_active_s: float = DEFAULT_FLOW_ACTIVE_S       # --fair-share-active
     burst: int = DEFAULT_BURST                         # --fair-share-burst
 
     def __post_init__(self) -> None:
@@ -69,14 +68,13 @@ class FlowControlSettings:
         if not self.bands:
             raise ValueError("flow control needs at least one --priority-band")
         return FlowControlConfig(self.bands, default_priority=self.band_of(0), fair_share=self.fair_share,
-                                 flow_active_s=self.flow_active_s, burst=self.burst)
+                                 burst=self.burst)
 
     def describe(self) -> str:
         """One start-up line."""
         bands = "; ".join(f"{b.priority} (queue {b.max_queue}, wait {b.max_wait_s:g} s"
                           + (f", share {b.min_share:g})" if b.min_share else ")") for b in self.bands)
-        fairness = (f"fair shares (burst {self.burst}, active {self.flow_active_s:g} s)" if self.fair_share
-                    else "round-robin")
+        fairness = f"fair shares (burst {self.burst})" if self.fair_share else "round-robin"
         return (f"flow control on: {self.max_concurrency} requests per decode-capable worker; priority bands {bands}; "
                 f"between tenants {fairness}")
 

@@ -133,8 +133,6 @@ def flow_control_argv(args: argparse.Namespace) -> list[str]:
         argv += ["--no-fair-share"]
     if args.fair_share_burst is not None:
         argv += ["--fair-share-burst", str(args.fair_share_burst)]
-    if args.fair_share_active is not None:
-        argv += ["--fair-share-active", str(args.fair_share_active)]
     return argv
 
 

@@ -192,8 +192,11 @@ def test_refusals_pass_through_with_their_bodies(deployment):
 
 
 # -- the picker over ext_proc, without a proxy ---------------------------------------------
-def _headers(path: str = "/v1/completions", method: str = "POST", eos: bool = False) -> ext_proc_pb2.ProcessingRequest:
+def _headers(path: str = "/v1/completions", method: str = "POST", eos: bool = False,
+             tenant: str | None = None) -> ext_proc_pb2.ProcessingRequest:
     pairs = [(":method", method), (":path", path), (":authority", "gateway"), ("content-type", "application/json")]
+    if tenant is not None:
+        pairs.append(("x-llm-d-inference-fairness-id", tenant))
     return ext_proc_pb2.ProcessingRequest(request_headers=ext_proc_pb2.HttpHeaders(
         headers=ext_proc_pb2.HeaderMap(headers=[ext_proc_pb2.HeaderValue(key=k, raw_value=v.encode()) for k, v in pairs]),
         end_of_stream=eos))
@@ -333,7 +336,7 @@ def test_flow_control_queues_then_sheds_with_429_through_envoy(deployment):
             held = []
             for _ in range(4):          # a stream stays open (as Envoy's does) until its response ends
                 outbox: asyncio.Queue = asyncio.Queue()
-                for message in (_headers(), _body(body, True)):
+                for message in (_headers(tenant="tenant-a"), _body(body, True)):
                     outbox.put_nowait(message)
                 call = process(_drain(outbox))
                 assert (await call.read()).WhichOneof("response") == "request_headers"
@@ -381,7 +384,7 @@ def test_an_objectives_priority_overtakes_a_queued_request_through_envoy(deploym
             held = []
             for _ in range(4):
                 outbox: asyncio.Queue = asyncio.Queue()
-                for message in (_headers(), _body(body, True)):
+                for message in (_headers(tenant="tenant-a"), _body(body, True)):
                     outbox.put_nowait(message)
                 call = process(_drain(outbox))
                 assert (await call.read()).WhichOneof("response") == "request_headers"
@@ -396,8 +399,8 @@ def test_an_objectives_priority_overtakes_a_queued_request_through_envoy(deploym
                 return answer
 
             async with httpx.AsyncClient(timeout=60) as client:
-                # One tenant throughout (the held streams' too): fair shares between tenants would
-                # let another tenant's request past the full room (services/flow_control/fair_share.py).
+                # One tenant throughout, the held streams' too: another tenant would get its fair
+                # share at once, past the full room (services/flow_control/fair_share.py).
                 plain = asyncio.ensure_future(send("plain", {"x-llm-d-inference-fairness-id": "tenant-a"}))
                 await async_wait_until(
                     lambda: deployment.epp_metric("splitserve_flow_control_queued_requests") == 1, timeout=30,

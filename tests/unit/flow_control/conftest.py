@@ -61,14 +61,14 @@ def band(priority: int, max_queue: int = 100, max_wait_s: float = float("inf"), 
 
 
 def harness(*bands: BandConfig, max_in_flight: int = 1, default_priority: int | None = None,
-            share_window: int = 100, num_flow_series: int = 10, fair_share: bool = True, burst: int = 0,
-            flow_active_s: float = 5.0) -> Harness:
+            share_window: int = 100, num_flow_series: int = 10, fair_share: bool = True,
+            burst: int = 0) -> Harness:
     """A controller over `max_in_flight` units, fair sharing on. No burst unless asked: most tests
     count what one release dispatches (test_fair_share.py asks for it)."""
     bands = bands or (band(0),)
     config = FlowControlConfig(bands=bands, share_window=share_window,
                                default_priority=bands[0].priority if default_priority is None else default_priority,
-                               fair_share=fair_share, burst=burst, flow_active_s=flow_active_s)
+                               fair_share=fair_share, burst=burst)
     clock = FakeClock()
     registry = CollectorRegistry()
     capacity = ConcurrencyLimit(max_in_flight)

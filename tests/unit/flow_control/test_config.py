@@ -30,9 +30,6 @@ from .conftest import band
     ((band(0),), {"interval_smoothing": 0.0}, "interval_smoothing"),
     ((band(0),), {"interval_smoothing": 1.5}, "interval_smoothing"),
     ((band(0),), {"fair_share": 1}, "fair_share"),
-    ((band(0),), {"flow_active_s": 0.0}, "flow_active_s"),
-    ((band(0),), {"flow_active_s": math.inf}, "flow_active_s"),
-    ((band(0),), {"flow_active_s": math.nan}, "flow_active_s"),
     ((band(0),), {"burst": -1}, "burst"),
     ((band(0),), {"burst": 1.5}, "burst"),
 ])
@@ -72,7 +69,7 @@ def test_a_concurrency_limit_refuses_to_go_past_its_bounds_unless_told_beyond_th
 
 def test_fair_sharing_is_on_by_default():
     config = FlowControlConfig(bands=[band(0)])
-    assert (config.fair_share, config.flow_active_s, config.burst) == (True, 5.0, 4)
+    assert (config.fair_share, config.burst) == (True, 4)
 
 
 def test_metrics_refuse_a_negative_number_of_flow_series():

@@ -76,12 +76,10 @@ def test_a_steady_flows_arrival_beside_a_flood_neither_displaces_a_request_nor_i
     shorter than the queue's estimated wait does not shed it."""
     async def scenario():
         h = harness(band(0, max_queue=4), max_in_flight=4)
-        warm = await asyncio.wait_for(h.controller.admit(FlowRequest("warm-up")), WAIT_S)  # the wait estimate:
-        rest = [await asyncio.wait_for(h.controller.admit(FlowRequest("A")), WAIT_S) for _ in range(3)]
-        first = await h.queue(FlowRequest("A"))
+        flood, (first,) = await _flood(h, "A", held=4, waiting=1)
         h.clock.advance(1.0)
-        warm.release()                                                # ... 1 s per queued dispatch
-        flood = [*rest, await asyncio.wait_for(first, WAIT_S)]
+        flood.pop(0).release()                                        # the wait estimate: 1 s a dispatch
+        flood.append(await asyncio.wait_for(first, WAIT_S))
         waiting = [await h.queue(FlowRequest("A")) for _ in range(4)]  # the band is full
         steady = await h.queue(FlowRequest("B", ttft_deadline_s=0.5))  # the queue says 2 s at least
         assert steady.done() and h.capacity.num_in_flight == 5
@@ -119,24 +117,40 @@ def test_a_flood_holds_at_most_its_share_while_a_steady_flow_is_active_and_the_r
     asyncio.run(scenario())
 
 
-def test_a_lone_flow_uses_the_whole_room_and_gets_it_back_when_the_other_goes_quiet():
+def test_a_lone_flow_uses_the_whole_room_and_gets_it_back_when_the_other_is_done():
     async def scenario():
-        h = harness(max_in_flight=4, flow_active_s=5.0)
+        h = harness(max_in_flight=4)
         tickets, waiting = await _flood(h, "A", held=4, waiting=6)
 
         async def end_one() -> int:
-            """The oldest request ends; the units in flight once flow control dispatched what it may."""
+            """The oldest of A's requests ends; the units in flight once flow control dispatched what it may."""
             tickets.pop(0).release()
             await _settle()
             tickets.extend(task.result() for task in waiting if task.done() and task.result() not in tickets)
             return h.capacity.num_in_flight
 
         assert [await end_one() for _ in range(2)] == [4, 4]           # alone: A takes back every unit
-        (await h.queue(FlowRequest("B"))).result().release()          # B came and went: active for 5 s
-        assert [await end_one() for _ in range(2)] == [3, 2]           # A down to its share, 2 of 4
-        h.clock.advance(5.0)                                           # B is no longer active
-        assert await end_one() == 4                                    # the next release looks again
+        steady = (await h.queue(FlowRequest("B"))).result()            # beyond the room
+        assert [await end_one() for _ in range(2)] == [4, 3]           # A down to its share, 2 of 4
+        steady.release()                                               # B is done: A alone again
+        await _settle()
+        tickets.extend(task.result() for task in waiting if task.done() and task.result() not in tickets)
+        assert h.capacity.num_in_flight == 4 and _in_flight_of(tickets, "A") == 4
         await _wind_down(h, tickets, waiting)
+
+    asyncio.run(scenario())
+
+
+def test_a_flood_that_starts_beside_a_running_flow_gets_its_share_from_its_first_request():
+    async def scenario():
+        h = harness(max_in_flight=4)
+        running = await asyncio.wait_for(h.controller.admit(FlowRequest("B")), WAIT_S)
+        arrivals = [await h.queue(FlowRequest("A")) for _ in range(4)]
+        assert [task.done() for task in arrivals] == [True, True, False, False]   # 4 // 2 = 2 units
+        assert h.capacity.num_in_flight == 3                           # one unit free for B
+        second = await h.queue(FlowRequest("B"))
+        assert second.done() and h.sample(BURST, band="0") is None     # within the room
+        await _wind_down(h, [running, second.result()], arrivals)
 
     asyncio.run(scenario())
 
@@ -212,23 +226,19 @@ def test_two_floods_take_turns_and_keep_the_room_busy():
 
 
 def test_pick_flow_without_the_rooms_size_only_orders():
-    ledger = FlowLedger(5.0)
+    ledger = FlowLedger()
     ledger.dispatched("A")
-    ledger.arrived("B", 0.0)
     waiting = [("A", 3), ("B", 1)]
-    assert pick_flow(ledger, waiting, 0.0, has_room=True, room=None, in_flight=1, burst=4) == Pick("B")
-    assert pick_flow(ledger, waiting, 0.0, has_room=False, room=None, in_flight=1, burst=4) is None
+    assert pick_flow(ledger, waiting, has_room=True, room=None, in_flight=1, burst=4) == Pick("B")
+    assert pick_flow(ledger, waiting, has_room=False, room=None, in_flight=1, burst=4) is None
 
 
-def test_the_ledger_forgets_a_flow_once_it_has_been_quiet_for_flow_active_s():
-    ledger = FlowLedger(5.0)
-    ledger.arrived("B", 0.0)
-    ledger.dispatched("B")
-    ledger.released("B", 1.0)
-    assert ledger.idle_active(5.9, {}) == 1
-    assert ledger.idle_active(6.0, {}) == 0
-    ledger.arrived("C", 6.0)
-    ledger.dispatched("C")
-    assert ledger.idle_active(20.0, {}) == 1                           # it holds a unit: still active
-    assert ledger.idle_active(20.0, {"C": 1}) == 0                     # waiting: backlogged, not idle
-    assert ledger.num_in_flight() == 1
+def test_the_ledger_counts_units_per_flow_and_the_flows_that_only_hold_units():
+    ledger = FlowLedger()
+    for flow in ("B", "B", "C"):
+        ledger.dispatched(flow)
+    assert (ledger.in_flight("B"), ledger.in_flight("C"), ledger.in_flight("D")) == (2, 1, 0)
+    assert ledger.num_holding_only({}) == 2 and ledger.num_holding_only({"C": 1}) == 1
+    ledger.released("C")
+    ledger.released("B")
+    assert ledger.num_holding_only({}) == 1 and ledger.in_flight("C") == 0

@@ -45,21 +45,17 @@ def test_a_band_that_cannot_work_is_refused_naming_it(spec, problem):
 
 def test_fair_shares_are_on_by_default_and_their_flags_build_the_library_config():
     default = flow_control_settings(_frontend("--flow-control"))
-    assert (default.fair_share, default.burst, default.flow_active_s) == (True, 4, 5.0)
+    assert (default.fair_share, default.burst) == (True, 4)
     assert default.config().fair_share and default.config().burst == 4
-    given = flow_control_settings(_frontend("--flow-control", "--fair-share-burst", "0", "--fair-share-active", "2.5"))
-    assert (given.fair_share, given.burst, given.flow_active_s) == (True, 0, 2.5)
-    assert (given.config().burst, given.config().flow_active_s) == (0, 2.5)
+    given = flow_control_settings(_frontend("--flow-control", "--fair-share-burst", "0"))
+    assert (given.fair_share, given.burst, given.config().burst) == (True, 0, 0)
     off = flow_control_settings(_frontend("--flow-control", "--no-fair-share"))
     assert off.fair_share is False and off.config().fair_share is False
-    assert "round-robin" in off.describe() and "fair shares (burst 4" in default.describe()
+    assert "round-robin" in off.describe() and "fair shares (burst 4)" in default.describe()
     with pytest.raises(SplitserveError, match="--no-fair-share, --fair-share-burst need --flow-control"):
         flow_control_settings(_frontend("--no-fair-share", "--fair-share-burst", "2"))
     with pytest.raises(SplitserveError, match="--fair-share-burst must be >= 0"):
         flow_control_settings(_frontend("--flow-control", "--fair-share-burst", "-1"))
-    for bad in ("0", "inf", "nan"):
-        with pytest.raises(SplitserveError, match="--fair-share-active must be > 0"):
-            flow_control_settings(_frontend("--flow-control", "--fair-share-active", bad))
 
 
 def test_contradicting_bands_and_a_zero_room_are_refused():
@@ -86,9 +82,8 @@ def test_serve_gives_each_frontend_the_flags_and_its_share_of_the_running_batch(
     given = _through_serve("--flow-control", "--max-concurrency", "5", "--frontends", "2", "--max-queue", "7",
                            "--max-queue-wait", "9", "--priority-band", "3,min-share=0.2", "--priority-band", "-2")
     assert given == FlowControlSettings((BandConfig(-2, 7, 9.0), BandConfig(3, 7, 9.0, 0.2)), 5)
-    fairness = _through_serve("--flow-control", "--no-fair-share", "--fair-share-burst", "2",
-                              "--fair-share-active", "1.5")
-    assert (fairness.fair_share, fairness.burst, fairness.flow_active_s) == (False, 2, 1.5)
+    fairness = _through_serve("--flow-control", "--no-fair-share", "--fair-share-burst", "2")
+    assert (fairness.fair_share, fairness.burst) == (False, 2)
 
 
 def test_serve_refuses_flow_control_on_ray_before_starting_anything():
