@@ -17,7 +17,9 @@ share a core with each other, not with the model.
    rounds, the server idle before each (nothing queued or running):
    - alone: tenant B only;
    - flood: tenant B, and tenant A's Poisson arrivals at `--flood-load` x capacity (default 5).
-   Every request is `/v1/completions` streamed, `--prompt-tokens` random token ids,
+   Every request is `/v1/completions` streamed, `--prompt-tokens` random token ids (the same in
+   both phases, with a `cache_salt` per phase so that the second phase of a round does not find
+   the first's prompts in the prefix cache),
    `--output-tokens` generated (EOS ignored), each tenant named by x-llm-d-inference-fairness-id.
 
 Per round: B's TTFT p50/p90 in each phase and `steady_ttft_p90_vs_alone` = flood ÷ alone (target
@@ -123,9 +125,12 @@ async def stream(http: aiohttp.ClientSession, base: str, body: dict, tenant: str
     return out
 
 
-def request_body(model: str, prompt: list[int], args) -> dict:
-    return {"model": model, "prompt": prompt, "max_tokens": args.output_tokens, "ignore_eos": True,
+def request_body(model: str, prompt: list[int], args, cache_salt: str = "") -> dict:
+    body = {"model": model, "prompt": prompt, "max_tokens": args.output_tokens, "ignore_eos": True,
             "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
+    if cache_salt:
+        body["cache_salt"] = cache_salt
+    return body
 
 
 def steady_ok(o: Outcome, args) -> bool:
@@ -134,8 +139,9 @@ def steady_ok(o: Outcome, args) -> bool:
 
 # -- load --------------------------------------------------------------------------------------------
 async def open_loop(http, base: str, model: str, rate: float, duration: float, tenant: str, seed: int,
-                    args) -> list[Outcome]:
-    """Poisson arrivals at `rate`/s for `duration` s (seeded: the same schedule every phase)."""
+                    args, cache_salt: str) -> list[Outcome]:
+    """Poisson arrivals at `rate`/s for `duration` s (seeded: the same schedule and prompts every
+    phase; `cache_salt` per phase, so that no phase finds the other's prompts in the prefix cache)."""
     rng = random.Random(seed)
     start, at, tasks = time.perf_counter(), 0.0, []
     while True:
@@ -144,7 +150,7 @@ async def open_loop(http, base: str, model: str, rate: float, duration: float, t
             break
         prompt = [rng.randrange(5, 32000) for _ in range(args.prompt_tokens)]
         await asyncio.sleep(max(0.0, start + at - time.perf_counter()))
-        tasks.append(asyncio.create_task(stream(http, base, request_body(model, prompt, args), tenant,
+        tasks.append(asyncio.create_task(stream(http, base, request_body(model, prompt, args, cache_salt), tenant,
                                                 args.output_tokens)))
     return list(await asyncio.gather(*tasks))
 
@@ -190,10 +196,12 @@ async def run_phase(http, base: str, model: str, name: str, capacity: float, rou
     busy0, total0 = machine_jiffies()
     start = time.perf_counter()
     steady_seed = args.seed + 1000 * round_
-    steady = open_loop(http, base, model, args.steady_load * capacity, args.duration, "tenant-b", steady_seed, args)
+    salt = f"{name}-{round_}"
+    steady = open_loop(http, base, model, args.steady_load * capacity, args.duration, "tenant-b", steady_seed, args,
+                       salt)
     if name == "flood":
         phase.steady, phase.flood = await asyncio.gather(steady, open_loop(
-            http, base, model, args.flood_load * capacity, args.duration, "tenant-a", steady_seed + 1, args))
+            http, base, model, args.flood_load * capacity, args.duration, "tenant-a", steady_seed + 1, args, salt))
     else:
         phase.steady = await steady
     phase.wall_s = time.perf_counter() - start
