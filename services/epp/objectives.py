@@ -18,13 +18,13 @@ name). A cluster without the CRD is logged once and looked at again every window
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import logging
-import threading
 
 from splitserve.errors import SplitserveError
 from splitserve.services.flow_control import OBJECTIVE_HEADER
+
+from splitserve.services.epp.kube_watch import WatchThread
 
 log = logging.getLogger(__name__)
 
@@ -83,37 +83,16 @@ class ObjectiveBook:
             self._watched[name] = priority
 
 
-class ObjectiveWatch:
+class ObjectiveWatch(WatchThread):
     """Keeps an ObjectiveBook's cluster part equal to the pool's InferenceObjectives (one thread:
     the Kubernetes client is synchronous), as `PoolPods` does for the pods."""
 
     def __init__(self, book: ObjectiveBook, namespace: str, pool_name: str, window_s: int = WINDOW_S,
                  api_client=None):
+        super().__init__(window_s, api_client)
         self.book = book
-        self._api = api_client            # None: in-cluster config, else KUBECONFIG
         self.namespace = namespace
         self.pool_name = pool_name
-        self.window_s = window_s
-        self._stop = threading.Event()
-        self._thread: asyncio.Future | None = None
-
-    async def start(self) -> None:
-        if self._api is None:
-            from kubernetes import client, config
-
-            try:
-                config.load_incluster_config()
-            except config.ConfigException:
-                config.load_kube_config()
-            self._api = client.ApiClient()
-        loop = asyncio.get_running_loop()
-        self._thread = loop.run_in_executor(None, self._run, loop)
-
-    async def close(self) -> None:
-        self._stop.set()
-        if self._thread is not None:
-            with contextlib.suppress(Exception):
-                await asyncio.wait_for(asyncio.shield(self._thread), self.window_s + 5)
 
     def _run(self, loop: asyncio.AbstractEventLoop) -> None:
         from kubernetes import client, watch

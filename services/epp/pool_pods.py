@@ -14,22 +14,21 @@ is up too.
 
 `PoolPods` is a registry for the frontend's `WorkerPool` (members() and `changed`): the pool
 reconciles against it, then watches each member's gRPC health as for any worker. The Kubernetes
-client is synchronous, so one thread lists and watches; each (re)list re-reads the InferencePool
+client is synchronous, so one thread lists and watches (kube_watch.py); each (re)list re-reads the InferencePool
 (a changed selector or target port applies from the next watch window, at most `window_s`).
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import logging
-import threading
 from dataclasses import dataclass
 
 from splitserve.discovery import WorkerRecord
 
 from splitserve.services.epp.endpoints import EndpointBook
+from splitserve.services.epp.kube_watch import WatchThread
 
 log = logging.getLogger(__name__)
 
@@ -60,37 +59,18 @@ def pod_worker(pod: dict, target_port: int) -> PodWorker | None:
     return PodWorker(WorkerRecord(meta["name"], role, f"{host}:{port}"), f"{host}:{target_port}")
 
 
-class PoolPods:
+class PoolPods(WatchThread):
     def __init__(self, namespace: str, pool_name: str, endpoints: EndpointBook, window_s: int = WINDOW_S):
+        super().__init__(window_s)
         self.namespace = namespace
         self.pool_name = pool_name
         self.endpoints = endpoints
-        self.window_s = window_s
         self.changed = asyncio.Event()
         self.synced = False               # the pods were listed at least once
         self._members: dict[str, PodWorker] = {}
-        self._stop = threading.Event()
-        self._thread: asyncio.Future | None = None
 
     def members(self) -> dict[str, WorkerRecord]:
         return {name: w.record for name, w in self._members.items()}
-
-    async def start(self) -> None:
-        from kubernetes import client, config
-
-        try:
-            config.load_incluster_config()
-        except config.ConfigException:
-            config.load_kube_config()     # outside a cluster: KUBECONFIG or ~/.kube/config
-        self._api = client.ApiClient()
-        loop = asyncio.get_running_loop()
-        self._thread = loop.run_in_executor(None, self._run, loop)
-
-    async def close(self) -> None:
-        self._stop.set()
-        if self._thread is not None:
-            with contextlib.suppress(Exception):
-                await asyncio.wait_for(asyncio.shield(self._thread), self.window_s + 5)
 
     # -- the watching thread -------------------------------------------------------
     def _run(self, loop: asyncio.AbstractEventLoop) -> None:

@@ -323,6 +323,20 @@ async def _drain(outbox: asyncio.Queue):
         yield message
 
 
+async def _hold_every_unit(process, body: bytes) -> list:
+    """The 4 units (2 per decode worker) held by tenant-a's streams, routed and not answered: a
+    stream stays open (as Envoy's does) until its response ends. Cancel the calls to free them."""
+    held = []
+    for _ in range(4):
+        outbox: asyncio.Queue = asyncio.Queue()
+        for message in (_headers(tenant="tenant-a"), _body(body, True)):
+            outbox.put_nowait(message)
+        call = process(_drain(outbox))
+        assert (await call.read()).WhichOneof("response") == "request_headers"
+        held.append(call)
+    return held
+
+
 def test_flow_control_queues_then_sheds_with_429_through_envoy(deployment):
     """The 4 units (2 per decode worker) held by streams routed and not answered; one request
     through Envoy waits in its band (max-queue 1), the next of its tenant is shed with 429, its
@@ -332,15 +346,7 @@ def test_flow_control_queues_then_sheds_with_429_through_envoy(deployment):
 
     async def scenario():
         async with grpc.aio.insecure_channel(f"127.0.0.1:{deployment.epp_port}") as channel:
-            process = process_call(channel)
-            held = []
-            for _ in range(4):          # a stream stays open (as Envoy's does) until its response ends
-                outbox: asyncio.Queue = asyncio.Queue()
-                for message in (_headers(tenant="tenant-a"), _body(body, True)):
-                    outbox.put_nowait(message)
-                call = process(_drain(outbox))
-                assert (await call.read()).WhichOneof("response") == "request_headers"
-                held.append(call)
+            held = await _hold_every_unit(process_call(channel), body)
             before = deployment.requests()
             url = f"{deployment.gateway.url('closed')}/v1/completions"
             tenant = {"x-llm-d-inference-fairness-id": "tenant-a"}
@@ -380,15 +386,7 @@ def test_an_objectives_priority_overtakes_a_queued_request_through_envoy(deploym
 
     async def scenario():
         async with grpc.aio.insecure_channel(f"127.0.0.1:{deployment.epp_port}") as channel:
-            process = process_call(channel)
-            held = []
-            for _ in range(4):
-                outbox: asyncio.Queue = asyncio.Queue()
-                for message in (_headers(tenant="tenant-a"), _body(body, True)):
-                    outbox.put_nowait(message)
-                call = process(_drain(outbox))
-                assert (await call.read()).WhichOneof("response") == "request_headers"
-                held.append(call)
+            held = await _hold_every_unit(process_call(channel), body)
             url = f"{deployment.gateway.url('closed')}/v1/completions"
             ended: dict[str, float] = {}
 
