@@ -103,7 +103,7 @@ class Exchange:
             log.exception("epp: picking for %s failed", path)
             return self._refuse(APIError(500, "the endpoint picker failed on this request", type="server_error"))
         self.metrics.picked(time.perf_counter() - began)
-        log.info("epp: %s -> %s%s (%s)", path, ",".join(self.pick.endpoints),
+        log.debug("epp: %s -> %s%s (%s)", path, ",".join(self.pick.endpoints),
                  f", prefill {self.pick.prefill}" if self.pick.prefill else "", self.pick.worker_id)
         out = [protocol.route_to(self.pick.endpoints, self.pick.prefill)]
         if body is not None:

@@ -88,15 +88,21 @@ class PoolPods(WatchThread):
                 doc = json.loads(listed.data)
                 pods = {p["metadata"]["name"]: p for p in doc.get("items") or []}
                 loop.call_soon_threadsafe(self._replace, pods, target_port)
+                version = doc["metadata"]["resourceVersion"]
+                log.debug("epp: watching the pods %s from resourceVersion %s", selector, version)
                 stream = watch.Watch().stream(core.list_namespaced_pod, self.namespace, label_selector=selector,
-                                              resource_version=doc["metadata"]["resourceVersion"],
-                                              timeout_seconds=self.window_s, _preload_content=False)
+                                              resource_version=version, timeout_seconds=self.window_s,
+                                              _preload_content=False)
+                events = 0
                 for event in stream:
                     if self._stop.is_set():
                         return
+                    events += 1
                     raw = event.get("raw_object") or {}
+                    log.debug("epp: pod event %s %s", event.get("type"), (raw.get("metadata") or {}).get("name"))
                     if event.get("type") in ("ADDED", "MODIFIED", "DELETED") and raw.get("metadata"):
                         loop.call_soon_threadsafe(self._apply, event["type"], raw, target_port)
+                log.debug("epp: the pods' watch window ended after %d events", events)
                 backoff = 0.5
             except Exception as exc:  # noqa: BLE001 - the apiserver away or the pool missing: retry
                 log.warning("epp: reading InferencePool %s/%s and its pods failed (%s); retrying in %.1f s",
@@ -107,9 +113,12 @@ class PoolPods(WatchThread):
     # -- on the event loop -----------------------------------------------------------
     def _replace(self, pods: dict[str, dict], target_port: int) -> None:
         for name in [n for n in self._members if n not in pods]:
-            self._drop(name)
+            self._drop(name, "no longer listed")
         for pod in pods.values():
             self._apply("MODIFIED", pod, target_port)
+        if not self.synced:
+            log.info("epp: InferencePool %s/%s selects %d pods; %d are Ready workers", self.namespace,
+                     self.pool_name, len(pods), len(self._members))
         self.synced = True
         self.changed.set()
 
@@ -118,7 +127,7 @@ class PoolPods(WatchThread):
         worker = None if kind == "DELETED" else pod_worker(pod, target_port)
         if worker is None:
             if name in self._members:
-                self._drop(name)
+                self._drop(name, "deleted" if kind == "DELETED" else "not a Ready worker now")
                 self.changed.set()
             return
         if self._members.get(name) != worker:
@@ -127,8 +136,11 @@ class PoolPods(WatchThread):
                 self.endpoints.forget(old.record.address)
             self._members[name] = worker
             self.endpoints.set(worker.record.address, worker.endpoint)
+            log.info("epp: pod %s joins the pool: %s worker at %s, endpoint %s", name, worker.record.role,
+                     worker.record.address, worker.endpoint)
             self.changed.set()
 
-    def _drop(self, name: str) -> None:
+    def _drop(self, name: str, why: str) -> None:
         worker = self._members.pop(name)
         self.endpoints.forget(worker.record.address)
+        log.info("epp: pod %s leaves the pool (%s): worker %s", name, why, worker.record.address)

@@ -6,7 +6,11 @@ from the node's pod CIDR (the CNI plugin's job); here the agent does it with
 iproute2:
 
 - one "node" namespace per agent (`<prefix>-node`) holding a bridge `br0` with
-  the CIDR's first address (the pods' gateway);
+  the CIDR's first address (the pods' gateway) and a MAC address of its own
+  (`bridge_mac`; without one, Linux gives a bridge the lowest MAC of its ports,
+  so a pod joining with a lower one changed the gateway's MAC under the pods
+  already there, and their traffic through it was lost until their neighbour
+  entries expired: 30-40 s of TCP retransmissions, about one run in three);
 - one namespace per pod (`<prefix>-p<N>`) with `eth0` (the pod's IP) whose veth
   peer `vp<N>` sits on that bridge, so the pods of a node reach each other.
 
@@ -26,6 +30,7 @@ Sockets are opened inside a namespace by a short-lived thread that setns()es
 from __future__ import annotations
 
 import ctypes
+import hashlib
 import ipaddress
 import os
 import re
@@ -128,6 +133,19 @@ def connect_in_netns(netns: str, host: str, port: int, timeout: float) -> socket
     return sock
 
 
+def bridge_mac(name: str) -> str:
+    """A fixed, locally administered unicast MAC for the bridge of namespace `name`."""
+    digest = hashlib.sha256(name.encode()).digest()[:5]
+    return ":".join(f"{b:02x}" for b in (0x02, *digest))
+
+
+def add_bridge(netns: str) -> None:
+    """`br0` in `netns`, with its MAC set (module docstring), up."""
+    ip("link", "add", "br0", "type", "bridge", netns=netns)
+    ip("link", "set", "br0", "address", bridge_mac(netns), netns=netns)
+    ip("link", "set", "br0", "up", netns=netns)
+
+
 @dataclass(slots=True)
 class PodNetwork:
     """One pod's namespace and address."""
@@ -159,9 +177,8 @@ class NodeNetwork:
         delete_namespace(self.netns)
         ip("netns", "add", self.netns)
         ip("link", "set", "lo", "up", netns=self.netns)
-        ip("link", "add", "br0", "type", "bridge", netns=self.netns)
+        add_bridge(self.netns)
         ip("addr", "add", f"{self.gateway}/{self.pod_cidr.prefixlen}", "dev", "br0", netns=self.netns)
-        ip("link", "set", "br0", "up", netns=self.netns)
 
     def add_pod(self, uid: str, hosts_for: Callable[[str], str]) -> PodNetwork:
         """A namespace for the pod, wired to the bridge; its /etc/hosts is `hosts_for(pod_ip)`."""
@@ -234,8 +251,7 @@ class ClusterNetwork:
         delete_namespace(self.netns)
         ip("netns", "add", self.netns)
         ip("link", "set", "lo", "up", netns=self.netns)
-        ip("link", "add", "br0", "type", "bridge", netns=self.netns)
-        ip("link", "set", "br0", "up", netns=self.netns)
+        add_bridge(self.netns)           # its MAC fixed too: nodes join it as pods join theirs
         return self
 
     def attach(self, node: NodeNetwork) -> None:

@@ -36,6 +36,7 @@ from cluster import wait_until
 from controlplane import KubeCluster
 
 from splitserve.operator import builders, names
+from splitserve.services.cli.parsers import build_parser
 from splitserve.services.epp.objectives import ObjectiveBook, ObjectiveWatch
 from splitserve.services.spec.serving_deployment import ServingDeploymentSpec
 from splitserve.services.worker.stats_metrics import COUNTERS, GAUGES, TIER_COUNTERS, TIER_DROPPED, TIER_GAUGES
@@ -522,7 +523,9 @@ def test_gateway_renders_the_pool_its_endpoint_picker_and_route(k8s_bin_dir: Pat
         {"name": "grpc", "protocol": "TCP", "port": 9002, "targetPort": "grpc", "appProtocol": "kubernetes.io/h2c"},
         {"name": "metrics", "protocol": "TCP", "port": 9090, "targetPort": "metrics"}]
     [container] = template["spec"]["containers"]
-    assert container["command"] == ["splitserve", "epp"]
+    assert container["command"] == ["splitserve", "--log-level", "INFO", "epp"]    # gateway.epp.logLevel
+    parsed = build_parser().parse_args(container["command"][1:] + container["args"])
+    assert (parsed.command, parsed.log_level, parsed.pool_name) == ("epp", "INFO", "llm")
     assert container["args"] == ["--pool-name", "llm", "--pool-namespace", "splitserve", "--model", "smollm2",
                                  "--host", "0.0.0.0", "--port", "9002", "--health-port", "9003",
                                  "--metrics-port", "9090"]

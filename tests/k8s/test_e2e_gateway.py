@@ -89,7 +89,7 @@ def e2e(kube_cluster: KubeCluster, pod_model_dir: Path, tmp_path_factory: pytest
            if kube_cluster.kubectl("get", "crd", crd, check=False).returncode == 0}
     values = {"gateway": {"enabled": True, "deployment": SD_NAME, "installCRDs": True, "model": str(pod_model_dir),
                           "targetPort": GATEWAY_PORT,
-                          "epp": {"extraArgs": ["--remote-prefill-threshold", str(THRESHOLD)],
+                          "epp": {"logLevel": "debug", "extraArgs": ["--remote-prefill-threshold", str(THRESHOLD)],
                                   # the node agent's node (kwok nodes run nothing)
                                   "nodeSelector": {AGENT_LABEL: "true"}}}}
     try:
@@ -351,6 +351,7 @@ def _epp_log(e2e: E2EDeployment) -> str:
     if pod is None:
         return "(no EPP pod)"
     try:
-        return e2e.agent.container_log(e2e.namespace, pod["metadata"]["name"])[-3000:]
+        return e2e.agent.container_log(e2e.namespace, pod["metadata"]["name"])[-8000:]
     except KeyError:
         return f"(EPP pod {pod['metadata']['name']} not on the agent's node: {pod['spec'].get('nodeName')})"
+

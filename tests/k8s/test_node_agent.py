@@ -7,6 +7,7 @@ Networking and names: test_node_agent_network.py."""
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import os
 import secrets
@@ -19,7 +20,7 @@ from kubernetes.client import CoordinationV1Api
 from cluster import wait_until
 from controlplane import KubeCluster
 from node_agent import AGENT_TAINT, GPU_TAINT, TOLERATION, NodeAgent
-from node_agent_net import NAME_PREFIX, sweep_stale_namespaces
+from node_agent_net import NAME_PREFIX, ClusterNetwork, NodeNetwork, bridge_mac, sweep_stale_namespaces
 from node_agent_workloads import (GRPC_SERVER, PORT, get_in_netns, is_ready, next_pod_cidr, server_pod,
                                   wait_pod, wait_pod_gone)
 
@@ -279,3 +280,32 @@ def test_an_empty_dir_over_the_python_environment_leaves_it_in_place(kube_cluste
     assert os.path.realpath(seen["splitserve"]) == os.path.realpath(__import__("splitserve").__file__)
     # Only what the environment needs shows through the empty volume.
     assert seen["beside"] == [os.path.basename(os.path.realpath(sys.prefix))]
+
+
+def test_the_pods_gateway_keeps_its_mac_as_pods_join():
+    """Linux gives a bridge without an address of its own the lowest MAC of its ports: a pod
+    joining with a lower one moved the gateway's MAC under the pods already there, and their
+    connections stalled for 30-40 s (the e2e gateway test's picker lost its watch events). The
+    node's bridge and the cluster's keep the MAC the agent set."""
+    network = NodeNetwork(f"{NAME_PREFIX}-{os.getpid()}-mac", ipaddress.ip_network("10.249.7.0/24"))
+    cluster = ClusterNetwork(f"{NAME_PREFIX}-{os.getpid()}-macc")
+    try:
+        network.create()
+        cluster.create()
+        cluster.attach(network)
+        macs = [_bridge_mac(network.netns)]
+        for i in range(6):
+            network.add_pod(f"uid-{i}", lambda ip: f"{ip} pod\n")
+            macs.append(_bridge_mac(network.netns))
+        assert set(macs) == {bridge_mac(network.netns)}, macs
+        assert _bridge_mac(cluster.netns) == bridge_mac(cluster.netns)
+        assert bridge_mac(network.netns) != bridge_mac(cluster.netns)
+    finally:
+        network.destroy()
+        cluster.destroy()
+
+
+def _bridge_mac(netns: str) -> str:
+    shown = subprocess.run(["ip", "-n", netns, "-j", "link", "show", "br0"], capture_output=True, text=True,
+                           check=True).stdout
+    return json.loads(shown)[0]["address"]
