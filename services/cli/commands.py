@@ -147,6 +147,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
 
     if args.kv_store == "etcd" and not etcd_endpoints(args.etcd):
         raise SplitserveError("--kv-store etcd needs --etcd (where the store registered)")
+    _check_kv_faults()
     if args.engine == "vllm":
         launcher = _vllm_launcher(args)
     else:
@@ -322,8 +323,23 @@ def _check_vllm_serve(args: argparse.Namespace) -> None:
         args.aggregated = True
 
 
+def _check_kv_faults() -> None:
+    """A bad SPLITSERVE_KV_FAULTS is an error at start, not in the middle of a transfer."""
+    from splitserve.kvtransfer.faults import FaultSpecError, FaultSwitch
+
+    try:
+        switch = FaultSwitch.from_env()
+    except FaultSpecError as exc:
+        raise SplitserveError(f"SPLITSERVE_KV_FAULTS: {exc}") from None
+    if switch.armed:
+        logging.getLogger(__name__).warning("KV fault injection is on (%s): blocks will be damaged on purpose",
+                                            ", ".join(f"{k}={v.kind}@{v.rate:g}" for k, v in switch.fixed.items())
+                                            or switch.path)
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     check_tool_args(args)
+    _check_kv_faults()
     _check_vllm_serve(args)
     if args.kv_store_gib and args.on_ray:
         raise SplitserveError("--kv-store-gib is not available on Ray yet; run `splitserve kvstore` yourself")

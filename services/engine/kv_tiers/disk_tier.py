@@ -9,7 +9,8 @@ an earlier run are not trusted to be this run's.
 A read verifies the frame (block_codec): a truncated, corrupt or foreign file is deleted and
 BlockRejected raised (the caller counts the reason), and the block is recomputed. A write that fails (a full disk, an I/O
 error) is counted and the block dropped; `take_dropped` hands such hashes to the caller so the
-router hears that they are gone.
+router hears that they are gone. The fault switch (kvtransfer/faults.py, site `disk`) flips a bit
+of a block's file or leaves the file unwritten; its read is then rejected as above.
 """
 
 from __future__ import annotations
@@ -23,15 +24,22 @@ from collections import Counter, OrderedDict
 from pathlib import Path
 
 from splitserve.kvtransfer.block_codec import BlockRejected, HEADER, decode, encode_header
+from splitserve.kvtransfer.faults import FaultSwitch, flip_bit
 
 log = logging.getLogger(__name__)
+
+
+class _Dropped(Exception):
+    """The fault switch's `disk=drop`: this write never happens."""
 
 
 class DiskTier:
     name = "disk"
 
-    def __init__(self, path: str | Path, capacity_bytes: int, layout: bytes, block_bytes: int):
+    def __init__(self, path: str | Path, capacity_bytes: int, layout: bytes, block_bytes: int,
+                 faults: FaultSwitch | None = None):
         self.dir = Path(path)
+        self.faults = faults if faults is not None else FaultSwitch.from_env()
         self.dir.mkdir(parents=True, exist_ok=True)
         self.layout = layout
         self.block_bytes = block_bytes
@@ -101,12 +109,20 @@ class DiskTier:
         if payload is None:
             return                                # evicted before its turn
         tmp = path.with_suffix(".tmp")
+        fault = self.faults.hit("disk", f"disk block {block_hash.hex()[:12]}") if self.faults.armed else ""
         try:
+            if fault == "drop":
+                raise _Dropped
             with open(tmp, "wb") as f:
                 f.write(encode_header(self.layout, payload))
+                if fault == "flip":
+                    payload = bytearray(payload)
+                    flip_bit(payload)
                 f.write(payload)
             os.replace(tmp, path)
             self.bytes_written += self.file_bytes
+        except _Dropped:
+            pass                                  # injected: the entry stays, its read fails
         except OSError as exc:
             reason = "disk_full" if exc.errno == errno.ENOSPC else "io_error"
             log.warning("KV disk tier: writing a block failed (%s); it will be recomputed", exc)

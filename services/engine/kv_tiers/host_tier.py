@@ -2,9 +2,10 @@
 
 On CPU the device pool is already DRAM; this is a second, separate pool that holds what the
 first evicted, so its size is what `--kv-host-gib` adds. On CUDA the slots are pinned, so
-loads back to the GPU are DMA copies. Each slot keeps the CRC-32 taken when the block came in,
+loads back to the GPU are DMA copies. Each slot keeps the checksum (xxh3-64) taken when the block came in,
 checked again when it goes out (memory corruption or a bug in slot bookkeeping would otherwise
-be a wrong token).
+be a wrong token). The fault switch (kvtransfer/faults.py, site `host`) flips a bit of a slot
+after its checksum was taken.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from splitserve.kvtransfer.block_codec import BlockRejected, as_bytes, checksum
+from splitserve.kvtransfer.faults import FaultSwitch, flip_bit
 
 
 @dataclass(slots=True)
@@ -27,8 +29,9 @@ class HostTier:
     name = "host"
 
     def __init__(self, capacity_blocks: int, block_shape: tuple[int, ...], dtype: torch.dtype,
-                 pin_memory: bool = False):
+                 pin_memory: bool = False, faults: FaultSwitch | None = None):
         self.capacity = capacity_blocks
+        self.faults = faults if faults is not None else FaultSwitch.from_env()
         self.slots = torch.empty((capacity_blocks, *block_shape), dtype=dtype, pin_memory=pin_memory)
         self.block_bytes = self.slots[0].numel() * self.slots.element_size() if capacity_blocks else 0
         self.entries: OrderedDict[bytes, HostEntry] = OrderedDict()       # LRU first
@@ -62,6 +65,8 @@ class HostTier:
         slot = self.free_slots.pop()
         self.slots[slot].copy_(block)
         self.entries[block_hash] = HostEntry(slot, checksum(as_bytes(self.slots[slot])))
+        if self.faults.armed and self.faults.hit("host", f"host block {block_hash.hex()[:12]}") == "flip":
+            flip_bit(as_bytes(self.slots[slot]))
         return evicted
 
     def get(self, block_hash: bytes) -> torch.Tensor | None:

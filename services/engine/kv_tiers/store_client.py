@@ -18,7 +18,9 @@ blocks are recomputed and the reason counted (`rejections`). After a failure the
 leaves the store alone for a back-off (1 s, doubling to 30 s) and re-attaches, so a store
 that restarted (new agent incarnation, empty) is picked up again. After a fetch that failed
 while the store may still be alive, the fetch staging blocks are fenced until the grant's
-deadline has passed (a late WRITE could still land there).
+deadline has passed (a late WRITE could still land there). The fault switch (kvtransfer/faults.py,
+site `store`) flips a bit of a fetched block before its check, or of a published one after its
+CRC was taken (the store's own check then refuses it).
 """
 
 from __future__ import annotations
@@ -41,7 +43,8 @@ from splitserve.kvtransfer.memory import empty_pool
 from splitserve.proto.v1 import kvstore_pb2 as pb
 from splitserve.proto.v1 import kvstore_pb2_grpc
 from splitserve.discovery import KVSTORE_PREFIX
-from splitserve.kvtransfer.block_codec import block_crc
+from splitserve.kvtransfer.block_codec import as_bytes, block_crc
+from splitserve.kvtransfer.faults import FaultSwitch, flip_bit
 from splitserve.kvtransfer.sender_receiver import LayerReady
 
 from splitserve.services.engine.rank_connectors import connector_kwargs
@@ -89,6 +92,7 @@ class StoreClient:
             connector.close()
             raise
         self.transfer = RankTransfer(connector, layout.block_size)
+        self.faults = FaultSwitch.from_env()
         half = staging_blocks // 2
         self._fetch_ids = list(range(half))
         self._publish_free = list(range(half, staging_blocks))
@@ -252,6 +256,7 @@ class StoreClient:
         finally:
             self.transfer.release(rid)
         for i in range(n):
+            self._inject(staging[i], f"fetched block {hashes[i].hex()[:12]}")
             if block_crc(self.staging, staging[i]) != reply.crcs[i]:
                 with self._lock:
                     self._rejected["store_corrupt"] += n - i
@@ -280,6 +285,11 @@ class StoreClient:
         src = torch.tensor([block_id for block_id, _ in blocks[:take]], device=pool.device)
         self.staging.index_copy_(2, torch.tensor(slots), pool.index_select(2, src).cpu())
         self._outbox.put((slots, [h for _, h in blocks[:take]]))
+
+    def _inject(self, slot: int, what: str) -> None:
+        """The fault switch's `store=flip`: one bit of staging block `slot` (its first layer's K)."""
+        if self.faults.armed and self.faults.hit("store", what) == "flip":
+            flip_bit(as_bytes(self.staging[0, 0, slot]))
 
     def take_events(self) -> list[tuple[str, tuple[bytes, ...]]]:
         with self._lock:
@@ -330,6 +340,8 @@ class StoreClient:
         if not self._ready():
             return
         crcs = [block_crc(self.staging, slot) for slot in slots]
+        for slot, block_hash in zip(slots, hashes):
+            self._inject(slot, f"published block {block_hash.hex()[:12]}")
         rid = f"{self.name}-publish-{next(self._serials)}"
         offer = pb.OfferBlocksRequest(request_id=rid, agent_name=self.name, block_hashes=hashes, crcs=crcs)
         try:

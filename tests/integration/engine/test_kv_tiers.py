@@ -196,3 +196,26 @@ def test_a_full_disk_drops_blocks_and_recomputes_token_exact(llama_dir, referenc
     assert result["out"] == [reference["A"], reference["B"], reference["A"]]
     assert result["write_failures"] == {"disk_full": 9}
     assert result["disk_hits"] == 1 and len(result["files"]) == 1 and result["files"][0].endswith(".kvb")
+
+
+@pytest.mark.parametrize("fault, tier, reason", [("host=flip", "host", "corrupt"), ("disk=flip", "disk", "corrupt"),
+                                                 ("disk=drop", "disk", "io_error")])
+def test_the_fault_switch_damages_every_tier_block_and_none_reaches_a_token(llama_dir, reference, tmp_path,
+                                                                          monkeypatch, fault, tier, reason):
+    """SPLITSERVE_KV_FAULTS (kvtransfer/faults.py) at rate 1: every block the tier keeps is damaged;
+    loading A's prefix back meets its first block, rejects it and recomputes: token-exact."""
+    monkeypatch.setenv("SPLITSERVE_KV_FAULTS", fault)
+    tiers = {"kv_host_gib": 0.01} if tier == "host" else {"kv_disk_gib": 0.05, "kv_disk_path": str(tmp_path)}
+    engine = _engine(llama_dir, **tiers)
+    try:
+        _evict_a(engine, reference)
+        if tier == "disk":
+            engine.tiers.disk.flush()
+        damaged = getattr(engine.tiers, tier).faults.injected[tier]
+        assert damaged >= 5                                   # A's five full blocks at least
+        assert _run(engine, "A") == reference["A"]
+        stats = engine.tiers.stats
+        assert stats.rejected[reason] == 1 and stats.hits[tier] == 0
+        assert engine.tiers.rejections()[reason] == 1
+    finally:
+        engine.close()

@@ -93,6 +93,40 @@ def test_a_prefix_computed_on_one_worker_is_fetched_by_another(llama_dir, backen
     assert codes == [0, 0, 0, 0] and not cluster.killed, cluster.outputs()[-6000:]
 
 
+@pytest.mark.parametrize("backend", ["tcp", "nixl"])
+def test_damaged_store_blocks_are_refused_both_ways_and_recomputed(llama_dir, backend):
+    """The fault switch (SPLITSERVE_KV_FAULTS=store=flip, kvtransfer/faults.py) on the fetching
+    worker: every block it fetches has a bit flipped before its check, which refuses it
+    (store_corrupt): A is recomputed, token-exact. On a publishing worker: every block it
+    publishes is flipped after its CRC was taken, and the store's own check refuses to keep it."""
+    cluster = Cluster(llama_dir, transfer=backend)
+    faulty = {"SPLITSERVE_KV_FAULTS": "store=flip"}
+    try:
+        _, store = cluster.start_kvstore(STORE_GIB, "--transfer", backend)
+        cluster.start_worker("w1", "both", "--kv-store", store, "--transfer", backend)
+        cluster.start_worker("w2", "both", "--kv-store", store, "--transfer", backend, env=faulty)
+        cluster.start_worker("w3", "both", "--kv-store", store, "--transfer", backend, env=faulty)
+        cluster.wait_workers()
+        w1, w2, w3 = (cluster.workers[n].address for n in ("w1", "w2", "w3"))
+        want = run(w1, "A", "a1")
+        wait_held(store, 5)
+        assert run(w2, "A", "a2") == want                # fetched, refused, recomputed
+        s2 = worker_stats(w2)
+        assert s2.kv_tier_rejections["store_corrupt"] == 5 and tier_hits(w2).get("store", 0) == 0
+        assert s2.num_prompt_tokens_computed == len(PROMPTS["A"])
+
+        run(w3, "B", "b3")                               # B's blocks are new: w3 publishes them, flipped
+        wait_until(lambda: store_stats(store).counters["rejected_corrupt"] >= 5, timeout=30, interval=0.1,
+                   what="the store to refuse w3's five damaged blocks", details=lambda: store_stats(store))
+        assert store_stats(store).blocks_held == 5       # A's, from w1; none of B's
+        assert run(w1, "B", "b1") == run(w3, "B", "b3-again")
+    finally:
+        codes = cluster.close(grace_s=30.0)
+    assert not cluster.killed, cluster.outputs()[-6000:]
+    assert codes == [0] * len(codes), cluster.outputs()[-6000:]
+    assert sum("KV faults: injecting store=flip" in line for line in cluster.outputs().splitlines()) >= 10
+
+
 def test_a_store_killed_mid_fetch_costs_a_recompute_not_a_token(llama_dir):
     cluster = Cluster(llama_dir, transfer="tcp")
     try:
