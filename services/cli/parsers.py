@@ -173,6 +173,17 @@ the vLLM engine (--engine vllm; docs/engines.md):
   (--tp 1; docs/engines.md); --kv-connector nixl-vllm runs vLLM's own NixlConnector instead.
 """
 
+KV_FAULTS_HELP = """
+damaging KV on purpose (kvtransfer/faults.py; off by default):
+  Proves that no damaged block becomes a token: each is rejected by its checksum and
+  recomputed, and counted (splitserve_kv_transfer_digest_mismatches_total,
+  splitserve_worker_kv_tier_dropped_blocks_total).
+  SPLITSERVE_KV_FAULTS        SITE=KIND[@RATE],...  transfer=drop|corrupt, host=flip,
+                              disk=flip|drop, store=flip; RATE the share of events hit (default 1)
+  SPLITSERVE_KV_FAULT_FILE    a file holding the same text: faults are on while it exists
+  SPLITSERVE_KV_FAULT_SEED    which events a RATE below 1 hits, the same in every run
+"""
+
 
 def _add_engine_choice(p: argparse.ArgumentParser, worker: bool) -> None:
     p.add_argument("--engine", choices=["builtin", "vllm"], default="builtin",
@@ -193,7 +204,7 @@ def _add_worker_parser(sub) -> None:
                        formatter_class=argparse.RawDescriptionHelpFormatter,
                        description="Run one engine (one tensor-parallel group) behind the gRPC "
                                    "Worker service and the standard gRPC health service.",
-                       epilog=WORKER_GROUP_HELP + VLLM_WORKER_HELP)
+                       epilog=WORKER_GROUP_HELP + VLLM_WORKER_HELP + KV_FAULTS_HELP)
     _add_engine_args(p)
     _add_engine_choice(p, worker=True)
     p.add_argument("--role", choices=["prefill", "decode", "both"], default="both",
@@ -461,9 +472,11 @@ def _add_autoscale_args(p: argparse.ArgumentParser) -> None:
 
 def _add_serve_parser(sub) -> None:
     p = sub.add_parser("serve", help="start workers and the frontend on this machine",
-                       description="Start the workers and the OpenAI-compatible frontend as "
-                                   "processes on this machine, wait until they are ready, print "
-                                   "the URL; Ctrl-C or SIGTERM stops them all.")
+                       formatter_class=argparse.RawDescriptionHelpFormatter,
+                       description="Start the workers and the OpenAI-compatible frontend as processes on this\n"
+                                   "machine, wait until they are ready, print the URL; Ctrl-C or SIGTERM stops\n"
+                                   "them all.",
+                       epilog=KV_FAULTS_HELP + "  (serve's workers inherit these variables)\n")
     _add_engine_args(p)
     _add_engine_choice(p, worker=False)
     p.add_argument("--aggregated", action="store_true",
