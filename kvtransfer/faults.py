@@ -3,8 +3,8 @@
 Off unless switched on. A process reads its faults from the environment:
 
 - `SPLITSERVE_KV_FAULTS="SITE=KIND[@RATE],..."`: fixed for the process's life;
-- `SPLITSERVE_KV_FAULT_FILE=PATH`: the same text, read from PATH while the file exists (re-read
-  when it changes), so a test or an operator turns faults on and off without a restart. A file
+- `SPLITSERVE_KV_FAULT_FILE=PATH`: the same text, read from PATH at each event while the file
+  exists, so a test or an operator turns faults on and off without a restart. A file
   holding only `drop` or `corrupt` means `transfer=drop` / `transfer=corrupt` (its older form);
 - `SPLITSERVE_KV_FAULT_SEED=N`: which events a RATE below 1 hits, the same in every run.
 
@@ -126,6 +126,13 @@ class FaultSwitch:
         log.warning("KV faults: injecting %s=%s%s (%s)", site, fault.kind, f" into {what}" if what else "",
                     FAULTS_ENV if site in self.fixed else self.path)
         return fault.kind
+
+    def flip(self, site: str, buffer, what: str = "") -> bool:
+        """Flip one bit of `buffer` if this event at `site` is hit by a `flip` fault."""
+        if self.hit(site, what) != "flip":
+            return False
+        flip_bit(buffer)
+        return True
 
 
 def flip_bit(buffer, index: int | None = None) -> None:

@@ -47,8 +47,8 @@ def _bytes(pool: torch.Tensor):
     return pool.view(torch.uint8).numpy()
 
 
-def block_crc(pool: torch.Tensor, layout: KVLayout, layer: int, block: int, dst_block: int,
-              algorithm: bytes = XXH3) -> int:
+def block_hash(pool: torch.Tensor, layout: KVLayout, layer: int, block: int, dst_block: int,
+               algorithm: bytes = XXH3) -> int:
     """The hash of one layer's K and V bytes of `block`, keyed by (layer, the block it lands in)."""
     return _block_hash(_bytes(pool), layout, layer, block, dst_block, algorithm)
 
@@ -71,7 +71,7 @@ def add(total: int, crc: int) -> int:
 
 def digest(pool: torch.Tensor, layout: KVLayout, layer: int, src_blocks: list[int], dst_blocks: list[int],
            algorithm: bytes = XXH3) -> int:
-    """The sum of `block_crc` over one write's blocks."""
+    """The sum of `block_hash` over one write's blocks."""
     data, total = _bytes(pool), 0
     for src, dst in zip(src_blocks, dst_blocks):
         total = add(total, _block_hash(data, layout, layer, src, dst, algorithm))
@@ -81,10 +81,9 @@ def digest(pool: torch.Tensor, layout: KVLayout, layer: int, src_blocks: list[in
 def granted_digest(pool: torch.Tensor, layout: KVLayout, block_ids: list[int],
                    algorithm: bytes = XXH3) -> tuple[int, int]:
     """(sum, pairs) over every layer of the granted `block_ids`, as they are in `pool` now."""
-    data, total = _bytes(pool), 0
+    total = 0
     for layer in range(layout.num_layers):
-        for block in block_ids:
-            total = add(total, _block_hash(data, layout, layer, block, block, algorithm))
+        total = add(total, digest(pool, layout, layer, block_ids, block_ids, algorithm))
     return total, layout.num_layers * len(block_ids)
 
 

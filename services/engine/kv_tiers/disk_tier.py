@@ -29,10 +29,6 @@ from splitserve.kvtransfer.faults import FaultSwitch, flip_bit
 log = logging.getLogger(__name__)
 
 
-class _Dropped(Exception):
-    """The fault switch's `disk=drop`: this write never happens."""
-
-
 class DiskTier:
     name = "disk"
 
@@ -108,21 +104,24 @@ class DiskTier:
             payload = self._pending.get(block_hash)
         if payload is None:
             return                                # evicted before its turn
+        fault = self.faults.hit("disk", f"disk block {block_hash.hex()[:12]}")
+        if fault != "drop":                       # an injected drop: the entry stays, its read fails
+            self._write(block_hash, path, payload, flip=fault == "flip")
+        with self._lock:
+            self._pending.pop(block_hash, None)
+
+    def _write(self, block_hash: bytes, path: Path, payload: bytes, flip: bool) -> None:
+        """The block's file (a temporary one, then a rename); a failed write is counted and dropped."""
         tmp = path.with_suffix(".tmp")
-        fault = self.faults.hit("disk", f"disk block {block_hash.hex()[:12]}") if self.faults.armed else ""
         try:
-            if fault == "drop":
-                raise _Dropped
             with open(tmp, "wb") as f:
                 f.write(encode_header(self.layout, payload))
-                if fault == "flip":
+                if flip:                          # the fault switch's disk=flip, after the checksum
                     payload = bytearray(payload)
                     flip_bit(payload)
                 f.write(payload)
             os.replace(tmp, path)
             self.bytes_written += self.file_bytes
-        except _Dropped:
-            pass                                  # injected: the entry stays, its read fails
         except OSError as exc:
             reason = "disk_full" if exc.errno == errno.ENOSPC else "io_error"
             log.warning("KV disk tier: writing a block failed (%s); it will be recomputed", exc)
@@ -130,8 +129,6 @@ class DiskTier:
             with self._lock:
                 self.write_failures[reason] += 1
                 self._dropped.append(block_hash)
-        with self._lock:
-            self._pending.pop(block_hash, None)
 
     def take_dropped(self) -> list[bytes]:
         """Hashes whose write failed since the last call (the caller forgets them and says so)."""

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from splitserve.kvtransfer.block_codec import BlockRejected, as_bytes, checksum
-from splitserve.kvtransfer.faults import FaultSwitch, flip_bit
+from splitserve.kvtransfer.faults import FaultSwitch
 
 
 @dataclass(slots=True)
@@ -65,8 +65,7 @@ class HostTier:
         slot = self.free_slots.pop()
         self.slots[slot].copy_(block)
         self.entries[block_hash] = HostEntry(slot, checksum(as_bytes(self.slots[slot])))
-        if self.faults.armed and self.faults.hit("host", f"host block {block_hash.hex()[:12]}") == "flip":
-            flip_bit(as_bytes(self.slots[slot]))
+        self.faults.flip("host", as_bytes(self.slots[slot]), f"host block {block_hash.hex()[:12]}")
         return evicted
 
     def get(self, block_hash: bytes) -> torch.Tensor | None:

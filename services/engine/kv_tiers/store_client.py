@@ -44,7 +44,7 @@ from splitserve.proto.v1 import kvstore_pb2 as pb
 from splitserve.proto.v1 import kvstore_pb2_grpc
 from splitserve.discovery import KVSTORE_PREFIX
 from splitserve.kvtransfer.block_codec import as_bytes, block_crc
-from splitserve.kvtransfer.faults import FaultSwitch, flip_bit
+from splitserve.kvtransfer.faults import FaultSwitch
 from splitserve.kvtransfer.sender_receiver import LayerReady
 
 from splitserve.services.engine.rank_connectors import connector_kwargs
@@ -288,8 +288,7 @@ class StoreClient:
 
     def _inject(self, slot: int, what: str) -> None:
         """The fault switch's `store=flip`: one bit of staging block `slot` (its first layer's K)."""
-        if self.faults.armed and self.faults.hit("store", what) == "flip":
-            flip_bit(as_bytes(self.staging[0, 0, slot]))
+        self.faults.flip("store", as_bytes(self.staging[0, 0, slot]), what)
 
     def take_events(self) -> list[tuple[str, tuple[bytes, ...]]]:
         with self._lock:

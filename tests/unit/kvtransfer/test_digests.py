@@ -32,9 +32,9 @@ def test_the_envelope_names_its_hash_and_the_receiver_recomputes_it(pool, algori
 
 
 def test_the_digest_is_keyed_by_layer_and_destination_block(pool):
-    same_bytes = transfer_digest.block_crc(pool, LAYOUT, 0, 2, dst_block=2)
-    assert transfer_digest.block_crc(pool, LAYOUT, 0, 2, dst_block=3) != same_bytes      # landed elsewhere
-    assert transfer_digest.block_crc(pool, LAYOUT, 1, 2, dst_block=2) != same_bytes
+    same_bytes = transfer_digest.block_hash(pool, LAYOUT, 0, 2, dst_block=2)
+    assert transfer_digest.block_hash(pool, LAYOUT, 0, 2, dst_block=3) != same_bytes      # landed elsewhere
+    assert transfer_digest.block_hash(pool, LAYOUT, 1, 2, dst_block=2) != same_bytes
 
 
 def test_a_block_frame_refuses_any_flipped_bit_of_its_payload():
