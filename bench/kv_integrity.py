@@ -7,10 +7,19 @@ heads of 64, blocks of 16: 92 MiB), posted layer by layer as a prefill would, th
 notification; it ends when the receiver's `watch` hands the payload on (after its digest check,
 where there is one). Throughput = bytes ÷ (first post → payload handed on).
 
+By default every layer is posted at once: no compute between layers, the worst case for the
+digest, whose hashing then competes with the copies on the sender's core instead of hiding behind
+the next layer's compute. `--layer-ms M` posts one layer every M ms, as a prefill computing layers
+does; the cost that remains is the exposed time (last layer posted → payload handed on), reported
+per mode (on this CPU one layer of a 2,048-token prefill computes in ~400 ms, bench/README).
+
 Modes, interleaved in each repetition so the machine's drift hits them alike:
 - `off`: no digest (the sender treats the receiver as unverifiable, as it does a GPU or TP>1 pool);
-- `xxh3`: the digest as shipped (transfer_digest.py: xxh3-64, envelope KVd2);
-- `crc32`: the digest before issue 41 (zlib CRC-32, envelope KVd1, which receivers still check).
+- `xxh3`: the digest as shipped (transfer_digest.py: an xxh3-64 stream per layer and K/V half over
+  runs of blocks, envelope KVd3);
+- `xxh3-blocks`: the first xxh3 digest (a sum of xxh3-64 per (layer, block), envelope KVd2);
+- `crc32`: the digest before issue 41 (the same sum with zlib CRC-32, envelope KVd1).
+Receivers check all three envelopes (earlier senders during a rolling update).
 
 `ratio` = throughput with the shipped digest ÷ without, the median over the repetitions of a
 round; target ≥ 0.95 (issue 41) in every one of `--rounds` rounds (min / median / max reported).
@@ -46,7 +55,7 @@ from splitserve.kvtransfer.rank_transfer import RankTransfer
 from splitserve.kvtransfer.sender_receiver import LayerReady, TransferEndpoint, TransferGrant, TransferTarget
 
 TARGET = 0.95
-MODES = ("off", "xxh3", "crc32")
+MODES = ("off", "xxh3", "xxh3-blocks", "crc32")
 LAYOUT = dict(model="smollm2-135m", dtype="float32", num_layers=30, num_kv_heads=3, head_dim=64, block_size=16)
 
 
@@ -79,19 +88,18 @@ def _receiver(conn, backend: str, num_blocks: int) -> None:
     transfer.close()
 
 
-def _mode(sender: RankTransfer, mode: str, originals) -> None:
+def _mode(sender: RankTransfer, mode: str) -> None:
     """Point the sender at one mode's digest (module docstring)."""
-    digest, seal = originals
     sender._verifiable = (lambda target: False) if mode == "off" else functools.partial(
         RankTransfer._verifiable, sender)
-    algorithm = transfer_digest.CRC32 if mode == "crc32" else transfer_digest.XXH3
-    transfer_digest.digest = functools.partial(digest, algorithm=algorithm)
-    transfer_digest.seal = functools.partial(seal, algorithm=algorithm)
+    earlier = {"xxh3-blocks": transfer_digest.XXH3, "crc32": transfer_digest.CRC32}.get(mode)
+    sender.new_digest = transfer_digest.StreamDigest if earlier is None else functools.partial(
+        transfer_digest.BlockSumDigest, algorithm=earlier)
 
 
 def one_transfer(sender: RankTransfer, conn, receiver_meta, request_id: str, blocks: list[int],
-                 num_tokens: int) -> float:
-    """Seconds from the first post to the receiver handing the payload on."""
+                 num_tokens: int, layer_s: float = 0.0) -> tuple[float, float]:
+    """Seconds from the first post, and from the last, to the receiver handing the payload on."""
     conn.send((request_id, blocks))
     incarnation, deadline = conn.recv()
     target = TransferTarget(TransferEndpoint(receiver_meta.name, receiver_meta.to_bytes(),
@@ -101,48 +109,54 @@ def one_transfer(sender: RankTransfer, conn, receiver_meta, request_id: str, blo
     began = time.monotonic()
     sender.begin(request_id, target, num_tokens, notify=True)
     for layer in range(LAYOUT["num_layers"]):
+        if layer and layer_s:
+            time.sleep(layer_s)                                   # the next layer computing
         sender.on_layer_ready(LayerReady(request_id, layer, 0, blocks, num_tokens))
+    last = time.monotonic()
     sender.close_send(request_id, b"first-token", lambda payload, error: sent.set())
     at, error = conn.recv()
     if error is not None:
         raise RuntimeError(f"{request_id}: {error}")
     sent.wait(10)
-    return at - began
+    return at - began, at - last
 
 
-def run_round(backend: str, num_tokens: int, repeats: int) -> dict:
+def run_round(backend: str, num_tokens: int, repeats: int, layer_s: float = 0.0) -> dict:
     layout = KVLayout(**LAYOUT)
     num_blocks = -(-num_tokens // layout.block_size)
     nbytes = num_blocks * layout.num_layers * 2 * layout.block_size * layout.num_kv_heads * layout.head_dim * 4
     parent, child = mp.Pipe()
     receiver = mp.get_context("spawn").Process(target=_receiver, args=(child, backend, num_blocks), daemon=True)
     receiver.start()
-    originals = (transfer_digest.digest, transfer_digest.seal)
     sender = _transfer(backend, "prefill", num_blocks, seed=2, core=0)
     try:
         meta = parent.recv()
         blocks = list(range(num_blocks))
         seconds: dict[str, list[float]] = {m: [] for m in MODES}
+        exposed: dict[str, list[float]] = {m: [] for m in MODES}
         for i in range(repeats + 1):                              # the first repetition warms up
             order = MODES if i % 2 else tuple(reversed(MODES))
             for mode in order:
-                _mode(sender, mode, originals)
-                took = one_transfer(sender, parent, meta, f"{mode}-{i}", blocks, num_tokens)
+                _mode(sender, mode)
+                took, tail = one_transfer(sender, parent, meta, f"{mode}-{i}", blocks, num_tokens, layer_s)
                 if i:
                     seconds[mode].append(took)
+                    exposed[mode].append(tail)
         parent.send(None)
         receiver.join(30)
     finally:
-        transfer_digest.digest, transfer_digest.seal = originals
         sender.close()
         if receiver.is_alive():
             receiver.kill()
     gbps = {m: [nbytes / s / 1e9 for s in v] for m, v in seconds.items()}
     ratios = [a / b for a, b in zip(gbps["xxh3"], gbps["off"])]
+    blocks_ratios = [a / b for a, b in zip(gbps["xxh3-blocks"], gbps["off"])]
     crc_ratios = [a / b for a, b in zip(gbps["crc32"], gbps["off"])]
     return {"bytes": nbytes, "gbps_median": {m: statistics.median(v) for m, v in gbps.items()},
             "gbps_best": {m: max(v) for m, v in gbps.items()}, "ratio": statistics.median(ratios),
-            "ratio_crc32": statistics.median(crc_ratios), "repeats": repeats}
+            "ratio_xxh3_blocks": statistics.median(blocks_ratios), "ratio_crc32": statistics.median(crc_ratios),
+            "exposed_ms_median": {m: statistics.median(v) * 1e3 for m, v in exposed.items()},
+            "repeats": repeats, "layer_ms": layer_s * 1e3}
 
 
 def main() -> int:
@@ -151,6 +165,8 @@ def main() -> int:
     p.add_argument("--tokens", type=int, default=2048)
     p.add_argument("--repeats", type=int, default=8)
     p.add_argument("--rounds", type=int, default=1)
+    p.add_argument("--layer-ms", type=float, default=0.0,
+                   help="post one layer every this many ms, as a computing prefill does (default 0: all at once)")
     p.add_argument("--quick", action="store_true", help="one round, 2 repetitions, tcp only")
     p.add_argument("--out", default=None)
     args = p.parse_args()
@@ -160,20 +176,23 @@ def main() -> int:
     results: dict[str, list[dict]] = {b: [] for b in args.backends}
     for r in range(args.rounds):
         for backend in args.backends:
-            results[backend].append(run_round(backend, args.tokens, args.repeats))
+            results[backend].append(run_round(backend, args.tokens, args.repeats, args.layer_ms / 1e3))
     console = Console()
+    paced = f", one layer every {args.layer_ms:g} ms" if args.layer_ms else ", all layers at once"
     table = Table(title=f"KV transfer with and without its digest ({args.tokens} tokens, "
-                        f"{results[args.backends[0]][0]['bytes'] / 2**20:.0f} MiB)")
-    for column in ("backend", "round", "GB/s off", "GB/s xxh3", "GB/s crc32", f"xxh3 / off (≥ {TARGET})",
-                   "crc32 / off"):
+                        f"{results[args.backends[0]][0]['bytes'] / 2**20:.0f} MiB{paced})")
+    for column in ("backend", "round", "GB/s off", "GB/s xxh3", "GB/s xxh3-blocks", "GB/s crc32",
+                   f"xxh3 / off (≥ {TARGET})", "xxh3-blocks / off", "crc32 / off", "exposed ms off / xxh3"):
         table.add_column(column)
     met = True
     summary = {}
     for backend, rounds in results.items():
         for i, row in enumerate(rounds, 1):
             g = row["gbps_median"]
-            table.add_row(backend, str(i), f"{g['off']:.2f}", f"{g['xxh3']:.2f}", f"{g['crc32']:.2f}",
-                          f"{row['ratio']:.3f}", f"{row['ratio_crc32']:.3f}")
+            table.add_row(backend, str(i), f"{g['off']:.2f}", f"{g['xxh3']:.2f}", f"{g['xxh3-blocks']:.2f}",
+                          f"{g['crc32']:.2f}", f"{row['ratio']:.3f}", f"{row['ratio_xxh3_blocks']:.3f}",
+                          f"{row['ratio_crc32']:.3f}",
+                          f"{row['exposed_ms_median']['off']:.2f} / {row['exposed_ms_median']['xxh3']:.2f}")
         ratios = [row["ratio"] for row in rounds]
         summary[backend] = {"min": min(ratios), "median": statistics.median(ratios), "max": max(ratios),
                             "met": all(x >= TARGET for x in ratios)}

@@ -50,6 +50,7 @@ import numpy as np
 import torch
 
 from splitserve.kvtransfer import auth
+from splitserve.kvtransfer.frames import PROGRESS_MAGIC
 from splitserve.kvtransfer.errors import (BlockOutOfRangeError, LayoutMismatchError, NotReservedError, PeerAuthError,
                      ReservationExpiredError, StalePeerError, TransferError, TransferTimeoutError)
 from splitserve.kvtransfer.layout import KVLayout
@@ -59,6 +60,9 @@ from splitserve.kvtransfer.reservations import ReservationTable
 from splitserve.kvtransfer.tp_slicing import HeadSlice, head_slice
 
 MAX_NOTIFY_PAYLOAD = 64 * 1024
+# AgentMetadata.features of this build: "digest-stream", the KVd3 transfer digest (transfer_digest.py).
+# "progress-notes", notes a receiver keeps aside while its reservation stays open (post_progress).
+FEATURES = ("digest-stream", "progress-notes")
 _GRANT_CACHE_SIZE = 64           # reservations whose destination-block masks a sender keeps
 
 
@@ -85,6 +89,10 @@ class AgentMetadata:
     device: str                      # "cpu" | "cuda:N"
     agent_blob: bytes = b""          # backend agent metadata (NIXL get_agent_metadata())
     auth: bytes = b""                # HMAC tag of the fields above under the transfer token (auth.py)
+    # What this agent understands beyond the first protocol (FEATURES); a sender uses only those.
+    # Not signed, so that agents from before it still verify the tag: dropping one only
+    # makes a sender fall back to what every receiver understands.
+    features: tuple[str, ...] = ()
 
     def to_bytes(self) -> bytes:
         values = asdict(self)
@@ -99,7 +107,9 @@ class AgentMetadata:
         values["layer_base_addrs"] = tuple(values["layer_base_addrs"])
         values["agent_blob"] = base64.b64decode(values["agent_blob"])
         values["auth"] = base64.b64decode(values.get("auth", ""))
-        return cls(**values)
+        values["features"] = tuple(values.get("features", ()))
+        known = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in values.items() if k in known})   # a later agent's fields are ignored
 
     def signed_fields(self) -> tuple:
         """What the auth tag covers: everything a sender trusts when it writes into this agent."""
@@ -124,7 +134,7 @@ class TransferHandle:
 
     request_id: str
     peer: str
-    kind: str                        # "write" | "notify"
+    kind: str                        # "write" | "notify" | "progress"
     layer: int                       # -1 for a notification
     num_bytes: int
     posted_at: float                 # time.monotonic()
@@ -224,7 +234,7 @@ class Connector(ABC):
 
     def _sign(self, meta: AgentMetadata) -> AgentMetadata:
         """`meta` with its auth tag under this agent's token (backends' `metadata()` return this)."""
-        return dataclasses.replace(meta, auth=auth.tag(self.token, *meta.signed_fields()))
+        return dataclasses.replace(meta, auth=auth.tag(self.token, *meta.signed_fields()), features=FEATURES)
 
     def peer(self, name: str) -> AgentMetadata | None:
         """The current metadata of peer `name`; None if it was never added or was removed."""
@@ -262,6 +272,24 @@ class Connector(ABC):
         It is delivered only after every write this connector posted for the request has
         completed; if one failed, the notification fails with that error.
         """
+        peer = self._notified_peer(reservation, payload)
+        with self._lock:
+            posted = self._written.pop((peer.name, reservation.request_id), [])
+        written = tuple(np.unique(np.concatenate(posted)).tolist()) if posted else ()
+        return self._post_notify(peer, reservation, written, payload)
+
+    def post_progress(self, reservation: Reservation, payload: bytes) -> TransferHandle:
+        """Post a progress note for the request (its first layers landed, say); returns at once.
+
+        Unlike `notify` it ends nothing and waits for no write: the receiver's owner takes it
+        with `take_progress` while the reservation stays open. Send it only to a peer whose
+        metadata names the "progress-notes" feature.
+        """
+        payload = PROGRESS_MAGIC + payload
+        return self._post_notify(self._notified_peer(reservation, payload), reservation, (), payload, progress=True)
+
+    def _notified_peer(self, reservation: Reservation, payload: bytes) -> AgentMetadata:
+        """The grant's receiver, if a notification of `payload` may go to it now."""
         if len(payload) > MAX_NOTIFY_PAYLOAD:
             raise ValueError(f"notification payload of {len(payload)} bytes exceeds {MAX_NOTIFY_PAYLOAD}")
         try:
@@ -270,10 +298,7 @@ class Connector(ABC):
         except TransferError as error:
             self._count_failure(type(error))
             raise
-        with self._lock:
-            posted = self._written.pop((peer.name, reservation.request_id), [])
-        written = tuple(np.unique(np.concatenate(posted)).tolist()) if posted else ()
-        return self._post_notify(peer, reservation, written, payload)
+        return peer
 
     def poll(self, handle: TransferHandle) -> bool:
         """True when done, False while in flight; raises the handle's TransferError on failure."""
@@ -323,6 +348,12 @@ class Connector(ABC):
         """Open reservations: request id → block ids. Empty when nothing leaks."""
         self._progress()
         return self._require_table().active()
+
+    def take_progress(self, request_id: str) -> list[bytes]:
+        """The progress notes (`post_progress` payloads) that arrived for the request since the last
+        call, oldest first; [] for an unknown or ended request. Does not drive the backend:
+        `progress` or `poll_notification` does."""
+        return self._require_table().take_progress(request_id)
 
     def poll_notification(self, request_id: str) -> bytes | None:
         """The notification payload once it arrived (the reservation then ends), None while open.
@@ -384,7 +415,9 @@ class Connector(ABC):
 
     @abstractmethod
     def _post_notify(self, peer: AgentMetadata, reservation: Reservation, block_ids: tuple[int, ...],
-                     payload: bytes) -> TransferHandle: ...
+                     payload: bytes, progress: bool = False) -> TransferHandle:
+        """Deliver `payload` after the request's posted writes completed (`progress`: at once, in order
+        behind what was posted before it)."""
 
     @abstractmethod
     def _check(self, handle: TransferHandle) -> None:
@@ -483,7 +516,8 @@ class Connector(ABC):
             self._count_failure(type(handle.error))
             return
         self.metric("transfers", "send", handle.kind).inc()
-        self.metric("bytes", "send").inc(handle.num_bytes)
+        if handle.kind != "progress":           # KV and the completion's payload; a note is not KV
+            self.metric("bytes", "send").inc(handle.num_bytes)
         if handle.kind == "write":
             self.metric("latency").observe(time.monotonic() - handle.posted_at)
 

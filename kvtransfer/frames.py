@@ -13,6 +13,10 @@ from dataclasses import dataclass
 import numpy as np
 
 NOTIFY_MAGIC = b"SKN1"
+# A notification whose payload starts with this is a progress note (Connector.post_progress): the
+# receiver keeps it aside and the reservation stays open. Only sent to agents naming the
+# "progress-notes" feature (an earlier receiver would take it for the completion).
+PROGRESS_MAGIC = b"SKP1"
 FRAME_MAGIC = b"SKF1"
 REPLY_MAGIC = b"SKR1"
 

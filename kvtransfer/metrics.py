@@ -22,7 +22,7 @@ class TransferMetrics:
     """Collectors shared by every connector registered against one registry."""
 
     bytes: Counter           # labels: backend, direction ("send" | "recv")
-    transfers: Counter       # labels: backend, direction, kind ("write" | "notify")
+    transfers: Counter       # labels: backend, direction, kind ("write" | "notify" | "progress")
     latency: Histogram       # labels: backend; post → completion of one write, seconds
     failures: Counter        # labels: backend, reason (TransferError.reason)
     # Per send, from the sender's own timestamps (rank_transfer.py), labels: backend.

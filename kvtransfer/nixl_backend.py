@@ -256,18 +256,19 @@ class NixlConnector(Connector):
         return handle
 
     def _post_notify(self, peer: AgentMetadata, reservation: Reservation, block_ids: tuple[int, ...],
-                     payload: bytes) -> TransferHandle:
+                     payload: bytes, progress: bool = False) -> TransferHandle:
         message = Notification(reservation.request_id, reservation.incarnation, block_ids, payload).encode()
         message += auth.tag(self.token, message)        # the receiver accepts it only with the token
-        handle = self._new_handle(reservation, peer.name, "notify", -1, len(payload))
+        handle = self._new_handle(reservation, peer.name, "progress" if progress else "notify", -1, len(payload))
         with self._lock:
-            writes = self._writes.pop((peer.name, reservation.request_id), [])
+            # A progress note waits for no write (its sender waited for what it reports).
+            writes = [] if progress else self._writes.pop((peer.name, reservation.request_id), [])
             self._notifies.append(_PendingNotify(handle, self._remote[peer.name], message, writes))
         self._progress()
         return handle
 
     def _check(self, handle: TransferHandle) -> None:
-        if handle.kind == "notify":
+        if handle.kind != "write":
             self._progress()
             return
         xfer = handle.backend_state

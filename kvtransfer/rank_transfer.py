@@ -54,6 +54,7 @@ from splitserve.kvtransfer import AgentMetadata, Connector, Reservation, Transfe
 from splitserve.kvtransfer.errors import ReservationExpiredError, TransferError, TransferTimeoutError
 from splitserve.kvtransfer import transfer_digest
 from splitserve.kvtransfer.faults import FaultSwitch
+from splitserve.kvtransfer.layout import KVLayout
 from splitserve.kvtransfer.tp_slicing import head_slice
 from splitserve.kvtransfer.sender_receiver import LayerReady
 
@@ -84,16 +85,25 @@ class _Send:
     notifies: list[TransferHandle] | None = None
     on_done: Done | None = None          # told once the send ended (driver thread)
     closed: bool = False                 # nothing more will be posted: the driver finishes it
-    digesting: bool = False              # the receiver verifies this send (transfer_digest.py)
+    digest: transfer_digest.StreamDigest | None = None   # where the receiver verifies this send
+    announce: bool = False               # tell the receiver each layer that landed (transfer_digest.py)
+    announced: int = 0                   # layers announced so far, in order
+    notes: list[TransferHandle] = field(default_factory=list)   # the announcements posted
     to_digest: list[tuple[int, list[int], list[int]]] = field(default_factory=list)  # (layer, src, dst) posted
-    digest: int = 0
-    digest_pairs: int = 0
     fault: str = ""                      # faults.py's transfer fault, injected into the middle layer
     first_posted_at: float = 0.0         # time.monotonic() of the first layer report, and of the last
     all_posted_at: float = 0.0
 
     def all_posted(self) -> bool:
         return all(n == len(self.dst_block_ids) for n in self.next_block)
+
+
+@dataclass(slots=True)
+class _LayerChecks:
+    """Receiver: the layers of one request checked as their progress notes came (transfer_digest.py)."""
+
+    held: dict[int, int] = field(default_factory=dict)     # layer → its digest, which matched
+    mismatched: list[int] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -115,6 +125,7 @@ class _Driver(threading.Thread):
         self.sends: dict[str, _Send] = {}
         self.expected: dict[str, Done | None] = {}
         self.draining: list[_Drain] = []         # fenced sends whose posted writes may be in flight
+        self.on_progress: Callable[[str, list[bytes]], None] | None = None   # receiver: progress notes
         self._wake = threading.Event()
         self._stopping = False
 
@@ -154,12 +165,20 @@ class _Driver(threading.Thread):
             sends = [(rid, s) for rid, s in self.sends.items() if s.closed]
             open_sends = [s for s in self.sends.values() if not s.closed]
             expected = [(rid, w) for rid, w in self.expected.items() if w is not None]
+            expecting = list(self.expected) if self.on_progress is not None else []
             draining = list(self.draining)
+        for rid in expecting:                    # before the completions: their checks queue first
+            notes = self.connector.take_progress(rid)
+            if notes:
+                self.on_progress(rid, notes)
         for drain in draining:
             self._drive_drain(drain)
         for send in open_sends:
-            self._digest(send)
             self._poll_writes(send)              # each write's completion time, while the prompt computes
+            if send.announce:
+                self._announce(send)
+            else:
+                self._digest(send)
         for rid, send in sends:
             self._drive_send(rid, send)
         for rid, done in expected:
@@ -171,16 +190,46 @@ class _Driver(threading.Thread):
             if payload is not None:
                 self._resolve_expected(rid, done, payload, None)
 
-    def _digest(self, send: _Send) -> None:
-        """Hash the source blocks of the writes posted so far (they do not change until the send ends)."""
+    def _digest(self, send: _Send, layer: int | None = None) -> None:
+        """Hash the source blocks of the writes posted so far (they do not change until the send
+        ends), or only those of `layer`."""
         with self.lock:
-            items, send.to_digest = send.to_digest, []
-        pool, layout = self.connector.pool, self.connector.layout
-        for layer, src, dst in items:
-            send.digest = transfer_digest.add(send.digest, transfer_digest.digest(pool, layout, layer, src, dst))
-            send.digest_pairs += len(dst)
+            if layer is None:
+                items, send.to_digest = send.to_digest, []
+            else:
+                items = [item for item in send.to_digest if item[0] == layer]
+                send.to_digest = [item for item in send.to_digest if item[0] != layer]
+        for item_layer, src, dst in items:
+            send.digest.add_write(self.connector.pool, item_layer, src, dst)
+
+    def _announce(self, send: _Send) -> None:
+        """Post a progress note for each layer, in order, once every write of it is done: its
+        digest, so the receiver checks it while later layers fly (transfer_digest.py). A layer is
+        hashed only then, between polls, while its bytes are still in cache from being sent."""
+        with self.lock:                          # what is posted now: a complete layer gets no more
+            posted = list(send.next_block)
+            writes = list(send.writes)
+        total = len(send.dst_block_ids)
+        while send.announced < len(posted) and posted[send.announced] == total:
+            layer = send.announced
+            if any(not h.done for h in writes if h.layer == layer):
+                return
+            self._digest(send, layer)
+            note = transfer_digest.layer_note(layer, send.digest.layer_result(layer))
+            try:
+                send.notes.extend(self.connector.post_progress(grant, note) for grant in send.notify_grants)
+            except (TransferError, ValueError):
+                send.announce = False            # the completion's envelope still covers every layer
+                return
+            send.announced += 1
 
     def _poll_writes(self, send: _Send) -> None:
+        for handle in send.notes:
+            if not handle.finished:
+                try:
+                    self.connector.poll(handle)
+                except TransferError:
+                    pass                        # a lost note: the receiver checks that layer at the end
         for handle in list(send.writes):
             if not handle.counted:              # a write may be done when posted: counted at its first poll
                 try:
@@ -193,8 +242,12 @@ class _Driver(threading.Thread):
         try:
             if send.error is not None:
                 raise send.error
-            if send.digesting and send.notifies is None:
-                self._digest(send)              # while the last writes are in flight
+            if send.digest is not None and send.notifies is None:
+                self._poll_writes(send)         # while the last writes are in flight
+                if send.announce:
+                    self._announce(send)
+                else:
+                    self._digest(send)
             for handle in send.writes:
                 if not handle.done or not handle.counted:
                     c.poll(handle)              # raises the write's error; counts (and times) a done one
@@ -202,9 +255,9 @@ class _Driver(threading.Thread):
                 return                          # writes in flight here or on another rank
             if send.notifies is None:
                 payload = send.payload
-                if send.digesting:
+                if send.digest is not None:
                     self._digest(send)
-                    payload = transfer_digest.seal(payload, send.digest, send.digest_pairs)
+                    payload = transfer_digest.seal(payload, *send.digest.result(), send.digest.algorithm)
                 send.notifies = [c.notify(grant, payload) for grant in send.notify_grants]
             for handle in send.notifies:
                 if not handle.done or not handle.counted:
@@ -288,6 +341,8 @@ class RankTransfer:
         self._faults = FaultSwitch.from_env()      # off unless SPLITSERVE_KV_FAULTS / _FAULT_FILE say
         self._granted: dict[str, list[int]] = {}          # receiver: each expected request's blocks
         self._verifier: ThreadPoolExecutor | None = None  # receiver: digests off the driver thread
+        self._checked: dict[str, _LayerChecks] = {}       # receiver: layers checked before the completion
+        self._driver.on_progress = self._on_progress
         self._close_lock = threading.Lock()
         self._closed = False
 
@@ -326,8 +381,12 @@ class RankTransfer:
         send = _Send(write_grants, notify_grants, list(target.block_ids), num_prompt_tokens,
                      [skipped] * self.connector.layout.num_layers, grant.deadline_unix,
                      set(pending_ranks or ()), on_done=on_done)
-        send.digesting = notify and on_done is None and self._verifiable(target)
-        send.fault = self._injected_fault(request_id) if send.digesting else ""
+        if notify and on_done is None and self._verifiable(target):
+            peer = self.connector.peer(target.endpoint.agent_name)
+            send.digest = self._digest_for(peer)
+            send.announce = (isinstance(send.digest, transfer_digest.StreamDigest)
+                             and "progress-notes" in peer.features)
+            send.fault = self._injected_fault(request_id)
         with self._driver.lock:
             if self._fenced.get(request_id, 0.0) > time.monotonic():
                 raise TransferError(f"request {request_id}: its receiver fenced it (cancelled); "
@@ -337,6 +396,9 @@ class RankTransfer:
             self._driver.sends[request_id] = send
         self._driver.wake()
 
+    # The digest a verified send carries (a benchmark swaps in an earlier one to compare).
+    new_digest: Callable[[KVLayout], transfer_digest.StreamDigest] = transfer_digest.StreamDigest
+
     def _verifiable(self, target: TransferTarget) -> bool:
         """Whether the receiver can check this send's digest: one rank each side, CPU pools."""
         if target.endpoint.other_ranks or self.connector.layout.tp_size != 1:
@@ -345,6 +407,12 @@ class RankTransfer:
         pool = self.connector.pool
         return (peer is not None and peer.layout.tp_size == 1 and peer.device == "cpu"
                 and pool is not None and pool.device.type == "cpu")
+
+    def _digest_for(self, peer: AgentMetadata) -> transfer_digest.StreamDigest | transfer_digest.BlockSumDigest:
+        if "digest-stream" in peer.features:
+            return self.new_digest(self.connector.layout)
+        # A receiver from before the KVd3 envelope (a rolling update): every one checks KVd1.
+        return transfer_digest.BlockSumDigest(self.connector.layout, transfer_digest.CRC32)
 
     def _injected_fault(self, request_id: str) -> str:
         """A fault for this send (faults.py), only where the receiver verifies it: caught, never decoded."""
@@ -388,7 +456,7 @@ class RankTransfer:
             send.error = TransferError(f"request {ready.request_id}: {error}")
             return
         send.next_block[ready.layer] = end
-        if send.digesting:
+        if send.digest is not None:
             send.to_digest.append((ready.layer, list(src), list(dst)))
         now = time.monotonic()
         send.first_posted_at = send.first_posted_at or now
@@ -440,7 +508,8 @@ class RankTransfer:
             self._fenced = {rid: until for rid, until in self._fenced.items() if until > now}
             self._fenced[request_id] = now + FENCE_MEMORY_S
             send = self._driver.sends.pop(request_id, None)
-            handles = [] if send is None else [h for h in (*send.writes, *(send.notifies or ())) if not h.finished]
+            handles = [] if send is None else [h for h in (*send.writes, *send.notes, *(send.notifies or ()))
+                                               if not h.finished]
             if handles:
                 self._driver.draining.append(_Drain(request_id, handles, done))
         if handles:
@@ -477,27 +546,58 @@ class RankTransfer:
             return
         with self._driver.lock:
             blocks = self._granted.get(request_id, [])
+        self._verifier_pool().submit(self._compare, request_id, sent, inner, blocks, done)
+
+    def _verifier_pool(self) -> ThreadPoolExecutor:
+        """One thread, so a request's layer checks run before its completion's (FIFO)."""
+        with self._driver.lock:
             if self._verifier is None:
                 self._verifier = ThreadPoolExecutor(1, thread_name_prefix=f"kv-digest-{self.connector.name}")
-        self._verifier.submit(self._compare, request_id, sent, inner, blocks, done)
+            return self._verifier
+
+    def _on_progress(self, request_id: str, notes: list[bytes]) -> None:
+        """Driver thread: a sender announced layers that landed; check each off the driver."""
+        for note in notes:
+            announced = transfer_digest.read_layer_note(note)
+            if announced is not None:
+                self._verifier_pool().submit(self._check_layer, request_id, *announced)
+
+    def _check_layer(self, request_id: str, layer: int, digest: int) -> None:
+        with self._driver.lock:
+            blocks = self._granted.get(request_id)
+        if blocks is None or not 0 <= layer < self.connector.layout.num_layers:
+            return                               # released meanwhile, or not a layer: the end checks all
+        held = transfer_digest.held_layer_digest(self.connector.pool, self.connector.layout, blocks, layer)
+        with self._driver.lock:
+            if request_id in self._granted:
+                checks = self._checked.setdefault(request_id, _LayerChecks())
+                if held == digest:
+                    checks.held[layer] = held
+                else:
+                    checks.mismatched.append(layer)
 
     def _compare(self, request_id: str, sent: tuple[int, int, bytes], inner: bytes, blocks: list[int],
                  done: Done) -> None:
         c = self.connector
         total, pairs, algorithm = sent
-        held = transfer_digest.granted_digest(c.pool, c.layout, blocks, algorithm)
+        with self._driver.lock:
+            checks = self._checked.pop(request_id, _LayerChecks())
+        held = (None, 0) if checks.mismatched else transfer_digest.held_digest(
+            c.pool, c.layout, blocks, algorithm, checks.held if algorithm == transfer_digest.STREAM else None)
         if held == (total, pairs):
             done(inner, None)
             return
         c.metric("digest_mismatches").inc()
+        found = (f"layers {checks.mismatched} differ" if checks.mismatched else
+                 f"digest {held[0]:016x} over {held[1]} blocks, sent {total:016x} over {pairs}")
         done(None, TransferError(f"request {request_id}: the KV received differs from what the prefill worker wrote "
-                                 f"(digest {held[0]:016x} over {held[1]} blocks, sent {total:016x} over {pairs}); "
-                                 "it is recomputed"))
+                                 f"({found}); it is recomputed"))
 
     def release(self, request_id: str) -> None:
         with self._driver.lock:
             self._driver.expected.pop(request_id, None)
             self._granted.pop(request_id, None)
+            self._checked.pop(request_id, None)
         self.connector.release(request_id)
 
     def num_open(self) -> int:

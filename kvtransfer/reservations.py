@@ -1,7 +1,8 @@
 """The receiver's reservation table: which blocks may be written, for whom, until when.
 
 A reservation is (request id, block ids, deadline). Writes and the completion
-notification are checked against it. Past its deadline a reservation is
+notification are checked against it; progress notes (frames.PROGRESS_MAGIC) are checked alike
+and kept for the owner (`take_progress`) without ending it. Past its deadline a reservation is
 released (its blocks may be handed out again by the engine) and remains only as
 a tombstone carrying `ReservationExpiredError` until its owner asks. A write in
 progress (TCP only: inflight > 0) holds off expiry until its bytes have landed;
@@ -18,6 +19,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from splitserve.kvtransfer.frames import PROGRESS_MAGIC
 from splitserve.kvtransfer.errors import (BlockOutOfRangeError, NotReservedError, ReservationExpiredError, StalePeerError,
                      TransferError, TransferTimeoutError)
 
@@ -34,6 +36,7 @@ class _Entry:
     payload: bytes | None = None         # set when the notification was accepted
     error: TransferError | None = None   # set when the request failed (tombstone)
     sources: set[object] = field(default_factory=set)   # connections that wrote into it
+    progress: list[bytes] = field(default_factory=list)  # progress notes not yet taken (magic stripped)
 
 
 class ReservationTable:
@@ -91,6 +94,15 @@ class ReservationTable:
                 return entry.payload
             return None
 
+    def take_progress(self, request_id: str) -> list[bytes]:
+        """The progress notes that arrived since the last call (oldest first); [] once ended or unknown."""
+        with self._cond:
+            entry = self._entries.get(request_id)
+            if entry is None or not entry.progress:
+                return []
+            notes, entry.progress = entry.progress, []
+            return notes
+
     def wait_changed(self, timeout_s: float) -> None:
         """Block until a notification, a failure or `timeout_s` (whichever is first)."""
         with self._cond:
@@ -117,9 +129,15 @@ class ReservationTable:
                 entry.inflight -= 1
                 self._sweep()
 
-    def complete(self, request_id: str, incarnation: str, block_ids: tuple[int, ...], payload: bytes) -> None:
-        """Accept the completion notification, or raise (and fail the request) if it is invalid."""
+    def complete(self, request_id: str, incarnation: str, block_ids: tuple[int, ...], payload: bytes) -> bool:
+        """Accept the completion notification, or raise (and fail the request) if it is invalid.
+        True when it was a progress note instead (kept for `take_progress`; nothing ends)."""
         with self._cond:
+            if payload[:len(PROGRESS_MAGIC)] == PROGRESS_MAGIC:
+                entry = self._check(request_id, incarnation, block_ids)     # refused: the note is dropped
+                entry.progress.append(payload[len(PROGRESS_MAGIC):])
+                self._cond.notify_all()
+                return True
             try:
                 entry = self._check(request_id, incarnation, block_ids)
             except TransferError as error:
@@ -133,6 +151,7 @@ class ReservationTable:
             if entry.num_notified >= entry.num_senders:
                 entry.payload = entry.first_payload
                 self._cond.notify_all()
+            return False
 
     def fail_from_source(self, source: object, error_for: callable) -> list[str]:
         """A sending connection died: fail the open requests it wrote into."""

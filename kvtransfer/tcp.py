@@ -189,9 +189,10 @@ class TcpConnector(Connector):
         return self._submit(peer, reservation, "write", layer, header, parts, num_bytes)
 
     def _post_notify(self, peer: AgentMetadata, reservation: Reservation, block_ids: tuple[int, ...],
-                     payload: bytes) -> TransferHandle:
+                     payload: bytes, progress: bool = False) -> TransferHandle:
         header = self._header(KIND_NOTIFY, reservation, 0, None, block_ids, len(payload))
-        return self._submit(peer, reservation, "notify", -1, header, [memoryview(payload)], len(payload))
+        kind = "progress" if progress else "notify"     # frames go in order: behind the writes posted before
+        return self._submit(peer, reservation, kind, -1, header, [memoryview(payload)], len(payload))
 
     def _payload(self, layer: int, src_block_ids: np.ndarray, hs: HeadSlice) -> list[memoryview]:
         pool = self._require_pool()
@@ -462,8 +463,8 @@ class TcpConnector(Connector):
         try:
             if header.kind == KIND_NOTIFY:
                 payload = bytes(await _recv_exact(sock, header.payload_len))
-                table.complete(header.request_id, header.incarnation, header.block_ids, payload)
-                self.metrics.transfers.labels(self.backend, "recv", "notify").inc()
+                progress = table.complete(header.request_id, header.incarnation, header.block_ids, payload)
+                self.metrics.transfers.labels(self.backend, "recv", "progress" if progress else "notify").inc()
                 return 0, ""
             self._check_frame(header)
             table.begin_write(header.request_id, header.incarnation, header.block_ids, sock)

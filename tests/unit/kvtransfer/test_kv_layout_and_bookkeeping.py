@@ -3,6 +3,9 @@ and the receiver's reservation table (bounds, ownership, deadline, leak check)."
 
 from __future__ import annotations
 
+import dataclasses
+import json
+
 import pytest
 import torch
 
@@ -89,6 +92,21 @@ def test_wire_roundtrips():
 def test_metadata_roundtrips_through_bytes():
     meta = AgentMetadata("decode-0", "inc", "nixl", "", LAYOUT, LAYOUT.layout_hash(), 10, (1, 2), "cpu", b"\x00\xff")
     assert AgentMetadata.from_bytes(meta.to_bytes()) == meta
+    featured = dataclasses.replace(meta, features=("digest-stream",))
+    assert AgentMetadata.from_bytes(featured.to_bytes()) == featured
+
+
+def test_metadata_of_an_earlier_or_a_later_agent_still_parses():
+    """A rolling update mixes agents: an earlier one's metadata has no `features` (it understands
+    none), a later one's may carry fields this build does not know (ignored, not refused)."""
+    meta = AgentMetadata("decode-0", "inc", "tcp", "h:1", LAYOUT, LAYOUT.layout_hash(), 10, (1, 2), "cpu",
+                         features=("digest-stream",))
+    values = json.loads(meta.to_bytes())
+    del values["features"]
+    assert AgentMetadata.from_bytes(json.dumps(values).encode()).features == ()
+    values.update(features=["digest-stream", "from-the-future"], fingerprint_of_the_future="x")
+    later = AgentMetadata.from_bytes(json.dumps(values).encode())
+    assert later.features == ("digest-stream", "from-the-future") and later.signed_fields() == meta.signed_fields()
 
 
 def test_errors_are_recoverable_and_pickle():

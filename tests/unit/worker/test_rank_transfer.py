@@ -9,17 +9,19 @@ posted writes are no longer in flight, and nothing stays open afterwards.
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 
 import pytest
 import torch
 
-from splitserve.kvtransfer import KVLayout, make_connector
+from splitserve.kvtransfer import KVLayout, make_connector, transfer_digest
 from splitserve.kvtransfer.errors import PeerLostError, ReservationExpiredError, TransferError, TransferTimeoutError
 from splitserve.kvtransfer.sender_receiver import LayerReady
 from splitserve.kvtransfer.rank_transfer import RankTransfer
 from splitserve.kvtransfer.sender_receiver import TransferEndpoint, TransferGrant, TransferTarget
+from splitserve.testing.waiting import wait_until
 
 LAYOUT = KVLayout(model="m", dtype="float32", num_layers=2, num_kv_heads=2, head_dim=4, block_size=4)
 NUM_BLOCKS = 8
@@ -269,3 +271,79 @@ def test_the_receiver_takes_the_kv_only_when_it_matches_the_senders_digest(layou
     finally:
         decode.close()
         prefill.close()
+
+
+def test_a_receiver_from_before_the_stream_digest_gets_the_envelope_it_checks(monkeypatch):
+    """A rolling update: a receiver whose metadata names no `digest-stream` feature is sent the
+    CRC-32 envelope (KVd1) that every earlier receiver checks; a current one the xxh3 stream (KVd3)."""
+    decode, prefill = _single_ranks("layer-major-v1")
+    envelopes = []
+    poll = decode.connector.poll_notification
+
+    def recording(request_id):
+        payload = poll(request_id)
+        if payload is not None:
+            envelopes.append(payload[:4])
+        return payload
+    monkeypatch.setattr(decode.connector, "poll_notification", recording)
+    try:
+        assert _send_and_receive(decode, prefill, "current", [3, 4]) == (b"first-token", None)
+        decode.metadata = dataclasses.replace(decode.metadata, features=())
+        prefill.connector.remove_peer(decode.metadata.name)
+        assert _send_and_receive(decode, prefill, "earlier", [0, 1]) == (b"first-token", None)
+        assert envelopes == [transfer_digest.STREAM, transfer_digest.CRC32]
+    finally:
+        decode.close()
+        prefill.close()
+
+
+@pytest.mark.parametrize("layout_name", ["layer-major-v1", "paged-heads-kv-v1"])
+def test_the_receiver_checks_each_layer_as_it_lands_and_only_the_rest_at_the_end(layout_name, monkeypatch, tmp_path):
+    """transfer_digest.py: the sender announces each layer once its writes are done; the receiver
+    hashes it then, while later layers fly, and the completion's check hashes no layer twice.
+    A layer that landed damaged (the fault switch: its writes taken from other blocks) is named."""
+    fault_file = tmp_path / "kv-fault"
+    monkeypatch.setenv("SPLITSERVE_KV_FAULT_FILE", str(fault_file))
+    decode, prefill = _single_ranks(layout_name)
+    hashed: list[tuple[str, int]] = []
+    real = transfer_digest.held_layer_digest
+
+    def counting(pool, layout, blocks, layer):
+        hashed.append((threading.current_thread().name, layer))
+        return real(pool, layout, blocks, layer)
+    monkeypatch.setattr(transfer_digest, "held_layer_digest", counting)
+    notes = decode.connector.metric("transfers", "recv", "progress")     # a process-wide counter
+    layers, before = prefill.connector.layout.num_layers, notes._value.get()
+    try:
+        grant = decode.expect("r", [3, 4], ttl_s=10)
+        prefill.begin("r", _target(decode, [3, 4], grant.deadline_unix), 8, notify=True)
+        received = Outcome()
+        decode.watch("r", received)
+        for layer in range(layers):
+            prefill.on_layer_ready(LayerReady("r", layer, 0, [5, 6], 8))
+        wait_until(lambda: notes._value.get() == before + layers and len(hashed) == layers, timeout=10,
+                   what="the receiver to check every announced layer", details=lambda: (notes._value.get(), hashed))
+        assert sorted(layer for _, layer in hashed) == list(range(layers))     # before the completion
+        prefill.close_send("r", b"first-token", Outcome())
+        assert received.wait() == (b"first-token", None)
+        assert len(hashed) == layers and all(name.startswith("kv-digest") for name, _ in hashed)
+        decode.release("r")
+
+        fault_file.write_text("corrupt")                # the middle layer's writes from other blocks
+        assert _send_and_receive(decode, prefill, "damaged", [0, 1]) == (None, _Matching("layers [1] differ"))
+    finally:
+        decode.close()
+        prefill.close()
+
+
+class _Matching:
+    """Equal to a TransferError whose message contains `text`."""
+
+    def __init__(self, text: str):
+        self.text = text
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, TransferError) and self.text in str(other)
+
+    def __repr__(self) -> str:
+        return f"TransferError(...{self.text}...)"
