@@ -103,7 +103,8 @@ class AgentMetadata:
     @classmethod
     def from_bytes(cls, data: bytes) -> AgentMetadata:
         values = json.loads(data)
-        values["layout"] = KVLayout(**values["layout"])
+        layout_fields = {f.name for f in dataclasses.fields(KVLayout)}
+        values["layout"] = KVLayout(**{k: v for k, v in values["layout"].items() if k in layout_fields})
         values["layer_base_addrs"] = tuple(values["layer_base_addrs"])
         values["agent_blob"] = base64.b64decode(values["agent_blob"])
         values["auth"] = base64.b64decode(values.get("auth", ""))

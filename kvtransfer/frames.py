@@ -17,6 +17,9 @@ NOTIFY_MAGIC = b"SKN1"
 # receiver keeps it aside and the reservation stays open. Only sent to agents naming the
 # "progress-notes" feature (an earlier receiver would take it for the completion).
 PROGRESS_MAGIC = b"SKP1"
+# Appended to a notification after its payload: the sender's layout hash (64 hex digits), so a
+# receiver refuses KV a sender of another layout or fingerprint wrote (earlier receivers ignore it).
+SENDER_LAYOUT_MAGIC = b"SKL1"
 FRAME_MAGIC = b"SKF1"
 REPLY_MAGIC = b"SKR1"
 
@@ -52,11 +55,13 @@ class Notification:
     incarnation: str
     block_ids: tuple[int, ...]
     payload: bytes
+    sender_layout: str = ""    # the sender's layout hash; "" from a sender from before it was sent
 
     def encode(self) -> bytes:
         rid, inc = self.request_id.encode(), self.incarnation.encode()
         head = NOTIFY_HEADER.pack(NOTIFY_MAGIC, len(rid), len(inc), len(self.block_ids), len(self.payload))
-        return b"".join((head, rid, inc, _ids(self.block_ids), self.payload))
+        layout = SENDER_LAYOUT_MAGIC + self.sender_layout.encode() if self.sender_layout else b""
+        return b"".join((head, rid, inc, _ids(self.block_ids), self.payload, layout))
 
     @classmethod
     def decode(cls, data: bytes) -> Notification:
@@ -73,7 +78,11 @@ class Notification:
         payload = bytes(data[at:at + n_payload])
         if len(payload) != n_payload:
             raise ValueError("truncated KV notification")
-        return cls(rid, inc, block_ids, payload)
+        at += n_payload
+        layout = ""
+        if data[at:at + len(SENDER_LAYOUT_MAGIC)] == SENDER_LAYOUT_MAGIC:
+            layout = bytes(data[at + len(SENDER_LAYOUT_MAGIC):at + len(SENDER_LAYOUT_MAGIC) + 64]).decode("ascii", "replace")
+        return cls(rid, inc, block_ids, payload, layout)
 
 
 @dataclass(frozen=True, slots=True)

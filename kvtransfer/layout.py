@@ -14,8 +14,10 @@ l times that, and a block's K and V take `page_bytes` of it; only where those by
 inside the layer differs (tp_slicing.py turns that into spans and descriptors).
 
 Two peers can exchange blocks only if everything that shapes a block's bytes matches:
-model identity, dtype, layer count, total KV heads, head dim, block size, layout name and
-connector version. Those fields go into `layout_hash()`; a peer whose hash differs is
+model identity, dtype, layer count, total KV heads, head dim, block size, layout name,
+connector version and the workers' compatibility fingerprint (the weights' and tokenizer's
+digests and the engine: splitserve/checkpoints/fingerprint.py; a rolling update that changes the
+weights under one model name changes it). Those fields go into `layout_hash()`; a peer whose hash differs is
 refused, and `compare()` names the fields so the refusal says what to fix (a built-in peer
 and a paged one differ in `layout`). The dtype only sizes the bytes, so FP8 KV moves like
 any other.
@@ -33,6 +35,8 @@ from dataclasses import dataclass, fields
 
 import torch
 
+from splitserve.checkpoints.fingerprint import differences
+
 LAYOUT_NAME = "layer-major-v1"
 PAGED_LAYOUT = "paged-heads-kv-v1"      # vLLM's LBHNC page: per (layer, block) [local heads][K,V][block_size][head_dim]
 LAYOUTS = (LAYOUT_NAME, PAGED_LAYOUT)
@@ -40,7 +44,7 @@ CONNECTOR_VERSION = 1
 
 # Fields that must be equal on both sides; order is part of the hash.
 HASHED_FIELDS = ("model", "dtype", "num_layers", "num_kv_heads", "head_dim", "block_size",
-                 "layout", "connector_version")
+                 "layout", "connector_version", "fingerprint")
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
            "float8_e4m3fn": torch.float8_e4m3fn, "float8_e5m2": torch.float8_e5m2}
@@ -65,6 +69,7 @@ class KVLayout:
     connector_version: int = CONNECTOR_VERSION
     tp_rank: int = 0
     tp_size: int = 1
+    fingerprint: str = ""         # Fingerprint.text() of the worker (fingerprint.py); "": none given
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:
@@ -154,6 +159,8 @@ class KVLayout:
         """SHA-256 hex over the fields that must match between peers (not TP)."""
         h = hashlib.sha256()
         for name in HASHED_FIELDS:
+            if name == "fingerprint" and not self.fingerprint:
+                continue                 # a layout without one hashes as before fingerprints existed
             h.update(name.encode())
             h.update(b"=")
             h.update(str(getattr(self, name)).encode())
@@ -165,5 +172,6 @@ class KVLayout:
         return [name for name in HASHED_FIELDS if getattr(self, name) != getattr(other, name)]
 
     def describe_mismatch(self, other: KVLayout) -> str:
-        return ", ".join(f"{name}: local {getattr(self, name)!r} vs peer {getattr(other, name)!r}"
+        return ", ".join(f"fingerprint: {differences(self.fingerprint, other.fingerprint)}" if name == "fingerprint"
+                         else f"{name}: local {getattr(self, name)!r} vs peer {getattr(other, name)!r}"
                          for name in self.compare(other))

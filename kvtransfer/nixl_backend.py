@@ -62,7 +62,7 @@ import torch
 
 from splitserve.kvtransfer.connector import AgentMetadata, Connector, Reservation, TransferHandle
 from splitserve.kvtransfer import auth
-from splitserve.kvtransfer.errors import PeerAuthError, PeerLostError, TransferError
+from splitserve.kvtransfer.errors import LayoutMismatchError, PeerAuthError, PeerLostError, TransferError
 from splitserve.kvtransfer.tp_slicing import HeadSlice, block_rows, slice_descriptors
 from splitserve.kvtransfer.frames import Notification
 
@@ -257,7 +257,8 @@ class NixlConnector(Connector):
 
     def _post_notify(self, peer: AgentMetadata, reservation: Reservation, block_ids: tuple[int, ...],
                      payload: bytes, progress: bool = False) -> TransferHandle:
-        message = Notification(reservation.request_id, reservation.incarnation, block_ids, payload).encode()
+        message = Notification(reservation.request_id, reservation.incarnation, block_ids, payload,
+                               self.layout.layout_hash()).encode()
         message += auth.tag(self.token, message)        # the receiver accepts it only with the token
         handle = self._new_handle(reservation, peer.name, "progress" if progress else "notify", -1, len(payload))
         with self._lock:
@@ -320,7 +321,12 @@ class NixlConnector(Connector):
                     if not auth.verify(self.token, raw[-auth.TAG_BYTES:], raw[:-auth.TAG_BYTES]):
                         raise PeerAuthError("the notification does not carry this deployment's transfer token; "
                                             "its request's KV is not accepted")
-                    note = Notification.decode(raw)
+                    note = Notification.decode(raw[:-auth.TAG_BYTES])
+                    if note.sender_layout and note.sender_layout != self.layout.layout_hash():
+                        table.refuse(note.request_id, note.incarnation, LayoutMismatchError(
+                            f"request {note.request_id}: {sender} wrote it with KV layout hash "
+                            f"{note.sender_layout[:12]}..., this receiver's is {self.layout.layout_hash()[:12]}...: "
+                            "another model, configuration or weights revision; its KV is not used"))
                     table.complete(note.request_id, note.incarnation, note.block_ids, note.payload)
                 except TransferError as error:
                     self._count_failure(type(error))

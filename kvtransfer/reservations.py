@@ -153,6 +153,15 @@ class ReservationTable:
                 self._cond.notify_all()
             return False
 
+    def refuse(self, request_id: str, incarnation: str, error: TransferError) -> None:
+        """Fail the open request (what was written for it is not used) and raise `error`."""
+        with self._cond:
+            entry = self._entries.get(request_id)
+            if entry is not None and incarnation == self.incarnation and entry.error is None and entry.payload is None:
+                entry.error = error
+                self._cond.notify_all()
+        raise error
+
     def fail_from_source(self, source: object, error_for: callable) -> list[str]:
         """A sending connection died: fail the open requests it wrote into."""
         failed = []

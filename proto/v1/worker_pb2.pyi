@@ -369,7 +369,7 @@ class DescribeRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class DescribeResponse(_message.Message):
-    __slots__ = ("worker_id", "instance_id", "role", "model_name", "max_model_len", "vocab_size", "block_size", "num_kv_blocks", "dtype", "device", "tensor_parallel_size", "transfer_backend", "block_hash_extra_key", "session_port", "max_logprobs", "kv_transfer_layout")
+    __slots__ = ("worker_id", "instance_id", "role", "model_name", "max_model_len", "vocab_size", "block_size", "num_kv_blocks", "dtype", "device", "tensor_parallel_size", "transfer_backend", "block_hash_extra_key", "session_port", "max_logprobs", "kv_transfer_layout", "fingerprint")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
@@ -386,6 +386,7 @@ class DescribeResponse(_message.Message):
     SESSION_PORT_FIELD_NUMBER: _ClassVar[int]
     MAX_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     KV_TRANSFER_LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     instance_id: str
     role: WorkerRole
@@ -402,7 +403,8 @@ class DescribeResponse(_message.Message):
     session_port: int
     max_logprobs: int
     kv_transfer_layout: str
-    def __init__(self, worker_id: _Optional[str] = ..., instance_id: _Optional[str] = ..., role: _Optional[_Union[WorkerRole, str]] = ..., model_name: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., block_size: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., tensor_parallel_size: _Optional[int] = ..., transfer_backend: _Optional[str] = ..., block_hash_extra_key: _Optional[bytes] = ..., session_port: _Optional[int] = ..., max_logprobs: _Optional[int] = ..., kv_transfer_layout: _Optional[str] = ...) -> None: ...
+    fingerprint: str
+    def __init__(self, worker_id: _Optional[str] = ..., instance_id: _Optional[str] = ..., role: _Optional[_Union[WorkerRole, str]] = ..., model_name: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., block_size: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., tensor_parallel_size: _Optional[int] = ..., transfer_backend: _Optional[str] = ..., block_hash_extra_key: _Optional[bytes] = ..., session_port: _Optional[int] = ..., max_logprobs: _Optional[int] = ..., kv_transfer_layout: _Optional[str] = ..., fingerprint: _Optional[str] = ...) -> None: ...
 
 class DrainRequest(_message.Message):
     __slots__ = ()

@@ -173,7 +173,7 @@ the vLLM engine (--engine vllm; docs/engines.md):
   (--tp 1; docs/engines.md); --kv-connector nixl-vllm runs vLLM's own NixlConnector instead.
 """
 
-KV_FAULTS_HELP = """
+KV_ENVIRONMENT_HELP = """
 damaging KV on purpose (kvtransfer/faults.py; off by default):
   Proves that no damaged block becomes a token: each is rejected by its checksum and
   recomputed, and counted (splitserve_kv_transfer_digest_mismatches_total,
@@ -182,6 +182,12 @@ damaging KV on purpose (kvtransfer/faults.py; off by default):
                               disk=flip|drop, store=flip; RATE the share of events hit (default 1)
   SPLITSERVE_KV_FAULT_FILE    a file holding the same text: faults are on while it exists
   SPLITSERVE_KV_FAULT_SEED    which events a RATE below 1 hits, the same in every run
+
+weights revision (splitserve/checkpoints/fingerprint.py):
+  A prefill and a decode worker exchange KV only if their fingerprints (weights, tokenizer,
+  engine) are equal, so a rolling update's old and new workers never mix in one response. The
+  weights are named by a digest of their files (read once, kept in ~/.cache/splitserve).
+  SPLITSERVE_WEIGHTS_REVISION TEXT   name the weights instead (a release tag): nothing is read
 """
 
 
@@ -204,7 +210,7 @@ def _add_worker_parser(sub) -> None:
                        formatter_class=argparse.RawDescriptionHelpFormatter,
                        description="Run one engine (one tensor-parallel group) behind the gRPC "
                                    "Worker service and the standard gRPC health service.",
-                       epilog=WORKER_GROUP_HELP + VLLM_WORKER_HELP + KV_FAULTS_HELP)
+                       epilog=WORKER_GROUP_HELP + VLLM_WORKER_HELP + KV_ENVIRONMENT_HELP)
     _add_engine_args(p)
     _add_engine_choice(p, worker=True)
     p.add_argument("--role", choices=["prefill", "decode", "both"], default="both",
@@ -476,7 +482,7 @@ def _add_serve_parser(sub) -> None:
                        description="Start the workers and the OpenAI-compatible frontend as processes on this\n"
                                    "machine, wait until they are ready, print the URL; Ctrl-C or SIGTERM stops\n"
                                    "them all.",
-                       epilog=KV_FAULTS_HELP + "  (serve's workers inherit these variables)\n")
+                       epilog=KV_ENVIRONMENT_HELP + "  (serve's workers inherit these variables)\n")
     _add_engine_args(p)
     _add_engine_choice(p, worker=False)
     p.add_argument("--aggregated", action="store_true",

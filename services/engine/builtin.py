@@ -36,7 +36,7 @@ class BuiltinEngine:
             block_size=cfg.block_size, num_kv_blocks=cfg.num_kv_blocks,
             dtype=str(cfg.torch_dtype()).removeprefix("torch."), device=cfg.device,
             tensor_parallel_size=cfg.tensor_parallel_size, block_hash_extra_key=core.scheduler.extra_key,
-            max_logprobs=cfg.max_logprobs)
+            max_logprobs=cfg.max_logprobs, fingerprint=core.fingerprint.text())
 
     @classmethod
     def start(cls, config: EngineConfig) -> BuiltinEngine:
@@ -157,7 +157,7 @@ def kv_layout(core: LLMEngine) -> KVLayout:
     mc, cfg = core.model_config, core.config
     return KVLayout(model=f"{cfg.model_name}|{cfg.extra_cache_key}", dtype=str(cfg.torch_dtype()).removeprefix("torch."),
                     num_layers=mc.num_layers, num_kv_heads=mc.num_kv_heads, head_dim=mc.head_dim,
-                    block_size=cfg.block_size)
+                    block_size=cfg.block_size, fingerprint=core.fingerprint.text())
 
 
 @dataclass(frozen=True, slots=True)

@@ -26,6 +26,8 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
+import splitserve
+from splitserve.checkpoints.fingerprint import checkpoint_fingerprint
 from splitserve.errors import InvalidRequestError
 
 from splitserve.services.engine.block_pool import BlockPool
@@ -79,6 +81,9 @@ class LLMEngine:
         ckpt = open_model(config.model)
         self.model_config = ModelConfig.from_hf(ckpt.config, ckpt.generation_config)
         self.tokenizer = Tokenizer(ckpt)
+        # What a worker that exchanges KV with this one must equal (kvtransfer/layout.py).
+        self.fingerprint = checkpoint_fingerprint(ckpt.source or config.model, ckpt.tokenizer_json,
+                                                  ckpt.tokenizer_config, f"builtin/{splitserve.__version__}")
         mc = self.model_config
         num_blocks = config.num_kv_blocks or self._blocks_for_memory(config, mc)
         self.config = replace(config, num_kv_blocks=num_blocks, model=ckpt.source or config.model,
@@ -127,7 +132,8 @@ class LLMEngine:
         if not c.enable_prefix_caching:
             raise InvalidRequestError("KV tiers hold prefix-cache blocks: they need prefix caching on")
         shape = tuple(kv.tensor.shape)
-        layout = layout_key(f"{extra_key}|{shape[0]}x{shape[3]}x{shape[4]}x{shape[5]}|tp0/1")
+        layout = layout_key(f"{extra_key}|{shape[0]}x{shape[3]}x{shape[4]}x{shape[5]}|tp0/1"
+                            f"|{self.fingerprint.text()}")      # another revision's blocks are refused
         return KVTiers(kv, layout, tiers, self.pool.events)
 
     def attach_store(self, store: SharedStore) -> None:

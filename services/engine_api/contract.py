@@ -52,6 +52,9 @@ class EngineDescription:
     # The engine's own KV connector moves prompts' KV between prefill and decode workers (a
     # `KVHandoffEngine`; "nixl-vllm": vLLM's NixlConnector); "": splitserve's kvtransfer does.
     kv_handoff: str = ""
+    # What a worker that exchanges KV with this one must equal: weights, tokenizer, engine
+    # (splitserve/checkpoints/fingerprint.py `Fingerprint.text()`); "": not known.
+    fingerprint: str = ""
 
 
 @dataclass(frozen=True, slots=True)

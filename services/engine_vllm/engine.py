@@ -28,12 +28,15 @@ side's request ends with vLLM's `kv_transfer_params`, which the decode side's re
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Any
 
+from splitserve.checkpoints.fingerprint import Fingerprint
 from splitserve.errors import InvalidRequestError, SplitserveError
 from splitserve.kvtransfer.sender_receiver import LayerCallback
 from splitserve.services.engine_api.contract import (EngineCounters, EngineDescription, EngineLoad, Fork,
@@ -106,6 +109,39 @@ def to_vllm_params(params: SamplingParams) -> Any:
     return out
 
 
+def _fingerprint(model_config: Any) -> Fingerprint:
+    """The worker's compatibility fingerprint (splitserve/checkpoints/fingerprint.py) of what vLLM
+    loaded: a local folder's files, or the hub snapshot a model id resolved to."""
+    import vllm
+
+    from splitserve.checkpoints.fingerprint import REVISION_ENV, folder_tokenizer_digest, weights_digest
+    from splitserve.checkpoints.model_source import default_cache_dir
+
+    weights = _local_folder(model_config.model, model_config.revision)
+    tokenizer = _local_folder(model_config.tokenizer, model_config.tokenizer_revision)
+    if weights is not None or os.environ.get(REVISION_ENV):
+        weights_id = weights_digest(weights or "", default_cache_dir() / "fingerprints.json")
+    else:
+        weights_id = f"id:{model_config.model}@{model_config.revision or 'main'}"
+        log.warning("the fingerprint of %s names its weights by id and revision: its files are not on this "
+                    "machine's disk to digest (%s names them instead)", model_config.model, REVISION_ENV)
+    return Fingerprint(weights_id,
+                       folder_tokenizer_digest(tokenizer) if tokenizer is not None else f"id:{model_config.tokenizer}",
+                       f"vllm/{vllm.__version__}")
+
+
+def _local_folder(model: str, revision: str | None) -> Path | None:
+    """`model` as a folder on disk: itself, or the hub cache's snapshot of it; None when neither."""
+    if Path(model).is_dir():
+        return Path(model)
+    try:
+        from huggingface_hub import snapshot_download
+
+        return Path(snapshot_download(model, revision=revision, local_files_only=True))
+    except Exception:       # not in the cache (or not a hub id): named by id, not digested
+        return None
+
+
 class VllmEngine:
     """An `Engine` over one in-process vLLM `LLMEngine` (`llm`)."""
 
@@ -134,7 +170,7 @@ class VllmEngine:
             block_size=cc.block_size, num_kv_blocks=self._pool.num_gpu_blocks - 1, dtype=dtype,
             device=str(cfg.device_config.device_type), tensor_parallel_size=cfg.parallel_config.tensor_parallel_size,
             block_hash_extra_key=f"{model_name}|torch.{dtype}|engine=vllm".encode(),
-            max_logprobs=mc.max_logprobs, kv_handoff=self._handoff)
+            max_logprobs=mc.max_logprobs, kv_handoff=self._handoff, fingerprint=_fingerprint(mc).text())
 
     @property
     def _pool(self) -> Any:
@@ -156,7 +192,7 @@ class VllmEngine:
             num_running=num_running, num_waiting=num_waiting - receiving,
             num_remote_prefill=receiving,
             num_remote_prefill_kv_blocks=t.num_waiting_receive_blocks if t else 0,
-            num_held_prefills=t.num_held_sends if t else 0,
+            num_held_prefills=t.num_held_sends if t else self._num_handoff_sends(),
             num_fenced_kv_blocks=t.num_held_receive_blocks if t else 0,
             counters=self._counters())
 
@@ -297,6 +333,13 @@ class VllmEngine:
         from vllm.v1.request import RequestStatus
 
         return sum(r.status == RequestStatus.WAITING_FOR_REMOTE_KVS for r in self._waiting_requests())
+
+    def _num_handoff_sends(self) -> int:
+        """Finished requests whose blocks vLLM's NixlConnector keeps until a decode worker read
+        them (prefill side of a handoff: the scheduler frees them on `finished_sending`)."""
+        if not self._handoff:
+            return 0
+        return sum(r.is_finished() for r in list(self._core.scheduler.requests.values()))
 
     def _waiting_requests(self) -> tuple:
         """vLLM's waiting requests, those waiting for remote KV included."""
@@ -493,7 +536,7 @@ class VllmEngine:
         num_layers, _, num_kv_heads, _, block_size, head_dim = pool.tensor.shape
         layout = KVLayout(model=d.block_hash_extra_key.decode(), dtype=dtype_name(pool.tensor.dtype),
                           num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim,
-                          block_size=block_size, layout=PAGED_LAYOUT)
+                          block_size=block_size, layout=PAGED_LAYOUT, fingerprint=d.fingerprint)
         backend = resolve_backend(settings.backend)
         kwargs = {"token": settings.token}
         if backend == "tcp":

@@ -349,12 +349,18 @@ class Frontend:
                 trace.finish(progress, run.finish_reason, run.first_token_at, None if run.finished else status)
 
     def _excluded(self, progress: Progress) -> frozenset[str]:
-        """The workers whose stream broke for this request, unless restarted since (a new instance)."""
+        """The workers whose stream broke for this request, unless restarted since (a new instance),
+        and, once tokens were forwarded, the workers of another fingerprint (weights revision) than
+        the one that produced them: the rest of a response comes from the weights that began it."""
         if not progress.failed_worker_ids:
             return frozenset()            # every request's first route: nothing to look up
         restarted = {w.worker_id for w in self.pool.ready("decode") if w.info is not None
                      and progress.failed_instances.get(w.worker_id, w.info.instance_id) != w.info.instance_id}
-        return frozenset(progress.failed_worker_ids - restarted)
+        other_revision = set()
+        if progress.token_ids and progress.fingerprint:
+            other_revision = {w.worker_id for w in self.pool.ready("decode") if w.info is not None
+                              and w.info.fingerprint and w.info.fingerprint != progress.fingerprint}
+        return frozenset((progress.failed_worker_ids - restarted) | other_revision)
 
     async def route(self, req: GenerationRequest, progress: Progress) -> Route:
         request = RouteRequest(progress.attempt_id(), progress.prompt_ids + progress.token_ids,
@@ -373,6 +379,8 @@ class Frontend:
                 route = self.router.route(request, exclude=self._excluded(progress))
         if route is None:
             raise self._refuse(req, progress, Refusal.NO_WORKER)
+        if not progress.token_ids and route.decode.info is not None:
+            progress.fingerprint = route.decode.info.fingerprint
         if progress.num_migrations:
             outcome = OUTCOME_MIGRATED if progress.token_ids else OUTCOME_RETRIED
             self.metrics.faults.migrations.labels(outcome).inc()

@@ -65,7 +65,8 @@ class Refusal(enum.Enum):
     def message(self) -> str:
         return {Refusal.DISABLED: "migration is disabled (--migration-limit 0)",
                 Refusal.LIMIT: "it was already migrated as often as --migration-limit allows",
-                Refusal.NO_WORKER: "no other decode worker became ready within --migration-wait",
+                Refusal.NO_WORKER: "no other decode worker (of the weights revision that began the response) "
+                                   "became ready within --migration-wait",
                 Refusal.CONTEXT_FULL: "the prompt and the tokens generated so far fill the context"}[self]
 
 
@@ -90,6 +91,9 @@ class Progress:
     # instance at its address, `splitserve serve` restarting it) may serve the request again.
     failed_instances: dict[str, str] = field(default_factory=dict)
     num_migrations: int = 0
+    # The fingerprint (weights, tokenizer, engine) of the worker the forwarded tokens came from:
+    # a migration continues only on a worker of the same one, never mixing two revisions.
+    fingerprint: str = ""
 
     @property
     def num_output_tokens(self) -> int:

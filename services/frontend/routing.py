@@ -85,11 +85,17 @@ class PoolRouter:
 
 
 def same_kv_layout(decode: WorkerHandle, prefill: WorkerHandle) -> bool:
-    """Whether `prefill` can fill `decode`'s blocks: the same KV transfer layout (a worker from before
-    Describe said it, or not yet described, is taken as compatible: its handshake still refuses)."""
-    d = decode.info.kv_transfer_layout if decode.info is not None else ""
-    p = prefill.info.kv_transfer_layout if prefill.info is not None else ""
-    return not d or not p or d == p
+    """Whether `prefill` can fill `decode`'s blocks: the same KV transfer layout and the same
+    fingerprint (weights, tokenizer, engine: a rolling update's old and new workers never pair).
+    A worker from before Describe said one, or not yet described, is taken as compatible on that
+    count: its handshake still refuses."""
+    return all(not d or not p or d == p for d, p in (
+        (_described(decode, "kv_transfer_layout"), _described(prefill, "kv_transfer_layout")),
+        (_described(decode, "fingerprint"), _described(prefill, "fingerprint"))))
+
+
+def _described(worker: WorkerHandle, field: str) -> str:
+    return getattr(worker.info, field) if worker.info is not None else ""
 
 
 def build_router(pool: WorkerPool, policy: str = "kv", prefill_policy: str | None = None, seed: int | None = None,

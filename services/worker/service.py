@@ -418,7 +418,7 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
             tensor_parallel_size=d.tensor_parallel_size,
             transfer_backend=self.sender.backend if self.sender is not None else "",
             block_hash_extra_key=d.block_hash_extra_key, session_port=self.session_port,
-            max_logprobs=d.max_logprobs, kv_transfer_layout=self._transfer_layout())
+            max_logprobs=d.max_logprobs, kv_transfer_layout=self._transfer_layout(), fingerprint=d.fingerprint)
 
     def _transfer_layout(self) -> str:
         """The layout hash this worker's KV transfer handshakes with; "" without one (role both)."""

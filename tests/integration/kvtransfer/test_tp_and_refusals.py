@@ -9,6 +9,8 @@ receiver incarnation) raise a clear error on the sender and write nothing.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -72,6 +74,37 @@ def test_layout_mismatch_names_the_field(pair, peers, layout_for):
     _, other = peers.start("decode-other-dtype", layout_for("float16"), seed=None)
     with pytest.raises(LayoutMismatchError, match="dtype"):
         sender.call("add_peer", other)
+
+
+def test_another_weights_revision_is_refused_by_the_sender_and_by_the_receiver(fresh_peers, layout_for):
+    """Revision-safe pairing (issue 41): layouts equal but for the workers' fingerprint (another
+    weights revision under one model name). The sender's handshake refuses, naming the weights. A
+    sender that writes anyway (metadata forged to carry its own layout hash) is refused by the
+    receiver: over TCP at the connection (nothing lands), over NIXL at the completion notification
+    (the request fails at once; what the one-sided writes left is never used)."""
+    a = layout_for(fingerprint="weights=aaaa tokenizer=t engine=builtin/0.1.0")
+    b = layout_for(fingerprint="weights=bbbb tokenizer=t engine=builtin/0.1.0")
+    sender, _ = fresh_peers.start("prefill-rev-b", b, seed=3)
+    receiver, rmeta = fresh_peers.start("decode-rev-a", a, seed=None)
+    with pytest.raises(LayoutMismatchError, match="fingerprint: weights bbbb here vs aaaa on the peer"):
+        sender.call("add_peer", rmeta)
+    forged = dataclasses.replace(rmeta, layout=b, layout_hash=b.layout_hash())     # no token: not signed
+    sender.call("add_peer", forged)
+    labels = {"backend": fresh_peers.backend, "reason": "layout_mismatch"}
+    before = receiver.call("metric", "splitserve_kv_transfer_failures_total", labels) or 0.0
+    reservation = receiver.call("reserve", "rev", DST, 30.0)
+    if fresh_peers.backend == "tcp":
+        with pytest.raises(LayoutMismatchError, match="layout hash"):
+            sender.call("send_request", reservation, SRC, DST, b"tok")
+        assert not receiver.call("pool").any(), "a refused sender wrote into the receiver"
+        receiver.call("release", "rev")
+    else:
+        sender.call("send_request", reservation, SRC, DST, b"tok")
+        with pytest.raises(LayoutMismatchError, match="another model, configuration or weights revision"):
+            receiver.call("wait_notification", "rev", 10.0)
+    refusals = receiver.call("metric", "splitserve_kv_transfer_failures_total", labels) - before
+    assert refusals >= 1 if fresh_peers.backend == "tcp" else refusals == 1      # TCP: each connection attempt
+    assert receiver.call("active_reservations") == {}
 
 
 def _refused(sender, receiver, error_type, src, dst, reservation):

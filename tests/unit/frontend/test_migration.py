@@ -19,7 +19,7 @@ from splitserve.services.frontend.generation_request import GenerationRequest
 from splitserve.services.frontend.metrics import FrontendMetrics
 from splitserve.services.frontend.migration import MigrationPolicy, Progress, Refusal
 from splitserve.services.frontend.routing import build_router
-from splitserve.services.frontend.workers.pool import WorkerPool
+from splitserve.services.frontend.workers.pool import WorkerHandle, WorkerPool
 
 PROMPT = [1, 415, 2936, 9060]
 
@@ -138,3 +138,32 @@ def test_stop_strings_wait_for_min_tokens_like_vllm(frontend):
     assert stops_at(0) == first_end
     later = stops_at(first_end + 1)            # the first " and" is early: the second one stops it
     assert later is not None and later > first_end and tok.decode(output[:later]).count(" and") == 2
+
+
+def test_a_migration_continues_only_on_a_worker_of_the_revision_that_began_the_response(llama_dir):
+    """A rolling update (issue 41): a response begun by one weights revision is never finished by
+    another; before its first token a request may go anywhere."""
+    old, new = "weights=aaaa tokenizer=t engine=builtin/0.1.0", "weights=bbbb tokenizer=t engine=builtin/0.1.0"
+    workers = {name: WorkerHandle(name, "decode", f"{name}:1", channel=None, stub=None, ready=True,
+                                  info=worker_pb2.DescribeResponse(worker_id=name, max_model_len=1000, block_size=16,
+                                                                   fingerprint=fingerprint))
+               for name, fingerprint in (("d-old", old), ("d-new", new), ("d-new-2", new))}
+    pool = WorkerPool(workers.values())
+    fe = Frontend(Tokenizer(open_checkpoint(str(llama_dir))), pool, build_router(pool, "round-robin"), FrontendMetrics(),
+                  migration=MigrationPolicy(2, wait_s=0.3))
+    req = GenerationRequest("r", "completions", PROMPT, SamplingParams(max_tokens=10))
+    fresh = Progress("r", PROMPT, req.params)
+    first = asyncio.run(fe.route(req, fresh))
+    assert fresh.fingerprint == first.decode.info.fingerprint
+    begun = Progress("r", PROMPT, req.params, token_ids=[5, 6], fingerprint=new)
+    fe._migrate(req, begun, "UNAVAILABLE: drained", "d-new")
+    for _ in range(4):                                   # round-robin would offer d-old every other time
+        assert asyncio.run(fe.route(req, begun)).decode is workers["d-new-2"]
+    fe._migrate(req, begun, "UNAVAILABLE: drained", "d-new-2")
+    with pytest.raises(_Refused) as info:                # only the old revision is left: refused, not mixed
+        asyncio.run(fe.route(req, begun))
+    assert info.value.reason == "no_worker" and "weights revision" in info.value.error.message
+    not_begun = Progress("r", PROMPT, req.params, fingerprint=new)
+    fe._migrate(req, not_begun, "UNAVAILABLE: drained", "d-new")
+    fe._migrate(req, not_begun, "UNAVAILABLE: drained", "d-new-2")
+    assert asyncio.run(fe.route(req, not_begun)).decode is workers["d-old"]    # no token sent yet: retried there

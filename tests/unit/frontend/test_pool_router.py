@@ -87,3 +87,21 @@ def test_a_decode_worker_gets_only_prefill_workers_of_its_kv_layout():
     assert route.prefill is None and "no prefill worker of its KV layout" in str(route.reason)
     h["p0"].info.kv_transfer_layout = ""                               # a worker from before the field
     assert router.route(RouteRequest("r3", PROMPT + [4] * 40)).prefill is h["p0"]
+
+
+def test_a_rolling_updates_old_and_new_workers_are_never_paired():
+    """Describe's fingerprint (weights, tokenizer, engine): two revisions of one model under one
+    name have equal layouts but never exchange KV, whichever connector would move it."""
+    pool, h = _pool()
+    old, new = "weights=aaaa tokenizer=t engine=builtin/0.1.0", "weights=bbbb tokenizer=t engine=builtin/0.1.0"
+    for name, fingerprint in (("d0", new), ("d1", new), ("p0", old), ("p1", new)):
+        h[name].info.kv_transfer_layout = "layer-major"
+        h[name].info.fingerprint = fingerprint
+    router = build_router(pool, "kv", remote_prefill_threshold=16)
+    router.core.index.stored("p0", block_hashes(PROMPT, 16))         # the old p0 holds the prompt
+    assert router.route(RouteRequest("r", PROMPT + [5] * 40)).prefill is h["p1"]
+    h["p1"].info.fingerprint = old
+    route = router.route(RouteRequest("r2", PROMPT + [6] * 40))
+    assert route.prefill is None
+    h["p0"].info.fingerprint = ""                                      # a worker from before the field
+    assert router.route(RouteRequest("r3", PROMPT + [4] * 40)).prefill is h["p0"]

@@ -17,9 +17,10 @@ def test_a_bad_fault_spec_is_refused_at_start(monkeypatch, capsys, command):
 
 
 @pytest.mark.parametrize("command", ["worker", "serve"])
-def test_help_documents_the_switch(capsys, command):
+def test_help_documents_the_switch_and_the_weights_revision(capsys, command):
     with pytest.raises(SystemExit):
         main([command, "--help"])
     out = capsys.readouterr().out
-    for name in ("SPLITSERVE_KV_FAULTS", "SPLITSERVE_KV_FAULT_FILE", "SPLITSERVE_KV_FAULT_SEED", "transfer=drop|corrupt"):
+    for name in ("SPLITSERVE_KV_FAULTS", "SPLITSERVE_KV_FAULT_FILE", "SPLITSERVE_KV_FAULT_SEED", "transfer=drop|corrupt",
+                 "SPLITSERVE_WEIGHTS_REVISION"):
         assert name in out, name
