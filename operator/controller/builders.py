@@ -210,6 +210,7 @@ def build_worker_pod(owner: Owner, spec: ServingDeploymentSpec, pool: str, group
         {"name": "SPLITSERVE_GROUP", "value": group},
         {"name": "SPLITSERVE_POOL", "value": pool},
         *_tracing_env(spec),
+        *([{"name": "SPLITSERVE_WEIGHTS_REVISION", "value": spec.model.revision}] if spec.model.revision else []),
     ]
     if p.group_size > 1:
         # `splitserve worker` joins its group through these (services/engine/parallel/rendezvous.py):

@@ -163,6 +163,7 @@ class EngineConfig:
     cpu_yield: bool = False              # pinned ranks step with fewer threads while others use their cores (core_sharing)
     attention_backend: str = "auto"      # decode attention: auto | paged (in place, CPU) | gather
     extra_cache_key: str = ""            # mixed into block hashes (e.g. a LoRA id)
+    weights_revision: str = ""           # names the weights in the fingerprint (else SPLITSERVE_WEIGHTS_REVISION, a digest)
     kv_host_gib: float = 0.0             # host-memory tier below the pool (kv_tiers/); 0: none
     kv_disk_gib: float = 0.0             # local-disk tier below the host tier; 0: none
     kv_disk_path: str | None = None      # its folder (needed with kv_disk_gib)

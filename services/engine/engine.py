@@ -83,7 +83,8 @@ class LLMEngine:
         self.tokenizer = Tokenizer(ckpt)
         # What a worker that exchanges KV with this one must equal (kvtransfer/layout.py).
         self.fingerprint = checkpoint_fingerprint(ckpt.source or config.model, ckpt.tokenizer_json,
-                                                  ckpt.tokenizer_config, f"builtin/{splitserve.__version__}")
+                                                  ckpt.tokenizer_config, f"builtin/{splitserve.__version__}",
+                                                  config.weights_revision)
         mc = self.model_config
         num_blocks = config.num_kv_blocks or self._blocks_for_memory(config, mc)
         self.config = replace(config, num_kv_blocks=num_blocks, model=ckpt.source or config.model,

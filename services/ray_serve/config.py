@@ -18,6 +18,7 @@ maps onto Ray:
 | migrationLimit | the frontend's migration limit |
 | drainTimeoutSeconds | how long a stopping worker replica drains (Serve's graceful_shutdown_timeout_s follows) |
 | image, vllmImage, frontend.serviceType | Kubernetes only (ignored) |
+| model.revision | every worker's fingerprint names its weights by it (else a digest of the files) |
 | engine, *.engine | builtin: the worker in the replica's process; vllm: the replica's child process (worker_process.py) |
 | *.engineArgs (vllm) | vLLM's engine flags, after `--` of that child's `splitserve worker --engine vllm` |
 | tracing.otlpTracesEndpoint | the ingress's and every worker replica's OTLP endpoint (else the flag's) |
@@ -113,7 +114,7 @@ def config_from_spec(spec, engine: EngineSettings | None = None, transfer: str =
     """`engine` supplies what the spec does not say; its model and dtype come from the spec.
     Tracing: the spec's `tracing.otlpTracesEndpoint`, else `otlp_traces_endpoint` (the flag)."""
     engine = replace(engine or EngineSettings(model=spec.model.source), model=spec.model.source,
-                     dtype=spec.model.dtype)
+                     dtype=spec.model.dtype, weights_revision=spec.model.revision)
     threshold = spec.disaggregation_threshold
     router = RouterSettings(policy=spec.router.policy, prefill_weight=spec.router.prefill_weight,
                             temperature=spec.router.temperature, remote_prefill_threshold=threshold)

@@ -35,6 +35,7 @@ class EngineSettings:
     engine: str = "builtin"                 # builtin | vllm
     engine_python: str | None = None        # vllm: the engine environment's python (None: the default one)
     engine_args: tuple[str, ...] = ()       # vllm: its own engine flags, after `--`
+    weights_revision: str = ""              # spec.model.revision: names the weights in the fingerprint
 
 
 @dataclass(slots=True, frozen=True)

@@ -53,7 +53,7 @@ def _server_config(settings: WorkerSettings, worker_id: str, host: str, port: in
     engine = EngineConfig(model=e.model, device=e.device, dtype=e.dtype,
                           tensor_parallel_size=settings.tensor_parallel, block_size=e.block_size or 16,
                           kv_cache_gib=e.kv_cache_gib, max_num_batched_tokens=e.max_num_batched_tokens,
-                          max_num_seqs=e.max_num_seqs, num_threads=e.threads)
+                          max_num_seqs=e.max_num_seqs, num_threads=e.threads, weights_revision=e.weights_revision)
     options = WorkerOptions(worker_id=worker_id, role=Role(settings.role),
                             remote_prefill_threshold=settings.remote_prefill_threshold,
                             prefill_timeout_s=settings.prefill_timeout_s)

@@ -65,6 +65,16 @@ def worker_argv(settings: WorkerSettings, worker_id: str, host: str, port: int) 
     return [*argv, "--", *e.engine_args]
 
 
+def worker_env(settings: WorkerSettings) -> dict[str, str]:
+    """The child's environment: this replica's, unbuffered, and the spec's weights revision."""
+    from splitserve.checkpoints.fingerprint import REVISION_ENV
+
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    if settings.engine.weights_revision:
+        env[REVISION_ENV] = settings.engine.weights_revision
+    return env
+
+
 class WorkerProcess:
     """`splitserve worker --engine vllm` as this replica's child; the same surface as WorkerThread."""
 
@@ -76,7 +86,7 @@ class WorkerProcess:
         self.tail: collections.deque[str] = collections.deque(maxlen=TAIL_LINES)
         self.process = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                         stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent,
-                                        start_new_session=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                                        start_new_session=True, env=worker_env(settings))
         threading.Thread(target=self._copy_output, name=f"worker {worker_id} output", daemon=True).start()
         log.info("worker %s: started %s (pid %d)", worker_id, " ".join(argv), self.process.pid)
 

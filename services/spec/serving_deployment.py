@@ -118,17 +118,21 @@ def _str(d: Mapping[str, Any], key: str, default: str | None, path: str,
 class ModelSpec:
     source: str                      # `smollm2`, a Hugging Face folder, or a .gguf path
     dtype: str = "bfloat16"
+    # Names the weights (a release tag) for revision-safe pairing instead of a digest of their
+    # files that every new pod would compute (splitserve/checkpoints/fingerprint.py); "": digest.
+    revision: str = ""
 
     @classmethod
     def from_dict(cls, d: Any, path: str = "spec.model") -> ModelSpec:
         if d is None:
             raise ValueError(f"{path}: required (at least model.source)")
         d = _mapping(d, path)
-        _reject_unknown(d, ("source", "dtype"), path)
-        return cls(source=_str(d, "source", None, path), dtype=_str(d, "dtype", "bfloat16", path, DTYPES))
+        _reject_unknown(d, ("source", "dtype", "revision"), path)
+        return cls(source=_str(d, "source", None, path), dtype=_str(d, "dtype", "bfloat16", path, DTYPES),
+                   revision=_str(d, "revision", None, path) if "revision" in d else "")
 
     def to_dict(self) -> dict[str, Any]:
-        return {"source": self.source, "dtype": self.dtype}
+        return {"source": self.source, "dtype": self.dtype, **({"revision": self.revision} if self.revision else {})}
 
 
 @dataclass(frozen=True, slots=True)

@@ -71,10 +71,10 @@ def differences(local: str, peer: str) -> str:
                      for part in sorted(set(mine) | set(theirs)) if mine.get(part) != theirs.get(part))
 
 
-def weights_digest(source: str | Path, cache_file: Path | None = None) -> str:
-    """The weights' identity: SPLITSERVE_WEIGHTS_REVISION, else the digest of the checkpoint's
-    files at `source` (a folder or one file)."""
-    named = os.environ.get(REVISION_ENV, "").strip()
+def weights_digest(source: str | Path, cache_file: Path | None = None, revision: str = "") -> str:
+    """The weights' identity: `revision`, else SPLITSERVE_WEIGHTS_REVISION, else the digest of the
+    checkpoint's files at `source` (a folder or one file)."""
+    named = revision.strip() or os.environ.get(REVISION_ENV, "").strip()
     if named:
         return "rev:" + re.sub(r"\s+", "_", named)
     path = Path(source)
@@ -93,12 +93,13 @@ def weights_digest(source: str | Path, cache_file: Path | None = None) -> str:
 
 
 def checkpoint_fingerprint(source: str | Path, tokenizer_json: str, tokenizer_config: dict,
-                           engine: str) -> Fingerprint:
-    """The fingerprint of a worker serving the checkpoint at `source` with `engine`; digests of files
-    read before are kept in the cache folder (model_source.default_cache_dir)."""
+                           engine: str, revision: str = "") -> Fingerprint:
+    """The fingerprint of a worker serving the checkpoint at `source` with `engine` (its weights
+    named `revision`, when given); digests of files read before are kept in the cache folder
+    (model_source.default_cache_dir)."""
     from splitserve.checkpoints.model_source import default_cache_dir
 
-    return Fingerprint(weights_digest(source, default_cache_dir() / "fingerprints.json"),
+    return Fingerprint(weights_digest(source, default_cache_dir() / "fingerprints.json", revision),
                        tokenizer_digest(tokenizer_json, tokenizer_config), engine)
 
 

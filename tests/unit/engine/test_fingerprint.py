@@ -108,3 +108,29 @@ def test_a_refused_notification_fails_its_request_at_once():
         table.refuse("r", "inc", LayoutMismatchError("another weights revision wrote it"))
     with pytest.raises(LayoutMismatchError, match="another weights revision"):
         table.take_result("r")
+
+
+def test_a_revision_given_by_the_caller_wins_over_the_environment(tmp_path, monkeypatch):
+    monkeypatch.setenv(fingerprint.REVISION_ENV, "from-env")
+    assert fingerprint.weights_digest(tmp_path, revision="from-spec") == "rev:from-spec"
+    assert fingerprint.weights_digest(tmp_path) == "rev:from-env"
+
+
+def test_the_engine_publishes_its_fingerprint_in_describe_and_in_its_transfer_layout(llama_dir):
+    from splitserve.services.engine.builtin import BuiltinEngine, kv_layout
+    from splitserve.services.engine.config import EngineConfig
+    from splitserve.services.engine.engine import LLMEngine
+
+    digested = BuiltinEngine(LLMEngine(EngineConfig(model=str(llama_dir), num_kv_blocks=16, num_threads=1)))
+    named = BuiltinEngine(LLMEngine(EngineConfig(model=str(llama_dir), num_kv_blocks=16, num_threads=1,
+                                                 weights_revision="r7")))
+    try:
+        text = digested.describe().fingerprint
+        parts = fingerprint.parse(text)
+        assert set(parts) == {"weights", "tokenizer", "engine"} and parts["engine"].startswith("builtin/")
+        assert kv_layout(digested.core).fingerprint == text
+        assert fingerprint.parse(named.describe().fingerprint)["weights"] == "rev:r7"
+        assert kv_layout(named.core).layout_hash() != kv_layout(digested.core).layout_hash()
+    finally:
+        digested.close()
+        named.close()

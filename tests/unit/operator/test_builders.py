@@ -361,3 +361,14 @@ def test_gateway_frontend_is_traced_with_the_pods_identity():
     assert build_parser().parse_args(frontend["args"]).otlp_traces_endpoint == "http://o:4317"
     env_names = [e["name"] for e in frontend["env"]]
     assert env_names.index("POD_NAME") < env_names.index("OTEL_RESOURCE_ATTRIBUTES")
+
+
+def test_a_named_weights_revision_reaches_every_worker_pod_and_none_is_named_by_default():
+    """spec.model.revision: the workers' SPLITSERVE_WEIGHTS_REVISION (revision-safe pairing without
+    every pod digesting the weight files at start)."""
+    named = ServingDeploymentSpec.from_dict({"model": {"source": "smollm2", "revision": "release-7"}})
+    for pool in ("prefill", "decode"):
+        for pod in builders.build_group_pods(OWNER, named, pool, f"llm-{pool}-abc12"):
+            assert env(pod)["SPLITSERVE_WEIGHTS_REVISION"] == "release-7"
+    for pod in builders.build_group_pods(OWNER, SPEC, "prefill", "llm-prefill-abc12"):
+        assert "SPLITSERVE_WEIGHTS_REVISION" not in env(pod)

@@ -16,7 +16,7 @@ CRD = Path(__file__).resolve().parents[3] / "deploy/helm/splitserve/crds/serving
 
 FULL = {
     "image": "example/splitserve:1",
-    "model": {"source": "/models/qwen", "dtype": "float16"},
+    "model": {"source": "/models/qwen", "dtype": "float16", "revision": "qwen-2026-11"},
     "frontend": {"replicas": 2, "serviceType": "NodePort", "port": 9000},
     "router": {"policy": "power-of-two", "prefillWeight": 0.5, "temperature": 0.1},
     "prefill": {"replicas": 3, "tensorParallel": 2, "pipelineParallel": 2, "gpusPerRank": 1,
@@ -52,6 +52,7 @@ def test_full_spec_round_trips():
     ({"model": None}, "spec.model: required"),
     ({"model": {"dtype": "float16"}}, "spec.model.source: required"),
     ({"model": {"source": "x", "dtype": "int4"}}, "spec.model.dtype: 'int4' is not one of"),
+    ({"model": {"source": "x", "revision": ""}}, "spec.model.revision: expected a non-empty string"),
     ({"router": {"policy": "fastest"}}, "spec.router.policy: 'fastest' is not one of"),
     ({"decode": {"replicas": -1}}, "spec.decode.replicas: must be >= 0, got -1"),
     ({"prefill": {"tensorParallel": 0}}, "spec.prefill.tensorParallel: must be >= 1"),
@@ -172,6 +173,7 @@ def test_crd_schema_agrees_with_the_dataclasses():
     assert schema["required"] == ["model"]
     assert tuple(props["router"]["properties"]["policy"]["enum"]) == ROUTER_POLICIES
     assert tuple(props["model"]["properties"]["dtype"]["enum"]) == DTYPES
+    assert set(props["model"]["properties"]) == {"source", "dtype", "revision"}
     assert tuple(props["engine"]["enum"]) == ENGINES and props["engine"]["default"] == "builtin"
     assert tuple(props["prefill"]["properties"]["engine"]["enum"]) == ENGINES
     assert "default" not in props["prefill"]["properties"]["engine"]      # absent: the deployment's engine

@@ -221,3 +221,21 @@ def test_tracing_reaches_the_ingress_and_every_worker_replica(tmp_path):
     argv = worker_argv(WorkerSettings(role="both", engine=vllm, otlp_traces_endpoint="http://f:4317"), "b", "h", 1)
     assert build_parser().parse_args(argv).otlp_traces_endpoint == "http://f:4317"
     assert "--otlp-traces-endpoint" not in worker_argv(WorkerSettings(role="both", engine=vllm), "b", "h", 1)
+
+
+def test_the_specs_weights_revision_names_every_workers_weights(tmp_path, monkeypatch):
+    """spec.model.revision on Ray as on Kubernetes: the built-in worker's engine config carries it,
+    a vLLM replica's child process gets it as SPLITSERVE_WEIGHTS_REVISION; unset, neither."""
+    from splitserve.services.ray_serve.worker import _server_config
+    from splitserve.services.ray_serve.worker_process import worker_env
+
+    monkeypatch.delenv("SPLITSERVE_WEIGHTS_REVISION", raising=False)
+    named = {**SPEC, "model": {**SPEC["model"], "revision": "llama-r7"}}
+    config = config_from_spec(read_spec(_write(tmp_path, named)))
+    for pool in (config.prefill, config.decode):
+        assert pool.worker.engine.weights_revision == "llama-r7"
+    assert _server_config(config.decode.worker, "d0", "127.0.0.1", 1).engine.config.weights_revision == "llama-r7"
+    assert worker_env(config.decode.worker)["SPLITSERVE_WEIGHTS_REVISION"] == "llama-r7"
+    plain = config_from_spec(read_spec(_write(tmp_path, SPEC)))
+    assert plain.decode.worker.engine.weights_revision == ""
+    assert "SPLITSERVE_WEIGHTS_REVISION" not in worker_env(plain.decode.worker)
