@@ -60,9 +60,10 @@ from splitserve.kvtransfer.reservations import ReservationTable
 from splitserve.kvtransfer.tp_slicing import HeadSlice, head_slice
 
 MAX_NOTIFY_PAYLOAD = 64 * 1024
-# AgentMetadata.features of this build: "digest-stream", the KVd3 transfer digest (transfer_digest.py).
-# "progress-notes", notes a receiver keeps aside while its reservation stays open (post_progress).
-FEATURES = ("digest-stream", "progress-notes")
+# AgentMetadata.features of this build: the KVd3 transfer digest (transfer_digest.py), and notes a
+# receiver keeps aside while its reservation stays open (post_progress).
+DIGEST_STREAM, PROGRESS_NOTES = "digest-stream", "progress-notes"
+FEATURES = (DIGEST_STREAM, PROGRESS_NOTES)
 _GRANT_CACHE_SIZE = 64           # reservations whose destination-block masks a sender keeps
 
 

@@ -81,7 +81,8 @@ class Notification:
         at += n_payload
         layout = ""
         if data[at:at + len(SENDER_LAYOUT_MAGIC)] == SENDER_LAYOUT_MAGIC:
-            layout = bytes(data[at + len(SENDER_LAYOUT_MAGIC):at + len(SENDER_LAYOUT_MAGIC) + 64]).decode("ascii", "replace")
+            at += len(SENDER_LAYOUT_MAGIC)
+            layout = bytes(data[at:at + 64]).decode("ascii", "replace")
         return cls(rid, inc, block_ids, payload, layout)
 
 

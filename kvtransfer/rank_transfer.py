@@ -51,6 +51,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from splitserve.kvtransfer import AgentMetadata, Connector, Reservation, TransferHandle
+from splitserve.kvtransfer.connector import DIGEST_STREAM, PROGRESS_NOTES
 from splitserve.kvtransfer.errors import ReservationExpiredError, TransferError, TransferTimeoutError
 from splitserve.kvtransfer import transfer_digest
 from splitserve.kvtransfer.faults import FaultSwitch
@@ -385,7 +386,7 @@ class RankTransfer:
             peer = self.connector.peer(target.endpoint.agent_name)
             send.digest = self._digest_for(peer)
             send.announce = (isinstance(send.digest, transfer_digest.StreamDigest)
-                             and "progress-notes" in peer.features)
+                             and PROGRESS_NOTES in peer.features)
             send.fault = self._injected_fault(request_id)
         with self._driver.lock:
             if self._fenced.get(request_id, 0.0) > time.monotonic():
@@ -409,7 +410,7 @@ class RankTransfer:
                 and pool is not None and pool.device.type == "cpu")
 
     def _digest_for(self, peer: AgentMetadata) -> transfer_digest.StreamDigest | transfer_digest.BlockSumDigest:
-        if "digest-stream" in peer.features:
+        if DIGEST_STREAM in peer.features:
             return self.new_digest(self.connector.layout)
         # A receiver from before the KVd3 envelope (a rolling update): every one checks KVd1.
         return transfer_digest.BlockSumDigest(self.connector.layout, transfer_digest.CRC32)

@@ -27,8 +27,9 @@ announces each layer once all its writes are done (`layer_note`: the layer and i
 progress note of the connector, to receivers naming the "progress-notes" feature); the receiver
 checks that layer while later ones fly (`held_layer_digest`), and at the completion hashes only
 the layers not yet checked. A layer checked early was complete when its note was sent (the
-sender waited for its writes), and nothing else writes a reserved block. Only CPU pools whose ranks hold the same heads (one rank each side) are digested; a
-transfer without the envelope is accepted as before.
+sender waited for its writes), and nothing else writes a reserved block. Only CPU pools whose
+ranks hold the same heads (one rank each side) are digested; a transfer without the envelope is
+accepted as before.
 """
 
 from __future__ import annotations
@@ -114,9 +115,9 @@ class StreamDigest:
 
     def add_write(self, pool: torch.Tensor, layer: int, src_blocks: list[int], dst_blocks: list[int]) -> None:
         """Feed one write's source blocks; a layer's writes come in the grant's block order."""
-        data = _bytes(pool)
-        for stream, span in zip(self._streams[layer], _halves(data, self.layout, layer)):
-            for start, count in zip(*block_run_arrays(src_blocks)):
+        runs = list(zip(*block_run_arrays(src_blocks)))
+        for stream, span in zip(self._streams[layer], _halves(_bytes(pool), self.layout, layer)):
+            for start, count in runs:
                 stream.update(span[start:start + count])
         self.pairs += len(dst_blocks)
 

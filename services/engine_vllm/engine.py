@@ -28,7 +28,6 @@ side's request ends with vLLM's `kv_transfer_params`, which the decode side's re
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -114,14 +113,15 @@ def _fingerprint(model_config: Any) -> Fingerprint:
     loaded: a local folder's files, or the hub snapshot a model id resolved to."""
     import vllm
 
-    from splitserve.checkpoints.fingerprint import REVISION_ENV, folder_tokenizer_digest, weights_digest
-    from splitserve.checkpoints.model_source import default_cache_dir
+    from splitserve.checkpoints.fingerprint import (REVISION_ENV, default_cache_file, folder_tokenizer_digest,
+                                                    named_revision, weights_digest)
 
     weights = _local_folder(model_config.model, model_config.revision)
     tokenizer = _local_folder(model_config.tokenizer, model_config.tokenizer_revision)
-    if weights is not None or os.environ.get(REVISION_ENV):
-        weights_id = weights_digest(weights or "", default_cache_dir() / "fingerprints.json")
-    else:
+    weights_id = named_revision()
+    if not weights_id and weights is not None:
+        weights_id = weights_digest(weights, default_cache_file())
+    elif not weights_id:
         weights_id = f"id:{model_config.model}@{model_config.revision or 'main'}"
         log.warning("the fingerprint of %s names its weights by id and revision: its files are not on this "
                     "machine's disk to digest (%s names them instead)", model_config.model, REVISION_ENV)

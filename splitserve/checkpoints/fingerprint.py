@@ -71,12 +71,25 @@ def differences(local: str, peer: str) -> str:
                      for part in sorted(set(mine) | set(theirs)) if mine.get(part) != theirs.get(part))
 
 
-def weights_digest(source: str | Path, cache_file: Path | None = None, revision: str = "") -> str:
-    """The weights' identity: `revision`, else SPLITSERVE_WEIGHTS_REVISION, else the digest of the
-    checkpoint's files at `source` (a folder or one file)."""
+def named_revision(revision: str = "") -> str:
+    """The weights' identity as named: `revision`, else SPLITSERVE_WEIGHTS_REVISION; "" when neither."""
     named = revision.strip() or os.environ.get(REVISION_ENV, "").strip()
+    return "rev:" + re.sub(r"\s+", "_", named) if named else ""
+
+
+def default_cache_file() -> Path:
+    """Where the digests of files already read are kept (model_source.default_cache_dir)."""
+    from splitserve.checkpoints.model_source import default_cache_dir
+
+    return default_cache_dir() / "fingerprints.json"
+
+
+def weights_digest(source: str | Path, cache_file: Path | None = None, revision: str = "") -> str:
+    """The weights' identity: `named_revision`, else the digest of the checkpoint's files at
+    `source` (a folder or one file)."""
+    named = named_revision(revision)
     if named:
-        return "rev:" + re.sub(r"\s+", "_", named)
+        return named
     path = Path(source)
     if not path.exists():
         return "none"
@@ -95,11 +108,8 @@ def weights_digest(source: str | Path, cache_file: Path | None = None, revision:
 def checkpoint_fingerprint(source: str | Path, tokenizer_json: str, tokenizer_config: dict,
                            engine: str, revision: str = "") -> Fingerprint:
     """The fingerprint of a worker serving the checkpoint at `source` with `engine` (its weights
-    named `revision`, when given); digests of files read before are kept in the cache folder
-    (model_source.default_cache_dir)."""
-    from splitserve.checkpoints.model_source import default_cache_dir
-
-    return Fingerprint(weights_digest(source, default_cache_dir() / "fingerprints.json", revision),
+    named `revision`, when given)."""
+    return Fingerprint(weights_digest(source, default_cache_file(), revision),
                        tokenizer_digest(tokenizer_json, tokenizer_config), engine)
 
 
