@@ -21,6 +21,7 @@ import grpc
 from grpc_health.v1 import health_pb2_grpc
 
 from splitserve.errors import SplitserveError
+from splitserve.grpc_server_stop import stop_server
 from splitserve.metrics_http import MetricsApp, MetricsServer
 from splitserve.stop_signals import handle_stop_signals, ignore_stop_signals
 from splitserve.tls import PLAINTEXT, TlsConfig
@@ -175,7 +176,7 @@ async def run_epp(config: EppConfig) -> int:
         await server.stop(config.drain_timeout_s)
     finally:
         await server.stop(0)
-        await probes.stop(0)
+        await stop_server(probes, 0)
         await frontend.router.close()
         if metrics_server is not None:
             await metrics_server.close()

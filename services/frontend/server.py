@@ -21,6 +21,7 @@ import grpc
 import uvicorn
 
 from splitserve.errors import SplitserveError
+from splitserve.grpc_server_stop import stop_server
 from splitserve.proto.v1 import inference_pb2_grpc
 from splitserve.router.policies.kv import DEFAULT_PREFILL_WEIGHT
 from splitserve.checkpoints.model_source import open_checkpoint
@@ -163,7 +164,7 @@ async def run_frontend(config: FrontendConfig) -> int:
         stopper.cancel()
         await asyncio.gather(serving, return_exceptions=True)
         if grpc_server is not None:
-            await grpc_server.stop(2)
+            await stop_server(grpc_server, 2)
         await router.close()
         if registry is not None:
             await registry.close()

@@ -35,6 +35,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from splitserve.errors import SplitserveError
+from splitserve.grpc_server_stop import stop_server
 from splitserve.kvtransfer import AgentMetadata, KVLayout, make_connector
 from splitserve.kvtransfer.errors import TransferError
 from splitserve.kvtransfer.memory import empty_pool
@@ -292,7 +293,7 @@ async def serve(config: KVStoreConfig, stop: asyncio.Event | None = None) -> int
         if registration is not None:
             await registration.close()
         await health_servicer.enter_graceful_shutdown()
-        await server.stop(1.0)
+        await stop_server(server, 1.0)
         service.close()
         s = service.counters
         log.info("kvstore: stopping after %.0f s: %d blocks stored, %d fetched", time.monotonic() - started,

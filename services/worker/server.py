@@ -25,6 +25,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from splitserve.errors import SplitserveError
+from splitserve.grpc_server_stop import stop_server
 from splitserve.proto.v1 import worker_pb2_grpc
 from splitserve.startup import process_age_s
 from splitserve.stop_signals import handle_stop_signals, ignore_stop_signals
@@ -177,7 +178,7 @@ async def serve(config: WorkerServerConfig, stop: asyncio.Event | None = None,
             # frontends migrate those requests.
             await asyncio.to_thread(service.loop.stop)
         service.end_sessions()
-        await server.stop(config.grace_s)
+        await stop_server(server, config.grace_s)
         if stream is not None:
             await stream.close()
         await service.close()
