@@ -28,7 +28,7 @@ class PrefillPeer(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., address: _Optional[str] = ...) -> None: ...
 
 class TokenGenerateRequest(_message.Message):
-    __slots__ = ("request_id", "token_ids", "params", "prefill_peer", "alternate_prefill_peers", "n", "cache_salt", "trace_context")
+    __slots__ = ("request_id", "token_ids", "params", "prefill_peer", "alternate_prefill_peers", "n", "cache_salt", "trace_context", "kv_source")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     PARAMS_FIELD_NUMBER: _ClassVar[int]
@@ -37,6 +37,7 @@ class TokenGenerateRequest(_message.Message):
     N_FIELD_NUMBER: _ClassVar[int]
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     TRACE_CONTEXT_FIELD_NUMBER: _ClassVar[int]
+    KV_SOURCE_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     params: _common_pb2.SamplingParams
@@ -45,10 +46,39 @@ class TokenGenerateRequest(_message.Message):
     n: int
     cache_salt: str
     trace_context: _common_pb2.TraceContext
-    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., prefill_peer: _Optional[_Union[PrefillPeer, _Mapping]] = ..., alternate_prefill_peers: _Optional[_Iterable[_Union[PrefillPeer, _Mapping]]] = ..., n: _Optional[int] = ..., cache_salt: _Optional[str] = ..., trace_context: _Optional[_Union[_common_pb2.TraceContext, _Mapping]] = ...) -> None: ...
+    kv_source: KvSource
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., prefill_peer: _Optional[_Union[PrefillPeer, _Mapping]] = ..., alternate_prefill_peers: _Optional[_Iterable[_Union[PrefillPeer, _Mapping]]] = ..., n: _Optional[int] = ..., cache_salt: _Optional[str] = ..., trace_context: _Optional[_Union[_common_pb2.TraceContext, _Mapping]] = ..., kv_source: _Optional[_Union[KvSource, _Mapping]] = ...) -> None: ...
+
+class KvSource(_message.Message):
+    __slots__ = ("worker_id", "address", "request_id")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    address: str
+    request_id: str
+    def __init__(self, worker_id: _Optional[str] = ..., address: _Optional[str] = ..., request_id: _Optional[str] = ...) -> None: ...
+
+class SuspendRequest(_message.Message):
+    __slots__ = ("request_id", "hold_s")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    HOLD_S_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    hold_s: float
+    def __init__(self, request_id: _Optional[str] = ..., hold_s: _Optional[float] = ...) -> None: ...
+
+class SuspendResponse(_message.Message):
+    __slots__ = ("suspended", "num_tokens", "reason")
+    SUSPENDED_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    suspended: bool
+    num_tokens: int
+    reason: str
+    def __init__(self, suspended: _Optional[bool] = ..., num_tokens: _Optional[int] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class TokenGenerateResponse(_message.Message):
-    __slots__ = ("token_ids", "logprobs", "finished", "finish_reason", "num_prompt_tokens", "num_cached_tokens", "num_output_tokens", "prefilled_remotely", "choice", "prompt_logprobs")
+    __slots__ = ("token_ids", "logprobs", "finished", "finish_reason", "num_prompt_tokens", "num_cached_tokens", "num_output_tokens", "prefilled_remotely", "choice", "prompt_logprobs", "kv_moved")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     FINISHED_FIELD_NUMBER: _ClassVar[int]
@@ -59,6 +89,7 @@ class TokenGenerateResponse(_message.Message):
     PREFILLED_REMOTELY_FIELD_NUMBER: _ClassVar[int]
     CHOICE_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    KV_MOVED_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     logprobs: _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenLogprob]
     finished: bool
@@ -69,7 +100,8 @@ class TokenGenerateResponse(_message.Message):
     prefilled_remotely: bool
     choice: int
     prompt_logprobs: _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenLogprob]
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprob, _Mapping]]] = ..., finished: _Optional[bool] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., num_prompt_tokens: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ..., num_output_tokens: _Optional[int] = ..., prefilled_remotely: _Optional[bool] = ..., choice: _Optional[int] = ..., prompt_logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprob, _Mapping]]] = ...) -> None: ...
+    kv_moved: bool
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprob, _Mapping]]] = ..., finished: _Optional[bool] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., num_prompt_tokens: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ..., num_output_tokens: _Optional[int] = ..., prefilled_remotely: _Optional[bool] = ..., choice: _Optional[int] = ..., prompt_logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprob, _Mapping]]] = ..., kv_moved: _Optional[bool] = ...) -> None: ...
 
 class SessionRequest(_message.Message):
     __slots__ = ("generate", "abort_request_id")
@@ -136,7 +168,7 @@ class FirstToken(_message.Message):
     def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[_Union[_common_pb2.TokenLogprob, _Mapping]] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("request_id", "token_ids", "params", "target", "cache_salt", "trace_context", "kv_handoff")
+    __slots__ = ("request_id", "token_ids", "params", "target", "cache_salt", "trace_context", "kv_handoff", "migrate_request_id")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     PARAMS_FIELD_NUMBER: _ClassVar[int]
@@ -144,6 +176,7 @@ class PrefillRequest(_message.Message):
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     TRACE_CONTEXT_FIELD_NUMBER: _ClassVar[int]
     KV_HANDOFF_FIELD_NUMBER: _ClassVar[int]
+    MIGRATE_REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     params: _common_pb2.SamplingParams
@@ -151,7 +184,8 @@ class PrefillRequest(_message.Message):
     cache_salt: str
     trace_context: _common_pb2.TraceContext
     kv_handoff: bool
-    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., target: _Optional[_Union[TransferTarget, _Mapping]] = ..., cache_salt: _Optional[str] = ..., trace_context: _Optional[_Union[_common_pb2.TraceContext, _Mapping]] = ..., kv_handoff: _Optional[bool] = ...) -> None: ...
+    migrate_request_id: str
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., target: _Optional[_Union[TransferTarget, _Mapping]] = ..., cache_salt: _Optional[str] = ..., trace_context: _Optional[_Union[_common_pb2.TraceContext, _Mapping]] = ..., kv_handoff: _Optional[bool] = ..., migrate_request_id: _Optional[str] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
     __slots__ = ("first_token_id", "first_logprob", "num_prompt_tokens", "num_cached_tokens", "prompt_logprobs", "kv_transfer_params_json")
@@ -256,7 +290,7 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class StatsResponse(_message.Message):
-    __slots__ = ("worker_id", "role", "draining", "num_kv_blocks", "num_used_kv_blocks", "num_cached_kv_blocks", "kv_usage", "num_running", "num_waiting", "num_remote_prefill", "num_in_flight", "num_steps", "num_computed_tokens", "num_prompt_tokens_computed", "num_prefix_hit_tokens", "num_generated_tokens", "num_preemptions", "num_finished", "num_aborted", "num_requests", "num_local_prefills", "num_remote_prefills", "num_prefills_served", "num_errors", "last_kv_event_seq", "num_prefill_retries", "num_prefill_fallbacks", "num_transfer_reservations", "num_held_prefills", "num_fenced_kv_blocks", "num_fences_confirmed", "num_fences_waited_out", "num_fences_served", "num_forks", "num_forked_kv_blocks", "num_fork_copies", "kv_tiers", "kv_tier_rejections", "num_remote_prefill_kv_blocks")
+    __slots__ = ("worker_id", "role", "draining", "num_kv_blocks", "num_used_kv_blocks", "num_cached_kv_blocks", "kv_usage", "num_running", "num_waiting", "num_remote_prefill", "num_in_flight", "num_steps", "num_computed_tokens", "num_prompt_tokens_computed", "num_prefix_hit_tokens", "num_generated_tokens", "num_preemptions", "num_finished", "num_aborted", "num_requests", "num_local_prefills", "num_remote_prefills", "num_prefills_served", "num_errors", "last_kv_event_seq", "num_prefill_retries", "num_prefill_fallbacks", "num_transfer_reservations", "num_held_prefills", "num_fenced_kv_blocks", "num_fences_confirmed", "num_fences_waited_out", "num_fences_served", "num_forks", "num_forked_kv_blocks", "num_fork_copies", "kv_tiers", "kv_tier_rejections", "num_remote_prefill_kv_blocks", "num_suspended", "num_kv_migrations_sent", "num_kv_migrations_received", "num_kv_migration_fallbacks", "num_suspended_held")
     class KvTierRejectionsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -303,6 +337,11 @@ class StatsResponse(_message.Message):
     KV_TIERS_FIELD_NUMBER: _ClassVar[int]
     KV_TIER_REJECTIONS_FIELD_NUMBER: _ClassVar[int]
     NUM_REMOTE_PREFILL_KV_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    NUM_SUSPENDED_FIELD_NUMBER: _ClassVar[int]
+    NUM_KV_MIGRATIONS_SENT_FIELD_NUMBER: _ClassVar[int]
+    NUM_KV_MIGRATIONS_RECEIVED_FIELD_NUMBER: _ClassVar[int]
+    NUM_KV_MIGRATION_FALLBACKS_FIELD_NUMBER: _ClassVar[int]
+    NUM_SUSPENDED_HELD_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     role: WorkerRole
     draining: bool
@@ -342,7 +381,12 @@ class StatsResponse(_message.Message):
     kv_tiers: _containers.RepeatedCompositeFieldContainer[KvTierStats]
     kv_tier_rejections: _containers.ScalarMap[str, int]
     num_remote_prefill_kv_blocks: int
-    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[_Union[WorkerRole, str]] = ..., draining: _Optional[bool] = ..., num_kv_blocks: _Optional[int] = ..., num_used_kv_blocks: _Optional[int] = ..., num_cached_kv_blocks: _Optional[int] = ..., kv_usage: _Optional[float] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_remote_prefill: _Optional[int] = ..., num_in_flight: _Optional[int] = ..., num_steps: _Optional[int] = ..., num_computed_tokens: _Optional[int] = ..., num_prompt_tokens_computed: _Optional[int] = ..., num_prefix_hit_tokens: _Optional[int] = ..., num_generated_tokens: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., num_finished: _Optional[int] = ..., num_aborted: _Optional[int] = ..., num_requests: _Optional[int] = ..., num_local_prefills: _Optional[int] = ..., num_remote_prefills: _Optional[int] = ..., num_prefills_served: _Optional[int] = ..., num_errors: _Optional[int] = ..., last_kv_event_seq: _Optional[int] = ..., num_prefill_retries: _Optional[int] = ..., num_prefill_fallbacks: _Optional[int] = ..., num_transfer_reservations: _Optional[int] = ..., num_held_prefills: _Optional[int] = ..., num_fenced_kv_blocks: _Optional[int] = ..., num_fences_confirmed: _Optional[int] = ..., num_fences_waited_out: _Optional[int] = ..., num_fences_served: _Optional[int] = ..., num_forks: _Optional[int] = ..., num_forked_kv_blocks: _Optional[int] = ..., num_fork_copies: _Optional[int] = ..., kv_tiers: _Optional[_Iterable[_Union[KvTierStats, _Mapping]]] = ..., kv_tier_rejections: _Optional[_Mapping[str, int]] = ..., num_remote_prefill_kv_blocks: _Optional[int] = ...) -> None: ...
+    num_suspended: int
+    num_kv_migrations_sent: int
+    num_kv_migrations_received: int
+    num_kv_migration_fallbacks: int
+    num_suspended_held: int
+    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[_Union[WorkerRole, str]] = ..., draining: _Optional[bool] = ..., num_kv_blocks: _Optional[int] = ..., num_used_kv_blocks: _Optional[int] = ..., num_cached_kv_blocks: _Optional[int] = ..., kv_usage: _Optional[float] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_remote_prefill: _Optional[int] = ..., num_in_flight: _Optional[int] = ..., num_steps: _Optional[int] = ..., num_computed_tokens: _Optional[int] = ..., num_prompt_tokens_computed: _Optional[int] = ..., num_prefix_hit_tokens: _Optional[int] = ..., num_generated_tokens: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., num_finished: _Optional[int] = ..., num_aborted: _Optional[int] = ..., num_requests: _Optional[int] = ..., num_local_prefills: _Optional[int] = ..., num_remote_prefills: _Optional[int] = ..., num_prefills_served: _Optional[int] = ..., num_errors: _Optional[int] = ..., last_kv_event_seq: _Optional[int] = ..., num_prefill_retries: _Optional[int] = ..., num_prefill_fallbacks: _Optional[int] = ..., num_transfer_reservations: _Optional[int] = ..., num_held_prefills: _Optional[int] = ..., num_fenced_kv_blocks: _Optional[int] = ..., num_fences_confirmed: _Optional[int] = ..., num_fences_waited_out: _Optional[int] = ..., num_fences_served: _Optional[int] = ..., num_forks: _Optional[int] = ..., num_forked_kv_blocks: _Optional[int] = ..., num_fork_copies: _Optional[int] = ..., kv_tiers: _Optional[_Iterable[_Union[KvTierStats, _Mapping]]] = ..., kv_tier_rejections: _Optional[_Mapping[str, int]] = ..., num_remote_prefill_kv_blocks: _Optional[int] = ..., num_suspended: _Optional[int] = ..., num_kv_migrations_sent: _Optional[int] = ..., num_kv_migrations_received: _Optional[int] = ..., num_kv_migration_fallbacks: _Optional[int] = ..., num_suspended_held: _Optional[int] = ...) -> None: ...
 
 class KvTierStats(_message.Message):
     __slots__ = ("tier", "num_blocks", "capacity_blocks", "num_hits", "bytes_loaded", "load_seconds", "num_written", "num_evicted")
@@ -369,7 +413,7 @@ class DescribeRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class DescribeResponse(_message.Message):
-    __slots__ = ("worker_id", "instance_id", "role", "model_name", "max_model_len", "vocab_size", "block_size", "num_kv_blocks", "dtype", "device", "tensor_parallel_size", "transfer_backend", "block_hash_extra_key", "session_port", "max_logprobs", "kv_transfer_layout", "fingerprint")
+    __slots__ = ("worker_id", "instance_id", "role", "model_name", "max_model_len", "vocab_size", "block_size", "num_kv_blocks", "dtype", "device", "tensor_parallel_size", "transfer_backend", "block_hash_extra_key", "session_port", "max_logprobs", "kv_transfer_layout", "fingerprint", "moves_kv")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
@@ -387,6 +431,7 @@ class DescribeResponse(_message.Message):
     MAX_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     KV_TRANSFER_LAYOUT_FIELD_NUMBER: _ClassVar[int]
     FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    MOVES_KV_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     instance_id: str
     role: WorkerRole
@@ -404,7 +449,8 @@ class DescribeResponse(_message.Message):
     max_logprobs: int
     kv_transfer_layout: str
     fingerprint: str
-    def __init__(self, worker_id: _Optional[str] = ..., instance_id: _Optional[str] = ..., role: _Optional[_Union[WorkerRole, str]] = ..., model_name: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., block_size: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., tensor_parallel_size: _Optional[int] = ..., transfer_backend: _Optional[str] = ..., block_hash_extra_key: _Optional[bytes] = ..., session_port: _Optional[int] = ..., max_logprobs: _Optional[int] = ..., kv_transfer_layout: _Optional[str] = ..., fingerprint: _Optional[str] = ...) -> None: ...
+    moves_kv: bool
+    def __init__(self, worker_id: _Optional[str] = ..., instance_id: _Optional[str] = ..., role: _Optional[_Union[WorkerRole, str]] = ..., model_name: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., block_size: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., tensor_parallel_size: _Optional[int] = ..., transfer_backend: _Optional[str] = ..., block_hash_extra_key: _Optional[bytes] = ..., session_port: _Optional[int] = ..., max_logprobs: _Optional[int] = ..., kv_transfer_layout: _Optional[str] = ..., fingerprint: _Optional[str] = ..., moves_kv: _Optional[bool] = ...) -> None: ...
 
 class DrainRequest(_message.Message):
     __slots__ = ()

@@ -79,6 +79,11 @@ class WorkerStub:
                 request_serializer=splitserve_dot_v1_dot_worker__pb2.DrainRequest.SerializeToString,
                 response_deserializer=splitserve_dot_v1_dot_worker__pb2.DrainResponse.FromString,
                 _registered_method=True)
+        self.Suspend = channel.unary_unary(
+                '/splitserve.v1.Worker/Suspend',
+                request_serializer=splitserve_dot_v1_dot_worker__pb2.SuspendRequest.SerializeToString,
+                response_deserializer=splitserve_dot_v1_dot_worker__pb2.SuspendResponse.FromString,
+                _registered_method=True)
 
 
 class WorkerServicer:
@@ -156,6 +161,15 @@ class WorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Suspend(self, request, context):
+        """Live migration (frontend -> the decode worker serving a request): stop decoding the
+        request and keep its KV blocks for `hold_s`, for another decode worker to read with a
+        Prefill that names it (`PrefillRequest.migrate_request_id`). The request's stream ends.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_WorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -203,6 +217,11 @@ def add_WorkerServicer_to_server(servicer, server):
                     servicer.Drain,
                     request_deserializer=splitserve_dot_v1_dot_worker__pb2.DrainRequest.FromString,
                     response_serializer=splitserve_dot_v1_dot_worker__pb2.DrainResponse.SerializeToString,
+            ),
+            'Suspend': grpc.unary_unary_rpc_method_handler(
+                    servicer.Suspend,
+                    request_deserializer=splitserve_dot_v1_dot_worker__pb2.SuspendRequest.FromString,
+                    response_serializer=splitserve_dot_v1_dot_worker__pb2.SuspendResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -448,6 +467,33 @@ class Worker:
             '/splitserve.v1.Worker/Drain',
             splitserve_dot_v1_dot_worker__pb2.DrainRequest.SerializeToString,
             splitserve_dot_v1_dot_worker__pb2.DrainResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Suspend(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/splitserve.v1.Worker/Suspend',
+            splitserve_dot_v1_dot_worker__pb2.SuspendRequest.SerializeToString,
+            splitserve_dot_v1_dot_worker__pb2.SuspendResponse.FromString,
             options,
             channel_credentials,
             insecure,

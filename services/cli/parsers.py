@@ -11,6 +11,7 @@ import argparse
 from splitserve import __version__
 from splitserve.router.policies.kv import DEFAULT_PREFILL_WEIGHT
 from splitserve.services.cli import commands
+from splitserve.services.cli.admin import add_admin_parser
 from splitserve.services.cli import flow_control_args as _flow_control_args
 from splitserve.services.cli import security as _security_args
 
@@ -610,4 +611,5 @@ def build_parser() -> argparse.ArgumentParser:
     _add_bench_parser(sub)
     _add_operator_parser(sub)
     _add_kvstore_parser(sub)
+    add_admin_parser(sub)
     return parser

@@ -114,6 +114,24 @@ class BuiltinEngine:
     def release_transfer(self, request_id: str) -> bool:
         return self.core.release_transfer(request_id)
 
+    # -- live migration (contract.KVMigrationEngine) ------------------------------------
+    def suspend(self, request_id: str) -> int | None:
+        return self.core.suspend(request_id)
+
+    def export_suspended(self, request_id: str, transfer_id: str, token_ids: list[int],
+                         on_layer_done: LayerCallback) -> int:
+        return self.core.export_suspended(request_id, transfer_id, token_ids, on_layer_done)
+
+    def release_suspended(self, request_id: str) -> bool:
+        return self.core.release_suspended(request_id)
+
+    def reserve_migration(self, request_id: str, token_ids: list[int], params: SamplingParams
+                          ) -> Reservation | None:
+        return self.core.reserve_migration(request_id, token_ids, params)
+
+    def complete_migration(self, request_id: str) -> RequestOutput | None:
+        return self.core.complete_migration(request_id)
+
     # -- KV events ---------------------------------------------------------------
     def subscribe_events(self, callback: Callable[[list[KVEvent]], None]) -> None:
         self.core.subscribe_events(callback)

@@ -73,6 +73,14 @@ class GenerationResult:
     prompt_logprobs: list[SampledToken] | None = None     # params.prompt_logprobs: tokens 1.. of the prompt
 
 
+@dataclass(slots=True, frozen=True)
+class SuspendedKV:
+    """A suspended request's KV (`LLMEngine.suspend`): the tokens it covers, the blocks holding it."""
+
+    token_ids: list[int]
+    block_ids: list[int]
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig):
         self._core_sharing = apply_rank_threads(config, 0)
@@ -117,6 +125,7 @@ class LLMEngine:
         self._arrivals = 0
         self._pending_outputs: list[RequestOutput] = []
         self._event_subscribers: list[Callable[[list[KVEvent]], None]] = []
+        self.suspended: dict[str, SuspendedKV] = {}     # live migration: requests whose KV waits to be read
 
     def _make_tiers(self, kv: KVCache, extra_key: str, store: bool = False) -> KVTiers | None:
         c = self.config
@@ -255,6 +264,68 @@ class LLMEngine:
             return False
         self.scheduler.finish(seq, FinishReason.ABORT)
         return True
+
+    # -- live migration (issue 41): a running request's KV moves to another decode worker --
+    def suspend(self, request_id: str) -> int | None:
+        """Stop decoding a running request and keep its KV blocks for another worker to read
+        (`export_suspended`) until `release_suspended`; its stream ends (ABORT). Returns how many
+        tokens' KV the blocks hold (prompt + output but the last token, sampled and not computed
+        yet); None when it cannot be suspended: unknown, not decoding yet, the prompt of samples
+        not yet forked, tensor parallel (each rank would send its own share)."""
+        seq = self.scheduler.find(request_id)
+        if (seq is None or seq.status is not SequenceStatus.RUNNING or seq.forks or seq.prefill_only
+                or seq.transfer is not None or self.tp is not None or not seq.output_token_ids
+                or seq.num_computed_tokens != seq.num_tokens - 1):
+            return None
+        held = SuspendedKV(seq.all_token_ids[:seq.num_computed_tokens], list(seq.block_ids))
+        self.pool.take_refs(held.block_ids)           # kept past the finish below
+        self.suspended[request_id] = held
+        self.scheduler.finish(seq, FinishReason.ABORT)
+        self._pending_outputs.append(self._output(seq, [], []))
+        return len(held.token_ids)
+
+    def export_suspended(self, request_id: str, transfer_id: str, token_ids: list[int],
+                         on_layer_done: LayerCallback) -> int:
+        """Report every layer of the blocks holding the first len(token_ids) - 1 tokens' KV of the
+        suspended `request_id` to `on_layer_done` (a sender, under `transfer_id`); returns that
+        number of tokens. Raises InvalidRequestError when nothing is held or the tokens differ."""
+        held = self.suspended.get(request_id)
+        if held is None:
+            raise InvalidRequestError(f"no suspended request {request_id!r} here (it ended, or its hold expired)")
+        n = len(token_ids) - 1
+        if n < 1 or n > len(held.token_ids) or token_ids[:n] != held.token_ids[:n]:
+            raise InvalidRequestError(f"the suspended request {request_id!r} holds the KV of other tokens")
+        blocks = held.block_ids[:-(-n // self.config.block_size)]
+        for layer in range(self.model_config.num_layers):
+            on_layer_done(LayerReady(transfer_id, layer, 0, blocks, n))
+        return n
+
+    def release_suspended(self, request_id: str) -> bool:
+        """The suspended request's KV was read (or its hold expired): free its blocks."""
+        held = self.suspended.pop(request_id, None)
+        if held is not None:
+            self.pool.release(held.block_ids)
+        return held is not None
+
+    def reserve_migration(self, request_id: str, token_ids: list[int], params: SamplingParams
+                          ) -> Reservation | None:
+        """A migrated request's blocks (`token_ids`: prompt + output so far), for the KV of all but
+        the last token, which this worker computes (`complete_migration`) and samples after, as
+        with a local prefill: no prefix-cache hit covers it, and no draw is skipped for it. The
+        reservation is fenced as `reserve_remote_prefill(fence_writes=True)`'s."""
+        seq = self._new_sequence(request_id, token_ids, params, False, None)
+        seq.transfer = TransferUse.RECEIVE
+        return self.scheduler.reserve_remote(seq, allow_full=False)
+
+    def complete_migration(self, request_id: str) -> RequestOutput | None:
+        """The reserved blocks hold the KV of all but the last token: compute that one next step."""
+        seq = self.scheduler.remote.get(request_id)
+        if seq is None:
+            return None
+        self.scheduler.complete_remote(request_id, num_computed_tokens=len(seq.prompt_token_ids) - 1)
+        self.scheduler.cache_computed_blocks(seq)
+        self._publish_events()
+        return self._output(seq, [], [])
 
     # -- blocks a transfer still uses (both sides) ---------------------------------
     def release_transfer(self, request_id: str) -> bool:

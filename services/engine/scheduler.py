@@ -131,13 +131,14 @@ class Scheduler:
         seq.status = SequenceStatus.WAITING
         self._enqueue_waiting(seq)
 
-    def reserve_remote(self, seq: Sequence) -> Reservation | None:
+    def reserve_remote(self, seq: Sequence, allow_full: bool = True) -> Reservation | None:
         """Reserve blocks for the whole prompt (reusing cached prefix blocks); None if that would
         leave fewer free blocks than running sequences (each may need its next block before the
         prompt arrives: a queue of reservations must not preempt the decodes it waits to join).
         With `seq.transfer` RECEIVE, giving it up leaves the granted blocks to the transfer."""
-        hits = self._prefix_hits(seq, allow_full=True)
-        lower = self._lower_tier_hits(seq, len(hits), len(seq.prompt_token_ids) // self.block_size)
+        hits = self._prefix_hits(seq, allow_full=allow_full)
+        lower = self._lower_tier_hits(seq, len(hits), len(seq.prompt_token_ids) // self.block_size
+                                      if allow_full else self._max_hits(seq))
         num_new = self._blocks_for(len(seq.prompt_token_ids)) - len(hits)
         idle_hits = sum(b in self.pool.evictable for b in hits)       # taking them makes them unfree
         if self.pool.num_free_blocks - idle_hits - num_new < len(self.running):
@@ -156,12 +157,13 @@ class Scheduler:
         self.remote[seq.request_id] = seq
         return Reservation(list(seq.block_ids), seq.num_prefix_hit_tokens)
 
-    def complete_remote(self, request_id: str) -> Sequence | None:
-        """The remote prefill filled the reserved blocks: join the running batch."""
+    def complete_remote(self, request_id: str, num_computed_tokens: int | None = None) -> Sequence | None:
+        """The remote prefill filled the reserved blocks (the KV of `num_computed_tokens`, default
+        the whole prompt; the rest is computed here): join the running batch."""
         seq = self.remote.pop(request_id, None)
         if seq is None:
             return None
-        seq.num_computed_tokens = len(seq.prompt_token_ids)
+        seq.num_computed_tokens = len(seq.prompt_token_ids) if num_computed_tokens is None else num_computed_tokens
         seq.transfer = None          # every write landed: an ordinary sequence from now on
         seq.status = SequenceStatus.RUNNING
         bisect.insort(self.running, seq, key=lambda s: s.arrival)

@@ -244,6 +244,37 @@ class KVHandoffEngine(Protocol):
         output."""
 
 
+@runtime_checkable
+class KVMigrationEngine(Protocol):
+    """An engine whose running requests can move to another decode worker with their KV (live
+    migration; the built-in engine). The source suspends the request and reports its blocks to a
+    sender as a prefill reports its layers; the destination reserves blocks for the request's
+    tokens, receives the KV of all but the last one and computes that one itself (so it samples
+    the next token with its own generator, as after a local prefill). An engine without it
+    migrates by token replay (services/frontend/migration.py)."""
+
+    def suspend(self, request_id: str) -> int | None:
+        """Source: stop decoding `request_id`, keep its KV blocks (its stream ends); how many
+        tokens' KV they hold, or None when the request cannot be suspended."""
+
+    def export_suspended(self, request_id: str, transfer_id: str, token_ids: list[int],
+                         on_layer_done: LayerCallback) -> int:
+        """Source: report each layer of the blocks holding the KV of the first len(token_ids) - 1
+        tokens to `on_layer_done` under `transfer_id`; raises InvalidRequestError when the
+        suspended request's tokens differ or nothing is held."""
+
+    def release_suspended(self, request_id: str) -> bool:
+        """Source: free the suspended request's blocks (read, or its hold expired)."""
+
+    def reserve_migration(self, request_id: str, token_ids: list[int], params: SamplingParams
+                          ) -> Reservation | None:
+        """Destination: blocks for `token_ids`, granted for the KV of all but the last (fenced as a
+        reservation with fence_writes); None when the pool is full."""
+
+    def complete_migration(self, request_id: str) -> RequestOutput | None:
+        """Destination: the KV arrived; the last token is computed next step (None: no reservation)."""
+
+
 class EngineLauncher(Protocol):
     """How a worker starts its engine: `launch` loads the model (blocking; the worker runs it on a
     thread and serves health meanwhile)."""

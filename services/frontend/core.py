@@ -40,6 +40,7 @@ from splitserve.services.frontend.flow_admission import FrontendFlowControl
 from splitserve.services.frontend.fault_metrics import OUTCOME_MIGRATED, OUTCOME_RETRIED, PHASE_BEFORE_FIRST_TOKEN, PHASE_STREAMING
 from splitserve.services.frontend.metrics import FrontendMetrics
 from splitserve.services.frontend.request_tracing import RequestTrace
+from splitserve.services.frontend.live_moves import METHOD_KV, METHOD_REPLAY, MoveOrder, MoveResult
 from splitserve.services.frontend.migration import MigrationPolicy, Progress, Refusal, breaks_stream
 from splitserve.services.frontend.routing import Route, RouteRequest, Router
 from splitserve.services.frontend.sampling_defaults import SamplingDefaults
@@ -132,6 +133,81 @@ class Frontend:
         # Gateway mode (--gateway): an endpoint picker routes; its prefill pick comes in a header.
         self.gateway = False
         self.num_in_flight = 0
+        self.running: dict[str, tuple[Progress, "_Run"]] = {}   # by request id: what an operator may move
+        self._moves_off: set[asyncio.Task] = set()
+
+    # -- moving a running request (live_moves.py) ------------------------------------
+    def running_requests(self) -> list[dict]:
+        """What runs now, for an operator picking a request to move (GET /admin/requests)."""
+        return [{"request_id": rid, "worker": run.worker_id, "num_prompt_tokens": len(p.prompt_ids),
+                 "num_output_tokens": p.num_output_tokens, "moving": run.move is not None}
+                for rid, (p, run) in self.running.items()]
+
+    async def move(self, request_id: str, to_worker: str | None = None, replay: bool = False,
+                   timeout_s: float = 60.0) -> MoveResult:
+        """Move a running request to another decode worker (`to_worker`, or the router's pick) after
+        its next token; returns once the new worker forwarded a token. APIError: 404 no such
+        request running, 409 already moving or ended first, 400 no such decode worker."""
+        found = self.running.get(request_id)
+        if found is None:
+            raise APIError(404, f"no request {request_id!r} is running on this frontend", type="not_found_error")
+        progress, run = found
+        if run.move is not None:
+            raise APIError(409, f"request {request_id!r} is already being moved", type="conflict_error")
+        if run.forked:
+            raise APIError(409, f"request {request_id!r} is one of several samples of a prompt (n > 1) that share "
+                                "one worker call; it can move once that call broke", type="conflict_error")
+        if to_worker is not None:
+            self._check_move_target(progress, run, to_worker)
+        elif not self._move_targets(progress, run.worker_id):
+            raise APIError(409, f"no other decode worker that can continue request {request_id!r} (the same "
+                                "weights revision) is ready", type="conflict_error")
+        order = run.move = MoveOrder(to_worker, replay)
+        try:
+            async with asyncio.timeout(timeout_s):
+                return await asyncio.shield(order.result)
+        except TimeoutError:
+            if not order.begun and run.move is order:
+                run.move = None           # no delta came: the request stays where it is
+            raise APIError(504, f"request {request_id!r} did not produce a token on another worker within "
+                                f"{timeout_s:.0f} s", type="timeout_error") from None
+
+    def move_all_off(self, worker_id: str) -> None:
+        """Move every request running on decode worker `worker_id` (it drains) to the others, those
+        for which another (of their weights revision) is ready; the rest finish there or migrate
+        at its drain timeout, as before."""
+        for request_id, (progress, run) in list(self.running.items()):
+            if (run.worker_id == worker_id and run.move is None and not run.forked and not run.finished
+                    and self._move_targets(progress, worker_id)):
+                task = asyncio.ensure_future(self._move_off(request_id, worker_id))
+                self._moves_off.add(task)
+                task.add_done_callback(self._moves_off.discard)
+
+    async def _move_off(self, request_id: str, worker_id: str) -> None:
+        try:
+            moved = await self.move(request_id)
+        except APIError as exc:
+            log.info("request %s: not moved off draining %s: %s", request_id, worker_id, exc.message)
+        else:
+            log.info("request %s: moved off draining %s to %s (%s)", request_id, worker_id, moved.to_worker,
+                     moved.method)
+
+    def _move_targets(self, progress: Progress, worker_id: str) -> list:
+        """The ready decode workers but `worker_id` that may continue the request: of the weights
+        revision that began it."""
+        return [w for w in self.pool.ready("decode") if w.worker_id != worker_id and not (
+                progress.fingerprint and w.info.fingerprint and w.info.fingerprint != progress.fingerprint)]
+
+    def _check_move_target(self, progress: Progress, run: "_Run", to_worker: str) -> None:
+        ready = {w.worker_id: w for w in self.pool.ready("decode")}
+        worker = ready.get(to_worker)
+        if worker is None:
+            known = ", ".join(sorted(ready)) or "none"
+            raise invalid(f"{to_worker!r} is not a ready decode worker (ready: {known})", "to")
+        if to_worker == run.worker_id:
+            raise invalid(f"request {progress.request_id!r} already runs on {to_worker!r}", "to")
+        if progress.fingerprint and worker.info.fingerprint and worker.info.fingerprint != progress.fingerprint:
+            raise invalid(f"{to_worker!r} serves other weights than the ones that began this response", "to")
 
     # -- what the workers serve ----------------------------------------------------
     @property
@@ -302,8 +378,10 @@ class Frontend:
             self.metrics.admitted_max_tokens.inc(req.params.max_tokens)
         self.num_in_flight += 1
         trace = RequestTrace(self.tracer, req, self.model_name) if self.tracer is not None else None
+        self.running[req.request_id] = (progress, run)
         try:
             while True:
+                run.forked = fork is not None
                 if fork is not None:
                     attempt, fork = self._forked_attempt(req, *fork, progress, run, trace), None
                 else:
@@ -315,6 +393,18 @@ class Frontend:
                         yield delta
                 if run.finished:
                     return
+                if run.move is not None and run.move.begun:
+                    if not progress.moved_from:
+                        self._prepare_move(req, progress, run.move)
+                        continue
+                    # The worker it moved to failed before its first token: a migration from here on.
+                    run.move.ended(APIError(502, f"the worker the request moved to failed: {run.broken}",
+                                            type="service_unavailable"))
+                    run.move, progress.kv_source, progress.move_to, progress.moved_from = None, None, None, ""
+                elif run.move is not None:
+                    run.move.ended(APIError(409, f"the stream of request {req.request_id!r} broke before it could "
+                                                 "move; it continues by token replay", type="conflict_error"))
+                    run.move = None
                 self._migrate(req, progress, run.broken, run.worker_id)
                 if trace is not None:
                     trace.migrating(progress, run.worker_id, run.broken)
@@ -335,6 +425,10 @@ class Frontend:
                      progress.num_output_tokens)
             raise
         finally:
+            self.running.pop(req.request_id, None)
+            if run.move is not None:
+                run.move.ended(APIError(409, f"request {req.request_id!r} ended before it could move "
+                                             f"({run.finish_reason or status})", type="conflict_error"))
             if run.finished:
                 status = m.STATUS_OK
                 self.metrics.prompt_tokens.inc(len(req.prompt_ids))
@@ -348,25 +442,43 @@ class Frontend:
             if trace is not None:
                 trace.finish(progress, run.finish_reason, run.first_token_at, None if run.finished else status)
 
+    def _prepare_move(self, req: GenerationRequest, progress: Progress, order: MoveOrder) -> None:
+        """The stream was left for a move: the next attempt goes to the chosen worker (or any but
+        the source) and reads the KV from the suspended request, when it was suspended."""
+        progress.num_moves += 1
+        progress.kv_source = order.kv_source
+        progress.move_to, progress.moved_from = order.to_worker, order.from_worker
+        log.info("request %s: moving from %s after %d tokens (%s)", req.request_id, order.from_worker,
+                 progress.num_output_tokens, "its KV moves" if order.kv_source is not None
+                 else f"token replay: {order.replay_reason}")
+
     def _excluded(self, progress: Progress) -> frozenset[str]:
         """The workers whose stream broke for this request, unless restarted since (a new instance),
         and, once tokens were forwarded, the workers of another fingerprint (weights revision) than
-        the one that produced them: the rest of a response comes from the weights that began it."""
-        if not progress.failed_worker_ids:
+        the one that produced them: the rest of a response comes from the weights that began it;
+        and during a move, every worker but the one asked for (or the one it leaves)."""
+        if not progress.failed_worker_ids and not progress.moved_from:
             return frozenset()            # every request's first route: nothing to look up
-        restarted = {w.worker_id for w in self.pool.ready("decode") if w.info is not None
+        ready = self.pool.ready("decode")
+        restarted = {w.worker_id for w in ready if w.info is not None
                      and progress.failed_instances.get(w.worker_id, w.info.instance_id) != w.info.instance_id}
         other_revision = set()
         if progress.token_ids and progress.fingerprint:
-            other_revision = {w.worker_id for w in self.pool.ready("decode") if w.info is not None
+            other_revision = {w.worker_id for w in ready if w.info is not None
                               and w.info.fingerprint and w.info.fingerprint != progress.fingerprint}
-        return frozenset((progress.failed_worker_ids - restarted) | other_revision)
+        # A move goes to the worker asked for, else anywhere but where the request ran.
+        moving = {w.worker_id for w in ready if w.worker_id != progress.move_to} if progress.move_to \
+            else {progress.moved_from} - {""}
+        return frozenset((progress.failed_worker_ids - restarted) | other_revision | moving)
 
     async def route(self, req: GenerationRequest, progress: Progress) -> Route:
         request = RouteRequest(progress.attempt_id(), progress.prompt_ids + progress.token_ids,
                                progress.params.cache_salt)
         route = self.router.route(request, exclude=self._excluded(progress))
-        if route is None and not progress.num_migrations:
+        if route is None and progress.move_to:
+            progress.move_to = None       # the worker chosen for a move left: any other will do
+            route = self.router.route(request, exclude=self._excluded(progress))
+        if route is None and not progress.num_migrations and not progress.num_moves:
             raise _Refused("no_worker", APIError(503, "no worker is ready to serve this request; retry shortly",
                                                  type="service_unavailable"))
         if route is None:
@@ -426,9 +538,15 @@ class Frontend:
                 async for resp in responses:
                     delta = self._delta(req, progress, run, resp, message.request_id)
                     run.finished = delta.finish_reason is not None
+                    if run.move is not None and run.move.begun and resp.token_ids:
+                        self._moved(progress, run, route.decode.worker_id, resp.kv_moved)
                     yield delta
                     if run.finished:      # leaving aclosing aborts the worker's request if it goes on
                         return
+                    if run.move is not None and not run.move.begun:
+                        await run.move.leave(route.decode, message.request_id, progress.num_output_tokens)
+                        run.broken = f"moved to {run.move.to_worker or 'another decode worker'} by an operator"
+                        return            # leaving aclosing aborts the request (a suspended one is kept)
             run.broken = "the worker ended the stream without finishing the request"
         except WorkerCallError as exc:
             self._broken_or_refused(run, exc)
@@ -436,6 +554,13 @@ class Frontend:
             self.router.on_finished(message.request_id)
             if call_span is not None:
                 trace.end_call(call_span, run.broken or run.failure)
+
+    def _moved(self, progress: Progress, run: "_Run", worker_id: str, kv_moved: bool) -> None:
+        """The first token after a move: it is over."""
+        self.metrics.faults.moves.labels(METHOD_KV if kv_moved else METHOD_REPLAY).inc()
+        run.move.arrived(progress.request_id, worker_id, kv_moved)
+        run.move = None
+        progress.kv_source, progress.move_to, progress.moved_from = None, None, ""
 
     def add_prefill_peers(self, message: worker_pb2.TokenGenerateRequest, route: Route,
                           gateway_prefill: str = "") -> None:
@@ -551,6 +676,8 @@ class _Run:
     broken: str = ""              # why the last attempt's stream broke
     worker_id: str = ""           # the decode worker of the last attempt
     failure: str = ""             # the worker's refusal (gRPC status, lower case)
+    move: MoveOrder | None = None  # an operator's move, until the new worker's first token
+    forked: bool = False           # reading a shared call of n > 1 samples (it cannot move then)
 
 
 class _Refused(Exception):

@@ -4,6 +4,9 @@ and the workers' own prefill retry counters.
 - `splitserve_migrations_total{outcome}`: one per broken worker stream. `migrated`: re-dispatched
   after tokens had been forwarded; `retried`: re-dispatched before the first token; `refused_*`:
   not re-dispatched, for the reason named (`disabled`, `limit`, `no_worker`, `context_full`).
+- `splitserve_request_moves_total{method}`: running requests moved to another decode worker without
+  a fault (an operator's `admin migrate`, a decode worker draining; live_moves.py): `kv` when their
+  KV moved, `replay` when the new worker recomputed the context.
 - `splitserve_cancellations_total{api, phase}`: the client went away `before_first_token` or
   `streaming`.
 - `splitserve_request_failures_total{api, reason}`: requests that ended with a server-side error
@@ -76,6 +79,8 @@ class FaultMetrics:
     def __init__(self, registry: CollectorRegistry) -> None:
         self.migrations = Counter("splitserve_migrations", "Broken worker streams by what the frontend did",
                                   ["outcome"], registry=registry)
+        self.moves = Counter("splitserve_request_moves", "Running requests moved to another decode worker "
+                             "without a fault, by whether their KV moved", ["method"], registry=registry)
         self.cancellations = Counter("splitserve_cancellations", "Requests the client abandoned",
                                      ["api", "phase"], registry=registry)
         self.failures = Counter("splitserve_request_failures", "Requests that failed on the server side",

@@ -94,6 +94,11 @@ class Progress:
     # The fingerprint (weights, tokenizer, engine) of the worker the forwarded tokens came from:
     # a migration continues only on a worker of the same one, never mixing two revisions.
     fingerprint: str = ""
+    # Moves an operator asked for (live_moves.py): not failures, not counted against the limit.
+    num_moves: int = 0
+    kv_source: worker_pb2.KvSource | None = None   # the next call reads the KV from there
+    move_to: str | None = None                      # the next call goes to this decode worker
+    moved_from: str = ""                            # ... or to any but this one
 
     @property
     def num_output_tokens(self) -> int:
@@ -102,7 +107,8 @@ class Progress:
     def attempt_id(self) -> str:
         """The request id the next worker call uses: a fresh one per attempt, so a worker or a
         prefill worker that still holds the old attempt never sees a duplicate id."""
-        return self.request_id if not self.num_migrations else f"{self.request_id}.m{self.num_migrations}"
+        attempts = self.num_migrations + self.num_moves
+        return self.request_id if not attempts else f"{self.request_id}.m{attempts}"
 
     def worker_request(self) -> worker_pb2.TokenGenerateRequest:
         """The next worker call: prompt + forwarded tokens, the remaining budget (max_tokens
@@ -121,8 +127,12 @@ class Progress:
             num_prior_output_tokens=self.params.num_prior_output_tokens + n,
             # Sent with the first token: once any token was forwarded, the client has them.
             prompt_logprobs=self.params.prompt_logprobs if not n else None)
-        return worker_pb2.TokenGenerateRequest(request_id=self.attempt_id(), token_ids=self.prompt_ids + self.token_ids,
-                                               params=params_to_proto(params), cache_salt=params.cache_salt)
+        message = worker_pb2.TokenGenerateRequest(
+            request_id=self.attempt_id(), token_ids=self.prompt_ids + self.token_ids,
+            params=params_to_proto(params), cache_salt=params.cache_salt)
+        if self.kv_source is not None:
+            message.kv_source.CopyFrom(self.kv_source)
+        return message
 
 
 @dataclass(slots=True, frozen=True)

@@ -30,6 +30,7 @@ from splitserve.stop_signals import handle_stop_signals, ignore_stop_signals
 from splitserve.tls import PLAINTEXT, TlsConfig
 from splitserve.tracing import start_tracer
 
+from splitserve.services.frontend.live_moves import MoveOffDrainingWorkers
 from splitserve.services.frontend.auth import ApiKeys
 from splitserve.services.frontend.grpc.inference import InferenceService
 from splitserve.services.frontend.grpc.guard import GuardInterceptor
@@ -110,6 +111,7 @@ def build_frontend(config: FrontendConfig, pool: WorkerPool) -> tuple[Frontend, 
         frontend.flow_control = FrontendFlowControl(config.flow_control, pool, metrics.registry)
         print(f"frontend: {config.flow_control.describe()}", flush=True)
     frontend.gateway = config.gateway
+    pool.subscribe(MoveOffDrainingWorkers(frontend.move_all_off))   # a draining decode worker's requests move
     router.feeds.stats_listeners.append(metrics.faults.workers.update)
     metrics.registry.register(WorkerRestarts(lambda: pool.workers))
     return frontend, Guard(config.api_keys, config.limits, metrics.rejected)

@@ -26,6 +26,11 @@ def logprob_from_proto(msg: common_pb2.TokenLogprob) -> SampledToken:
     return SampledToken(msg.token_id, msg.logprob, {t.token_id: t.logprob for t in msg.top}, msg.rank or None)
 
 
+# A live migration's completion payload: the KV of all but the last token arrived, and no first
+# token comes with it (the destination computes that token and samples the next itself).
+MIGRATED_KV = b"SKM1"
+
+
 def encode_first_token(token: SampledToken) -> bytes:
     """The payload of a transfer's completion notification: the prefill's first token."""
     msg = worker_pb2.FirstToken(token_id=token.token_id)
@@ -42,13 +47,13 @@ def decode_first_token(payload: bytes) -> SampledToken:
 
 
 def output_to_proto(out: RequestOutput, prefilled_remotely: bool = False,
-                    choice: int = 0) -> worker_pb2.TokenGenerateResponse:
+                    choice: int = 0, kv_moved: bool = False) -> worker_pb2.TokenGenerateResponse:
     return worker_pb2.TokenGenerateResponse(
         token_ids=out.new_token_ids, logprobs=[logprob_to_proto(t) for t in out.logprobs],
         finished=out.finished, finish_reason=finish_reason_to_proto(out.finish_reason),
         num_prompt_tokens=out.num_prompt_tokens, num_cached_tokens=out.num_cached_tokens,
         num_output_tokens=out.num_output_tokens, prefilled_remotely=prefilled_remotely, choice=choice,
-        prompt_logprobs=[logprob_to_proto(t) for t in out.prompt_logprobs or []])
+        prompt_logprobs=[logprob_to_proto(t) for t in out.prompt_logprobs or []], kv_moved=kv_moved)
 
 
 def event_to_proto(event: KVEvent) -> worker_pb2.KvEvent:

@@ -10,6 +10,7 @@ Drain, calls that would start work get UNAVAILABLE.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import enum
 import json
 import logging
@@ -22,7 +23,7 @@ from grpc_health.v1._async import HealthServicer
 
 from splitserve.errors import FatalError, InvalidRequestError, RecoverableError
 from splitserve.proto.v1 import worker_pb2, worker_pb2_grpc
-from splitserve.services.engine_api.contract import Engine, EngineLoad
+from splitserve.services.engine_api.contract import Engine, EngineLoad, KVMigrationEngine
 from splitserve.tls import PLAINTEXT, TlsConfig
 from splitserve.tracing import Tracer
 
@@ -31,6 +32,7 @@ from splitserve.services.worker_protocol.sampling_params import SamplingParams
 from splitserve.services.worker.output_messages import event_to_proto, logprob_to_proto, output_to_proto
 from splitserve.services.worker.engine_loop import EngineLoop, EngineStoppedError
 from splitserve.services.worker.kv.handoff import HandoffPrefill, serve_handoff_prefill
+from splitserve.services.worker.kv.migration_source import SuspendedRequests
 from splitserve.services.worker.kv.prefill_server import serve_prefill
 from splitserve.services.worker.kv.remote_prefill import PeerChannels, RemotePrefill
 from splitserve.kvtransfer.sender_receiver import (KVReceiver, KVSender, TransferEndpoint, TransferError,
@@ -80,6 +82,10 @@ class WorkerCounters:
     num_prefill_retries: int = 0
     num_prefill_fallbacks: int = 0
     num_fences_served: int = 0
+    num_suspended: int = 0                 # live migrations: requests suspended here for another worker
+    num_kv_migrations_sent: int = 0        # ... whose KV was sent from here
+    num_kv_migrations_received: int = 0    # requests that arrived with their KV from another worker
+    num_kv_migration_fallbacks: int = 0    # ... whose KV could not be moved (recomputed here)
     num_errors: int = 0
     num_in_flight: int = 0
 
@@ -135,6 +141,8 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         self.remote: RemotePrefill | None = None
         self.handoff: HandoffPrefill | None = None     # the engine's own connector moves the KV
         self.fences: WriteFences | None = None
+        self.suspended: SuspendedRequests | None = None   # live migration's source side
+        self._background: set[asyncio.Task] = set()
         self.sessions: set[GenerateSession] = set()   # gRPC calls and session streams
         self.session_port = 0                  # the session stream's, once it listens (server.py)
 
@@ -147,6 +155,7 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         self.loop = EngineLoop(engine)
         self.loop.start()
         self.fences = WriteFences(self.loop, self.peers)
+        self.suspended = SuspendedRequests(self.loop)
         self.remote = RemotePrefill(self.loop, self.receiver, self.peers,
                                     self.options.remote_prefill_threshold, self.options.prefill_timeout_s,
                                     self.fences, self.tracer)
@@ -225,6 +234,7 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
             await compile_grammar(loop, params)
             token_ids = list(request.token_ids)
             self.counters.num_requests += 1
+            kv_source = request.kv_source if request.HasField("kv_source") else None
             peers = [request.prefill_peer.address] if request.HasField("prefill_peer") else []
             peers += [p.address for p in request.alternate_prefill_peers if p.address not in peers]
             trace = None if self.tracer is None else \
@@ -232,7 +242,7 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
             error = None
             try:
                 async for response in self._generate(loop, request_id, token_ids, params, peers,
-                                                     max(1, request.n), trace):
+                                                     max(1, request.n), trace, kv_source):
                     yield response
             except BaseException as exc:
                 error = None if isinstance(exc, GeneratorExit) else exc    # closed by the caller: not a failure
@@ -246,14 +256,39 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
     def _disaggregates(self) -> bool:
         return self.options.role is Role.DECODE and self.receiver is not None and bool(self.receiver.backend)
 
+    def _moves_kv(self) -> str:
+        """Why this worker cannot take part in a live migration that moves the KV; "" when it can."""
+        if not self._disaggregates():
+            return (f"worker {self.options.worker_id} is not a decode worker with a KV transfer "
+                    f"(role {self.options.role.value}): its requests are migrated by token replay")
+        if self.handoff is not None or not isinstance(self.loop.engine, KVMigrationEngine):
+            return (f"worker {self.options.worker_id}'s engine does not move a running request's KV: "
+                    "its requests are migrated by token replay")
+        if self.loop.engine.describe().tensor_parallel_size > 1:
+            return (f"worker {self.options.worker_id} is tensor parallel (each rank would send its share; "
+                    "not built yet): its requests are migrated by token replay")
+        return ""
+
     async def _generate(self, loop: EngineLoop, request_id: str, token_ids: list[int], params,
-                        peers: list[str], n: int = 1, trace: GenerateTrace | None = None):
+                        peers: list[str], n: int = 1, trace: GenerateTrace | None = None,
+                        kv_source: worker_pb2.KvSource | None = None):
         """One request's messages; n > 1 samples of the prompt run as engine forks (one prefill,
-        shared KV blocks) with engine ids "<request_id>/<i>", each message tagged with i."""
+        shared KV blocks) with engine ids "<request_id>/<i>", each message tagged with i.
+        `kv_source`: a live migration's, whose KV is read from there (else recomputed here)."""
         ids = [request_id] if n == 1 else [fork_id(request_id, i) for i in range(n)]
         forks = [(ids[i], choice_params(params, i)) for i in range(1, n)]
         choice = {rid: i for i, rid in enumerate(ids)}
         remote = self.remote
+        if kv_source is not None:
+            span = trace.span if trace is not None else None
+            if n == 1 and not self._moves_kv() and await remote.migrate(request_id, token_ids, params, kv_source, span):
+                self.counters.num_kv_migrations_received += 1
+                async for response in self._stream(loop, ids, remote.complete_migration(request_id), choice, trace,
+                                                   kv_moved=True):
+                    yield response
+                return
+            self.counters.num_kv_migration_fallbacks += 1
+            self._release_source(kv_source)
         if peers and self._disaggregates() and await remote.worth_it(token_ids, params.cache_salt):
             span = trace.span if trace is not None else None
             if self.handoff is not None:
@@ -282,11 +317,12 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
 
     @staticmethod
     async def _stream(loop: EngineLoop, ids: list[str], start, choice: dict[str, int],
-                      trace: GenerateTrace | None, prefilled_remotely: bool = False):
+                      trace: GenerateTrace | None, prefilled_remotely: bool = False, kv_moved: bool = False):
         async for out in loop.stream(ids[0], start, ids[1:]):
             if trace is not None:
                 trace.observe(out)
-            yield output_to_proto(out, prefilled_remotely=prefilled_remotely, choice=choice[out.request_id])
+            yield output_to_proto(out, prefilled_remotely=prefilled_remotely, choice=choice[out.request_id],
+                                  kv_moved=kv_moved)
 
     def abort_choice(self, request_id: str, running: set[str] | dict) -> bool:
         """A session's abort of one sample "<request_id>/<i>" of a running request of `running`;
@@ -305,6 +341,8 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         failure = span = None
         self.counters.num_in_flight += 1
         try:
+            if request.migrate_request_id:
+                return await self._send_suspended(request)
             loop = self._engine_loop()
             if not request.request_id:
                 raise InvalidRequestError("Prefill needs a request_id")
@@ -340,10 +378,58 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
                 span.end()
         await self._fail(context, "Prefill", request.request_id, failure)
 
+    def _release_source(self, source: worker_pb2.KvSource) -> None:
+        """A live migration's KV is not read here: tell its source to free it now (an Abort of the
+        suspended request) rather than at the end of its hold."""
+        async def abort() -> None:
+            with contextlib.suppress(Exception):
+                await self.peers.stub(source.address).Abort(
+                    worker_pb2.AbortRequest(request_id=source.request_id), timeout=5)
+        task = asyncio.ensure_future(abort())
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def _send_suspended(self, request: worker_pb2.PrefillRequest) -> worker_pb2.PrefillResponse:
+        """A live migration's source: push the suspended request's KV (migration_source.py)."""
+        self._engine_loop(admit=False)                 # a draining worker moves its requests away
+        if reason := self._moves_kv():
+            raise InvalidRequestError(reason)
+        if not request.request_id:
+            raise InvalidRequestError("Prefill needs a request_id")
+        token_ids = list(request.token_ids)
+        num_sent = await self.suspended.send(self.sender, request.request_id, request.migrate_request_id,
+                                             token_ids, _transfer_target(request.target))
+        self.counters.num_kv_migrations_sent += 1
+        log.info("worker %s: sent the KV of %d tokens of %s to %s", self.options.worker_id, num_sent,
+                 request.migrate_request_id, request.target.agent_name)
+        return worker_pb2.PrefillResponse(num_prompt_tokens=len(token_ids))
+
+    async def Suspend(self, request, context):
+        try:
+            self._engine_loop(admit=False)             # a draining worker moves its requests away
+            if reason := self._moves_kv():
+                return worker_pb2.SuspendResponse(suspended=False, reason=reason)
+            num_tokens = await self.suspended.suspend(request.request_id, request.hold_s)
+            if num_tokens is None:
+                return worker_pb2.SuspendResponse(suspended=False, reason=(
+                    f"request {request.request_id!r} is not decoding on worker {self.options.worker_id} "
+                    "(unknown, finished, or still waiting or prefilling)"))
+            self.counters.num_suspended += 1
+            log.info("worker %s: suspended %s for a migration (the KV of %d tokens held)",
+                     self.options.worker_id, request.request_id, num_tokens)
+            return worker_pb2.SuspendResponse(suspended=True, num_tokens=num_tokens)
+        except Exception as exc:
+            await self._fail(context, "Suspend", request.request_id, exc)
+
     # -- control -----------------------------------------------------------------
     async def Abort(self, request, context):
         try:
-            found = await self._engine_loop(admit=False).abort_request(request.request_id)
+            loop = self._engine_loop(admit=False)
+            if self.suspended is not None and self.suspended.take(request.request_id):
+                # A suspended request's destination gave its KV up (it recomputes the context instead).
+                loop.post(lambda e: e.release_suspended(request.request_id))
+                return worker_pb2.AbortResponse(found=True)
+            found = await loop.abort_request(request.request_id)
         except Exception as exc:
             await self._fail(context, "Abort", request.request_id, exc)
         return worker_pb2.AbortResponse(found=found)
@@ -402,7 +488,11 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
             num_fences_waited_out=self.fences.num_waited_out if self.fences is not None else 0,
             num_fences_served=c.num_fences_served, num_forks=s.num_forks,
             num_forked_kv_blocks=s.num_forked_blocks, num_fork_copies=s.num_fork_copies,
-            kv_tiers=_tier_stats(load), kv_tier_rejections=load.kv_tier_rejections)
+            kv_tiers=_tier_stats(load), kv_tier_rejections=load.kv_tier_rejections,
+            num_suspended=c.num_suspended, num_kv_migrations_sent=c.num_kv_migrations_sent,
+            num_kv_migrations_received=c.num_kv_migrations_received,
+            num_kv_migration_fallbacks=c.num_kv_migration_fallbacks,
+            num_suspended_held=len(self.suspended) if self.suspended is not None else 0)
 
     async def Describe(self, request, context):
         try:
@@ -418,7 +508,8 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
             tensor_parallel_size=d.tensor_parallel_size,
             transfer_backend=self.sender.backend if self.sender is not None else "",
             block_hash_extra_key=d.block_hash_extra_key, session_port=self.session_port,
-            max_logprobs=d.max_logprobs, kv_transfer_layout=self._transfer_layout(), fingerprint=d.fingerprint)
+            max_logprobs=d.max_logprobs, kv_transfer_layout=self._transfer_layout(), fingerprint=d.fingerprint,
+            moves_kv=not self._moves_kv())
 
     def _transfer_layout(self) -> str:
         """The layout hash this worker's KV transfer handshakes with; "" without one (role both)."""

@@ -8,7 +8,9 @@ The order matters:
    open meanwhile, so they finish here instead of being migrated. A prefill worker also
    waits until no finished prefill's KV is still held for its decode worker (vLLM's
    NixlConnector: the decode worker pulls it after the Prefill call returned), so leaving
-   never makes a decode worker recompute a prompt that was already computed here;
+   never makes a decode worker recompute a prompt that was already computed here; and a decode
+   worker waits until the requests it suspended for a live migration (frontends move a draining
+   decode worker's requests away with their KV) had their KV read;
 3. whatever still runs at the deadline is failed with UNAVAILABLE ("shutting down"),
    which a frontend answers by migrating the request to another decode worker;
 4. the etcd registration is revoked only then (a router that discovers workers through
@@ -72,4 +74,6 @@ async def _busy(service: WorkerService) -> str:
     stats = await service.read_stats(STATS_TIMEOUT_S)
     if stats is not None and stats.num_held_prefills:
         return f"{stats.num_held_prefills} prefills' KV not yet taken by their decode workers"
+    if stats is not None and stats.num_suspended_held:
+        return f"{stats.num_suspended_held} suspended requests' KV not yet read by the decode workers taking them over"
     return ""

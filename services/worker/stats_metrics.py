@@ -41,6 +41,8 @@ GAUGES = (
     ("splitserve_worker_draining", "draining", "1 once the worker refuses new work (drain)"),
     ("splitserve_worker_kv_blocks_fenced", "num_fenced_kv_blocks",
      "KV blocks of given-up remote prefills kept until their prefill worker stopped writing"),
+    ("splitserve_worker_suspended_requests_held", "num_suspended_held",
+     "Suspended requests whose KV waits to be read by a live migration's destination"),
 )
 COUNTERS = (    # names without `_total`: the exposition appends it
     ("splitserve_worker_prompt_tokens_computed", "num_prompt_tokens_computed",
@@ -68,6 +70,14 @@ COUNTERS = (    # names without `_total`: the exposition appends it
      "Full KV blocks shared by reference with those forked samples"),
     ("splitserve_worker_fork_copies", "num_fork_copies",
      "Partial last KV blocks copied for forked samples (copy-on-write)"),
+    ("splitserve_worker_requests_suspended", "num_suspended",
+     "Running requests suspended here for a live migration to another decode worker"),
+    ("splitserve_worker_kv_migrations_sent", "num_kv_migrations_sent",
+     "Suspended requests whose KV was sent from here to the decode worker taking them over"),
+    ("splitserve_worker_kv_migrations_received", "num_kv_migrations_received",
+     "Migrated requests that arrived with their KV from another decode worker"),
+    ("splitserve_worker_kv_migration_fallbacks", "num_kv_migration_fallbacks",
+     "Migrated requests whose KV could not be moved here, so their context was recomputed"),
 )
 
 # Per KV tier (labels worker, role, tier), from StatsResponse.kv_tiers.

@@ -39,7 +39,7 @@ def idle_problems(s: worker_pb2.StatsResponse) -> list[str]:
     held = {"used KV blocks": s.num_used_kv_blocks, "transfer reservations": s.num_transfer_reservations,
             "held prefills": s.num_held_prefills, "remote prefills waiting": s.num_remote_prefill,
             "running": s.num_running, "waiting": s.num_waiting, "calls in flight": s.num_in_flight,
-            "fenced KV blocks": s.num_fenced_kv_blocks}
+            "fenced KV blocks": s.num_fenced_kv_blocks, "suspended requests": s.num_suspended_held}
     return [f"{v} {k}" for k, v in held.items() if v]
 
 

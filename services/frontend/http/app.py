@@ -1,5 +1,5 @@
 """The OpenAI-compatible HTTP API: chat and text completions, responses, models, tokenization,
-health, metrics.
+health, metrics; and the operator's /admin/requests and /admin/migrate (live_moves.py).
 
 The app is FastAPI with two pure-ASGI layers in front, outermost first: the
 guard (guard.py: API keys, limits, body size, request timeout) and the
@@ -14,16 +14,20 @@ OpenAI-style errors for unknown routes — is FastAPI.
 
 from __future__ import annotations
 
+from typing import Literal
+
 import orjson
-from fastapi import FastAPI
+from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from splitserve import __version__
 
-from splitserve.services.frontend.errors import install_handlers
+from splitserve.services.frontend.errors import install_handlers, invalid
 from splitserve.services.frontend.http.generation import GenerationEndpoints
 from splitserve.services.frontend.guard import Guard, GuardMiddleware
 from splitserve.services.frontend.core import Frontend
+from splitserve.services.frontend.live_moves import METHOD_KV, METHOD_REPLAY
 from splitserve.services.frontend.http.openapi import build_openapi
 from splitserve.services.frontend.http.responses_api import ResponsesRoute
 from splitserve.services.frontend.http.tokenization import install_tokenization
@@ -67,10 +71,35 @@ def build_app(frontend: Frontend, guard: Guard | None = None) -> GuardMiddleware
                                             "owned_by": "splitserve", "root": frontend.model_name, "parent": None,
                                             "max_model_len": frontend.max_model_len}]}
 
+    @app.get("/admin/requests")
+    async def admin_requests():
+        return {"object": "list", "data": frontend.running_requests()}
+
+    @app.post("/admin/migrate")
+    async def admin_migrate(request: Request):
+        try:
+            body = MigrateRequest.model_validate_json(await request.body())
+        except ValidationError as exc:
+            problem = exc.errors()[0]
+            raise invalid(f"{'.'.join(map(str, problem['loc'])) or 'body'}: {problem['msg']}",
+                          str(problem["loc"][0]) if problem["loc"] else None) from None
+        result = await frontend.move(body.request_id, body.to, body.method == METHOD_REPLAY, body.timeout_s)
+        return result.to_json()
+
     install_tokenization(app, frontend, _JSONResponse)
     endpoints = GenerationEndpoints(app, frontend, guard.limits.max_prompt_tokens)
     endpoints.routes["/v1/responses"] = ResponsesRoute(endpoints).prepare
     return GuardMiddleware(endpoints, guard)
+
+
+class MigrateRequest(BaseModel):
+    """POST /admin/migrate (`splitserve admin migrate`; services/frontend/live_moves.py)."""
+
+    model_config = ConfigDict(extra="forbid")
+    request_id: str                     # the response's id, as /admin/requests lists it
+    to: str | None = None               # a decode worker's id; default: the router's pick, not the current one
+    method: Literal["kv", "replay"] = METHOD_KV   # replay: recompute the context instead of moving the KV
+    timeout_s: float = Field(60.0, gt=0)
 
 
 class _JSONResponse(JSONResponse):

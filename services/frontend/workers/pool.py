@@ -116,6 +116,9 @@ class Registry(Protocol):
     def members(self) -> dict[str, WorkerRecord]: ...
 
 
+OPTIONAL_EVENTS = frozenset({"worker_draining"})     # a listener without the method is not told
+
+
 class MembershipListener(Protocol):
     """Told of every change of the pool's members, in order, once each."""
 
@@ -125,6 +128,10 @@ class MembershipListener(Protocol):
         """Its Describe arrived: first, or again after it turned SERVING anew (a restart)."""
 
     def worker_removed(self, worker: WorkerHandle) -> None: ...
+
+    # Optional (a listener without it is not told): a ready member said NOT_SERVING (it drains:
+    # scale-down, deletion, SIGTERM), as opposed to a watch that broke (it died or restarts).
+    # def worker_draining(self, worker: WorkerHandle) -> None: ...
 
 
 class WorkerPool:
@@ -184,7 +191,9 @@ class WorkerPool:
     def _tell(self, event: str, worker: WorkerHandle) -> None:
         for listener in list(self._listeners):
             try:
-                getattr(listener, event)(worker)
+                handler = getattr(listener, event, None)
+                if handler is not None or event not in OPTIONAL_EVENTS:
+                    getattr(listener, event)(worker)
             except Exception:  # noqa: BLE001 - one listener's bug must not stop membership or health
                 log.exception("pool: listener %r failed on %s of %s", listener, event, worker.address)
 
@@ -261,7 +270,7 @@ class WorkerPool:
                     described = serving and not worker.ready
                     if described:
                         await self._describe(worker)
-                    self._set_ready(worker, serving)
+                    self._set_ready(worker, serving, said=True)
                     if described:
                         self._tell("worker_described", worker)
                     backoff = 0.1
@@ -286,12 +295,14 @@ class WorkerPool:
         worker.info = info
         worker.worker_id = info.worker_id
 
-    @staticmethod
-    def _set_ready(worker: WorkerHandle, ready: bool) -> None:
+    def _set_ready(self, worker: WorkerHandle, ready: bool, said: bool = False) -> None:
+        """`said`: the worker's own health update (else its watch broke)."""
         if worker.ready != ready:
             log.info("worker %s (%s) is %s", worker.worker_id, worker.address,
                      "ready" if ready else "not ready")
             worker.ready = ready
+            if not ready and said:
+                self._tell("worker_draining", worker)
 
 
 async def _bounded(awaitable, timeout_s: float) -> None:

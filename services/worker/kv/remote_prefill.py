@@ -43,7 +43,7 @@ from splitserve.tls import PLAINTEXT, TlsConfig
 from splitserve.tracing import GenAI, Tracer
 
 from splitserve.services.worker_protocol.proto_conversion import params_to_proto
-from splitserve.services.worker.output_messages import decode_first_token, logprob_from_proto
+from splitserve.services.worker.output_messages import MIGRATED_KV, decode_first_token, logprob_from_proto
 from splitserve.services.worker.engine_loop import EngineLoop
 from splitserve.kvtransfer.sender_receiver import GRANT_GRACE_S, KVReceiver, TransferError
 from splitserve.services.worker.kv.write_fences import WriteFences
@@ -152,15 +152,59 @@ class RemotePrefill:
         self._give_up(request_id, fences, grants_end)
         return PrefillOutcome(None, failures)
 
+    async def migrate(self, request_id: str, token_ids: list[int], params: SamplingParams,
+                      source: worker_pb2.KvSource, span=None) -> bool:
+        """A live migration: reserve blocks for `token_ids` (prompt + output so far) and have the
+        decode worker at `source` send the KV of all but the last token from its suspended
+        request (PrefillRequest.migrate_request_id). True: the reservation holds it (start with
+        `complete_migration`); False: it was given back (the caller prefills as without it)."""
+        clock = self.fences.clock
+        deadline = clock() + self.timeout_s
+        reserve = lambda e: e.reserve_migration(request_id, token_ids, params)  # noqa: E731
+        reservation = await self._reserve_with(reserve, deadline)
+        if reservation is None:
+            log.info("request %s: no free blocks for a migrated request's KV; recomputing it", request_id)
+            return False
+        fences: list[asyncio.Task] = []
+        bs = self.loop.engine.describe().block_size
+        num_blocks = -(-(len(token_ids) - 1) // bs)          # the KV sent: all tokens but the last
+        try:
+            if reservation.num_cached_tokens // bs < num_blocks:
+                await self._attempt(request_id, token_ids, params, reservation, source.address,
+                                    deadline - clock(), fences, span, migrate=(source.request_id, num_blocks))
+            return True
+        except (grpc.aio.AioRpcError, TransferError, asyncio.TimeoutError) as exc:
+            log.warning("request %s: the KV of %s on %s could not be moved (%s); recomputing it", request_id,
+                        source.request_id, source.worker_id or source.address, describe_failure(exc))
+        except BaseException:
+            self._give_up(request_id, fences, deadline + GRANT_GRACE_S)
+            raise
+        self._give_up(request_id, fences, deadline + GRANT_GRACE_S)
+        return False
+
+    def complete_migration(self, request_id: str):
+        """The `start` function for EngineLoop.stream after `migrate`: compute the last token."""
+        def start(engine: Engine) -> list[RequestOutput]:
+            if engine.complete_migration(request_id) is None:
+                engine.release_transfer(request_id)
+                raise TransferError(f"request {request_id!r} lost its reservation (aborted?)")
+            return []
+        return start
+
     async def _reserve(self, request_id: str, token_ids: list[int], params: SamplingParams,
                        forks: list[tuple[str, SamplingParams]], deadline: float) -> Reservation | None:
+        return await self._reserve_with(
+            lambda e: e.reserve_remote_prefill(request_id, token_ids, params, fence_writes=True, forks=forks),
+            deadline)
+
+    async def _reserve_with(self, reserve: Callable[[Engine], Reservation | None], deadline: float
+                            ) -> Reservation | None:
         """Blocks for the prompt, waiting while the pool is short (running decodes free theirs as
         they finish). Prefilling locally at once instead would stall every running decode for
         the whole prompt, which is what the prefill pool is there to spare them."""
         pause = RESERVE_RETRY_S[0]
         while True:
-            reservation = await self.loop.call(
-                lambda e: e.reserve_remote_prefill(request_id, token_ids, params, fence_writes=True, forks=forks))
+            reservation = await self.loop.call(reserve)
             if reservation is not None or self.fences.clock() + pause >= deadline:
                 return reservation
             await self.fences.sleep(pause)
@@ -174,32 +218,40 @@ class RemotePrefill:
 
     async def _attempt(self, request_id: str, token_ids: list[int], params: SamplingParams,
                        reservation: Reservation, address: str, timeout_s: float,
-                       fences: list[asyncio.Task], span=None,
-                       attempt: int = 0) -> tuple[SampledToken, list[SampledToken] | None]:
+                       fences: list[asyncio.Task], span=None, attempt: int = 0,
+                       migrate: tuple[str, int] | None = None) -> tuple[SampledToken, list[SampledToken] | None]:
+        """`migrate`: (the source's suspended request, blocks it sends): a live migration's
+        transfer, whose completion carries no first token."""
         bs = self.loop.engine.describe().block_size
         num_cached_blocks = reservation.num_cached_tokens // bs
+        granted = reservation.block_ids if migrate is None else reservation.block_ids[:migrate[1]]
         call = None if self.tracer is None else self.tracer.start_span("remote_prefill", span, "client", {
             "splitserve.prefill_worker.address": address, "splitserve.prefill.attempt": attempt,
             "splitserve.kv_transfer.num_blocks": len(reservation.block_ids) - num_cached_blocks,
             "splitserve.kv_transfer.num_cached_blocks": num_cached_blocks})
         try:
-            grant = self.receiver.expect(request_id, reservation.block_ids[num_cached_blocks:], timeout_s)
+            grant = self.receiver.expect(request_id, granted[num_cached_blocks:], timeout_s)
             ep = self.receiver.endpoint()
             target = worker_pb2.TransferTarget(
                 agent_name=ep.agent_name, agent_metadata=ep.agent_metadata, layout_hash=ep.layout_hash,
-                block_ids=reservation.block_ids, num_cached_blocks=num_cached_blocks,
+                block_ids=granted, num_cached_blocks=num_cached_blocks,
                 incarnation=grant.incarnation, deadline_unix=grant.deadline_unix,
                 other_ranks=[worker_pb2.TransferAgent(agent_name=r.agent_name, agent_metadata=r.agent_metadata,
                                                       incarnation=r.incarnation) for r in ep.other_ranks])
             request = worker_pb2.PrefillRequest(request_id=request_id, token_ids=token_ids,
                                                 params=params_to_proto(params), target=target,
-                                                cache_salt=params.cache_salt)
+                                                cache_salt=params.cache_salt,
+                                                migrate_request_id=migrate[0] if migrate else "")
             send_trace_context(self.tracer, call, request)
             async with asyncio.timeout(timeout_s):
                 response = await self.peers.stub(address).Prefill(request)
                 payload = await self.receiver.wait_complete(request_id)
             if call is not None:
                 call.set_attribute("splitserve.prefill_worker.num_cached_tokens", response.num_cached_tokens)
+            if migrate is not None:
+                if payload != MIGRATED_KV:
+                    raise TransferError(f"request {request_id!r}: the migration's source answered another payload")
+                return SampledToken(-1), None
             return decode_first_token(payload), prompt_logprobs_of(params, response)
         except BaseException as exc:    # failed or cancelled: the worker may still be writing
             fences.append(self.fences.ask(address, request_id))

@@ -90,7 +90,8 @@ def test_sigkill_prefill_worker_mid_transfer_leaks_nothing(cluster, llama_dir):
 
 def test_sigterm_decode_worker_drains_migrates_and_deregisters(cluster, llama_dir, etcd):
     """d0 gets SIGTERM with a 0.5 s drain timeout while it serves long streams: it stops
-    admitting, the streams it cannot finish in time are migrated to d1, it revokes its etcd
+    admitting, the frontend moves its streams to d1 (with their KV) and those it cannot move
+    before the deadline are failed there and migrated to d1 by replay, it revokes its etcd
     lease (the router drops it) and exits 0. The streams are long enough (600 tokens, SIGTERM
     after the first 3 of each) that no machine decodes the rest within the drain timeout: with
     200 tokens and 1 s a fast run finished all 8 of d0's streams in 0.82 s and migrated none."""
@@ -112,7 +113,40 @@ def test_sigterm_decode_worker_drains_migrates_and_deregisters(cluster, llama_di
     assert d0.proc.process.wait(20) == 0, d0.proc.tail()
     _report("SIGTERM decode worker", outcomes, expected, _leaked_blocks([p0, d1]), front)
     _assert_all_exact(outcomes, expected, jobs, front)
-    assert front.metric("splitserve_migrations_total", outcome="migrated") >= 1, d0.proc.tail()
+    # Moved off as d0 turned NOT_SERVING (with their KV), or failed at the drain deadline and migrated.
+    moved = sum(front.metric("splitserve_request_moves_total", method=m) for m in ("kv", "replay"))
+    assert moved + front.metric("splitserve_migrations_total", outcome="migrated") >= 1, d0.proc.tail()
     wait_until(lambda: 'splitserve_router_index_blocks{worker="d0"}' not in front.metrics(), timeout=5,
                what="the router to drop d0 (deregistered)")
+    wait_idle([p0, d1], 2.0)
+
+
+def test_sigterm_decode_worker_moves_its_streams_away_with_their_kv(cluster, llama_dir):
+    """d0 gets SIGTERM with a 30 s drain timeout while it serves long streams (2 of 8 seeded):
+    the frontend sees it turn NOT_SERVING and moves each of its streams to d1 with its KV (d0
+    suspends it, d1 reads the KV from d0 and computes one token), so d0 has nothing left and exits
+    0 long before the timeout; no stream breaks (nothing replayed) and every output is token-exact."""
+    jobs = make_jobs(8, seed=5, min_len=100, max_len=300, max_tokens=300, num_seeded=2)
+    expected = expected_outputs(llama_dir, jobs)
+    p0 = cluster.start_worker("p0", "prefill")
+    d0 = cluster.start_worker("d0", "decode", *DECODE_FLAGS, "--drain-timeout", "30")
+    d1 = cluster.start_worker("d1", "decode", *DECODE_FLAGS)
+    cluster.wait_workers()
+    front = cluster.start_frontend(*FRONTEND_FLAGS)
+    front.wait_ready()
+    async def sigterm_d0(progress):
+        await wait_progress(progress, 3)
+        await wait_running(d0.address)
+        d0.proc.process.send_signal(signal.SIGTERM)
+
+    outcomes = asyncio.run(run_load(front.openai_url, jobs, sigterm_d0))
+    assert d0.proc.process.wait(25) == 0, d0.proc.tail()
+    _report("SIGTERM decode worker, moved with the KV", outcomes, expected, _leaked_blocks([p0, d1]), front)
+    _assert_all_exact(outcomes, expected, jobs, front)
+    moved = front.metric("splitserve_request_moves_total", method="kv")
+    assert moved >= 1, d0.proc.tail()
+    assert front.metric("splitserve_request_moves_total", method="replay") == 0
+    assert front.metric("splitserve_migrations_total", outcome="migrated") == 0, front.proc.tail(40)
+    assert d1.stats().num_kv_migrations_received == moved
+    assert "drained in" in d0.proc.output and "calls still running after" not in d0.proc.output, d0.proc.tail()
     wait_idle([p0, d1], 2.0)

@@ -30,6 +30,6 @@ def test_services_and_package():
 
     assert worker_pb2.DESCRIPTOR.package == "splitserve.v1"
     assert set(worker_pb2.DESCRIPTOR.services_by_name["Worker"].methods_by_name) == {
-        "Generate", "GenerateSession", "Prefill", "Abort", "FenceTransfer", "KvEvents", "Stats", "Describe", "Drain"}
+        "Generate", "GenerateSession", "Prefill", "Abort", "FenceTransfer", "KvEvents", "Stats", "Describe", "Drain", "Suspend"}
     assert set(inference_pb2.DESCRIPTOR.services_by_name["Inference"].methods_by_name) == {"Generate"}
     assert Path(generate.SOURCE_DIR, "worker.proto").is_file()
