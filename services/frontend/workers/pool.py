@@ -192,8 +192,9 @@ class WorkerPool:
         for listener in list(self._listeners):
             try:
                 handler = getattr(listener, event, None)
-                if handler is not None or event not in OPTIONAL_EVENTS:
-                    getattr(listener, event)(worker)
+                if handler is None and event in OPTIONAL_EVENTS:
+                    continue
+                handler(worker)
             except Exception:  # noqa: BLE001 - one listener's bug must not stop membership or health
                 log.exception("pool: listener %r failed on %s of %s", listener, event, worker.address)
 
